@@ -1,0 +1,285 @@
+"""Load a Llama-shaped model plain and through overmind, each case in fresh processes.
+
+Cases (each run in a new process with torch, transformers and the Llama modeling module imported
+before the clock starts; median of --repeat runs):
+  plain        LlamaForCausalLM.from_pretrained in the stored dtype (bf16) and as fp32
+  torch.load   torch.load(mmap=True) of torch.save(model) (bf16 and fp32 files)
+  miss         overmind with an empty store: plain load, then publishing in the background
+  hit          overmind with the entry published
+Reported: the call, call + first forward (16 tokens), the growth of the process's anonymous
+(private) memory, and for the miss the time until the entry can serve the next kernel. Then three
+processes holding the same fp32 model at once: their total PSS, plain against overmind.
+
+    .venv/bin/python benchmarks/load.py                 # both models, all cases
+    .venv/bin/python benchmarks/load.py --models 0.1b --repeat 3
+    .venv/bin/python benchmarks/load.py --arena-study   # memfd vs file, populate on/off (hits)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+OUT = HERE / "out"
+REPO = HERE.parent
+
+
+def smaps() -> dict[str, int]:
+    fields = {}
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 3 and parts[-1] == "kB":
+                fields[parts[0].rstrip(":")] = int(parts[1]) * 1024
+    return fields
+
+
+def pss_of(pid: int) -> int:
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no Pss line")
+
+
+# -- the child: one measured load ------------------------------------------------------------------
+
+def child(spec: dict) -> None:
+    import torch
+    import transformers  # noqa: F401
+    from transformers import LlamaForCausalLM
+    from transformers.models.llama import modeling_llama  # noqa: F401
+
+    from overmind_jupyter import loading
+
+    torch.manual_seed(0)
+    x = torch.randint(0, 32000, (1, 16))
+    dtype = getattr(torch, spec["dtype"])
+    if spec.get("hold"):
+        print("imported", flush=True)
+        sys.stdin.readline()
+    before = smaps()
+    t0 = time.perf_counter()
+    if spec["case"] == "plain":
+        model = LlamaForCausalLM.from_pretrained(spec["model"], dtype=dtype)
+    elif spec["case"] == "torch.load":
+        model = torch.load(spec["file"], mmap=True, weights_only=False)
+    else:
+        model = loading.cached(LlamaForCausalLM.from_pretrained, spec["model"], dtype=dtype)
+    t1 = time.perf_counter()
+    with torch.inference_mode():
+        logits = model(x).logits
+    t2 = time.perf_counter()
+    after = smaps()
+    result = {
+        "call": t1 - t0,
+        "first": t2 - t0,
+        "anon_growth": after.get("Anonymous", 0) - before.get("Anonymous", 0),
+        "rss_growth": after["Rss"] - before["Rss"],
+        "checksum": float(logits.double().sum()),
+        "fallbacks": loading.fallbacks(),
+    }
+    if spec["case"] == "miss":
+        loading.wait_for_publishes()
+        result["published"] = time.perf_counter() - t0
+    if spec.get("hold"):
+        if spec["case"] == "miss":
+            result["adopted"] = loading.adopt_published()
+        print(json.dumps(result), flush=True)
+        sys.stdin.read()  # hold the model until the parent closes our stdin
+        return
+    print(json.dumps(result), flush=True)
+
+
+# -- the parent -----------------------------------------------------------------------------------
+
+def run_child(spec: dict, env: dict[str, str]) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], env=env, capture_output=True,
+                         text=True, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"child {spec} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def daemon(env: dict[str, str], *args: str) -> str:
+    return subprocess.run([sys.executable, "-m", "kernel_server", *args], env=env, capture_output=True,
+                          text=True, check=True).stdout
+
+
+def median_of(runs: list[dict], field: str) -> float:
+    return statistics.median(r[field] for r in runs)
+
+
+def measure(spec: dict, env: dict[str, str], repeat: int, *, evict: bool = False) -> dict:
+    runs = []
+    for _ in range(repeat):
+        if evict:
+            daemon(env, "evict", "--all")
+        runs.append(run_child(spec, env))
+    fields = ["call", "first", "anon_growth", "rss_growth"] + (["published"] if "published" in runs[0] else [])
+    summary = {f: median_of(runs, f) for f in fields}
+    summary["checksum"] = runs[0]["checksum"]
+    summary["fallbacks"] = [f for r in runs for f in r["fallbacks"]]
+    return summary
+
+
+def build(models: list[str]) -> dict[str, Path]:
+    import torch
+
+    from overmind_jupyter.demo_models import build_llama
+
+    paths = {}
+    for size in models:
+        path = build_llama(OUT / "models" / f"llama-{size}", size)
+        for dtype in ("bfloat16", "float32"):
+            file = OUT / "models" / f"llama-{size}-{dtype}.pt"
+            if not file.exists():
+                from transformers import LlamaForCausalLM
+
+                model = LlamaForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+                torch.save(model, file)
+                del model
+        paths[size] = path
+    return paths
+
+
+def model_bytes(path: Path, dtype: str) -> int:
+    stored = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    return stored * (2 if dtype == "float32" else 1)
+
+
+def pss_study(path: Path, env: dict[str, str]) -> dict:
+    """Three processes holding the fp32 model at once: the growth of their total PSS from before any
+    of them loaded (the libraries' pages count the same in both readings)."""
+    results = {}
+    for case in ("plain", "ours"):
+        daemon(env, "evict", "--all")
+        procs = []
+        try:
+            for i in range(3):
+                kind = "plain" if case == "plain" else ("miss" if i == 0 else "hit")
+                spec = {"case": kind, "model": str(path), "dtype": "float32", "hold": True}
+                p = subprocess.Popen([sys.executable, __file__, "--child", json.dumps(spec)], env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                assert p.stdout.readline().strip() == "imported"
+                procs.append(p)
+            baseline = sum(pss_of(p.pid) for p in procs)
+            for p in procs:  # one after the other, so the first one publishes for the others
+                p.stdin.write("go\n")
+                p.stdin.flush()
+                json.loads(p.stdout.readline())  # loaded, forwarded (and published and adopted)
+            time.sleep(0.5)
+            results[case] = sum(pss_of(p.pid) for p in procs) - baseline
+        finally:
+            for p in procs:
+                p.stdin.close()
+                p.wait()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--child")
+    parser.add_argument("--models", default="1.1b,0.1b")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--arena-study", action="store_true", help="compare arena backings on 1.1B bf16 hits")
+    parser.add_argument("--no-pss", action="store_true")
+    args = parser.parse_args()
+    if args.child:
+        child(json.loads(args.child))
+        return
+    OUT.mkdir(exist_ok=True)
+    paths = build(args.models.split(","))
+    home = tempfile.mkdtemp(prefix="om-bench-")
+    env = dict(os.environ, OVERMIND_HOME=home, PYTHONWARNINGS="ignore", TRANSFORMERS_VERBOSITY="error",
+               HF_HUB_OFFLINE="1", TQDM_DISABLE="1")
+    report: dict = {"models": {}, "cpu_count": os.cpu_count()}
+    try:
+        if args.arena_study:
+            report["arena_study"] = arena_study(paths["1.1b"], env, args.repeat)
+        else:
+            for size, path in paths.items():
+                report["models"][size] = study(size, path, env, args.repeat)
+            if not args.no_pss:
+                size = args.models.split(",")[0]
+                report["pss"] = pss_study(paths[size], env) | {"one_copy": model_bytes(paths[size], "float32"),
+                                                                "model": size}
+    finally:
+        daemon(env, "stop")
+    (OUT / ("load_arena.json" if args.arena_study else "load.json")).write_text(json.dumps(report, indent=2))
+    print_report(report)
+
+
+def study(size: str, path: Path, env: dict[str, str], repeat: int) -> dict:
+    rows = {}
+    for dtype in ("bfloat16", "float32"):
+        base = {"model": str(path), "dtype": dtype}
+        rows[f"plain {dtype}"] = measure(base | {"case": "plain"}, env, repeat)
+        file = OUT / "models" / f"llama-{size}-{dtype}.pt"
+        rows[f"torch.load {dtype}"] = measure(base | {"case": "torch.load", "file": str(file)}, env, repeat)
+        rows[f"miss {dtype}"] = measure(base | {"case": "miss"}, env, repeat, evict=True)
+        run_child(base | {"case": "miss"}, env)  # publish once for the hits
+        rows[f"hit {dtype}"] = measure(base | {"case": "hit"}, env, repeat)
+        for case in ("torch.load", "miss", "hit"):
+            r = rows[f"{case} {dtype}"]
+            if abs(r["checksum"] - rows[f"plain {dtype}"]["checksum"]) > 1e-3 * abs(rows[f"plain {dtype}"]["checksum"]):
+                r["checksum_mismatch"] = True
+    return {"bytes": {d: model_bytes(path, d) for d in ("bfloat16", "float32")}, "rows": rows}
+
+
+def arena_study(path: Path, env: dict[str, str], repeat: int) -> dict:
+    out = {}
+    base = {"model": str(path), "dtype": "bfloat16"}
+    out["plain"] = measure(base | {"case": "plain"}, env, repeat)
+    for backing in ("memfd", "file"):
+        for populate in ("1", "0"):
+            e = env | {"OVERMIND_ARENA": backing, "OVERMIND_POPULATE": populate}
+            daemon(e, "evict", "--all")
+            run_child(base | {"case": "miss"}, e)
+            out[f"hit {backing} populate={populate}"] = measure(base | {"case": "hit"}, e, repeat)
+    return out
+
+
+def print_report(report: dict) -> None:
+    if "arena_study" in report:
+        rows = report["arena_study"]
+        plain = rows["plain"]["first"]
+        print(f"{'case (1.1B bf16)':34} {'call s':>8} {'call+fwd s':>11} {'x plain':>8}")
+        for name, r in rows.items():
+            print(f"{name:34} {r['call']:8.3f} {r['first']:11.3f} {r['first'] / plain:8.2f}")
+        return
+    for size, m in report["models"].items():
+        rows = m["rows"]
+        print(f"\n{size} model ({m['bytes']['bfloat16'] / 2**30:.2f} GiB bf16)")
+        print(f"{'case':22} {'call s':>8} {'call+fwd s':>11} {'x plain':>8} {'anon MiB':>9} {'% model':>8} {'ready s':>8}")
+        for name, r in rows.items():
+            dtype = name.split()[-1]
+            plain = rows[f"plain {dtype}"]
+            pct = 100 * r["anon_growth"] / m["bytes"][dtype]
+            ready = f"{r['published']:8.2f}" if "published" in r else " " * 8
+            flag = "  CHECKSUM MISMATCH" if r.get("checksum_mismatch") else ""
+            flag += "  FALLBACK" if r["fallbacks"] else ""
+            print(f"{name:22} {r['call']:8.3f} {r['first']:11.3f} {r['first'] / plain['first']:8.2f} "
+                  f"{r['anon_growth'] / 2**20:9.1f} {pct:8.1f} {ready}{flag}")
+        for dtype in ("bfloat16", "float32"):
+            plain, miss = rows[f"plain {dtype}"], rows[f"miss {dtype}"]
+            print(f"  {dtype}: miss ready for the next kernel after {miss['published'] / plain['first']:.2f} x "
+                  f"plain call+first forward")
+    if "pss" in report:
+        p = report["pss"]
+        print(f"\n3 processes holding the {p['model']} fp32 model, growth of their total PSS: plain "
+              f"{p['plain'] / 2**30:.2f} GiB ({p['plain'] / p['one_copy']:.2f} x one copy), overmind "
+              f"{p['ours'] / 2**30:.2f} GiB ({p['ours'] / p['one_copy']:.2f} x one copy)")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))
+    main()

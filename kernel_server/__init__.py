@@ -1,0 +1,28 @@
+"""The per-user daemon that keeps loaded models in shared memory, and its client library.
+
+Importing this package imports neither torch nor IPython (DESIGN.md invariant 8).
+"""
+
+from __future__ import annotations
+
+from ._version import __version__
+from .client import Client, shared_client
+from .errors import (BudgetExceeded, DaemonError, DaemonUnavailable, PeerRefused, ProtocolError,
+                     ProtocolMismatch, RemoteError, StateDirError, WaitTimeout)
+from .protocol import PROTOCOL_VERSION
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "BudgetExceeded",
+    "Client",
+    "DaemonError",
+    "DaemonUnavailable",
+    "PeerRefused",
+    "ProtocolError",
+    "ProtocolMismatch",
+    "RemoteError",
+    "StateDirError",
+    "WaitTimeout",
+    "__version__",
+    "shared_client",
+]

@@ -1,0 +1,167 @@
+"""`python -m kernel_server` / `overmind-daemon`: start, stop and inspect the daemon."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from . import lifecycle
+from .client import Client
+from .errors import DaemonError, RemoteError
+
+__all__ = ["main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="overmind-daemon", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    start = sub.add_parser("start", help="start the daemon (detached unless --foreground)")
+    start.add_argument("--foreground", action="store_true", help="run in this process; log to stderr")
+    start.add_argument("--daemonize", action="store_true", help=argparse.SUPPRESS)  # used by clients
+    stop = sub.add_parser("stop", help="stop the daemon gracefully")
+    stop.add_argument("--timeout", type=float, default=10.0)
+    for name, help_ in (("status", "the daemon, its budget and kernels"), ("ls", "the cache entries")):
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("--json", action="store_true", help="print JSON")
+    evict = sub.add_parser("evict", help="evict an entry (a key or a unique prefix of one) or --all")
+    evict.add_argument("key", nargs="?")
+    evict.add_argument("--all", action="store_true")
+    evict.add_argument("--json", action="store_true", help="print JSON")
+    args = parser.parse_args(argv)
+    try:
+        return _COMMANDS[args.command](args)
+    except DaemonError as exc:
+        print(f"overmind-daemon: {exc}", file=sys.stderr)
+        return 1
+
+
+def _start(args: argparse.Namespace) -> int:
+    home = lifecycle.state_dir()
+    if args.foreground or args.daemonize:
+        from .daemon import run
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+        if args.foreground:
+            return run(home)
+        read_end, write_end = os.pipe()
+        if os.fork():
+            os.close(write_end)
+            ready = os.read(read_end, 16)  # empty when the daemon died before serving
+            return 0 if ready else 1
+        os.close(read_end)
+        return run(home, ready_fd=write_end)
+    with Client(home, role="cli") as client:
+        print(f"daemon pid {client.daemon_pid} serves {home}")
+    return 0
+
+
+def _running(home: Path) -> bool:
+    sock = lifecycle.try_connect(home)
+    if sock is None:
+        return False
+    sock.close()
+    return True
+
+
+def _stop(args: argparse.Namespace) -> int:
+    home = lifecycle.state_dir()
+    if not _running(home):
+        print(f"no daemon runs at {home}")
+        return 0
+    with Client(home, spawn=False, role="cli") as client:
+        pid = client.daemon_pid
+        client.request("shutdown")
+    deadline = time.monotonic() + args.timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            print(f"stopped daemon pid {pid}")
+            return 0
+        time.sleep(0.02)
+    print(f"daemon pid {pid} did not stop within {args.timeout} s", file=sys.stderr)
+    return 1
+
+
+def _read(op: str):  # type: ignore[no-untyped-def]
+    def command(args: argparse.Namespace) -> int:
+        home = lifecycle.state_dir()
+        if not _running(home):
+            if args.json:
+                print(json.dumps({"running": False, "home": str(home)}))
+            else:
+                print(f"no daemon runs at {home}")
+            return 0 if op == "status" else 1
+        with Client(home, spawn=False, role="cli") as client:
+            payload = client.request(op).payload
+        payload = {k: v for k, v in payload.items() if k not in ("id", "ok")}
+        if args.json:
+            print(json.dumps({"running": True, **payload} if op == "status" else payload, indent=2))
+        else:
+            print(_STATUS_TEXT(payload) if op == "status" else _entries_text(payload["entries"]))
+        return 0
+
+    return command
+
+
+def _evict(args: argparse.Namespace) -> int:
+    if not args.all and not args.key:
+        print("overmind-daemon evict: give a KEY (or a unique prefix) or --all", file=sys.stderr)
+        return 2
+    home = lifecycle.state_dir()
+    if not _running(home):
+        print(json.dumps({"evicted": []}) if args.json else f"no daemon runs at {home}: nothing to evict")
+        return 0
+    with Client(home, spawn=False, role="cli") as client:
+        try:
+            reply = client.request("evict", all=True) if args.all else client.request("evict", key=args.key)
+        except RemoteError as exc:
+            print(f"overmind-daemon: {exc}", file=sys.stderr)
+            return 1
+    if args.json:
+        print(json.dumps({"evicted": reply["evicted"]}))
+    else:
+        print(f"evicted {len(reply['evicted'])} entr{'y' if len(reply['evicted']) == 1 else 'ies'}")
+    return 0
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _STATUS_TEXT(p: dict[str, Any]) -> str:
+    d = p["daemon"]
+    lines = [
+        f"daemon pid {d['pid']}  version {d['version']}  protocol {d['protocol']}  home {d['home']}",
+        f"store  {human_bytes(p['used'])} used + {human_bytes(p['reserved'])} reserved of "
+        f"{human_bytes(p['budget'])}  ({len(p['entries'])} entries; "
+        + ", ".join(f"{k} {v}" for k, v in sorted(p["stats"].items())) + ")",
+        f"kernels {len(p['kernels'])}: " + ", ".join(f"pid {k['pid']} ({k['role']})" for k in p["kernels"]),
+    ]
+    for load in p["loading"]:
+        lines.append(f"loading {load['key'][:16]} by pid {load['loader']['pid']}, {load['waiters']} waiting")
+    return "\n".join(lines)
+
+
+def _entries_text(entries: list[dict[str, Any]]) -> str:
+    if not entries:
+        return "no entries"
+    rows = [("KEY", "WHAT", "BYTES", "HITS", "PINNED BY")]
+    for e in entries:
+        rows.append((e["key"][:16], str(e["meta"].get("label", ""))[:60], human_bytes(e["bytes"]), str(e["hits"]),
+                     ",".join(str(k["pid"]) for k in e["pinned_by"]) or "-"))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+_COMMANDS = {"start": _start, "stop": _stop, "status": _read("status"), "ls": _read("ls"), "evict": _evict}

@@ -1,0 +1,418 @@
+"""The per-user daemon: accepts kernels on a Unix socket and serves the store.
+
+One thread accepts; each connection gets a reader thread that decodes frames and calls the handler its
+"op" names in `Daemon.handlers` (the whole list of what a client may ask). A handler returns a reply
+payload, or None when it will answer later (a lookup that waits for another kernel's load). The daemon
+never imports torch and never unpickles anything: it keeps descriptors and JSON.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from . import arena
+from ._version import __version__
+from .errors import DaemonError, ProtocolError, RemoteError
+from .lifecycle import DaemonLock, default_budget, socket_path
+from .protocol import PROTOCOL_VERSION, FrameKind
+from .store import LookupResult, Store
+from .transport import close_fds, peer_credentials, recv_frame, send_frame
+
+__all__ = ["Daemon", "run"]
+
+log = logging.getLogger("kernel_server")
+
+_MAX_META = 16 * 1024  # bytes of JSON an entry's description may take
+
+
+@dataclass
+class Reply:
+    payload: dict[str, Any]
+    fds: list[int] = field(default_factory=list)  # closed by the daemon once sent
+
+
+class Connection:
+    """One client. Everything it takes from the daemon is released when it goes away."""
+
+    def __init__(self, daemon: Daemon, sock: socket.socket, conn_id: int, pid: int, uid: int) -> None:
+        self.daemon = daemon
+        self.sock = sock
+        self.id = conn_id
+        self.pid = pid
+        self.uid = uid
+        self.role = "?"
+        self.label = ""
+        self.connected = time.time()
+        self.greeted = False
+        self.alive = True
+        self._send_lock = threading.Lock()
+
+    def describe(self) -> dict[str, Any]:
+        return {"conn": self.id, "pid": self.pid, "role": self.role, "label": self.label,
+                "connected": self.connected}
+
+    def send(self, kind: FrameKind, payload: dict[str, Any], fds: list[int] | None = None) -> bool:
+        """Send a frame; False if the peer is gone. Closes `fds` in every case."""
+        try:
+            with self._send_lock:
+                if not self.alive:
+                    return False
+                send_frame(self.sock, kind, payload, fds or [])
+                return True
+        except OSError:
+            return False
+        finally:
+            close_fds(fds or [])
+
+    def reply(self, request_id: int, reply: Reply) -> bool:
+        return self.send(FrameKind.REPLY, {"id": request_id, "ok": True, **reply.payload}, reply.fds)
+
+    def error(self, request_id: int | None, code: str, message: str) -> bool:
+        return self.send(FrameKind.REPLY, {"id": request_id, "ok": False,
+                                           "error": {"code": code, "message": message}})
+
+    def push(self, op: str, payload: dict[str, Any]) -> bool:
+        return self.send(FrameKind.PUSH, {"op": op, **payload})
+
+
+class Daemon:
+    def __init__(self, home: Path, budget: int | None = None) -> None:
+        self.home = home
+        self.store = Store(default_budget() if budget is None else budget)
+        self.started = time.time()
+        self._conns: dict[int, Connection] = {}
+        self._conn_ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._listener: socket.socket | None = None
+        # Every operation a client may ask for. Anything else gets an "unknown_op" error reply.
+        self.handlers: dict[str, Callable[[Connection, dict[str, Any], list[int]], Reply | None]] = {
+            "hello": self.op_hello,
+            "ping": self.op_ping,
+            "status": self.op_status,
+            "ls": self.op_ls,
+            "lookup": self.op_lookup,
+            "cancel": self.op_cancel,
+            "reserve": self.op_reserve,
+            "publish": self.op_publish,
+            "abandon": self.op_abandon,
+            "unpin": self.op_unpin,
+            "evict": self.op_evict,
+            "shutdown": self.op_shutdown,
+        }
+
+    # -- serving ------------------------------------------------------------------------------
+
+    def serve(self, listener: socket.socket) -> None:
+        self._listener = listener
+        log.info("daemon %s (protocol %d) serving at %s, budget %d bytes",
+                 __version__, PROTOCOL_VERSION, listener.getsockname(), self.store.budget)
+        while not self._stopping.is_set():
+            try:
+                sock, _ = listener.accept()
+            except OSError:
+                if self._stopping.is_set():
+                    break
+                log.exception("accept failed")
+                time.sleep(0.1)
+                continue
+            threading.Thread(target=self._serve_connection, args=(sock,), daemon=True,
+                             name="overmind-conn").start()
+        self._close_all()
+
+    def stop(self) -> None:
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        if self._listener is not None:
+            try:
+                self._listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._listener.close()
+
+    def _serve_connection(self, sock: socket.socket) -> None:
+        pid, uid, _ = peer_credentials(sock)
+        conn = Connection(self, sock, next(self._conn_ids), pid, uid)
+        if uid != os.getuid():
+            log.warning("refused pid %d of uid %d", pid, uid)
+            conn.error(None, "refused", f"this daemon serves uid {os.getuid()} only; start your own with "
+                                         "OVERMIND_HOME pointing at a directory you own")
+            sock.close()
+            return
+        with self._lock:
+            self._conns[conn.id] = conn
+        try:
+            self._read_loop(conn)
+        finally:
+            with self._lock:
+                self._conns.pop(conn.id, None)
+            with conn._send_lock:
+                conn.alive = False
+            self._release(conn)
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+    def _read_loop(self, conn: Connection) -> None:
+        while not self._stopping.is_set():
+            try:
+                frame = recv_frame(conn.sock)
+            except ProtocolError as exc:
+                conn.error(None, "bad_frame", str(exc))
+                if exc.fatal:
+                    return
+                continue
+            except OSError:
+                return
+            if frame is None:
+                return
+            request_id = frame.payload.get("id")
+            try:
+                if frame.version != PROTOCOL_VERSION:
+                    raise RemoteError(
+                        "protocol_mismatch",
+                        f"daemon at {self.home} speaks protocol {PROTOCOL_VERSION}, this client "
+                        f"{frame.version}: run `overmind-daemon stop` and let the client start a new one",
+                    )
+                if frame.kind != FrameKind.REQUEST:
+                    raise RemoteError("bad_frame", f"clients send requests, not {frame.kind.name.lower()}s")
+                if not isinstance(request_id, int) or isinstance(request_id, bool):
+                    raise RemoteError("bad_frame", "a request needs an integer 'id'")
+                op = frame.payload.get("op")
+                handler = self.handlers.get(op) if isinstance(op, str) else None
+                if handler is None:
+                    raise RemoteError("unknown_op", f"unknown operation {op!r}; this daemon knows "
+                                                    f"{sorted(self.handlers)}")
+                if not conn.greeted and op != "hello":
+                    raise RemoteError("no_hello", "the first request must be 'hello'")
+                fds, frame.fds = frame.fds, []  # the handler owns them now
+                reply = handler(conn, frame.payload, fds)
+                if reply is not None:
+                    conn.reply(request_id, reply)
+            except RemoteError as exc:
+                conn.error(request_id if isinstance(request_id, int) else None, exc.code, str(exc))
+            except (DaemonError, ValueError, TypeError, KeyError) as exc:
+                conn.error(request_id if isinstance(request_id, int) else None, "bad_request",
+                           f"{type(exc).__name__}: {exc}")
+            except Exception as exc:  # a bug of ours: report it, keep serving
+                log.exception("handler failed")
+                conn.error(request_id if isinstance(request_id, int) else None, "internal",
+                           f"{type(exc).__name__}: {exc} (see the daemon log)")
+            finally:
+                close_fds(frame.fds)
+
+    def _release(self, conn: Connection) -> None:
+        for notify, result in self.store.release_connection(conn.id):
+            notify(result)
+
+    def _close_all(self) -> None:
+        with self._lock:
+            conns = list(self._conns.values())
+        for conn in conns:
+            try:
+                conn.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self.store.close()
+
+    def kernel_of(self, conn_id: int) -> dict[str, Any]:
+        conn = self._conns.get(conn_id)
+        return conn.describe() if conn else {"conn": conn_id, "pid": None, "role": "gone", "label": ""}
+
+    # -- handlers -----------------------------------------------------------------------------
+
+    def op_hello(self, conn: Connection, req: dict[str, Any], fds: list[int]) -> Reply:
+        close_fds(fds)
+        version = req.get("protocol")
+        if version != PROTOCOL_VERSION:
+            raise RemoteError(
+                "protocol_mismatch",
+                f"daemon at {self.home} speaks protocol {PROTOCOL_VERSION}, this client {version}: "
+                "run `overmind-daemon stop` and let the client start a new one",
+            )
+        conn.role = str(req.get("role", "kernel"))[:32]
+        conn.label = str(req.get("label", ""))[:200]
+        conn.greeted = True
+        return Reply({"protocol": PROTOCOL_VERSION, "version": __version__, "pid": os.getpid(),
+                      "home": str(self.home), "budget": self.store.budget, "conn": conn.id})
+
+    def op_ping(self, conn: Connection, req: dict[str, Any], fds: list[int]) -> Reply:
+        close_fds(fds)
+        return Reply({"pong": time.time()})
+
+    def op_status(self, conn: Connection, req: dict[str, Any], fds: list[int]) -> Reply:
+        close_fds(fds)
+        snap = self.store.snapshot(self.kernel_of)
+        with self._lock:
+            kernels = [c.describe() for c in self._conns.values() if c.greeted]
+        return Reply({
+            "daemon": {"pid": os.getpid(), "version": __version__, "protocol": PROTOCOL_VERSION,
+                       "home": str(self.home), "started": self.started},
+            "kernels": kernels,
+            **snap,
+        })
+
+    def op_ls(self, conn: Connection, req: dict[str, Any], fds: list[int]) -> Reply:
+        close_fds(fds)
+        return Reply({"entries": self.store.snapshot(self.kernel_of)["entries"]})
+
+    def op_lookup(self, conn: Connection, req: dict[str, Any], fds: list[int]) -> Reply | None:
+        close_fds(fds)
+        key = _key(req)
+        request_id = req["id"]
+
+        def notify(result: LookupResult) -> None:
+            conn.reply(request_id, _lookup_reply(key, result))
+
+        result = self.store.lookup(conn.id, conn.pid, key, wait=bool(req.get("wait", True)),
+                                   request_id=request_id, notify=notify)
+        return None if result is None else _lookup_reply(key, result)
+
+    def op_cancel(self, conn: Connection, req: dict[str, Any], fds: list[int]) -> Reply:
+        close_fds(fds)
+        target = req.get("request")
+        if not isinstance(target, int):
+            raise RemoteError("bad_request", "cancel needs the integer 'request' to cancel")
+        if self.store.cancel_wait(conn.id, target):
+            conn.reply(target, Reply({"status": "cancelled"}))
+            return Reply({"cancelled": True})
+        return Reply({"cancelled": False})
+
+    def op_reserve(self, conn: Connection, req: dict[str, Any], fds: list[int]) -> Reply:
+        close_fds(fds)
+        nbytes = req.get("bytes")
+        if not isinstance(nbytes, int) or nbytes < 0:
+            raise RemoteError("bad_request", "reserve needs a non-negative integer 'bytes'")
+        evicted = self.store.reserve(conn.id, _key(req), nbytes)
+        return Reply({"evicted": evicted})
+
+    def op_publish(self, conn: Connection, req: dict[str, Any], fds: list[int]) -> Reply:
+        try:
+            key = _key(req)
+            if len(fds) != 2:
+                raise RemoteError("bad_request", f"publish carries 2 descriptors (graph, arena), not {len(fds)}")
+            graph_bytes, arena_bytes = req.get("graph_bytes"), req.get("arena_bytes")
+            if not all(isinstance(n, int) and n >= 0 for n in (graph_bytes, arena_bytes)):
+                raise RemoteError("bad_request", "publish needs integer 'graph_bytes' and 'arena_bytes'")
+            meta, deps = req.get("meta", {}), req.get("deps", [])
+            if not isinstance(meta, dict) or len(str(meta)) > _MAX_META:
+                raise RemoteError("bad_request", f"'meta' must be an object of at most {_MAX_META} bytes")
+            if not isinstance(deps, list) or not all(isinstance(d, str) for d in deps):
+                raise RemoteError("bad_request", "'deps' must be a list of keys")
+            try:
+                arena.check_sealed(fds[0], graph_bytes)
+                backing = arena.check_sealed(fds[1], arena_bytes)
+            except (ValueError, OSError) as exc:
+                raise RemoteError("bad_arena", f"refused arena: {exc}") from None
+        except BaseException:
+            close_fds(fds)
+            raise
+        answers = self.store.publish(conn.id, key, graph_fd=fds[0], arena_fd=fds[1], graph_bytes=graph_bytes,
+                                     arena_bytes=arena_bytes, backing=backing, meta=meta, deps=deps)
+        for notify, result in answers:
+            notify(result)
+        return Reply({"published": key, "served_waiters": len(answers)})
+
+    def op_abandon(self, conn: Connection, req: dict[str, Any], fds: list[int]) -> Reply:
+        close_fds(fds)
+        answers = self.store.abandon(conn.id, _key(req))
+        for notify, result in answers:
+            notify(result)
+        return Reply({})
+
+    def op_unpin(self, conn: Connection, req: dict[str, Any], fds: list[int]) -> Reply:
+        close_fds(fds)
+        count = req.get("count", 1)
+        if not isinstance(count, int) or count < 1:
+            raise RemoteError("bad_request", "'count' must be a positive integer")
+        self.store.unpin(conn.id, _key(req), count)
+        return Reply({})
+
+    def op_evict(self, conn: Connection, req: dict[str, Any], fds: list[int]) -> Reply:
+        close_fds(fds)
+        if req.get("all"):
+            return Reply({"evicted": self.store.evict(None)})
+        key = _key(req)
+        matches = [e["key"] for e in self.store.snapshot(self.kernel_of)["entries"] if e["key"].startswith(key)]
+        if len(matches) > 1:
+            raise RemoteError("ambiguous_key", f"{key!r} matches {len(matches)} entries; give more of the key")
+        evicted = self.store.evict(matches[0]) if matches else []
+        if not evicted:
+            raise RemoteError("no_entry", f"no entry {key!r}; `overmind-daemon ls` lists the keys")
+        return Reply({"evicted": evicted})
+
+    def op_shutdown(self, conn: Connection, req: dict[str, Any], fds: list[int]) -> Reply:
+        close_fds(fds)
+        threading.Timer(0.05, self.stop).start()
+        return Reply({"stopping": os.getpid()})
+
+
+def _key(req: dict[str, Any]) -> str:
+    key = req.get("key")
+    if not isinstance(key, str) or not 0 < len(key) <= 256:
+        raise RemoteError("bad_request", "'key' must be a non-empty string of at most 256 characters")
+    return key
+
+
+def _lookup_reply(key: str, result: LookupResult) -> Reply:
+    if result.status != "hit":
+        return Reply({"status": result.status, "key": key})
+    return Reply({
+        "status": "hit",
+        "key": key,
+        "entries": [{"key": e.key, "arena_bytes": e.arena_bytes, "graph_bytes": e.graph_bytes,
+                     "meta": e.meta} for e in result.entries],
+    }, result.fds)
+
+
+def run(home: Path, budget: int | None = None, ready_fd: int | None = None) -> int:
+    """Run a daemon in this process until stopped. Returns 0, also when another daemon already runs.
+    Writes to `ready_fd` (and closes it) once it serves or found another daemon serving."""
+
+    def ready() -> None:
+        nonlocal ready_fd
+        if ready_fd is not None:
+            os.write(ready_fd, b"ok")
+            os.close(ready_fd)
+            ready_fd = None
+
+    lock = DaemonLock(home)
+    if not lock.acquire():
+        log.info("a daemon (pid %s) already serves %s", lock.holder_pid(), home)
+        lock.close()
+        ready()
+        return 0
+    path = socket_path(home)
+    try:
+        path.unlink(missing_ok=True)  # a stale socket of a dead daemon; we hold the lock
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old_umask = os.umask(0o177)
+        try:
+            listener.bind(str(path))
+        finally:
+            os.umask(old_umask)
+        listener.listen(64)
+        daemon = Daemon(home, budget)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, lambda *_: threading.Thread(target=daemon.stop, daemon=True).start())
+        ready()
+        daemon.serve(listener)
+        log.info("daemon stopped")
+        return 0
+    finally:
+        try:
+            if path.exists() and lock.holder_pid() == os.getpid():
+                path.unlink()
+        finally:
+            lock.close()

@@ -1,0 +1,59 @@
+"""One exception class per failure mode of the daemon and its client. Each message says what to do."""
+
+from __future__ import annotations
+
+__all__ = [
+    "BudgetExceeded",
+    "DaemonError",
+    "DaemonUnavailable",
+    "PeerRefused",
+    "ProtocolError",
+    "ProtocolMismatch",
+    "RemoteError",
+    "StateDirError",
+    "WaitTimeout",
+]
+
+
+class DaemonError(Exception):
+    """Base class of everything kernel_server raises."""
+
+
+class StateDirError(DaemonError):
+    """The state directory (OVERMIND_HOME) is missing, unsafe or unusable."""
+
+
+class DaemonUnavailable(DaemonError):
+    """No daemon answers and none could be started, or the daemon went away mid-call."""
+
+
+class ProtocolError(DaemonError):
+    """A frame that cannot be accepted. `fatal` means the stream lost its framing."""
+
+    def __init__(self, message: str, *, fatal: bool = False) -> None:
+        super().__init__(message)
+        self.fatal = fatal
+
+
+class ProtocolMismatch(DaemonError):
+    """The daemon and this client speak different protocol versions."""
+
+
+class PeerRefused(DaemonError):
+    """The daemon refused this connection (another user's daemon, or a bad hello)."""
+
+
+class RemoteError(DaemonError):
+    """The daemon answered a request with an error; `code` names the failure."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class BudgetExceeded(RemoteError):
+    """The store cannot make room for an entry within its byte budget."""
+
+
+class WaitTimeout(DaemonError):
+    """A request waited longer than its timeout."""

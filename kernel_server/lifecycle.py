@@ -1,0 +1,205 @@
+"""Where the daemon lives, and how a client finds it or starts it.
+
+One daemon per user and state directory: it holds an exclusive lock on `daemon.lock` for its whole
+life, so a second one started by a racing client exits at once and the client connects to the first.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import re
+import socket
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .errors import DaemonUnavailable, StateDirError
+
+__all__ = [
+    "default_budget",
+    "log_path",
+    "lock_path",
+    "parse_bytes",
+    "socket_path",
+    "spawn_daemon",
+    "state_dir",
+    "try_connect",
+    "wait_for_socket",
+]
+
+_SOCKET_NAME = "daemon.sock"
+_MAX_SOCKET_PATH = 107  # sun_path is 108 bytes including the terminating NUL
+
+
+def state_dir(create: bool = True) -> Path:
+    """The per-user state directory: OVERMIND_HOME, else $XDG_RUNTIME_DIR/overmind, else
+    ~/.cache/overmind. Created with mode 0700; refused when it is a symlink, another user's, or open
+    to others."""
+    env = os.environ.get("OVERMIND_HOME")
+    if env:
+        path = Path(env).expanduser()
+    elif os.environ.get("XDG_RUNTIME_DIR") and Path(os.environ["XDG_RUNTIME_DIR"]).is_dir():
+        path = Path(os.environ["XDG_RUNTIME_DIR"]) / "overmind"
+    else:
+        path = Path.home() / ".cache" / "overmind"
+    path = Path(os.path.abspath(path))
+    if create:
+        try:
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StateDirError(f"cannot create the state directory {path}: {exc}; set OVERMIND_HOME "
+                                "to a directory you own") from exc
+    check_state_dir(path)
+    return path
+
+
+def check_state_dir(path: Path) -> None:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise StateDirError(f"state directory {path} does not exist") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise StateDirError(
+            f"state directory {path} is a symbolic link; overmind refuses it because another user could "
+            "redirect it. Point OVERMIND_HOME at the real directory, or remove the link"
+        )
+    if not stat.S_ISDIR(st.st_mode):
+        raise StateDirError(f"state directory {path} is not a directory; remove it or set OVERMIND_HOME")
+    if st.st_uid != os.getuid():
+        raise StateDirError(
+            f"state directory {path} belongs to uid {st.st_uid}, not to you (uid {os.getuid()}); "
+            "set OVERMIND_HOME to a directory of your own"
+        )
+    if st.st_mode & 0o077:
+        raise StateDirError(
+            f"state directory {path} has mode {stat.S_IMODE(st.st_mode):o}: other users could reach the "
+            f"daemon's socket. Run `chmod 700 {path}`"
+        )
+
+
+def socket_path(home: Path) -> Path:
+    path = home / _SOCKET_NAME
+    if len(os.fsencode(path)) > _MAX_SOCKET_PATH:
+        raise StateDirError(
+            f"socket path {path} is longer than the {_MAX_SOCKET_PATH} bytes a Unix socket allows; "
+            "set OVERMIND_HOME to a shorter directory"
+        )
+    return path
+
+
+def lock_path(home: Path) -> Path:
+    return home / "daemon.lock"
+
+
+def log_path(home: Path) -> Path:
+    return home / "daemon.log"
+
+
+def parse_bytes(text: str) -> int:
+    """'4096', '512M', '40G', '1.5T' or '50%' (of physical memory) to bytes."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([kmgtKMGT%]?)i?[bB]?\s*", text)
+    if not m:
+        raise ValueError(f"cannot read {text!r} as a size: write bytes, or a number with K, M, G, T or %")
+    value, unit = float(m.group(1)), m.group(2).upper()
+    if unit == "%":
+        return int(_physical_memory() * value / 100)
+    return int(value * 1024 ** " KMGT".index(unit or " "))
+
+
+def default_budget() -> int:
+    """OVERMIND_BUDGET, else half of physical memory."""
+    env = os.environ.get("OVERMIND_BUDGET")
+    if env:
+        return parse_bytes(env)
+    return _physical_memory() // 2
+
+
+def _physical_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def try_connect(home: Path) -> socket.socket | None:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(str(socket_path(home)))
+    except OSError as exc:
+        sock.close()
+        if exc.errno in (errno.ENOENT, errno.ECONNREFUSED, errno.EAGAIN):
+            return None
+        raise DaemonUnavailable(f"cannot connect to the daemon at {socket_path(home)}: {exc}") from exc
+    return sock
+
+
+def spawn_daemon(home: Path) -> subprocess.Popen[bytes]:
+    """Start a detached daemon with this interpreter (never through PATH). The process started here
+    forks the daemon and exits once it serves (status 0) or failed (status 1), so the daemon is
+    nobody's child and the caller reaps only the short-lived parent."""
+    env = dict(os.environ, OVERMIND_HOME=str(home))
+    log = open(log_path(home), "ab")
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-m", "kernel_server", "start", "--daemonize"],
+            env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+            start_new_session=True, close_fds=True, cwd=str(home),
+        )
+    finally:
+        log.close()
+
+
+def wait_for_socket(home: Path, proc: subprocess.Popen[bytes] | None, timeout: float) -> socket.socket:
+    deadline = time.monotonic() + timeout
+    delay = 0.005
+    while True:
+        sock = try_connect(home)
+        if sock is not None:
+            if proc is not None:
+                proc.wait()
+            return sock
+        if proc is not None and proc.poll() not in (None, 0):
+            raise DaemonUnavailable(
+                f"the daemon exited with status {proc.returncode} while starting; its log "
+                f"{log_path(home)} ends with:\n{tail(log_path(home))}"
+            )
+        if time.monotonic() > deadline:
+            raise DaemonUnavailable(
+                f"no daemon answered at {socket_path(home)} within {timeout:.0f} s; see {log_path(home)} "
+                "or run `overmind-daemon start` in a terminal to see why"
+            )
+        time.sleep(delay)
+        delay = min(delay * 2, 0.1)
+
+
+def tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+class DaemonLock:
+    """The single-instance lock, held by the daemon process for its whole life."""
+
+    def __init__(self, home: Path) -> None:
+        self.fd = os.open(lock_path(home), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+
+    def acquire(self) -> bool:
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        os.ftruncate(self.fd, 0)
+        os.write(self.fd, f"{os.getpid()}\n".encode())
+        return True
+
+    def holder_pid(self) -> int | None:
+        try:
+            return int(os.pread(self.fd, 32, 0).decode().strip() or 0) or None
+        except (ValueError, OSError):
+            return None
+
+    def close(self) -> None:
+        os.close(self.fd)

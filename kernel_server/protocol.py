@@ -1,0 +1,114 @@
+"""The wire format between kernels and the daemon.
+
+A frame is a fixed 12-byte header followed by a JSON payload::
+
+    offset  size  field
+    0       4     magic, the bytes b"OVMD"
+    4       2     protocol version, unsigned big-endian (PROTOCOL_VERSION)
+    6       1     frame kind: 1 request, 2 reply, 3 push (daemon to client, unsolicited)
+    7       1     number of file descriptors attached to this frame
+    8       4     payload length in bytes, unsigned big-endian
+    12      n     payload: one UTF-8 JSON object
+
+- A sender MUST send the header and payload of one frame in order, with the frame's file descriptors
+  attached (SCM_RIGHTS) to the first byte of the header, and MUST NOT attach more than MAX_FDS.
+- A payload MUST be a JSON object of at most MAX_PAYLOAD bytes. A request MUST carry "op" (a string)
+  and "id" (an integer unique on its connection); its reply carries the same "id" and "ok" (a bool),
+  and, when "ok" is false, "error": {"code": str, "message": str}. A push carries "op" and no "id".
+- A receiver MUST answer a frame whose magic, length, kind or payload it cannot accept with an error
+  reply; after a bad magic or an oversized length it MUST close the connection, since the stream can
+  no longer be delimited. It MUST close every descriptor it did not ask for.
+- The first request on a connection MUST be "hello"; the daemon checks the protocol version there and
+  in every header. Replies MAY arrive in another order than their requests (a "lookup" that waits for
+  another kernel's load is answered when that load ends).
+- Pickled bytes never travel in a frame: object graphs and tensor bytes travel as descriptors of sealed
+  memory files that only the user's own processes map and unpickle (DESIGN.md invariant 4).
+
+The protocol version is independent of the package version; bump it on any change to this format or to
+the meaning of an existing operation.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import ProtocolError
+
+__all__ = [
+    "HEADER",
+    "MAGIC",
+    "MAX_FDS",
+    "MAX_PAYLOAD",
+    "PROTOCOL_VERSION",
+    "Frame",
+    "FrameKind",
+    "decode_header",
+    "decode_payload",
+    "encode",
+    "frame_kind",
+]
+
+MAGIC = b"OVMD"
+PROTOCOL_VERSION = 1
+HEADER = struct.Struct("!4sHBBI")
+MAX_PAYLOAD = 1 << 20
+MAX_FDS = 64
+
+
+class FrameKind(enum.IntEnum):
+    REQUEST = 1
+    REPLY = 2
+    PUSH = 3
+
+
+@dataclass
+class Frame:
+    kind: FrameKind
+    payload: dict[str, Any]
+    fds: list[int] = field(default_factory=list)
+    version: int = PROTOCOL_VERSION
+
+
+def encode(kind: FrameKind, payload: dict[str, Any], nfds: int = 0) -> bytes:
+    """Serialise one frame (header and payload); the caller attaches `nfds` descriptors."""
+    if nfds > MAX_FDS:
+        raise ProtocolError(f"a frame carries at most {MAX_FDS} descriptors, not {nfds}")
+    body = json.dumps(payload, separators=(",", ":"), allow_nan=False).encode()
+    if len(body) > MAX_PAYLOAD:
+        raise ProtocolError(f"payload of {len(body)} bytes exceeds the {MAX_PAYLOAD}-byte frame limit")
+    return HEADER.pack(MAGIC, PROTOCOL_VERSION, int(kind), nfds, len(body)) + body
+
+
+def decode_header(raw: bytes) -> tuple[int, int, int, int]:
+    """Check the parts of a header that delimit the stream; return (version, kind, nfds, length).
+
+    Raises a fatal ProtocolError for a bad magic or an oversized length. The kind is checked by
+    `frame_kind` once the payload has been read, so that the stream stays in step.
+    """
+    magic, version, kind, nfds, length = HEADER.unpack(raw)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {magic!r}: not an overmind frame", fatal=True)
+    if length > MAX_PAYLOAD:
+        raise ProtocolError(f"frame of {length} bytes exceeds the {MAX_PAYLOAD}-byte limit", fatal=True)
+    return version, kind, nfds, length
+
+
+def frame_kind(kind: int) -> FrameKind:
+    try:
+        return FrameKind(kind)
+    except ValueError:
+        raise ProtocolError(f"unknown frame kind {kind}") from None
+
+
+def decode_payload(body: bytes) -> dict[str, Any]:
+    try:
+        payload = json.loads(body)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ProtocolError(f"payload is not JSON: {exc}") from None
+    if not isinstance(payload, dict):
+        raise ProtocolError(f"payload must be a JSON object, not {type(payload).__name__}")
+    return payload

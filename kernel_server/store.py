@@ -1,0 +1,346 @@
+"""The daemon's store: cache entries by key, their byte budget, pins, and in-flight loads.
+
+The store never looks inside an entry: it holds two descriptors per entry (the pickled object graph
+and the arena of tensor bytes, see kernel_server/arena.py) and hands duplicates of them out.
+
+# Note [Budget accounting]
+`used` (bytes of published entries) plus `reserved` (bytes promised to loads in flight) never exceeds
+`budget`. A loader reserves before it allocates its arena; the reservation becomes the entry when it
+publishes, and dies with the load. Room is made by evicting least-recently-used entries that no
+connection pins; evicting an entry also evicts the entries built on top of it (its dependents), and an
+entry whose dependent is pinned counts as pinned.
+
+# Note [Single flight]
+The first connection that misses a key becomes its loader; later lookups of that key wait and are
+answered with the entry when the loader publishes. If the loader abandons the load or disconnects, the
+oldest waiter becomes the loader instead. Pins, reservations, loads and waits all belong to the
+connection that took them (DESIGN.md invariant 5) and `release_connection` drops them.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .errors import BudgetExceeded, RemoteError
+
+__all__ = ["Entry", "Store", "LookupResult"]
+
+ConnId = int
+Notify = Callable[["LookupResult"], None]
+
+
+@dataclass
+class Entry:
+    key: str
+    graph_fd: int
+    arena_fd: int
+    graph_bytes: int
+    arena_bytes: int
+    backing: str
+    meta: dict[str, Any]
+    deps: list[str]
+    loader_pid: int
+    created: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.time)
+    hits: int = 0
+    pins: Counter[ConnId] = field(default_factory=Counter)
+
+    @property
+    def nbytes(self) -> int:
+        return self.graph_bytes + self.arena_bytes
+
+    def describe(self, kernels: Callable[[ConnId], dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "key": self.key,
+            "meta": self.meta,
+            "bytes": self.nbytes,
+            "arena_bytes": self.arena_bytes,
+            "backing": self.backing,
+            "hits": self.hits,
+            "created": self.created,
+            "last_used": self.last_used,
+            "deps": self.deps,
+            "pinned_by": [kernels(c) | {"pins": n} for c, n in sorted(self.pins.items())],
+        }
+
+
+@dataclass
+class _Waiter:
+    conn: ConnId
+    pid: int
+    request_id: int
+    notify: Notify
+
+
+@dataclass
+class _Load:
+    key: str
+    owner: ConnId
+    owner_pid: int
+    started: float = field(default_factory=time.time)
+    reserved: int = 0
+    waiters: deque[_Waiter] = field(default_factory=deque)
+
+
+@dataclass
+class LookupResult:
+    """What a lookup decided. `status` is "hit" (entries listed, the first is the key's own, each
+    pinned once for the connection, descriptors duplicated for sending), "load" (the caller is now
+    the loader), "busy" (another connection loads it and the caller did not want to wait) or
+    "cancelled"."""
+
+    status: str
+    entries: list[Entry] = field(default_factory=list)
+    fds: list[int] = field(default_factory=list)
+
+
+class Store:
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self._lock = threading.Lock()
+        self._entries: dict[str, Entry] = {}
+        self._loads: dict[str, _Load] = {}
+        self.stats = Counter[str]()
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    @property
+    def used(self) -> int:
+        return sum(e.nbytes for e in self._entries.values())
+
+    @property
+    def reserved(self) -> int:
+        return sum(load.reserved for load in self._loads.values())
+
+    def snapshot(self, kernels: Callable[[ConnId], dict[str, Any]]) -> dict[str, Any]:
+        with self._lock:
+            entries = sorted(self._entries.values(), key=lambda e: e.last_used, reverse=True)
+            return {
+                "budget": self.budget,
+                "used": self.used,
+                "reserved": self.reserved,
+                "entries": [e.describe(kernels) for e in entries],
+                "loading": [
+                    {"key": load.key, "since": load.started, "reserved": load.reserved,
+                     "loader": kernels(load.owner), "waiters": len(load.waiters)}
+                    for load in self._loads.values()
+                ],
+                "stats": dict(self.stats),
+            }
+
+    # -- lookups and loads ---------------------------------------------------------------------
+
+    def lookup(self, conn: ConnId, pid: int, key: str, *, wait: bool, request_id: int,
+               notify: Notify) -> LookupResult | None:
+        """Decide a lookup; None means the caller waits and `notify` will be called with the result."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                self.stats["hits"] += 1
+                return self._hit(conn, entry)
+            load = self._loads.get(key)
+            if load is None:
+                self.stats["misses"] += 1
+                self._loads[key] = _Load(key, conn, pid)
+                return LookupResult("load")
+            if load.owner == conn:
+                return LookupResult("load")
+            if not wait:
+                return LookupResult("busy")
+            load.waiters.append(_Waiter(conn, pid, request_id, notify))
+            self.stats["waits"] += 1
+            return None
+
+    def cancel_wait(self, conn: ConnId, request_id: int) -> bool:
+        with self._lock:
+            for load in self._loads.values():
+                for waiter in list(load.waiters):
+                    if waiter.conn == conn and waiter.request_id == request_id:
+                        load.waiters.remove(waiter)
+                        return True
+        return False
+
+    def reserve(self, conn: ConnId, key: str, nbytes: int) -> list[str]:
+        """Reserve room for the load of `key` owned by `conn`; returns the keys evicted to make it."""
+        with self._lock:
+            load = self._owned_load(conn, key)
+            if nbytes > self.budget:
+                raise BudgetExceeded(
+                    "budget_exceeded",
+                    f"this entry needs {_gib(nbytes)} but the store's whole budget is {_gib(self.budget)}: "
+                    "raise OVERMIND_BUDGET (bytes, or a suffix like 40G) and restart the daemon "
+                    "with `overmind-daemon stop`",
+                )
+            need = nbytes - load.reserved
+            evicted = self._make_room(need)
+            if self.used + self.reserved + need > self.budget:
+                pinned = sum(e.nbytes for e in self._entries.values() if self._pinned(e))
+                raise BudgetExceeded(
+                    "budget_exceeded",
+                    f"no room for {_gib(nbytes)}: {_gib(pinned)} of the {_gib(self.budget)} budget is held "
+                    "by entries that kernels use now and {} is reserved by other loads; free models in "
+                    "other kernels, `%overmind evict`, or raise OVERMIND_BUDGET".format(_gib(self.reserved)),
+                )
+            load.reserved = nbytes
+            return evicted
+
+    def publish(self, conn: ConnId, key: str, *, graph_fd: int, arena_fd: int, graph_bytes: int,
+                arena_bytes: int, backing: str, meta: dict[str, Any], deps: list[str]) -> list[tuple[Notify, LookupResult]]:
+        """Turn a load into an entry. Takes ownership of both descriptors, also on error. Returns the
+        waiters to answer (outside any lock)."""
+        try:
+            with self._lock:
+                load = self._owned_load(conn, key)
+                if graph_bytes + arena_bytes > load.reserved:
+                    raise RemoteError(
+                        "not_reserved",
+                        f"publish of {graph_bytes + arena_bytes} bytes exceeds the {load.reserved} reserved",
+                    )
+                missing = [d for d in deps if d not in self._entries]
+                if missing:
+                    raise RemoteError("missing_dependency", f"entries {missing} were evicted meanwhile")
+                entry = Entry(key, graph_fd, arena_fd, graph_bytes, arena_bytes, backing, meta, deps, load.owner_pid)
+                del self._loads[key]
+                self._entries[key] = entry
+                self.stats["published"] += 1
+                answers = []
+                for waiter in load.waiters:
+                    self.stats["hits"] += 1
+                    answers.append((waiter.notify, self._hit(waiter.conn, entry)))
+                return answers
+        except BaseException:
+            for fd in (graph_fd, arena_fd):
+                os.close(fd)
+            raise
+
+    def abandon(self, conn: ConnId, key: str) -> list[tuple[Notify, LookupResult]]:
+        with self._lock:
+            load = self._loads.get(key)
+            if load is None or load.owner != conn:
+                return []
+            self.stats["abandoned"] += 1
+            return self._hand_over(load)
+
+    # -- pins and eviction ---------------------------------------------------------------------
+
+    def unpin(self, conn: ConnId, key: str, count: int = 1) -> None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and entry.pins[conn] > 0:
+                entry.pins[conn] = max(0, entry.pins[conn] - count)
+                if not entry.pins[conn]:
+                    del entry.pins[conn]
+
+    def evict(self, key: str | None) -> list[str]:
+        """Evict one entry (and its dependents) or, with None, every entry. Explicit eviction ignores
+        pins: kernels keep their mappings, and the memory goes with the last of them."""
+        with self._lock:
+            keys = list(self._entries) if key is None else [key]
+            if key is not None and key not in self._entries:
+                return []
+            evicted: list[str] = []
+            for k in keys:
+                if k in self._entries:
+                    evicted += self._drop(k)
+            self.stats["evicted"] += len(evicted)
+            return evicted
+
+    def release_connection(self, conn: ConnId) -> list[tuple[Notify, LookupResult]]:
+        with self._lock:
+            for entry in self._entries.values():
+                entry.pins.pop(conn, None)
+            answers = []
+            for load in list(self._loads.values()):
+                load.waiters = deque(w for w in load.waiters if w.conn != conn)
+                if load.owner == conn:
+                    answers += self._hand_over(load)
+            return answers
+
+    def close(self) -> None:
+        with self._lock:
+            for key in list(self._entries):
+                self._drop(key)
+
+    # -- internals (lock held) -------------------------------------------------------------------
+
+    def _owned_load(self, conn: ConnId, key: str) -> _Load:
+        load = self._loads.get(key)
+        if load is None or load.owner != conn:
+            raise RemoteError("not_loading", f"this connection is not loading {key!r}; look it up first")
+        return load
+
+    def _hit(self, conn: ConnId, entry: Entry) -> LookupResult:
+        chain = self._with_deps(entry)
+        now = time.time()
+        fds = [os.dup(entry.graph_fd)]
+        for e in chain:
+            e.last_used = now
+            e.pins[conn] += 1
+            fds.append(os.dup(e.arena_fd))
+        entry.hits += 1
+        return LookupResult("hit", chain, fds)
+
+    def _with_deps(self, entry: Entry) -> list[Entry]:
+        seen: dict[str, Entry] = {}
+        stack = [entry]
+        while stack:
+            e = stack.pop()
+            if e.key in seen:
+                continue
+            seen[e.key] = e
+            stack += [self._entries[d] for d in e.deps if d in self._entries]
+        return list(seen.values())
+
+    def _dependents(self, key: str) -> list[str]:
+        out, stack = [], [key]
+        while stack:
+            k = stack.pop()
+            for e in self._entries.values():
+                if k in e.deps and e.key not in out:
+                    out.append(e.key)
+                    stack.append(e.key)
+        return out
+
+    def _pinned(self, entry: Entry) -> bool:
+        if entry.pins:
+            return True
+        return any(self._entries[k].pins for k in self._dependents(entry.key))
+
+    def _make_room(self, need: int) -> list[str]:
+        evicted: list[str] = []
+        while self.used + self.reserved + need > self.budget:
+            candidates = [e for e in self._entries.values() if not self._pinned(e)]
+            if not candidates:
+                break
+            victim = min(candidates, key=lambda e: e.last_used)
+            evicted += self._drop(victim.key)
+        self.stats["evicted"] += len(evicted)
+        return evicted
+
+    def _drop(self, key: str) -> list[str]:
+        dropped = []
+        for k in [*self._dependents(key), key]:
+            entry = self._entries.pop(k, None)
+            if entry is None:
+                continue
+            os.close(entry.graph_fd)
+            os.close(entry.arena_fd)
+            dropped.append(k)
+        return dropped
+
+    def _hand_over(self, load: _Load) -> list[tuple[Notify, LookupResult]]:
+        del self._loads[load.key]
+        if not load.waiters:
+            return []
+        heir = load.waiters.popleft()
+        self._loads[load.key] = _Load(load.key, heir.conn, heir.pid, waiters=load.waiters)
+        return [(heir.notify, LookupResult("load"))]
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"

@@ -1,0 +1,84 @@
+"""Frames over a Unix stream socket: descriptors by SCM_RIGHTS, peers identified by SO_PEERCRED."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+from typing import Any, Sequence
+
+from .errors import ProtocolError
+from .protocol import HEADER, MAX_FDS, Frame, FrameKind, decode_header, decode_payload, encode, frame_kind
+
+__all__ = ["close_fds", "peer_credentials", "recv_frame", "send_frame"]
+
+_CREDS = struct.Struct("3i")
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end, as the kernel saw it at connect time."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size)
+    pid, uid, gid = _CREDS.unpack(raw)
+    return pid, uid, gid
+
+
+def close_fds(fds: Sequence[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def send_frame(sock: socket.socket, kind: FrameKind, payload: dict[str, Any], fds: Sequence[int] = ()) -> None:
+    """Send one frame. The caller serialises concurrent senders on the same socket."""
+    data = encode(kind, payload, len(fds))
+    if fds:
+        sent = socket.send_fds(sock, [data], list(fds))
+        if sent < len(data):
+            sock.sendall(data[sent:])
+    else:
+        sock.sendall(data)
+
+
+def _recv_exact(sock: socket.socket, n: int, fds: list[int], *, first: bool) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < n:
+        if first and not buf:
+            # The sender attaches descriptors to the header's first byte, so they arrive here.
+            chunk, got, flags, _ = socket.recv_fds(sock, n, MAX_FDS)
+            fds.extend(got)
+            if flags & socket.MSG_CTRUNC:
+                raise ProtocolError(f"more than {MAX_FDS} descriptors attached to one frame", fatal=True)
+        else:
+            chunk = sock.recv(n - len(buf))
+        if not chunk:
+            if buf:
+                raise ProtocolError(f"connection closed inside a frame ({len(buf)} of {n} bytes)", fatal=True)
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+def recv_frame(sock: socket.socket) -> Frame | None:
+    """Read one frame; None at a clean end of stream.
+
+    Raises ProtocolError for a frame that cannot be accepted; descriptors that came with it are closed
+    first. When the error is not fatal, the stream is positioned at the next frame.
+    """
+    fds: list[int] = []
+    try:
+        raw = _recv_exact(sock, HEADER.size, fds, first=True)
+        if raw is None:
+            return None
+        version, kind, nfds, length = decode_header(raw)
+        body = _recv_exact(sock, length, fds, first=False) if length else b""
+        if body is None:
+            raise ProtocolError("connection closed inside a frame", fatal=True)
+        checked_kind = frame_kind(kind)
+        if nfds != len(fds):
+            raise ProtocolError(f"header announces {nfds} descriptors, {len(fds)} arrived")
+        return Frame(checked_kind, decode_payload(body), fds, version)
+    except BaseException:
+        close_fds(fds)
+        raise

@@ -1,0 +1,1 @@
+"""overmind_jupyter"""

@@ -1,0 +1,47 @@
+"""Exceptions and the warning category of overmind_jupyter. Messages say what happened and what to do."""
+
+from __future__ import annotations
+
+from kernel_server.errors import (BudgetExceeded, DaemonError, DaemonUnavailable, PeerRefused, ProtocolMismatch,
+                                  RemoteError, StateDirError, WaitTimeout)
+
+__all__ = [
+    "BudgetExceeded",
+    "CorruptEntry",
+    "DaemonError",
+    "DaemonUnavailable",
+    "FallbackWarning",
+    "OvermindError",
+    "OvermindWarning",
+    "PackError",
+    "PeerRefused",
+    "ProtocolMismatch",
+    "RemoteError",
+    "StateDirError",
+    "Uncacheable",
+    "WaitTimeout",
+]
+
+
+class OvermindError(Exception):
+    """Base class of the errors raised inside the kernel."""
+
+
+class Uncacheable(OvermindError):
+    """A call cannot be cached (an argument has no canonical form, say); it runs as a plain load."""
+
+
+class PackError(OvermindError):
+    """A loaded object cannot be packed into an arena (unpicklable, or changed while packing)."""
+
+
+class CorruptEntry(OvermindError):
+    """A cache entry could not be rebuilt; it is evicted and the call runs as a plain load."""
+
+
+class OvermindWarning(UserWarning):
+    """Category of every warning overmind_jupyter emits."""
+
+
+class FallbackWarning(OvermindWarning):
+    """A call went the plain way instead of through the cache; the message names why."""

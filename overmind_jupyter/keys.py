@@ -1,0 +1,304 @@
+"""Cache keys: the real class, the canonical arguments, and a fingerprint of what the call reads.
+
+# Note [Never stale]
+A key is the SHA-256 of a JSON document holding (DESIGN.md invariant 2):
+- the callable: `module.qualname` of the class a classmethod was called on, with the method's name;
+- the arguments bound to the callable's signature (so positional and keyword spellings agree), each in
+  a canonical form; an argument without one makes the call uncacheable (`Uncacheable`), never guessed;
+- for every argument naming a local path (relative ones resolved in the caller's cwd), the size and
+  mtime_ns of every file under it; for a hub id, the commit the local Hugging Face cache resolves the
+  revision to, read offline;
+- for an argument that is itself a cached result, the key of its entry (see `references`);
+- the versions of torch, of the library that owns the callable, and of the pack format.
+Anything that changes what the call would return changes the key, so a rewritten checkpoint is a miss.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import hashlib
+import inspect
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path, PurePath
+from typing import Any, Callable
+
+from .errors import Uncacheable
+
+__all__ = ["CallKey", "fingerprint", "make_key", "owner_name", "register_reference"]
+
+_KEY_FORMAT = 1
+_SOURCE_PARAMS = ("pretrained_model_name_or_path", "model_id", "pretrained_model_link_or_path", "repo_id")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+_MAX_ITEMS = 10_000
+_MAX_DEPTH = 32
+_MAX_STRING = 64 * 1024
+_MAX_FILES = 100_000
+_OPAQUE_STRINGS = ("cache_dir", "offload_folder", "local_dir")  # where to look, not what is read
+
+# Object types whose instances may stand for a cached entry: a callable returns (entry key, label)
+# for an object or None. Installed by loading.py (a model rebuilt from an entry, see Note [References]).
+_reference_resolvers: list[Callable[[Any], tuple[str, str] | None]] = []
+
+
+def register_reference(resolver: Callable[[Any], tuple[str, str] | None]) -> None:
+    if resolver not in _reference_resolvers:
+        _reference_resolvers.append(resolver)
+
+
+@dataclass
+class CallKey:
+    key: str
+    label: str
+    meta: dict[str, Any]
+    deps: list[str] = field(default_factory=list)
+    document: dict[str, Any] = field(default_factory=dict, repr=False)
+
+
+def owner_name(fn: Callable[..., Any]) -> tuple[str, str, str]:
+    """(qualified name, short name, top-level package) of a callable. For a classmethod the class is
+    the one it was called on, not the one that defines it: `transformers.models.llama.modeling_llama.
+    LlamaForCausalLM.from_pretrained`, `LlamaForCausalLM.from_pretrained`, `transformers`."""
+    owner = getattr(fn, "__self__", None)
+    name = getattr(fn, "__name__", None) or type(fn).__name__
+    if owner is not None:
+        cls = owner if isinstance(owner, type) else type(owner)
+        return (f"{cls.__module__}.{cls.__qualname__}.{name}", f"{cls.__qualname__}.{name}",
+                cls.__module__.split(".")[0])
+    module = getattr(fn, "__module__", None) or "?"
+    qualname = getattr(fn, "__qualname__", name)
+    return f"{module}.{qualname}", f"{module.rsplit('.', 1)[-1]}.{qualname}", module.split(".")[0]
+
+
+def make_key(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], *,
+             cwd: str | None = None, signature_of: Callable[..., Any] | None = None) -> CallKey:
+    """The key of `fn(*args, **kwargs)` called from `cwd` (default: this process's). Raises
+    Uncacheable, naming the argument, when the call has no canonical form."""
+    qualified, short, package = owner_name(fn)
+    cwd = cwd or os.getcwd()
+    arguments = _bind(signature_of or fn, args, kwargs)
+    canon = _Canonical(cwd)
+    doc_args = {}
+    for name in sorted(arguments):
+        if name in _SOURCE_PARAMS:
+            doc_args[name] = canon.source(name, arguments[name], arguments)
+        elif name in _OPAQUE_STRINGS and isinstance(arguments[name], (str, PurePath)):
+            doc_args[name] = os.fspath(arguments[name])
+        else:
+            doc_args[name] = canon.value(name, arguments[name], 0)
+    document = {
+        "format": _KEY_FORMAT,
+        "callable": qualified,
+        "arguments": doc_args,
+        "versions": {"torch": _version("torch"), package: _version(package)},
+    }
+    text = json.dumps(document, sort_keys=True, separators=(",", ":"))
+    key = hashlib.sha256(text.encode()).hexdigest()
+    meta = {
+        "label": f"{short}({canon.source_label or ''}{_dtype_label(arguments)})",
+        "class": qualified.rsplit(".", 1)[0] if getattr(fn, "__self__", None) is not None else None,
+        "source": canon.source_label,
+        "dtype": _dtype_label(arguments).removeprefix(", dtype=") or None,
+    }
+    return CallKey(key, meta["label"], meta, canon.deps, document)
+
+
+def _bind(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Arguments by parameter name, with **kwargs flattened, so that every spelling of one call agrees."""
+    try:
+        sig = inspect.signature(fn)
+        bound = sig.bind_partial(*args, **kwargs)
+    except (TypeError, ValueError):
+        return {f"arg{i}": a for i, a in enumerate(args)} | dict(kwargs)
+    arguments = dict(bound.arguments)
+    for name, param in sig.parameters.items():
+        if name in arguments:
+            if param.kind is inspect.Parameter.VAR_KEYWORD:
+                arguments.update(arguments.pop(name))
+            elif param.kind is inspect.Parameter.VAR_POSITIONAL:
+                rest = list(arguments.pop(name))
+                # from_pretrained(*model_args, **kwargs) (the Auto classes): the first positional
+                # argument is the checkpoint, as in the concrete classes' signatures.
+                if rest and not any(p in arguments for p in _SOURCE_PARAMS) and next(iter(sig.parameters)) == name:
+                    arguments[_SOURCE_PARAMS[0]] = rest.pop(0)
+                arguments.update({f"{name}[{i}]": a for i, a in enumerate(rest)})
+    return arguments
+
+
+def fingerprint(path: str) -> list[tuple[str, int, int]]:
+    """(relative name, size, mtime_ns) of `path` or of every file under it, sorted."""
+    st = os.stat(path)
+    if not os.path.isdir(path):
+        return [(".", st.st_size, st.st_mtime_ns)]
+    out = []
+    for root, dirs, files in os.walk(path, followlinks=True):
+        dirs.sort()
+        for name in files:
+            full = os.path.join(root, name)
+            try:
+                fst = os.stat(full)
+            except FileNotFoundError:
+                continue  # a dangling link (an incomplete hub download) is not read by the load
+            out.append((os.path.relpath(full, path), fst.st_size, fst.st_mtime_ns))
+            if len(out) > _MAX_FILES:
+                raise Uncacheable(f"{path} holds more than {_MAX_FILES} files; load it without the cache")
+    out.sort()
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _dtype_label(arguments: dict[str, Any]) -> str:
+    for name in ("dtype", "torch_dtype"):
+        if name in arguments and arguments[name] is not None:
+            return f", dtype={str(arguments[name]).removeprefix('torch.')}"
+    return ""
+
+
+class _Canonical:
+    def __init__(self, cwd: str) -> None:
+        self.cwd = cwd
+        self.deps: list[str] = []
+        self.source_label: str | None = None
+        self._active: set[int] = set()
+
+    def source(self, name: str, value: Any, arguments: dict[str, Any]) -> Any:
+        if isinstance(value, (str, PurePath)):
+            text = os.fspath(value)
+            path = os.path.join(self.cwd, os.path.expanduser(text))
+            if os.path.exists(path):
+                self.source_label = self.source_label or repr(text)
+                return self._path(name, path)
+            if isinstance(value, str) and _HUB_ID.match(value):
+                self.source_label = self.source_label or repr(value)
+                return {"hub": value, **_hub_commit(value, arguments)}
+            raise Uncacheable(f"argument {name}={text!r} is neither a local path nor a hub id")
+        return self.value(name, value, 0)
+
+    def _path(self, name: str, path: str) -> Any:
+        real = os.path.realpath(path)
+        try:
+            return {"path": real, "files": fingerprint(real)}
+        except OSError as exc:
+            raise Uncacheable(f"cannot fingerprint {name}={path!r}: {exc}") from exc
+
+    def value(self, name: str, v: Any, depth: int) -> Any:
+        if depth > _MAX_DEPTH:
+            raise Uncacheable(f"argument {name} nests deeper than {_MAX_DEPTH} levels")
+        if v is None or isinstance(v, bool) or isinstance(v, int) and type(v) is int:
+            return v
+        if isinstance(v, float):
+            if not math.isfinite(v):
+                return {"float": repr(v)}
+            return v
+        if isinstance(v, str):
+            if len(v) > _MAX_STRING:
+                raise Uncacheable(f"argument {name} is a string of {len(v)} characters")
+            path = os.path.join(self.cwd, v)
+            if ("/" in v or v.startswith(".")) and os.path.exists(path):
+                return self._path(name, path)
+            return v
+        if isinstance(v, PurePath):
+            return self._path(name, os.path.join(self.cwd, os.fspath(v)))
+        if isinstance(v, enum.Enum):
+            return {"enum": f"{type(v).__qualname__}.{v.name}"}
+        torch = _torch()
+        if torch is not None:
+            if isinstance(v, torch.dtype):
+                return {"dtype": str(v).removeprefix("torch.")}
+            if isinstance(v, torch.device):
+                return {"device": str(v)}
+        if id(v) in self._active:
+            raise Uncacheable(f"argument {name} contains itself")
+        self._active.add(id(v))
+        try:
+            return self._container(name, v, depth)
+        finally:
+            self._active.discard(id(v))
+
+    def _container(self, name: str, v: Any, depth: int) -> Any:
+        if isinstance(v, (list, tuple)):
+            if len(v) > _MAX_ITEMS:
+                raise Uncacheable(f"argument {name} has {len(v)} items; at most {_MAX_ITEMS} can be keyed")
+            return {type(v).__name__: [self.value(f"{name}[{i}]", x, depth + 1) for i, x in enumerate(v)]}
+        if isinstance(v, dict):
+            if len(v) > _MAX_ITEMS:
+                raise Uncacheable(f"argument {name} has {len(v)} items; at most {_MAX_ITEMS} can be keyed")
+            items = []
+            for k, x in v.items():
+                if not isinstance(k, (str, int, float, bool)) and k is not None:
+                    raise Uncacheable(f"argument {name} has a key of type {type(k).__name__}")
+                items.append([str(k), self.value(f"{name}[{k!r}]", x, depth + 1)])
+            return {"dict": sorted(items, key=lambda kv: kv[0])}
+        for resolve in _reference_resolvers:
+            found = resolve(v)
+            if found is not None:
+                key, _label = found
+                if key not in self.deps:
+                    self.deps.append(key)
+                return {"entry": key}
+        to_dict = getattr(v, "to_dict", None)
+        if callable(to_dict) and not isinstance(v, type):
+            try:
+                data = to_dict()
+            except Exception as exc:
+                raise Uncacheable(f"argument {name}: {type(v).__name__}.to_dict() failed: {exc}") from exc
+            return {"object": _qualname(v), "dict": self.value(name, data, depth + 1)}
+        config = getattr(v, "config", None)
+        if _is_scheduler(v) and isinstance(config, dict):
+            return {"object": _qualname(v), "config": self.value(name, dict(config), depth + 1)}
+        raise Uncacheable(
+            f"argument {name} of type {_qualname(v)} has no canonical form for a cache key"
+        )
+
+
+def _qualname(v: Any) -> str:
+    cls = type(v)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _is_scheduler(v: Any) -> bool:
+    return any(c.__name__ == "SchedulerMixin" for c in type(v).__mro__)
+
+
+def _torch() -> Any:
+    import sys
+
+    return sys.modules.get("torch")
+
+
+def _hub_commit(repo_id: str, arguments: dict[str, Any]) -> dict[str, Any]:
+    """The commit the local HF cache resolves `revision` of `repo_id` to, read offline."""
+    from huggingface_hub import constants
+    from huggingface_hub.file_download import repo_folder_name
+
+    revision = arguments.get("revision") or "main"
+    if not isinstance(revision, str):
+        raise Uncacheable(f"revision={revision!r} is not a string")
+    cache_dir = arguments.get("cache_dir") or constants.HF_HUB_CACHE
+    folder = Path(cache_dir) / repo_folder_name(repo_id=repo_id, repo_type="model")
+    if re.fullmatch(r"[0-9a-f]{40}", revision):
+        commit = revision
+    else:
+        try:
+            commit = (folder / "refs" / revision).read_text().strip()
+        except OSError:
+            raise Uncacheable(
+                f"{repo_id}@{revision} is not in the local Hugging Face cache yet; this first load goes "
+                "the plain way, and the next one is cached"
+            ) from None
+    snapshot = folder / "snapshots" / commit
+    if not snapshot.is_dir():
+        raise Uncacheable(f"{repo_id}@{commit[:8]} has no snapshot in {cache_dir}")
+    return {"commit": commit, "files": fingerprint(str(snapshot))}

@@ -1,0 +1,112 @@
+"""Fixtures shared by the suite: an isolated daemon per test, tiny real checkpoints, subprocess helpers.
+
+Everything here is real: the daemon is a separate process started the way a kernel starts it, and the
+models are saved with `save_pretrained` and loaded by the libraries' own code.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+
+os.environ.setdefault("TQDM_DISABLE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _cuda_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def _daemon_pid(home: Path) -> int | None:
+    try:
+        text = (home / "daemon.lock").read_text().strip()
+        return int(text) if text else None
+    except (OSError, ValueError):
+        return None
+
+
+def stop_daemon(home: Path) -> None:
+    """Stop the daemon of `home` by its pid (graceful first), and wait until it is gone."""
+    pid = _daemon_pid(home)
+    if pid is None:
+        return
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+            try:  # reap it if it is our child
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+            time.sleep(0.02)
+
+
+@pytest.fixture
+def overmind_home(monkeypatch: pytest.MonkeyPatch):
+    """A fresh OVERMIND_HOME (short, for the socket path limit) for this test and its subprocesses;
+    the daemon started there is stopped at the end, and this process's connection is dropped."""
+    from kernel_server.client import reset_shared_client
+
+    home = Path(tempfile.mkdtemp(prefix="om-", dir="/tmp"))
+    os.chmod(home, 0o700)
+    monkeypatch.setenv("OVERMIND_HOME", str(home))
+    reset_shared_client()
+    yield home
+    reset_shared_client()
+    stop_daemon(home)
+    shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.fixture
+def daemon(overmind_home: Path):
+    """A running daemon on `overmind_home`; yields a client connected to it."""
+    from kernel_server import Client
+
+    client = Client(overmind_home, role="test")
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(models_dir: Path) -> Path:
+    from overmind_jupyter.demo_models import build_llama
+
+    return build_llama(models_dir / "tiny-llama", "tiny", tie_word_embeddings=True)

@@ -1,0 +1,382 @@
+"""The daemon as a process: lifecycle, wire robustness, peers, budget, single flight, leases."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import stat
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from kernel_server import Client, arena, lifecycle
+from kernel_server.errors import BudgetExceeded, DaemonUnavailable, RemoteError, StateDirError
+from kernel_server.protocol import HEADER, MAGIC, MAX_PAYLOAD, PROTOCOL_VERSION, FrameKind, encode
+from kernel_server.transport import recv_frame, send_frame
+
+from snippets import run_py, start_py
+
+PAGE = arena.PAGE
+
+
+def publish(client: Client, key: str, nbytes: int, *, fill: int = 1, deps: list[str] | None = None) -> None:
+    """Look up `key` (a miss), then publish an arena of `nbytes` filled with `fill`."""
+    reply = client.request("lookup", key=key, wait=False)
+    assert reply["status"] == "load", reply.payload
+    graph = arena.ArenaWriter(16)
+    graph.view[:] = b"g" * 16
+    data = arena.ArenaWriter(nbytes)
+    data.view[:] = bytes([fill]) * nbytes
+    client.request("reserve", key=key, bytes=nbytes + 16)
+    client.request("publish", key=key, fds=[graph.seal(), data.seal()], graph_bytes=16, arena_bytes=nbytes,
+                   meta={"label": key}, deps=deps or [])
+    graph.close()
+    data.close()
+
+
+def entry_keys(client: Client) -> list[str]:
+    return [e["key"] for e in client.request("ls")["entries"]]
+
+
+# -- lifecycle ----------------------------------------------------------------------------------------
+
+def test_client_starts_one_detached_daemon_and_cli_stops_it(overmind_home: Path) -> None:
+    clients = []
+    errors = []
+
+    def connect() -> None:
+        try:
+            clients.append(Client(overmind_home))
+        except Exception as exc:  # collected and asserted below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=connect) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    pids = {c.daemon_pid for c in clients}
+    assert len(pids) == 1, "racing clients must end up at a single daemon"
+    pid = pids.pop()
+    assert os.getsid(pid) != os.getsid(0), "the daemon runs in its own session, detached from the kernel"
+    maps = Path(f"/proc/{pid}/maps").read_text()
+    assert "libtorch" not in maps, "the daemon never imports torch"
+    assert stat.S_IMODE(os.stat(overmind_home).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(overmind_home / "daemon.sock").st_mode) == 0o600
+    assert "serving at" in (overmind_home / "daemon.log").read_text()
+    for c in clients:
+        c.close()
+    cli = subprocess.run([sys.executable, "-m", "kernel_server", "stop"], capture_output=True, text=True, timeout=30)
+    assert cli.returncode == 0, cli.stderr
+    assert f"stopped daemon pid {pid}" in cli.stdout
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert not (overmind_home / "daemon.sock").exists()
+
+
+def test_cli_status_ls_evict_json(daemon: Client, overmind_home: Path) -> None:
+    publish(daemon, "k" * 64, 2 * PAGE)
+    env = dict(os.environ)
+    status = run_py("from kernel_server.cli import main; main(['status', '--json'])", env=env)
+    import json
+
+    doc = json.loads(status.stdout)
+    assert doc["running"] and doc["used"] == 2 * PAGE + 16 and doc["daemon"]["pid"] == daemon.daemon_pid
+    listing = json.loads(run_py("from kernel_server.cli import main; main(['ls', '--json'])", env=env).stdout)
+    assert [e["key"] for e in listing["entries"]] == ["k" * 64]
+    text = subprocess.run([sys.executable, "-m", "kernel_server", "ls"], capture_output=True, text=True).stdout
+    assert "kkkkkkkkkkkkkkkk" in text and "8.0 KiB" in text
+    out = subprocess.run([sys.executable, "-m", "kernel_server", "evict", "kkkk", "--json"], capture_output=True,
+                         text=True)
+    assert json.loads(out.stdout) == {"evicted": ["k" * 64]}
+    assert entry_keys(daemon) == []
+
+
+def test_state_dir_refuses_symlink_and_open_modes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    monkeypatch.setenv("OVERMIND_HOME", str(link))
+    with pytest.raises(StateDirError, match="symbolic link"):
+        lifecycle.state_dir()
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    os.chmod(open_dir, 0o777)
+    monkeypatch.setenv("OVERMIND_HOME", str(open_dir))
+    with pytest.raises(StateDirError, match="chmod 700"):
+        lifecycle.state_dir()
+    monkeypatch.setenv("OVERMIND_HOME", str(tmp_path / "new"))
+    assert stat.S_IMODE(os.stat(lifecycle.state_dir()).st_mode) == 0o700
+
+
+def test_default_state_dir_is_per_user(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("OVERMIND_HOME", raising=False)
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    assert lifecycle.state_dir() == runtime / "overmind"
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert lifecycle.state_dir() == tmp_path / "home" / ".cache" / "overmind"
+
+
+# -- wire -------------------------------------------------------------------------------------------
+
+def raw_connection(home: Path) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(str(home / "daemon.sock"))
+    sock.settimeout(10)
+    return sock
+
+
+def test_protocol_mismatch_says_what_to_do(daemon: Client, overmind_home: Path) -> None:
+    sock = raw_connection(overmind_home)
+    send_frame(sock, FrameKind.REQUEST, {"op": "hello", "id": 1, "protocol": PROTOCOL_VERSION + 1})
+    frame = recv_frame(sock)
+    assert frame is not None and not frame.payload["ok"]
+    assert frame.payload["error"]["code"] == "protocol_mismatch"
+    assert "overmind-daemon stop" in frame.payload["error"]["message"]
+    sock.close()
+
+
+def test_requests_before_hello_and_unknown_ops_get_errors(daemon: Client, overmind_home: Path) -> None:
+    sock = raw_connection(overmind_home)
+    send_frame(sock, FrameKind.REQUEST, {"op": "ls", "id": 1})
+    assert recv_frame(sock).payload["error"]["code"] == "no_hello"
+    send_frame(sock, FrameKind.REQUEST, {"op": "hello", "id": 2, "protocol": PROTOCOL_VERSION})
+    assert recv_frame(sock).payload["ok"]
+    send_frame(sock, FrameKind.REQUEST, {"op": "format_disk", "id": 3})
+    reply = recv_frame(sock).payload
+    assert reply["error"]["code"] == "unknown_op" and "lookup" in reply["error"]["message"]
+    sock.close()
+
+
+def _garbage_frame(rng: random.Random) -> bytes:
+    kind = rng.randrange(6)
+    if kind == 0:  # random bytes
+        return rng.randbytes(rng.randrange(1, 64))
+    if kind == 1:  # truncated valid frame
+        frame = encode(FrameKind.REQUEST, {"op": "ls", "id": rng.randrange(100)})
+        return frame[: rng.randrange(1, len(frame))]
+    if kind == 2:  # oversized length
+        return HEADER.pack(MAGIC, PROTOCOL_VERSION, 1, 0, MAX_PAYLOAD + rng.randrange(1, 1 << 20))
+    if kind == 3:  # valid header, payload not JSON
+        body = rng.randbytes(rng.randrange(1, 40))
+        return HEADER.pack(MAGIC, PROTOCOL_VERSION, 1, 0, len(body)) + body
+    if kind == 4:  # JSON of the wrong shapes
+        body = rng.choice([b"[1,2]", b'"x"', b'{"op": 5, "id": "a"}', b'{"op": "lookup", "id": 1, "key": 7}',
+                           b'{"op": "reserve", "id": 1, "key": "a", "bytes": -1}', b"{}"])
+        return HEADER.pack(MAGIC, PROTOCOL_VERSION, rng.choice([1, 2, 3, 9]), 0, len(body)) + body
+    body = b'{"op":"ping","id":1}'  # a header announcing descriptors that never come
+    return HEADER.pack(MAGIC, PROTOCOL_VERSION, 1, 3, len(body)) + body
+
+
+def test_fuzzed_frames_leave_the_daemon_answering(daemon: Client, overmind_home: Path) -> None:
+    rng = random.Random(1234)
+    publish(daemon, "survivor", PAGE)
+    sent = 0
+    while sent < 1000:
+        sock = raw_connection(overmind_home)
+        sock.settimeout(2)
+        try:
+            if rng.random() < 0.5:
+                send_frame(sock, FrameKind.REQUEST, {"op": "hello", "id": 0, "protocol": PROTOCOL_VERSION})
+                recv_frame(sock)
+            for _ in range(rng.randrange(1, 10)):
+                sock.sendall(_garbage_frame(rng))
+                sent += 1
+        except OSError:
+            pass  # the daemon may close a connection whose stream it cannot delimit
+        finally:
+            sock.close()
+    assert daemon.request("ping")["pong"] > 0
+    assert entry_keys(daemon) == ["survivor"]
+    fresh = Client(overmind_home)
+    assert fresh.daemon_pid == daemon.daemon_pid
+    fresh.close()
+
+
+def test_client_of_another_uid_is_refused(daemon: Client, overmind_home: Path) -> None:
+    if os.getuid() != 0:
+        pytest.skip("switching to another uid needs root")
+    # Open the way to the socket, so that only the daemon's SO_PEERCRED check stands in between.
+    os.chmod(overmind_home, 0o711)
+    os.chmod(overmind_home / "daemon.sock", 0o666)
+    code = f"""
+import json, socket, sys
+sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
+from kernel_server.protocol import FrameKind, PROTOCOL_VERSION
+from kernel_server.transport import recv_frame, send_frame
+s = socket.socket(socket.AF_UNIX); s.connect({str(overmind_home / "daemon.sock")!r})
+s.settimeout(10)
+f = recv_frame(s)  # the daemon answers a foreign uid before it sends anything
+print(json.dumps(f.payload if f else None))
+"""
+    proc = subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "/usr/bin/python3", "-c",
+                           code], capture_output=True, text=True, timeout=30, cwd="/")
+    if "Permission denied" in proc.stderr and "python3" in proc.stderr:
+        pytest.skip("the system python cannot run as nobody here")
+    assert proc.returncode == 0, proc.stderr
+    assert '"refused"' in proc.stdout and "serves uid 0 only" in proc.stdout
+    assert "refused pid" in (overmind_home / "daemon.log").read_text()
+    assert daemon.request("ping")["pong"]
+
+
+# -- store ------------------------------------------------------------------------------------------
+
+def test_budget_evicts_lru_unpinned_and_is_never_exceeded(overmind_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    entry = 4 * PAGE + 16
+    monkeypatch.setenv("OVERMIND_BUDGET", str(3 * entry))
+    client = Client(overmind_home)
+    try:
+        for key in ("a", "b", "c"):
+            publish(client, key, 4 * PAGE)
+        hit = client.request("lookup", key="a", wait=False)  # a: pinned and most recent
+        assert hit["status"] == "hit"
+        hit.close()
+        publish(client, "d", 4 * PAGE)
+        assert sorted(entry_keys(client)) == ["a", "c", "d"], "b was the least recently used unpinned entry"
+        status = client.request("status")
+        assert status["used"] <= status["budget"]
+        with pytest.raises(BudgetExceeded, match="OVERMIND_BUDGET"):
+            client.request("lookup", key="huge", wait=False)
+            client.request("reserve", key="huge", bytes=10 * entry)
+        client.request("abandon", key="huge")
+        # Everything else pinned: no room is made by evicting pinned entries.
+        for key in ("c", "d"):
+            client.request("lookup", key=key, wait=False).close()
+        client.request("lookup", key="e", wait=False)
+        with pytest.raises(BudgetExceeded, match="held by entries that kernels use"):
+            client.request("reserve", key="e", bytes=entry)
+        assert client.request("status")["used"] <= 3 * entry
+    finally:
+        client.close()
+
+
+def test_evicting_a_base_evicts_what_is_built_on_it(daemon: Client) -> None:
+    publish(daemon, "base", 2 * PAGE)
+    publish(daemon, "adapter", PAGE, deps=["base"])
+    hit = daemon.request("lookup", key="adapter", wait=False)
+    assert [e["key"] for e in hit["entries"]] == ["adapter", "base"] and len(hit.fds) == 3
+    hit.close()
+    daemon.request("evict", key="base")
+    assert entry_keys(daemon) == []
+
+
+def test_single_flight_second_kernel_waits_for_the_first(daemon: Client, overmind_home: Path) -> None:
+    other = Client(overmind_home)
+    try:
+        assert daemon.request("lookup", key="model", wait=False)["status"] == "load"
+        request_id, waiting = other.submit("lookup", key="model", wait=True)
+        time.sleep(0.2)
+        assert not waiting.done(), "the second kernel waits instead of loading again"
+        assert other.request("lookup", key="model", wait=False)["status"] == "busy"
+        graph, data = arena.ArenaWriter(8), arena.ArenaWriter(PAGE)
+        daemon.request("reserve", key="model", bytes=PAGE + 8)
+        daemon.request("publish", key="model", fds=[graph.seal(), data.seal()], graph_bytes=8, arena_bytes=PAGE)
+        reply = other.wait(request_id, waiting, 10)
+        assert reply["status"] == "hit"
+        reply.close()
+        status = daemon.request("status")
+        assert status["stats"]["misses"] == 1, "one load for two kernels"
+        assert status["stats"]["hits"] == 1 and status["stats"]["waits"] == 1
+    finally:
+        other.close()
+
+
+def test_loader_that_dies_hands_the_load_to_a_waiter(daemon: Client, overmind_home: Path) -> None:
+    loader = start_py("""
+        import sys
+        from kernel_server import Client
+        c = Client()
+        print(c.request("lookup", key="model", wait=False)["status"], flush=True)
+        sys.stdin.read()
+    """)
+    assert loader.stdout.readline().strip() == "load"
+    request_id, waiting = daemon.submit("lookup", key="model", wait=True)
+    time.sleep(0.1)
+    assert not waiting.done()
+    loader.send_signal(signal.SIGKILL)
+    loader.wait()
+    reply = daemon.wait(request_id, waiting, 1.0)
+    assert reply["status"] == "load", "the waiter becomes the loader within a second"
+
+
+def test_sigkilled_client_frees_pins_reservations_and_loads_within_1s(daemon: Client) -> None:
+    publish(daemon, "pinned", 2 * PAGE)
+    victim = start_py("""
+        import sys
+        from kernel_server import Client
+        c = Client()
+        hit = c.request("lookup", key="pinned", wait=False)
+        assert hit["status"] == "hit"
+        assert c.request("lookup", key="loading", wait=False)["status"] == "load"
+        c.request("reserve", key="loading", bytes=8192)
+        print("ready", flush=True)
+        sys.stdin.read()
+    """)
+    assert victim.stdout.readline().strip() == "ready"
+    status = daemon.request("status")
+    entry = status["entries"][0]
+    assert entry["pinned_by"] and status["reserved"] == 8192 and status["loading"]
+    victim.send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    victim.wait()
+    while True:
+        status = daemon.request("status")
+        if not status["entries"][0]["pinned_by"] and not status["reserved"] and not status["loading"]:
+            break
+        assert time.monotonic() - killed < 1.0, f"leases still held after 1 s: {status}"
+        time.sleep(0.01)
+
+
+def test_publish_refuses_unsealed_or_mislabelled_arenas(daemon: Client) -> None:
+    assert daemon.request("lookup", key="x", wait=False)["status"] == "load"
+    daemon.request("reserve", key="x", bytes=2 * PAGE)
+    unsealed = os.memfd_create("unsealed", os.MFD_ALLOW_SEALING)
+    os.ftruncate(unsealed, PAGE)
+    graph = arena.ArenaWriter(8)
+    with pytest.raises(RemoteError, match="not sealed"):
+        daemon.request("publish", key="x", fds=[graph.seal(), unsealed], graph_bytes=8, arena_bytes=PAGE)
+    data = arena.ArenaWriter(PAGE)
+    graph2 = arena.ArenaWriter(8)
+    with pytest.raises(RemoteError, match="announced"):
+        daemon.request("publish", key="x", fds=[graph2.seal(), data.seal()], graph_bytes=8, arena_bytes=2 * PAGE)
+    for w in (graph, graph2, data):
+        w.close()
+    os.close(unsealed)
+    assert entry_keys(daemon) == []
+
+
+def test_sealed_arena_cannot_be_written_shared() -> None:
+    writer = arena.ArenaWriter(PAGE)
+    writer.view[:4] = b"abcd"
+    fd = writer.seal()
+    import mmap
+
+    with pytest.raises(PermissionError):
+        mmap.mmap(fd, PAGE, flags=mmap.MAP_SHARED)
+    private = arena.map_private(fd, PAGE)
+    private[:4] = b"WXYZ"
+    assert bytes(arena.map_private(fd, PAGE)[:4]) == b"abcd", "a private write is never seen by another mapping"
+    writer.close()
+
+
+def test_daemon_gone_makes_the_client_fail_fast(daemon: Client, overmind_home: Path) -> None:
+    os.kill(daemon.daemon_pid, signal.SIGKILL)
+    with pytest.raises(DaemonUnavailable):
+        for _ in range(100):
+            daemon.request("ping", timeout=5)
+            time.sleep(0.01)
+    fresh = Client(overmind_home)  # a new daemon takes over the stale socket
+    assert fresh.daemon_pid != daemon.daemon_pid
+    fresh.close()

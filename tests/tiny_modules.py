@@ -1,0 +1,93 @@
+"""Tiny modules named after what they test, and loaders for them, importable by every test process."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+from torch import nn
+
+
+class TiedWeights(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 8)
+        self.head = nn.Linear(8, 32, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(ids))
+
+
+class NonContiguous(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        base = torch.randn(6, 4)
+        self.register_buffer("base", base)
+        self.register_buffer("transposed", base.t())  # a non-contiguous view of the same storage
+        self.register_buffer("tail", base[3:])  # a view at a storage offset
+        self.register_buffer("strided", torch.randn(5, 5)[::2, 1::2])
+
+
+class Dtypes(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("bf16", torch.randn(7, dtype=torch.bfloat16))
+        self.register_buffer("fp16", torch.randn(7, dtype=torch.float16))
+        self.register_buffer("int8", torch.randint(-128, 127, (9,), dtype=torch.int8))
+        self.register_buffer("flags", torch.rand(5) > 0.5)
+        self.register_buffer("u16", torch.randint(0, 60000, (3,), dtype=torch.int32).to(torch.uint16))
+        self.register_buffer("on_meta", torch.empty(4, 4, device="meta"))
+        self.register_buffer("empty", torch.empty(0))
+
+
+class Mlp(nn.Module):
+    def __init__(self, width: int = 256, depth: int = 2) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+class Wrapper(nn.Module):
+    """Holds another module, as a PeftModel holds its base model."""
+
+    def __init__(self, inner: nn.Module, extra: int = 4) -> None:
+        super().__init__()
+        self.inner = inner
+        self.extra = nn.Linear(extra, extra)
+
+
+class Unpicklable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.lock = __import__("threading").Lock()
+        self.gen = (i for i in range(3))
+
+
+def build(kind: str, seed: int = 0, **kwargs: object) -> nn.Module:
+    """The loader the tests cache: deterministic for (kind, seed, kwargs)."""
+    torch.manual_seed(seed)
+    return {"tied": TiedWeights, "noncontig": NonContiguous, "dtypes": Dtypes, "mlp": Mlp,
+            "unpicklable": Unpicklable}[kind](**kwargs)
+
+
+def wrap(inner: nn.Module, seed: int = 0) -> Wrapper:
+    torch.manual_seed(seed)
+    return Wrapper(inner)
+
+
+def counted_build(kind: str, delay: float = 0.0, seed: int = 0) -> nn.Module:
+    """`build`, appending a line to the file named by $LOAD_COUNTER for each real load, after `delay`
+    seconds."""
+    with open(os.environ["LOAD_COUNTER"], "a") as f:
+        f.write(f"{os.getpid()}\n")
+    time.sleep(delay)
+    return build(kind, seed)
+
+
+def failing_build(kind: str) -> nn.Module:
+    raise FileNotFoundError(f"no checkpoint for {kind}")
