@@ -23,7 +23,7 @@ from .errors import (BudgetExceeded, DaemonUnavailable, PeerRefused, ProtocolErr
 from .protocol import PROTOCOL_VERSION, Frame, FrameKind
 from .transport import close_fds, recv_frame, send_frame
 
-__all__ = ["Client", "Response", "shared_client", "reset_shared_client"]
+__all__ = ["Client", "Response", "existing_shared_client", "reset_shared_client", "shared_client"]
 
 _ERRORS: dict[str, type[RemoteError]] = {"budget_exceeded": BudgetExceeded}
 
@@ -247,14 +247,34 @@ _shared: Client | None = None
 _shared_lock = threading.Lock()
 
 
-def shared_client(*, spawn: bool = True, label: str = "") -> Client:
+def shared_client(*, spawn: bool = True, role: str = "kernel", label: str = "") -> Client:
     """This process's long-lived connection (its lease), opened on first use and again after the
-    daemon went away."""
+    daemon went away. `role` and `label` name it in `overmind-daemon status` (default label: the
+    Jupyter kernel id, when this process is a kernel)."""
     global _shared
     with _shared_lock:
         if _shared is None or _shared.closed or _shared.pid != os.getpid():
-            _shared = Client(spawn=spawn, label=label)
+            _shared = Client(spawn=spawn, role=role, label=label or _kernel_label())
         return _shared
+
+
+def _kernel_label() -> str:
+    """The kernel id of an ipykernel process, from its connection file's name; else the command."""
+    import sys
+
+    for i, arg in enumerate(sys.argv):
+        if arg == "-f" and i + 1 < len(sys.argv):
+            name = os.path.basename(sys.argv[i + 1])
+            return name.removeprefix("kernel-").removesuffix(".json")
+    return os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
+
+
+def existing_shared_client() -> Client | None:
+    """This process's connection if it is open; never connects or starts a daemon."""
+    client = _shared
+    if client is None or client.closed or client.pid != os.getpid():
+        return None
+    return client
 
 
 def reset_shared_client() -> None:

@@ -8,6 +8,7 @@ never imports torch and never unpickles anything: it keeps descriptors and JSON.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import os
@@ -32,6 +33,7 @@ __all__ = ["Daemon", "run"]
 log = logging.getLogger("kernel_server")
 
 _MAX_META = 16 * 1024  # bytes of JSON an entry's description may take
+_MAX_FALLBACKS = 100
 
 
 @dataclass
@@ -107,8 +109,10 @@ class Daemon:
             "abandon": self.op_abandon,
             "unpin": self.op_unpin,
             "evict": self.op_evict,
+            "fallback": self.op_fallback,
             "shutdown": self.op_shutdown,
         }
+        self._fallbacks: collections.deque[dict[str, Any]] = collections.deque(maxlen=_MAX_FALLBACKS)
 
     # -- serving ------------------------------------------------------------------------------
 
@@ -260,6 +264,7 @@ class Daemon:
             "daemon": {"pid": os.getpid(), "version": __version__, "protocol": PROTOCOL_VERSION,
                        "home": str(self.home), "started": self.started},
             "kernels": kernels,
+            "fallbacks": list(self._fallbacks),
             **snap,
         })
 
@@ -276,7 +281,7 @@ class Daemon:
             conn.reply(request_id, _lookup_reply(key, result))
 
         result = self.store.lookup(conn.id, conn.pid, key, wait=bool(req.get("wait", True)),
-                                   request_id=request_id, notify=notify)
+                                   request_id=request_id, notify=notify, count=not req.get("adopt"))
         return None if result is None else _lookup_reply(key, result)
 
     def op_cancel(self, conn: Connection, req: dict[str, Any], fds: list[int]) -> Reply:
@@ -351,6 +356,13 @@ class Daemon:
         if not evicted:
             raise RemoteError("no_entry", f"no entry {key!r}; `overmind-daemon ls` lists the keys")
         return Reply({"evicted": evicted})
+
+    def op_fallback(self, conn: Connection, req: dict[str, Any], fds: list[int]) -> Reply:
+        """A kernel reports a call that went the plain way, for `status` and the side panel."""
+        close_fds(fds)
+        fields = {name: str(req.get(name, ""))[:500] for name in ("call", "kind", "reason")}
+        self._fallbacks.append({"time": time.time(), "pid": conn.pid, "label": conn.label, **fields})
+        return Reply({})
 
     def op_shutdown(self, conn: Connection, req: dict[str, Any], fds: list[int]) -> Reply:
         close_fds(fds)

@@ -136,13 +136,15 @@ class Store:
     # -- lookups and loads ---------------------------------------------------------------------
 
     def lookup(self, conn: ConnId, pid: int, key: str, *, wait: bool, request_id: int,
-               notify: Notify) -> LookupResult | None:
-        """Decide a lookup; None means the caller waits and `notify` will be called with the result."""
+               notify: Notify, count: bool = True) -> LookupResult | None:
+        """Decide a lookup; None means the caller waits and `notify` will be called with the result.
+        `count=False` is for a loader mapping what it just published: not a hit of the cache."""
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None:
-                self.stats["hits"] += 1
-                return self._hit(conn, entry)
+                if count:
+                    self.stats["hits"] += 1
+                return self._hit(conn, entry, count=count)
             load = self._loads.get(key)
             if load is None:
                 self.stats["misses"] += 1
@@ -274,7 +276,7 @@ class Store:
             raise RemoteError("not_loading", f"this connection is not loading {key!r}; look it up first")
         return load
 
-    def _hit(self, conn: ConnId, entry: Entry) -> LookupResult:
+    def _hit(self, conn: ConnId, entry: Entry, *, count: bool = True) -> LookupResult:
         chain = self._with_deps(entry)
         now = time.time()
         fds = [os.dup(entry.graph_fd)]
@@ -282,7 +284,7 @@ class Store:
             e.last_used = now
             e.pins[conn] += 1
             fds.append(os.dup(e.arena_fd))
-        entry.hits += 1
+        entry.hits += int(count)
         return LookupResult("hit", chain, fds)
 
     def _with_deps(self, entry: Entry) -> list[Entry]:

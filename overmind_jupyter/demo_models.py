@@ -50,3 +50,97 @@ def build_llama(path: str | os.PathLike[str], size: str = "tiny", *, dtype: str 
             p.normal_(0.0, 0.02)
     model.save_pretrained(path)  # buffers left empty by to_empty are not persistent, so not saved
     return path
+
+
+_WORDS = ("the a an model adapter kernel restart load cache weights shared memory fast slow gpu cpu "
+          "jupyter notebook lora base token layer attention hello world french german english").split()
+
+
+def build_tokenizer(path: str | os.PathLike[str], *, vocab_size: int = 256) -> Path:
+    """Save a word-level fast tokenizer built in code (special tokens, a few words, then fillers)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    path = Path(path)
+    if (path / "tokenizer.json").exists():
+        return path
+    specials = ["<unk>", "<s>", "</s>", "<pad>"]
+    words = specials + list(_WORDS)
+    words += [f"w{i}" for i in range(vocab_size - len(words))]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>", padding_side="left")
+    fast.save_pretrained(path)
+    return path
+
+
+def _clip_tokenizer() -> Any:
+    """A CLIP tokenizer over single characters (no merges), built in code."""
+    from transformers import CLIPTokenizer
+
+    # The byte-level alphabet of GPT-2 and CLIP: printable bytes stand for themselves, the others are
+    # shifted above 255, so every byte has a visible character.
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in printable]
+    chars = [chr(b) for b in printable] + [chr(256 + i) for i in range(len(shifted))]
+    vocab = {c: i for i, c in enumerate(chars)}
+    vocab.update({c + "</w>": len(chars) + i for i, c in enumerate(chars)})
+    vocab["<|startoftext|>"] = len(vocab)
+    vocab["<|endoftext|>"] = len(vocab)
+    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=16)
+
+
+def build_sd_pipeline(path: str | os.PathLike[str], *, width: int = 8, seed: int = 0) -> Path:
+    """Save a Stable-Diffusion-shaped pipeline (UNet, VAE, CLIP text encoder, a tokenizer built in code,
+    DDIM scheduler). `width` scales the channels: 8 is tiny, 64 is a few hundred MB."""
+    import torch
+    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    path = Path(path)
+    if (path / "model_index.json").exists():
+        return path
+    torch.manual_seed(seed)
+    groups = 2 if width < 32 else 32
+    unet = UNet2DConditionModel(
+        block_out_channels=(width, 2 * width), layers_per_block=1, sample_size=16, in_channels=4, out_channels=4,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        cross_attention_dim=4 * width, norm_num_groups=groups, attention_head_dim=2,
+    )
+    vae = AutoencoderKL(block_out_channels=[width, 2 * width], in_channels=3, out_channels=3, latent_channels=4,
+                        down_block_types=["DownEncoderBlock2D"] * 2, up_block_types=["UpDecoderBlock2D"] * 2,
+                        norm_num_groups=groups)
+    tokenizer = _clip_tokenizer()
+    text_encoder = CLIPTextModel(CLIPTextConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        hidden_size=4 * width, intermediate_size=8 * width, num_attention_heads=4, num_hidden_layers=2,
+        vocab_size=len(tokenizer), max_position_embeddings=16,
+    ))
+    scheduler = DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", clip_sample=False,
+                              set_alpha_to_one=False, steps_offset=1)
+    pipe = StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet,
+                                   scheduler=scheduler, safety_checker=None, feature_extractor=None,
+                                   requires_safety_checker=False)
+    pipe.save_pretrained(path)
+    return path
+
+
+def build_lora_adapters(base: str | os.PathLike[str], path: str | os.PathLike[str], names: tuple[str, ...] = ("fr", "de"),
+                        *, rank: int = 4, seed: int = 0) -> dict[str, Path]:
+    """Save LoRA adapters with random (non-zero) weights for the causal LM at `base`, one directory per
+    adapter name under `path`; returns {name: directory}."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    out = {name: path / name for name in names}
+    if all((p / "adapter_config.json").exists() for p in out.values()):
+        return out
+    for i, name in enumerate(names):
+        torch.manual_seed(seed + i)
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", init_lora_weights=False)
+        get_peft_model(model, config).save_pretrained(out[name])
+    return out

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from kernel_server import arena
-from kernel_server.client import Client, Response, shared_client
+from kernel_server.client import Client, Response, existing_shared_client, shared_client
 from kernel_server.errors import DaemonError, RemoteError
 from kernel_server.transport import close_fds
 
@@ -33,6 +33,9 @@ __all__ = [
     "adopt_published",
     "cached",
     "fallbacks",
+    "has_adoptable",
+    "patched_call",
+    "publishing",
     "result_key",
     "settings",
     "wait_for_publishes",
@@ -67,9 +70,21 @@ def fallbacks() -> list[dict[str, Any]]:
 
 def _fall_back(label: str, kind: str, reason: str) -> None:
     _fallbacks.append({"time": time.time(), "call": label, "kind": kind, "reason": reason})
+    _report(label, kind, reason)
     if kind not in _warned:
         _warned.add(kind)
         warnings.warn(f"overmind: {label} loads without the cache: {reason}", FallbackWarning, stacklevel=4)
+
+
+def _report(label: str, kind: str, reason: str) -> None:
+    """Tell the daemon too (for `overmind-daemon status` and the side panel), without waiting."""
+    client = existing_shared_client()
+    if client is None or kind == "daemon":
+        return
+    try:
+        client.submit("fallback", call=label, kind=kind, reason=reason)
+    except DaemonError:
+        pass
 
 
 # -- results this process got from the cache ----------------------------------------------------------
@@ -92,6 +107,7 @@ def _remember(obj: Any, key: str, graph: bytes, *, pickled_here: bool) -> None:
 def result_key(obj: Any) -> str | None:
     """The entry `obj` was rebuilt from (or published and adopted as), if it is unchanged since; else
     None. See Note [References]."""
+    _settle(obj)
     try:
         info = _results.get(obj)
     except TypeError:
@@ -242,9 +258,19 @@ def _evict_quietly(client: Client, key: str) -> None:
 
 # -- publishing ------------------------------------------------------------------------------------------
 
-_publishes: set[threading.Thread] = set()
+@dataclass(eq=False)
+class _Publication:
+    """One result of this process on its way into the cache, then waiting to be adopted."""
+
+    key: str
+    packed: rebuild.Packed | None
+    obj: Callable[[], Any]  # a weak reference
+    thread: threading.Thread | None = None
+    published: bool = False
+
+
+_publications: list[_Publication] = []
 _exiting = threading.Event()
-_adoptable: list[tuple[rebuild.Packed, str, Any]] = []
 _publish_lock = threading.Lock()
 
 
@@ -255,24 +281,26 @@ def _start_publish(client: Client, ck: keys.CallKey, obj: Any) -> None:
         _abandon(client, ck.key)
         _fall_back(ck.label, "unpicklable", f"{exc}; it was loaded normally and will not be cached")
         return
-    if not settings.background_publish:
-        _publish(client, ck, obj, packed)
-        return
-    thread = threading.Thread(target=_publish, args=(client, ck, obj, packed), name="overmind-publish",
-                              daemon=True)
+    ref = weakref.ref(obj) if _weakable(obj) else (lambda: None)
+    pub = _Publication(ck.key, packed, ref)
     with _publish_lock:
-        _publishes.add(thread)
-    thread.start()
+        _publications.append(pub)
+    if not settings.background_publish:
+        _publish(client, ck, pub)
+        return
+    pub.thread = threading.Thread(target=_publish, args=(client, ck, pub), name="overmind-publish", daemon=True)
+    pub.thread.start()
 
 
-def _publish(client: Client, ck: keys.CallKey, obj: Any, packed: rebuild.Packed) -> None:
+def _publish(client: Client, ck: keys.CallKey, pub: _Publication) -> None:
+    packed = pub.packed
+    assert packed is not None
     writers: list[arena.ArenaWriter] = []
     try:
         total = packed.arena_bytes + len(packed.graph)
         client.request("reserve", key=ck.key, bytes=total, timeout=30)
-        home = client.home
         data = arena.ArenaWriter(packed.arena_bytes, name=f"overmind:{ck.key[:12]}", backing=settings.backing,
-                                 directory=home)
+                                 directory=client.home)
         writers.append(data)
         rebuild.write_arena(packed, data.mapping, _exiting)
         if not packed.unchanged():
@@ -282,10 +310,7 @@ def _publish(client: Client, ck: keys.CallKey, obj: Any, packed: rebuild.Packed)
         graph.view[:] = packed.graph
         client.request("publish", key=ck.key, fds=[graph.seal(), data.seal()], graph_bytes=len(packed.graph),
                        arena_bytes=packed.arena_bytes, meta=ck.meta, deps=packed.deps, timeout=30)
-        if settings.adopt and packed.own:
-            with _publish_lock:
-                _adoptable.append((packed, ck.key, weakref.ref(obj) if _weakable(obj) else (lambda: None)))
-            packed = None  # type: ignore[assignment]  # the adopt list holds it now
+        pub.published = True
     except (DaemonError, PackError, OSError) as exc:
         _abandon(client, ck.key)
         kind = "budget" if isinstance(exc, RemoteError) and exc.code == "budget_exceeded" else "publish"
@@ -294,7 +319,8 @@ def _publish(client: Client, ck: keys.CallKey, obj: Any, packed: rebuild.Packed)
         for w in writers:
             w.close()
         with _publish_lock:
-            _publishes.discard(threading.current_thread())
+            if not (pub.published and settings.adopt and packed.own) and pub in _publications:
+                _publications.remove(pub)  # nothing left to do for it
 
 
 def _weakable(obj: Any) -> bool:
@@ -303,6 +329,21 @@ def _weakable(obj: Any) -> bool:
         return True
     except TypeError:
         return False
+
+
+def _running() -> list[threading.Thread]:
+    with _publish_lock:
+        return [p.thread for p in _publications if p.thread is not None and p.thread.is_alive()]
+
+
+def publishing() -> int:
+    """How many publishes of this process run in the background now."""
+    return len(_running())
+
+
+def has_adoptable() -> bool:
+    with _publish_lock:
+        return any(p.published for p in _publications)
 
 
 @atexit.register
@@ -317,45 +358,51 @@ def _finish_publishes() -> None:
 def wait_for_publishes(timeout: float | None = None) -> bool:
     """Wait until this process's background publishes end; True if none is left."""
     deadline = None if timeout is None else time.monotonic() + timeout
-    while True:
-        with _publish_lock:
-            threads = list(_publishes)
-        if not threads:
-            return True
-        for t in threads:
-            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        if deadline is not None and time.monotonic() >= deadline:
-            with _publish_lock:
-                return not _publishes
+    for thread in _running():
+        thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+    return not _running()
 
 
-def adopt_published() -> int:
-    """Move the results this process loaded and published onto the published copy, so that their
-    memory is shared with every other kernel; returns how many objects moved.
+def adopt_published(obj: Any = None) -> int:
+    """Move results this process loaded and published (all, or just `obj`) onto the published copy, so
+    that their memory is shared with every other kernel; returns how many objects moved.
 
     Only call it where no other thread can be running an operation on those objects (the extension
-    calls it between cells). A tensor written in place since the load keeps its private copy, and the
-    object is then not adopted at all."""
+    calls it between cells). An object written in place since the load keeps its private copy."""
     with _publish_lock:
-        pending, _adoptable[:] = list(_adoptable), []
+        chosen = [p for p in _publications if p.published and (obj is None or p.obj() is obj)]
+        for p in chosen:
+            _publications.remove(p)
     moved = 0
-    for packed, key, ref in pending:
-        obj = ref()
-        if obj is None or not packed.unchanged():
+    for pub in chosen:
+        target = pub.obj()
+        if target is None or pub.packed is None or not pub.packed.unchanged():
             continue
         try:
-            _adopt(packed, key, obj)
+            _adopt(pub.packed, pub.key, target)
             moved += 1
         except (DaemonError, CorruptEntry, OSError):
             continue
     return moved
 
 
+def _settle(obj: Any) -> None:
+    """If `obj` is a result of this process still being published, wait for it and adopt it, so that it
+    can enter another load's key (a base model passed to PeftModel.from_pretrained in the same cell)."""
+    with _publish_lock:
+        pubs = [p for p in _publications if p.obj() is obj]
+    for pub in pubs:
+        if pub.thread is not None:
+            pub.thread.join()
+    if pubs:
+        adopt_published(obj)
+
+
 def _adopt(packed: rebuild.Packed, key: str, obj: Any) -> None:
     import torch
 
     client = shared_client()
-    reply = client.request("lookup", key=key, wait=False, timeout=30)
+    reply = client.request("lookup", key=key, wait=False, adopt=True, timeout=30)
     if reply["status"] != "hit":
         reply.close()
         return
@@ -378,3 +425,52 @@ def _adopt(packed: rebuild.Packed, key: str, obj: Any) -> None:
         _remember(obj, key, packed.graph, pickled_here=True)
     finally:
         reply.close()
+
+
+# -- the patched loaders' entry point --------------------------------------------------------------------
+
+def patched_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """What a patched `from_pretrained` does: the cached call on CPU, then the placement the caller
+    asked for with `device_map` (see Note [Devices])."""
+    try:
+        cpu_kwargs, device = _split_placement(kwargs)
+    except Uncacheable as exc:
+        _fall_back(_label(fn), "uncacheable", str(exc))
+        return fn(*args, **kwargs)
+    obj = _cached_call(fn, args, cpu_kwargs, signature_of=None)
+    if device is not None:
+        obj = _place(obj, device)
+    return obj
+
+
+# Note [Devices]
+# Cached bytes are CPU bytes. A load asked onto one device (`device_map="cuda:0"`, `"cuda"`, `0`,
+# `{"": "cuda:1"}`, or `"auto"` where that means a single device) is cached as the CPU load and moved
+# after the rebuild, so it lands where it would have landed without overmind. A device map that spreads
+# a model over several devices is loaded plainly, and status says so.
+
+def _split_placement(kwargs: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    if kwargs.get("device_map") is None:
+        return kwargs, None
+    import torch
+
+    device_map = kwargs["device_map"]
+    if isinstance(device_map, dict) and set(device_map) == {""}:
+        device_map = device_map[""]
+    if device_map in ("auto", "balanced", "balanced_low_0", "sequential"):
+        count = torch.cuda.device_count()
+        if count > 1:
+            raise Uncacheable(f"device_map={device_map!r} spreads the model over {count} GPUs")
+        device_map = "cuda:0" if count == 1 else "cpu"
+    try:
+        device = torch.device(device_map) if not isinstance(device_map, int) else torch.device("cuda", device_map)
+    except (TypeError, RuntimeError):
+        raise Uncacheable(f"device_map={kwargs['device_map']!r} places parts of the model on different "
+                          "devices") from None
+    rest = {k: v for k, v in kwargs.items() if k != "device_map"}
+    return rest, None if device.type == "cpu" else device
+
+
+def _place(obj: Any, device: Any) -> Any:
+    move = getattr(obj, "to", None)
+    return move(device) if callable(move) else obj

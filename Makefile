@@ -1,0 +1,26 @@
+# The two commands of the README:  make demo  and  make test.  Both create .venv themselves.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# A CPU build of torch lies on these machines' disk; with CUDA, install your own torch into .venv first
+# (it is kept), or run e.g.  make test TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cu124"
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: setup test demo clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install $(TORCH_SPEC)
+	$(PY) -m pip install -e ".[test]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+demo: setup
+	$(PY) scripts/demo.py
+
+clean:
+	rm -rf $(VENV) benchmarks/out

@@ -1,0 +1,37 @@
+"""The loader worker behind `overmind_jupyter.preload`: a fresh process of the kernel's interpreter
+that runs one cached load and publishes it, so that the kernel's own call later is a hit (or waits for
+this load: see Note [Single flight] in store.py).
+
+    python -m kernel_server.worker < job
+
+The job is a pickle written by the kernel that started this worker (the user's own process, DESIGN.md
+invariant 4); it never comes through the daemon. This module imports torch only inside `main`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def main() -> int:
+    import dill
+
+    job = dill.load(sys.stdin.buffer)
+    os.chdir(job["cwd"])
+    sys.path[:0] = [p for p in job["path"] if p not in sys.path]
+
+    from kernel_server.client import shared_client
+    from overmind_jupyter import loading
+
+    shared_client(role="worker", label=f"preload for pid {job['parent']}")
+    kwargs, _device = loading._split_placement(job["kwargs"])  # the cache holds CPU bytes
+    loading.cached(job["fn"], *job["args"], **kwargs)
+    loading.wait_for_publishes()
+    for fallback in loading.fallbacks():
+        print(f"overmind preload: {fallback['call']}: {fallback['reason']}", file=sys.stderr)
+    return 1 if loading.fallbacks() else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""Turning overmind on and off, in any Python process and as an IPython extension.
+
+`enable()` patches the loaders of targets.py and starts the daemon; `disable()` restores every
+original. `load_ipython_extension` builds one `Session` that records everything it installs (the magic,
+the event callback) and `unload_ipython_extension` removes it in reverse, after `disable()`.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Any
+
+from .errors import DaemonError, FallbackWarning
+
+__all__ = ["Session", "disable", "enable", "evict", "is_enabled", "load_ipython_extension", "status",
+           "unload_ipython_extension"]
+
+_lock = threading.Lock()
+_enabled = False
+
+
+def enable(config: Any = None) -> None:
+    """Route `from_pretrained` of transformers, diffusers and peft through the cache, and start the
+    daemon if none runs. Libraries imported later are patched when they are imported.
+
+    Args:
+        config: an `overmind_jupyter.config.Overmind` (default: one read from the environment).
+    """
+    global _enabled
+    from . import loading, targets
+    from .config import Overmind
+
+    (config or Overmind()).apply()
+    with _lock:
+        targets.install(loading.patched_call)
+        _enabled = True
+    try:
+        from kernel_server.client import shared_client
+
+        shared_client()
+    except DaemonError as exc:
+        warnings.warn(f"overmind: no daemon could be started ({exc}); loads run plainly until one can",
+                      FallbackWarning, stacklevel=2)
+
+
+def disable() -> None:
+    """Restore every patched loader exactly (identity of the original descriptors)."""
+    global _enabled
+    from . import targets
+
+    with _lock:
+        _enabled = False
+        errors = targets.uninstall()
+    if errors:
+        raise errors[0]
+
+
+def is_enabled() -> bool:
+    return _enabled
+
+
+def status() -> dict[str, Any]:
+    """The cache as this kernel sees it: the daemon's entries, budget and kernels, this process's
+    fallbacks and pending publishes, and what is patched."""
+    from kernel_server import lifecycle
+    from kernel_server.client import shared_client
+
+    from . import loading, patching
+
+    out: dict[str, Any] = {
+        "enabled": _enabled,
+        "patched": patching.patched(),
+        "fallbacks": loading.fallbacks(),
+        "publishing": loading.publishing(),
+    }
+    try:
+        out["home"] = str(lifecycle.state_dir(create=False))
+        reply = shared_client(spawn=False).request("status", timeout=10)
+        out["daemon"] = {k: v for k, v in reply.payload.items() if k not in ("id", "ok")}
+    except (DaemonError, OSError) as exc:
+        out["daemon"] = None
+        out["daemon_error"] = str(exc)
+    return out
+
+
+def evict(key: str | None = None) -> list[str]:
+    """Evict the entry `key` (or a unique prefix of it), or every entry when `key` is None. Kernels
+    that use an evicted model keep it; the memory goes with the last of them. Returns evicted keys."""
+    from kernel_server.client import shared_client
+
+    client = shared_client(spawn=False)
+    reply = client.request("evict", all=True) if key is None else client.request("evict", key=key)
+    return list(reply["evicted"])
+
+
+def format_status(s: dict[str, Any]) -> str:
+    """`status()` as text, for terminals."""
+    from kernel_server.cli import human_bytes
+
+    lines = [f"overmind {'on' if s['enabled'] else 'off'}; {len(s['patched'])} loaders patched"]
+    d = s.get("daemon")
+    if d is None:
+        lines.append(f"daemon: not running ({s.get('daemon_error', '')})")
+    else:
+        lines.append(f"daemon pid {d['daemon']['pid']} at {d['daemon']['home']}: {human_bytes(d['used'])} of "
+                     f"{human_bytes(d['budget'])} in {len(d['entries'])} entries; "
+                     + ", ".join(f"{k} {v}" for k, v in sorted(d['stats'].items())))
+        for e in d["entries"]:
+            users = ", ".join(str(k["pid"]) for k in e["pinned_by"]) or "-"
+            lines.append(f"  {e['key'][:12]}  {e['meta'].get('label', '')}  {human_bytes(e['bytes'])}  "
+                         f"hits {e['hits']}  used by {users}")
+    if s["publishing"]:
+        lines.append(f"publishing {s['publishing']} entr{'y' if s['publishing'] == 1 else 'ies'} in the background")
+    for f in s["fallbacks"][-10:]:
+        lines.append(f"fallback: {f['call']}: {f['reason']}")
+    return "\n".join(lines)
+
+
+class Session:
+    """Everything the extension installs in one IPython shell, removed in reverse by `close`."""
+
+    def __init__(self, shell: Any) -> None:
+        from .config import Overmind
+        from .magics import OvermindMagics
+
+        self.shell = shell
+        self.config = Overmind(parent=shell)
+        self._threads_at_start = {t.ident for t in threading.enumerate()}
+        self._undo: list[Any] = []
+        shell.register_magics(OvermindMagics(shell, session=self))
+        self._undo.append(lambda: shell.magics_manager.magics["line"].pop("overmind", None))
+        shell.events.register("post_run_cell", self._post_run_cell)
+        self._undo.append(lambda: shell.events.unregister("post_run_cell", self._post_run_cell))
+        if self.config.enabled:
+            enable(self.config)
+
+    def enable(self) -> None:
+        enable(self.config)
+
+    def close(self) -> None:
+        try:
+            disable()
+        finally:
+            while self._undo:
+                undo = self._undo.pop()
+                try:
+                    undo()
+                except (KeyError, ValueError):
+                    pass  # already gone
+
+    def _post_run_cell(self, result: Any) -> None:
+        """Between cells no code of the user runs, unless it started threads: then adopting is left
+        for a later cell (see loading.adopt_published)."""
+        from . import loading
+
+        if not (_enabled and loading.settings.adopt and loading.has_adoptable()):
+            return
+        foreign = [t for t in threading.enumerate()
+                   if t.ident not in self._threads_at_start and not t.name.startswith("overmind-")]
+        if not foreign:
+            loading.adopt_published()
+
+
+_session: Session | None = None
+
+
+def load_ipython_extension(shell: Any) -> None:
+    global _session
+    if _session is not None:
+        return
+    _session = Session(shell)
+
+
+def unload_ipython_extension(shell: Any) -> None:
+    global _session
+    session, _session = _session, None
+    if session is not None:
+        session.close()

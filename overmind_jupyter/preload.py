@@ -1,0 +1,75 @@
+"""`preload`: warm the cache from a background worker process while the kernel goes on."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .errors import OvermindError
+
+__all__ = ["Preload", "preload"]
+
+
+class PreloadError(OvermindError):
+    """A preload worker failed; the message holds the end of its log."""
+
+
+class Preload:
+    """A running preload. The kernel's own call of the same load waits for it instead of loading twice."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], log: Path, label: str) -> None:
+        self._proc = proc
+        self.log = log
+        self.label = label
+        self.pid = proc.pid
+
+    def done(self) -> bool:
+        return self._proc.poll() is not None
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for the worker; raises PreloadError if it could not load or publish."""
+        try:
+            code = self._proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise PreloadError(f"preload of {self.label} still runs after {timeout} s (pid {self.pid})") from None
+        if code != 0:
+            tail = "\n".join(self.log.read_text(errors="replace").splitlines()[-15:])
+            raise PreloadError(f"preload of {self.label} failed (exit {code}); {self.log} ends with:\n{tail}")
+
+    def __repr__(self) -> str:
+        state = "running" if not self.done() else f"exit {self._proc.returncode}"
+        return f"<Preload {self.label} pid {self.pid} {state}>"
+
+
+def preload(owner: Any, *args: Any, **kwargs: Any) -> Preload:
+    """Load `owner.from_pretrained(*args, **kwargs)` (or `owner(*args, **kwargs)` for a callable) into
+    the cache in a background worker started with this interpreter, and return at once.
+
+    Args:
+        owner: a class with `from_pretrained` (`AutoModelForCausalLM`), or a loader callable.
+        *args, **kwargs: the arguments of the load, as you will pass them later.
+
+    Returns:
+        A `Preload`; `.wait()` blocks until the entry is published.
+    """
+    import dill
+
+    from kernel_server import lifecycle
+
+    fn = owner.from_pretrained if isinstance(owner, type) else owner
+    label = f"{getattr(owner, '__name__', type(owner).__name__)}({', '.join(map(repr, args))[:80]})"
+    job = dill.dumps({"fn": fn, "args": args, "kwargs": kwargs, "cwd": os.getcwd(), "path": list(sys.path),
+                      "parent": os.getpid()})
+    home = lifecycle.state_dir()
+    log = home / f"preload-{os.getpid()}-{time.monotonic_ns()}.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "kernel_server.worker"], stdin=subprocess.PIPE,
+                                stdout=out, stderr=out, start_new_session=True, env=dict(os.environ))
+    assert proc.stdin is not None
+    proc.stdin.write(job)
+    proc.stdin.close()
+    return Preload(proc, log, label)

@@ -1,0 +1,162 @@
+"""What `%overmind on` patches: a table of loaders, and the import hook for libraries imported later.
+
+Every entry is a classmethod `from_pretrained` of a base class; subclasses inherit the patched one, so
+`LlamaForCausalLM.from_pretrained` and `AutoModelForCausalLM.from_pretrained` both go through it, keyed
+by the class they were called on.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import importlib.abc
+import importlib.machinery
+import sys
+import threading
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Callable
+
+from . import patching
+
+__all__ = ["TARGETS", "Target", "install", "uninstall"]
+
+
+@dataclass(frozen=True)
+class Target:
+    """`owner.method` in `module`; with `owner="*"`, every class of `module` that derives from
+    `subclasses_of` (a class name of another target) and defines `method` itself."""
+
+    module: str
+    owner: str
+    family: str
+    method: str = "from_pretrained"
+    subclasses_of: str | None = None
+
+
+TARGETS: tuple[Target, ...] = (
+    Target("transformers.modeling_utils", "PreTrainedModel", "transformers"),
+    Target("transformers.models.auto.auto_factory", "_BaseAutoModelClass", "transformers"),
+    # Each Auto model class carries its own copy of the method (transformers' auto_class_update).
+    Target("transformers.models.auto.modeling_auto", "*", "transformers", subclasses_of="_BaseAutoModelClass"),
+    Target("transformers.tokenization_utils_base", "PreTrainedTokenizerBase", "transformers"),
+    Target("transformers.models.auto.tokenization_auto", "AutoTokenizer", "transformers"),
+    Target("transformers.processing_utils", "ProcessorMixin", "transformers"),
+    Target("transformers.models.auto.processing_auto", "AutoProcessor", "transformers"),
+    Target("diffusers.pipelines.pipeline_utils", "DiffusionPipeline", "diffusers"),
+    Target("diffusers.models.modeling_utils", "ModelMixin", "diffusers"),
+    Target("diffusers.schedulers.scheduling_utils", "SchedulerMixin", "diffusers"),
+    Target("peft.peft_model", "PeftModel", "peft"),
+)
+_BY_MODULE: dict[str, list[Target]] = {}
+for _t in TARGETS:
+    _BY_MODULE.setdefault(_t.module, []).append(_t)
+
+# Note [Outermost call only]
+# A patched loader that runs inside another (an Auto class calling the concrete class, a pipeline
+# loading its components, PeftModel loading its base) passes straight through: only the outermost call
+# is cached, and the entry holds the whole result. The flag is a ContextVar, so loads in other threads
+# are independent.
+_inside: contextvars.ContextVar[bool] = contextvars.ContextVar("overmind_inside_loader", default=False)
+
+_call: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any] | None = None
+_lock = threading.Lock()
+
+
+def _cached_classmethod(original: classmethod) -> classmethod:  # type: ignore[type-arg]
+    func = original.__func__
+
+    @functools.wraps(func)
+    def from_pretrained(cls: type, *args: Any, **kwargs: Any) -> Any:
+        bound = original.__get__(None, cls)
+        call = _call
+        if call is None or _inside.get():
+            return bound(*args, **kwargs)
+        token = _inside.set(True)
+        try:
+            return call(bound, args, kwargs)
+        finally:
+            _inside.reset(token)
+
+    from_pretrained.__overmind_original__ = original  # type: ignore[attr-defined]
+    return classmethod(from_pretrained)
+
+
+def _owners(module: ModuleType, target: Target) -> list[type]:
+    if target.owner != "*":
+        owner = getattr(module, target.owner, None)
+        return [owner] if isinstance(owner, type) else []
+    return [cls for cls in vars(module).values()
+            if isinstance(cls, type) and cls.__module__ == module.__name__
+            and any(base.__name__ == target.subclasses_of for base in cls.__mro__[1:])]
+
+
+def _patch_module(module: ModuleType) -> None:
+    for target in _BY_MODULE.get(module.__name__, ()):
+        for owner in _owners(module, target):
+            if isinstance(owner.__dict__.get(target.method), classmethod):
+                patching.patch(owner, target.method, _cached_classmethod)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Patches a target module right after it is first executed."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in _BY_MODULE:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                loader = spec.loader
+                spec.loader = _PatchingLoader(loader)
+                return spec
+        return None
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self.loader.exec_module(module)
+        if _call is not None:
+            _patch_module(module)
+
+    def __getattr__(self, name: str) -> Any:  # get_resource_reader, get_source, ... of the real loader
+        return getattr(self.loader, name)
+
+
+_finder = _Finder()
+
+
+def install(call: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]) -> list[str]:
+    """Patch every target whose module is imported, and the others when they are; loads then go to
+    `call(bound_loader, args, kwargs)`. Returns what is patched now."""
+    global _call
+    with _lock:
+        _call = call
+        if _finder not in sys.meta_path:
+            sys.meta_path.insert(0, _finder)
+        for name in _BY_MODULE:
+            module = sys.modules.get(name)
+            if module is not None:
+                _patch_module(module)
+    return patching.patched()
+
+
+def uninstall() -> list[BaseException]:
+    """Remove the import hook and restore every patched loader."""
+    global _call
+    with _lock:
+        _call = None
+        try:
+            if _finder in sys.meta_path:
+                sys.meta_path.remove(_finder)
+        finally:
+            errors = patching.unpatch_all()
+    return errors

@@ -1,0 +1,338 @@
+"""The IPython extension and the patched loaders: lifecycle, reversibility, keys, families, restarts."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from overmind_jupyter import demo_models
+from snippets import last_json, run_py
+
+TESTS = str(Path(__file__).resolve().parent)
+
+
+@pytest.fixture
+def shell(overmind_home: Path):
+    """A real IPython shell with the extension loaded; everything is unloaded afterwards."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    ip = InteractiveShell.instance()
+    ip.run_line_magic("load_ext", "overmind_jupyter")
+    yield ip
+    ip.run_line_magic("unload_ext", "overmind_jupyter")
+
+
+def loader_descriptors() -> dict[str, object]:
+    """Every `from_pretrained` descriptor our targets can touch, as the classes hold them now."""
+    import diffusers
+    import peft
+    import transformers
+    from transformers.models.auto import modeling_auto
+
+    classes = [transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase, transformers.AutoTokenizer,
+               transformers.AutoProcessor, transformers.ProcessorMixin, transformers.LlamaForCausalLM,
+               diffusers.DiffusionPipeline, diffusers.ModelMixin, diffusers.SchedulerMixin, diffusers.UNet2DModel,
+               peft.PeftModel, peft.PeftModelForCausalLM]
+    classes += [c for c in vars(modeling_auto).values() if isinstance(c, type) and c.__name__.startswith("Auto")]
+    return {f"{c.__module__}.{c.__qualname__}": c.__dict__.get("from_pretrained") for c in classes}
+
+
+def test_on_off_restores_every_descriptor_and_reload_is_idempotent(shell, overmind_home: Path) -> None:
+    import transformers
+
+    before = loader_descriptors()
+    original_signature = inspect.signature(transformers.AutoModelForCausalLM.from_pretrained)
+    shell.run_line_magic("overmind", "on")
+    during = loader_descriptors()
+    changed = [name for name in before if during[name] is not before[name]]
+    assert "transformers.modeling_utils.PreTrainedModel" in changed
+    assert "transformers.models.auto.modeling_auto.AutoModelForCausalLM" in changed
+    assert "peft.peft_model.PeftModel" in changed and "diffusers.pipelines.pipeline_utils.DiffusionPipeline" in changed
+    assert during["transformers.models.llama.modeling_llama.LlamaForCausalLM"] is None, "inherited, not copied"
+    wrapper = transformers.AutoModelForCausalLM.from_pretrained
+    assert wrapper.__name__ == "from_pretrained" and wrapper.__doc__ == before[
+        "transformers.models.auto.modeling_auto.AutoModelForCausalLM"].__func__.__doc__
+    assert inspect.signature(wrapper) == original_signature
+    for _ in range(2):
+        shell.run_line_magic("reload_ext", "overmind_jupyter")
+        shell.run_line_magic("overmind", "on")
+    assert loader_descriptors() == during or all(
+        type(loader_descriptors()[n]) is type(during[n]) for n in during), "reload patches once"
+    callbacks = [cb for cb in shell.events.callbacks["post_run_cell"] if "overmind" in repr(cb)]
+    assert len(callbacks) == 1, "reload does not stack callbacks"
+    shell.run_line_magic("overmind", "off")
+    after = loader_descriptors()
+    assert all(after[name] is before[name] for name in before), "every original descriptor is back"
+    shell.run_line_magic("overmind", "on")
+    shell.run_line_magic("unload_ext", "overmind_jupyter")
+    assert all(loader_descriptors()[name] is before[name] for name in before)
+    assert "overmind" not in shell.magics_manager.magics["line"]
+    shell.run_line_magic("load_ext", "overmind_jupyter")  # for the fixture's unload
+
+
+def test_libraries_imported_after_on_are_patched(overmind_home: Path) -> None:
+    out = last_json(run_py("""
+        import json, sys
+        import overmind_jupyter
+        overmind_jupyter.enable()
+        assert "peft" not in sys.modules and "diffusers" not in sys.modules
+        import peft, diffusers
+        print(json.dumps({
+            "peft": hasattr(peft.PeftModel.__dict__["from_pretrained"].__func__, "__overmind_original__"),
+            "pipeline": hasattr(diffusers.DiffusionPipeline.__dict__["from_pretrained"].__func__, "__overmind_original__"),
+        }))
+    """))
+    assert out == {"peft": True, "pipeline": True}
+
+
+def test_import_is_light() -> None:
+    out = last_json(run_py("""
+        import json, sys
+        import overmind_jupyter, kernel_server
+        heavy = [m for m in ("torch", "transformers", "diffusers", "peft", "IPython") if m in sys.modules]
+        print(json.dumps(heavy))
+    """))
+    assert out == []
+
+
+FAMILIES = """
+    import json, os, sys, torch
+    import overmind_jupyter
+    from overmind_jupyter import loading, rebuild
+    overmind_jupyter.enable()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from diffusers import DiffusionPipeline
+    from peft import PeftModel
+    paths = json.loads(os.environ["PATHS"])
+    base = AutoModelForCausalLM.from_pretrained(paths["llama"], dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(paths["tokenizer"])
+    pipe = DiffusionPipeline.from_pretrained(paths["pipeline"])
+    peft_model = PeftModel.from_pretrained(base, paths["fr"], adapter_name="fr")
+    peft_model.load_adapter(paths["de"], adapter_name="de")
+    ids = torch.tensor([tok("hello world the model").input_ids])
+    with torch.no_grad():
+        out = {"llama": base(ids).logits.sum().item() if False else None}
+        peft_model.set_adapter("fr")
+        fr = peft_model(ids).logits.double().sum().item()
+        peft_model.set_adapter("de")
+        de = peft_model(ids).logits.double().sum().item()
+        image = pipe("hello world", num_inference_steps=2, height=16, width=16, output_type="np",
+                     generator=torch.manual_seed(0)).images
+    loading.wait_for_publishes(60)
+    status = overmind_jupyter.status()
+    print(json.dumps({
+        "ids": ids.tolist(), "fr": fr, "de": de, "image": float(image.sum()),
+        "arena": [rebuild.entry_of(next(m.parameters()).data_ptr()) is not None
+                  for m in (base, pipe.unet, pipe.text_encoder, peft_model)],
+        "labels": sorted(e["meta"]["label"].split("(")[0] for e in status["daemon"]["entries"]),
+        "hits": status["daemon"]["stats"].get("hits", 0), "fallbacks": loading.fallbacks(),
+    }))
+"""
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("families")
+    llama = demo_models.build_llama(root / "llama", "tiny")
+    adapters = demo_models.build_lora_adapters(llama, root / "lora", ("fr", "de"))
+    return {"llama": str(llama), "tokenizer": str(demo_models.build_tokenizer(root / "tokenizer")),
+            "pipeline": str(demo_models.build_sd_pipeline(root / "sd")),
+            "fr": str(adapters["fr"]), "de": str(adapters["de"])}
+
+
+def test_every_family_is_a_hit_in_the_next_process(overmind_home: Path, checkpoints: dict[str, str]) -> None:
+    env = dict(os.environ, PATHS=json.dumps(checkpoints))
+    miss = last_json(run_py(FAMILIES, env=env, timeout=300))
+    hit = last_json(run_py(FAMILIES, env=env, timeout=300))
+    assert not miss["fallbacks"] and not hit["fallbacks"]
+    assert miss["labels"] == ["AutoModelForCausalLM.from_pretrained", "AutoTokenizer.from_pretrained",
+                              "DiffusionPipeline.from_pretrained", "PeftModel.from_pretrained"], \
+        "one entry per outermost call: nested loads (components, the concrete class) pass through"
+    assert hit["hits"] == 4 and all(hit["arena"]), "the second process got all four from shared memory"
+    for name in ("ids", "fr", "de", "image"):
+        assert hit[name] == miss[name], name
+    assert miss["fr"] != miss["de"], "the adapters differ, so the comparison means something"
+
+
+def test_a_rewritten_checkpoint_is_loaded_fresh(overmind_home: Path, tmp_path: Path) -> None:
+    code = """
+        import json, sys, torch
+        import overmind_jupyter
+        from overmind_jupyter import loading
+        overmind_jupyter.enable()
+        from transformers import AutoModelForCausalLM
+        m = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
+        overmind_jupyter.disable()
+        plain = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
+        ids = torch.arange(8)[None]
+        with torch.no_grad():
+            a, b = m(ids).logits.double().sum().item(), plain(ids).logits.double().sum().item()
+        loading.wait_for_publishes(30)
+        print(json.dumps({"cached": a, "plain": b, "entries": len(overmind_jupyter.status()["daemon"]["entries"])}))
+    """.replace("sys.argv[1]", repr(str(tmp_path / "model")))
+    demo_models.build_llama(tmp_path / "model", "tiny", seed=1)
+    first = last_json(run_py(code))
+    shutil.rmtree(tmp_path / "model")
+    demo_models.build_llama(tmp_path / "model", "tiny", seed=2)  # rewritten in place
+    second = last_json(run_py(code))
+    assert first["cached"] == first["plain"] and second["cached"] == second["plain"]
+    assert second["cached"] != first["cached"], "the rewritten checkpoint was served stale"
+    assert second["entries"] == 2
+
+
+def test_the_same_relative_path_from_two_cwds_gives_two_entries(overmind_home: Path, tmp_path: Path) -> None:
+    for name, seed in (("a", 1), ("b", 2)):
+        demo_models.build_llama(tmp_path / name / "model", "tiny", seed=seed)
+    code = """
+        import json, torch, overmind_jupyter
+        from overmind_jupyter import loading
+        overmind_jupyter.enable()
+        from transformers import AutoModelForCausalLM
+        m = AutoModelForCausalLM.from_pretrained("model", dtype=torch.float32)
+        loading.wait_for_publishes(30)
+        with torch.no_grad():
+            print(json.dumps({"out": m(torch.arange(8)[None]).logits.double().sum().item(),
+                              "keys": sorted(e["key"] for e in overmind_jupyter.status()["daemon"]["entries"])}))
+    """
+    a = last_json(run_py(code, cwd=tmp_path / "a"))
+    b = last_json(run_py(code, cwd=tmp_path / "b"))
+    assert a["out"] != b["out"] and len(b["keys"]) == 2
+
+
+def test_an_exception_in_the_original_load_propagates_and_leaves_nothing(shell, overmind_home: Path,
+                                                                         tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    missing = tmp_path / "no-such-model"
+    missing.mkdir()
+    with pytest.raises(Exception) as plain:
+        AutoModelForCausalLM.from_pretrained(str(missing))
+    shell.run_line_magic("overmind", "on")
+    with pytest.raises(type(plain.value)):
+        AutoModelForCausalLM.from_pretrained(str(missing))
+    state = shell.run_line_magic("overmind", "status --json")
+    assert state["daemon"]["entries"] == [] and state["daemon"]["loading"] == []
+
+
+def test_uncacheable_argument_loads_plainly_and_status_says_why(shell, tiny_llama: Path, overmind_home: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from overmind_jupyter.errors import FallbackWarning
+
+    plain = AutoModelForCausalLM.from_pretrained(str(tiny_llama))
+    shell.run_line_magic("overmind", "on")
+    with pytest.warns(FallbackWarning, match="no canonical form"):
+        model = type(plain).from_pretrained(None, config=plain.config, state_dict=plain.state_dict())
+    assert model is not None
+    state = shell.run_line_magic("overmind", "status --json")
+    assert any("state_dict" in f["reason"] for f in state["fallbacks"])
+    assert any("state_dict" in f["reason"] for f in state["daemon"]["fallbacks"]), "the daemon heard of it too"
+
+
+def test_cpu_device_maps_share_the_cpu_entry(shell, tiny_llama: Path, overmind_home: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from overmind_jupyter import loading
+
+    shell.run_line_magic("overmind", "on")
+    AutoModelForCausalLM.from_pretrained(str(tiny_llama))
+    loading.wait_for_publishes(30)
+    for device_map in ("cpu", {"": "cpu"}, "auto"):
+        model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), device_map=device_map)
+        assert next(model.parameters()).device.type == "cpu"
+    state = shell.run_line_magic("overmind", "status --json")
+    assert len(state["daemon"]["entries"]) == 1 and state["daemon"]["stats"]["hits"] == 3
+
+
+@pytest.mark.gpu
+def test_a_cuda_device_map_lands_on_the_gpu(shell, tiny_llama: Path, overmind_home: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    shell.run_line_magic("overmind", "on")
+    plain = AutoModelForCausalLM.__dict__  # noqa: F841 (keeps the import obvious)
+    for _ in range(2):
+        model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), device_map="cuda:0")
+        assert all(p.device == torch.device("cuda", 0) for p in model.parameters())
+
+
+def test_preload_warms_the_cache_from_a_worker(overmind_home: Path, tiny_llama: Path) -> None:
+    import overmind_jupyter
+    from transformers import AutoModelForCausalLM
+
+    handle = overmind_jupyter.preload(AutoModelForCausalLM, str(tiny_llama), dtype=torch.float32)
+    handle.wait(120)
+    from overmind_jupyter import loading
+
+    model = loading.cached(AutoModelForCausalLM.from_pretrained, str(tiny_llama), dtype=torch.float32)
+    status = overmind_jupyter.status()["daemon"]
+    assert status["stats"]["hits"] == 1 and status["stats"]["misses"] == 1, "the worker loaded, we hit"
+    from overmind_jupyter import rebuild
+
+    assert rebuild.entry_of(next(model.parameters()).data_ptr()) is not None
+
+
+def test_config_and_env_override(overmind_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from traitlets.config import Config
+
+    from overmind_jupyter.config import Overmind
+
+    cfg = Config()
+    cfg.Overmind.enabled = True
+    cfg.Overmind.wait_timeout = 5.0
+    assert Overmind(config=cfg).enabled and Overmind(config=cfg).wait_timeout == 5.0
+    monkeypatch.setenv("OVERMIND_ENABLED", "0")
+    monkeypatch.setenv("OVERMIND_WAIT_TIMEOUT", "7")
+    assert not Overmind(config=cfg).enabled and Overmind(config=cfg).wait_timeout == 7.0
+
+
+def test_kernel_restart_gives_a_hit_with_equal_outputs(overmind_home: Path, tiny_llama: Path) -> None:
+    from jupyter_client.manager import start_new_kernel
+
+    cell = f"""
+import torch
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained({str(tiny_llama)!r}, dtype=torch.float32)
+with torch.no_grad():
+    out = model(torch.arange(10)[None]).logits.double().sum().item()
+import overmind_jupyter
+overmind_jupyter.loading.wait_for_publishes(60)
+print(repr(out), overmind_jupyter.status()["daemon"]["stats"].get("hits", 0), len(overmind_jupyter.loading.fallbacks()))
+"""
+    km, kc = start_new_kernel(kernel_name="python3", env=dict(os.environ))
+    try:
+        outputs = []
+        for attempt in range(2):
+            if attempt:
+                km.restart_kernel(now=True)
+                kc.wait_for_ready(timeout=60)
+            run(kc, "%load_ext overmind_jupyter\n%overmind on")
+            outputs.append(run(kc, cell).split())
+        (first, hits_before, fb1), (second, hits_after, fb2) = outputs
+        assert first == second, "the restarted kernel computes the same logits"
+        assert int(hits_after) == int(hits_before) + 1 and fb1 == fb2 == "0"
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+def run(kc, code: str) -> str:  # type: ignore[no-untyped-def]
+    """Execute `code` in the kernel; return its stdout, raise on error."""
+    msg_id = kc.execute(code)
+    out = []
+    while True:
+        msg = kc.get_iopub_msg(timeout=120)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        if msg["msg_type"] == "stream" and msg["content"]["name"] == "stdout":
+            out.append(msg["content"]["text"])
+        elif msg["msg_type"] == "error":
+            raise AssertionError("\n".join(msg["content"]["traceback"]))
+        elif msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            return "".join(out)
