@@ -154,6 +154,7 @@ class Session:
         for a later cell (see loading.adopt_published)."""
         from . import loading
 
+        loading.flush_warnings()
         if not (_enabled and loading.settings.adopt and loading.has_adoptable()):
             return
         foreign = [t for t in threading.enumerate()

@@ -57,6 +57,7 @@ class CallKey:
     label: str
     meta: dict[str, Any]
     deps: list[str] = field(default_factory=list)
+    references: dict[str, Any] = field(default_factory=dict, repr=False)  # argument name -> cached result
     document: dict[str, Any] = field(default_factory=dict, repr=False)
 
 
@@ -82,6 +83,9 @@ def make_key(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
     qualified, short, package = owner_name(fn)
     cwd = cwd or os.getcwd()
     arguments = _bind(signature_of or fn, args, kwargs)
+    owner = getattr(fn, "__self__", None)
+    if owner is not None and not isinstance(owner, type):
+        arguments["self"] = owner  # a method of a loaded object (load_adapter): the object is an input
     canon = _Canonical(cwd)
     doc_args = {}
     for name in sorted(arguments):
@@ -105,7 +109,7 @@ def make_key(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
         "source": canon.source_label,
         "dtype": _dtype_label(arguments).removeprefix(", dtype=") or None,
     }
-    return CallKey(key, meta["label"], meta, canon.deps, document)
+    return CallKey(key, meta["label"], meta, canon.deps, canon.references, document)
 
 
 def _bind(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -170,6 +174,7 @@ class _Canonical:
     def __init__(self, cwd: str) -> None:
         self.cwd = cwd
         self.deps: list[str] = []
+        self.references: dict[str, Any] = {}
         self.source_label: str | None = None
         self._active: set[int] = set()
 
@@ -247,6 +252,8 @@ class _Canonical:
                 key, _label = found
                 if key not in self.deps:
                     self.deps.append(key)
+                if depth == 0:
+                    self.references[name] = v
                 return {"entry": key}
         to_dict = getattr(v, "to_dict", None)
         if callable(to_dict) and not isinstance(v, type):
@@ -258,9 +265,10 @@ class _Canonical:
         config = getattr(v, "config", None)
         if _is_scheduler(v) and isinstance(config, dict):
             return {"object": _qualname(v), "config": self.value(name, dict(config), depth + 1)}
-        raise Uncacheable(
-            f"argument {name} of type {_qualname(v)} has no canonical form for a cache key"
-        )
+        if callable(getattr(v, "named_modules", None)) or callable(getattr(v, "save_pretrained", None)):
+            raise Uncacheable(f"argument {name} ({_qualname(v)}) is not a cached result, or changed since it was "
+                              "loaded, so this call has no canonical form for a cache key")
+        raise Uncacheable(f"argument {name} of type {_qualname(v)} has no canonical form for a cache key")
 
 
 def _qualname(v: Any) -> str:

@@ -32,7 +32,9 @@ __all__ = [
     "Settings",
     "adopt_published",
     "cached",
+    "clear_fallbacks",
     "fallbacks",
+    "flush_warnings",
     "has_adoptable",
     "patched_call",
     "publishing",
@@ -68,12 +70,33 @@ def fallbacks() -> list[dict[str, Any]]:
     return list(_fallbacks)
 
 
+_deferred_warnings: collections.deque[str] = collections.deque(maxlen=20)
+
+
 def _fall_back(label: str, kind: str, reason: str) -> None:
     _fallbacks.append({"time": time.time(), "call": label, "kind": kind, "reason": reason})
     _report(label, kind, reason)
-    if kind not in _warned:
-        _warned.add(kind)
-        warnings.warn(f"overmind: {label} loads without the cache: {reason}", FallbackWarning, stacklevel=4)
+    if kind in _warned:
+        return
+    _warned.add(kind)
+    message = f"overmind: {label} loads without the cache: {reason}"
+    if threading.current_thread() is threading.main_thread():
+        warnings.warn(message, FallbackWarning, stacklevel=4)
+    else:  # a background publish: warn in the user's thread, at its next load or cell
+        _deferred_warnings.append(message)
+
+
+def clear_fallbacks() -> None:
+    """Forget this process's fallbacks, and warn again for every reason."""
+    _fallbacks.clear()
+    _warned.clear()
+    _deferred_warnings.clear()
+
+
+def flush_warnings() -> None:
+    """Emit the warnings of background publishes (called at each load and after each cell)."""
+    while _deferred_warnings:
+        warnings.warn(_deferred_warnings.popleft(), FallbackWarning, stacklevel=3)
 
 
 def _report(label: str, kind: str, reason: str) -> None:
@@ -90,42 +113,104 @@ def _report(label: str, kind: str, reason: str) -> None:
 # -- results this process got from the cache ----------------------------------------------------------
 
 @dataclass
+class _Replay:
+    """The arguments of a call that its entry replays onto (see Note [Argument replay] in rebuild.py):
+    the cached results it was given, and every module inside them by path."""
+
+    roots: list[Any]
+    paths: dict[str, Any]
+
+    @classmethod
+    def of(cls, references: dict[str, Any]) -> _Replay:
+        """The replay of a call given its referenced arguments (keys.CallKey.references)."""
+        paths: dict[str, Any] = {}
+        for name, obj in references.items():
+            modules = getattr(obj, "named_modules", None)
+            pairs = modules() if callable(modules) else [("", obj)]
+            for sub, module in pairs:
+                paths.setdefault(f"{name}/{sub}", module)
+        return cls(list(references.values()), paths)
+
+    @property
+    def substitutes(self) -> dict[int, str]:
+        return {id(obj): path for path, obj in self.paths.items()}
+
+
+_NO_REPLAY = _Replay([], {})
+
+
+@dataclass
 class _Result:
+    """What an entry holds, as live objects of this process: the call's result and the arguments it
+    replayed onto. Every one of them is registered as belonging to the entry."""
+
     key: str
     graph: bytes
-    pickled_here: bool  # `graph` was pickled from this very object (a published and adopted miss)
+    pickled_here: bool  # `graph` was pickled from these very objects (a published and adopted miss)
+    result: Callable[[], Any]  # a weak reference, or a strong one for a small unweakrefable result
+    roots: list[weakref.ref[Any]]
+    paths: dict[str, weakref.ref[Any]]
+
+    def live(self) -> tuple[Any, _Replay] | None:
+        result = self.result()
+        roots = [r() for r in self.roots]
+        paths = {p: r() for p, r in self.paths.items()}
+        if result is None and self.roots == [] or any(o is None for o in [*roots, *paths.values()]):
+            return None
+        return result, _Replay(roots, paths)
 
 
 _results: weakref.WeakKeyDictionary[Any, _Result] = weakref.WeakKeyDictionary()
 
 
-def _remember(obj: Any, key: str, graph: bytes, *, pickled_here: bool) -> None:
+def _reference(obj: Any, replay: _Replay) -> Callable[[], Any]:
+    """A weak reference to a call's result; a strong one to the small return value of a method that
+    loads into its object (load_adapter), which nothing else would keep for the next reference check."""
     if _weakable(obj):
-        _results[obj] = _Result(key, graph, pickled_here)
+        return weakref.ref(obj)
+    if replay.roots:
+        return lambda: obj
+    return lambda: None
+
+
+def _remember(obj: Any, key: str, graph: bytes, replay: _Replay, *, pickled_here: bool) -> None:
+    if not all(_weakable(o) for o in replay.paths.values()):
+        return
+    result = _reference(obj, replay)
+    if result() is None and obj is not None:
+        return
+    info = _Result(key, graph, pickled_here, result, [weakref.ref(o) for o in replay.roots],
+                   {p: weakref.ref(o) for p, o in replay.paths.items()})
+    for member in [obj, *replay.roots]:
+        if _weakable(member):
+            _results[member] = info
 
 
 def result_key(obj: Any) -> str | None:
-    """The entry `obj` was rebuilt from (or published and adopted as), if it is unchanged since; else
-    None. See Note [References]."""
+    """The entry `obj` belongs to (it was rebuilt from it, published and adopted as it, or changed by
+    the call it holds), if it is unchanged since; else None. See Note [References]."""
     _settle(obj)
     try:
         info = _results.get(obj)
     except TypeError:
         return None
-    if info is None:
+    live = info.live() if info is not None else None
+    if info is None or live is None:
         return None
+    result, replay = live
     try:
-        live = rebuild.pack(obj, self_key=info.key)
-        if live.own:
+        packed = rebuild.pack((result, replay.roots), self_key=info.key, substitutes=replay.substitutes)
+        if packed.own:
             return None  # a storage is not, or no longer, the entry's bytes
         if info.pickled_here:
             expected = info.graph
         else:
-            expected = rebuild.pack(rebuild.skeleton(info.graph, info.key), self_key=info.key,
-                                    trust_mappings=True).graph
+            as_stored, placeholders = rebuild.skeleton(info.graph, info.key)
+            expected = rebuild.pack(as_stored, self_key=info.key, trust_mappings=True,
+                                    substitutes=placeholders).graph
     except (PackError, CorruptEntry):
         return None
-    return info.key if live.graph == expected else None
+    return info.key if packed.graph == expected else None
 
 
 # Note [References]
@@ -178,6 +263,7 @@ def cached(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], *,
                  signature_of: Callable[..., Any] | None) -> Any:
+    flush_warnings()
     label = _label(fn)
     try:
         ck = keys.make_key(fn, args, kwargs, signature_of=signature_of)
@@ -188,6 +274,7 @@ def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
         _fall_back(label, "key_error", f"{type(exc).__name__}: {exc}")
         return fn(*args, **kwargs)
     label = ck.label
+    replay = _Replay.of(ck.references) if ck.references else _NO_REPLAY
     try:
         client = shared_client()
         reply = client.request("lookup", key=ck.key, wait=True, timeout=settings.wait_timeout)
@@ -196,7 +283,7 @@ def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
         return fn(*args, **kwargs)
     if reply["status"] == "hit":
         try:
-            return _from_hit(client, ck, reply)
+            return _from_hit(client, ck, reply, replay)
         except CorruptEntry as exc:
             _evict_quietly(client, ck.key)
             _fall_back(label, "corrupt", f"{exc}; the entry was evicted")
@@ -209,7 +296,7 @@ def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
     except BaseException:
         _abandon(client, ck.key)
         raise
-    _start_publish(client, ck, obj)
+    _start_publish(client, ck, obj, replay)
     return obj
 
 
@@ -217,7 +304,7 @@ def _label(fn: Callable[..., Any]) -> str:
     return f"{keys.owner_name(fn)[1]}(...)"
 
 
-def _from_hit(client: Client, ck: keys.CallKey, reply: Response) -> Any:
+def _from_hit(client: Client, ck: keys.CallKey, reply: Response, replay: _Replay) -> Any:
     entries = reply["entries"]
     fds = reply.fds
     reply.fds = []
@@ -231,14 +318,15 @@ def _from_hit(client: Client, ck: keys.CallKey, reply: Response) -> Any:
             _unpins.put((client, key))
 
         try:
-            obj = rebuild.rebuild(graph, arenas, ck.key, on_unmap=unpin, populate=settings.populate)
+            obj, _roots = rebuild.rebuild(graph, arenas, ck.key, on_unmap=unpin, populate=settings.populate,
+                                          arguments=replay.paths)
         except BaseException:
             for e in entries:
                 unpin(e["key"])
             raise
     finally:
         close_fds(fds)
-    _remember(obj, ck.key, graph, pickled_here=False)
+    _remember(obj, ck.key, graph, replay, pickled_here=False)
     return obj
 
 
@@ -265,6 +353,7 @@ class _Publication:
     key: str
     packed: rebuild.Packed | None
     obj: Callable[[], Any]  # a weak reference
+    replay: _Replay
     thread: threading.Thread | None = None
     published: bool = False
 
@@ -274,15 +363,14 @@ _exiting = threading.Event()
 _publish_lock = threading.Lock()
 
 
-def _start_publish(client: Client, ck: keys.CallKey, obj: Any) -> None:
+def _start_publish(client: Client, ck: keys.CallKey, obj: Any, replay: _Replay) -> None:
     try:
-        packed = rebuild.pack(obj)
+        packed = rebuild.pack((obj, replay.roots), substitutes=replay.substitutes)
     except PackError as exc:
         _abandon(client, ck.key)
         _fall_back(ck.label, "unpicklable", f"{exc}; it was loaded normally and will not be cached")
         return
-    ref = weakref.ref(obj) if _weakable(obj) else (lambda: None)
-    pub = _Publication(ck.key, packed, ref)
+    pub = _Publication(ck.key, packed, _reference(obj, replay), replay)
     with _publish_lock:
         _publications.append(pub)
     if not settings.background_publish:
@@ -370,7 +458,8 @@ def adopt_published(obj: Any = None) -> int:
     Only call it where no other thread can be running an operation on those objects (the extension
     calls it between cells). An object written in place since the load keeps its private copy."""
     with _publish_lock:
-        chosen = [p for p in _publications if p.published and (obj is None or p.obj() is obj)]
+        chosen = [p for p in _publications if p.published and (
+            obj is None or p.obj() is obj or any(r is obj for r in p.replay.roots))]
         for p in chosen:
             _publications.remove(p)
     moved = 0
@@ -379,7 +468,7 @@ def adopt_published(obj: Any = None) -> int:
         if target is None or pub.packed is None or not pub.packed.unchanged():
             continue
         try:
-            _adopt(pub.packed, pub.key, target)
+            _adopt(pub.packed, pub.key, target, pub.replay)
             moved += 1
         except (DaemonError, CorruptEntry, OSError):
             continue
@@ -390,7 +479,7 @@ def _settle(obj: Any) -> None:
     """If `obj` is a result of this process still being published, wait for it and adopt it, so that it
     can enter another load's key (a base model passed to PeftModel.from_pretrained in the same cell)."""
     with _publish_lock:
-        pubs = [p for p in _publications if p.obj() is obj]
+        pubs = [p for p in _publications if p.obj() is obj or any(r is obj for r in p.replay.roots)]
     for pub in pubs:
         if pub.thread is not None:
             pub.thread.join()
@@ -398,7 +487,7 @@ def _settle(obj: Any) -> None:
         adopt_published(obj)
 
 
-def _adopt(packed: rebuild.Packed, key: str, obj: Any) -> None:
+def _adopt(packed: rebuild.Packed, key: str, obj: Any, replay: _Replay) -> None:
     import torch
 
     client = shared_client()
@@ -422,7 +511,7 @@ def _adopt(packed: rebuild.Packed, key: str, obj: Any) -> None:
                 if new is not None and t.device.type == "cpu":
                     typed = torch.storage.TypedStorage(wrap_storage=new, dtype=t.dtype, _internal=True)
                     t.set_(typed, t.storage_offset(), t.size(), t.stride())
-        _remember(obj, key, packed.graph, pickled_here=True)
+        _remember(obj, key, packed.graph, replay, pickled_here=True)
     finally:
         reply.close()
 

@@ -200,13 +200,39 @@ def _dtype(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _dill_pickler(f: io.BytesIO) -> Any:
+# Note [Argument replay]
+# A load may change its arguments in place: PeftModel.from_pretrained injects LoRA layers into the base
+# model it is given, load_adapter adds an adapter to the model it is called on. Such an entry is packed
+# with every module of those arguments (`substitutes`: id -> path such as "model/layers.0.mlp") reduced
+# to `_argument(path, cls)` plus its state after the call. A hit rebuilds onto the caller's own argument
+# objects (`arguments`: path -> object): each keeps its identity and receives the state the load gave it,
+# as the plain call would have done. Their previous state is journaled first and put back if the
+# rebuild fails, so a failed hit leaves the arguments as they were for the plain load that follows.
+
+
+def _substituting(base: type) -> type:
+    class Substituting(base):  # type: ignore[misc, valid-type]
+        substitutes: dict[int, str] = {}
+
+        def reducer_override(self, obj: Any) -> Any:
+            path = self.substitutes.get(id(obj))
+            if path is None:
+                return NotImplemented
+            reduced = obj.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+            return (_argument, (path, type(obj)), *reduced[2:])
+
+    return Substituting
+
+
+def _picklers() -> list[tuple[str, type]]:
+    """The C pickler, and dill (slower, for closures and lambdas) when the C pickler fails."""
     import dill
 
-    return dill.Pickler(f, protocol=pickle.HIGHEST_PROTOCOL, recurse=True)
+    return [("pickle", pickle.Pickler), ("dill", dill.Pickler)]
 
 
-def pack(obj: Any, *, self_key: str | None = None, trust_mappings: bool = False) -> Packed:
+def pack(obj: Any, *, self_key: str | None = None, trust_mappings: bool = False,
+         substitutes: dict[int, str] | None = None) -> Packed:
     """Pickle `obj`'s graph, placing its storages; nothing is copied yet. Raises PackError.
 
     Args:
@@ -215,14 +241,19 @@ def pack(obj: Any, *, self_key: str | None = None, trust_mappings: bool = False)
             entry's own graph (for comparing a rebuilt object with its entry, see Note [References]
             in loading.py).
         trust_mappings: skip the check that mapped pages were not written (right after a rebuild).
+        substitutes: objects (by id) to pack as arguments of the call, by path (see Note [Argument
+            replay]).
     """
     errors = []
-    for name, make in (("pickle", lambda f: pickle.Pickler(f, protocol=pickle.HIGHEST_PROTOCOL)),
-                       ("dill", _dill_pickler)):
+    for name, cls in _picklers():
         buf = io.BytesIO()
         buf.write(_FORMAT.to_bytes(1, "little"))
         placer = _Placer(self_key, trust_mappings)
-        pickler = make(buf)
+        if substitutes:
+            pickler = _substituting(cls)(buf, protocol=pickle.HIGHEST_PROTOCOL)
+            pickler.substitutes = substitutes
+        else:
+            pickler = cls(buf, protocol=pickle.HIGHEST_PROTOCOL)
         pickler.dispatch_table = placer.dispatch_table()
         try:
             pickler.dump(obj)
@@ -271,12 +302,16 @@ def map_storages(packed: Packed, ref: ArenaRef, on_unmap: Callable[[str], None])
 _current = threading.local()
 
 
-def skeleton(graph: bytes, own_key: str) -> Any:
+def skeleton(graph: bytes, own_key: str) -> tuple[Any, dict[int, str]]:
     """Unpickle a packed graph over the mappings of its arenas that this process already has: the
-    object as its entry holds it, sharing the live objects' bytes. Packing it and packing a live
-    object in this same process pickle alike exactly when the object still is what the entry holds
-    (see Note [References] in loading.py). Raises CorruptEntry, also when no mapping is alive."""
-    return _unpickle(graph, _Rebuild(None, own_key, lambda key: None, populate=False))
+    object as its entry holds it, sharing the live objects' bytes, with fresh placeholders for the
+    call's arguments (returned as substitutes for `pack`). Packing it and packing a live object in
+    this same process pickle alike exactly when the object still is what the entry holds (see Note
+    [References] in loading.py). Raises CorruptEntry, also when no mapping is alive."""
+    state = _Rebuild(None, own_key, lambda key: None, populate=False)
+    state.placeholders = {}
+    obj = _unpickle(graph, state)
+    return obj, {id(o): path for path, o in state.placeholders.items()}
 
 
 class _Rebuild:
@@ -291,6 +326,25 @@ class _Rebuild:
         self.maps: dict[str, mmap.mmap] = {}
         self.starts: dict[str, int] = {}
         self.storages: dict[tuple[str, int, int, str], torch.UntypedStorage] = {}
+        self.arguments: dict[str, Any] = {}
+        self.journal: list[tuple[Any, dict[str, Any]]] = []
+        self.placeholders: dict[str, Any] | None = None  # skeleton mode
+
+    def argument(self, path: str, cls: type) -> Any:
+        if self.placeholders is not None:
+            obj = self.placeholders[path] = cls.__new__(cls)
+            return obj
+        obj = self.arguments.get(path)
+        if obj is None or type(obj) is not cls:
+            raise CorruptEntry(f"the entry changes argument {path} ({cls.__qualname__}), which this call lacks")
+        self.journal.append((obj, dict(obj.__dict__)))
+        obj.__dict__.clear()  # the state after the call replaces it whole
+        return obj
+
+    def roll_back(self) -> None:
+        for obj, saved in reversed(self.journal):
+            obj.__dict__.clear()
+            obj.__dict__.update(saved)
 
     def mapping(self, key: str) -> mmap.mmap:
         m = self.maps.get(key)
@@ -329,6 +383,14 @@ class _Rebuild:
         return untyped
 
 
+def _argument(path: str, cls: type) -> Any:
+    """Called by the unpickler for an argument of the call (see Note [Argument replay])."""
+    state: _Rebuild | None = getattr(_current, "rebuild", None)
+    if state is None:
+        raise CorruptEntry("an overmind graph can only be loaded by rebuild()")
+    return state.argument(path, cls)
+
+
 def _storage(kind: str, key: str | None, offset: int, nbytes: int, device: str, dtype: str | None) -> Any:
     """Called by the unpickler for each storage reference (see `_Placer`)."""
     state: _Rebuild | None = getattr(_current, "rebuild", None)
@@ -348,19 +410,26 @@ def _unpickle(graph: bytes, state: _Rebuild) -> Any:
     try:
         return pickle.loads(graph[1:])
     except CorruptEntry:
+        state.roll_back()
         raise
-    except Exception as exc:
+    except BaseException as exc:
+        state.roll_back()
+        if not isinstance(exc, Exception):
+            raise
         raise CorruptEntry(f"cannot rebuild the cached object: {type(exc).__name__}: {exc}") from exc
     finally:
         _current.rebuild = outer
 
 
 def rebuild(graph: bytes, arenas: dict[str, ArenaRef], own_key: str, *,
-            on_unmap: Callable[[str], None] = lambda key: None, populate: bool = True) -> Any:
+            on_unmap: Callable[[str], None] = lambda key: None, populate: bool = True,
+            arguments: dict[str, Any] | None = None) -> Any:
     """Unpickle a packed graph over private mappings of `arenas` (keyed by entry key; `own_key` is the
     entry's own). `on_unmap(key)` runs once per mapping when its last storage is gone; for arenas the
-    graph does not use, at once."""
+    graph does not use, at once. `arguments` are the call's objects by path (see Note [Argument
+    replay])."""
     state = _Rebuild(arenas, own_key, on_unmap, populate)
+    state.arguments = arguments or {}
     obj = _unpickle(graph, state)
     for key in arenas:
         if key not in state.maps:

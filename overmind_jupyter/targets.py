@@ -14,7 +14,7 @@ import importlib.machinery
 import sys
 import threading
 from dataclasses import dataclass
-from types import ModuleType
+from types import FunctionType, ModuleType
 from typing import Any, Callable
 
 from . import patching
@@ -47,6 +47,9 @@ TARGETS: tuple[Target, ...] = (
     Target("diffusers.models.modeling_utils", "ModelMixin", "diffusers"),
     Target("diffusers.schedulers.scheduling_utils", "SchedulerMixin", "diffusers"),
     Target("peft.peft_model", "PeftModel", "peft"),
+    # A method of a loaded model that loads more into it: cached when the model is a cached result,
+    # and replayed onto the caller's model on a hit (see Note [Argument replay] in rebuild.py).
+    Target("peft.peft_model", "PeftModel", "peft", method="load_adapter"),
 )
 _BY_MODULE: dict[str, list[Target]] = {}
 for _t in TARGETS:
@@ -63,23 +66,34 @@ _call: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any] | None = None
 _lock = threading.Lock()
 
 
-def _cached_classmethod(original: classmethod) -> classmethod:  # type: ignore[type-arg]
-    func = original.__func__
+def _through_cache(bound: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    call = _call
+    if call is None or _inside.get():
+        return bound(*args, **kwargs)
+    token = _inside.set(True)
+    try:
+        return call(bound, args, kwargs)
+    finally:
+        _inside.reset(token)
 
-    @functools.wraps(func)
-    def from_pretrained(cls: type, *args: Any, **kwargs: Any) -> Any:
-        bound = original.__get__(None, cls)
-        call = _call
-        if call is None or _inside.get():
-            return bound(*args, **kwargs)
-        token = _inside.set(True)
-        try:
-            return call(bound, args, kwargs)
-        finally:
-            _inside.reset(token)
 
-    from_pretrained.__overmind_original__ = original  # type: ignore[attr-defined]
-    return classmethod(from_pretrained)
+def _cached_loader(original: Any) -> Any:
+    """A replacement with the original's name, docstring and signature, for a classmethod (called on a
+    class) or a plain function (a method called on a loaded object)."""
+    if isinstance(original, classmethod):
+        @functools.wraps(original.__func__)
+        def loader(cls: type, *args: Any, **kwargs: Any) -> Any:
+            return _through_cache(original.__get__(None, cls), args, kwargs)
+
+        loader.__overmind_original__ = original  # type: ignore[attr-defined]
+        return classmethod(loader)
+
+    @functools.wraps(original)
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return _through_cache(original.__get__(self, type(self)), args, kwargs)
+
+    method.__overmind_original__ = original  # type: ignore[attr-defined]
+    return method
 
 
 def _owners(module: ModuleType, target: Target) -> list[type]:
@@ -94,8 +108,8 @@ def _owners(module: ModuleType, target: Target) -> list[type]:
 def _patch_module(module: ModuleType) -> None:
     for target in _BY_MODULE.get(module.__name__, ()):
         for owner in _owners(module, target):
-            if isinstance(owner.__dict__.get(target.method), classmethod):
-                patching.patch(owner, target.method, _cached_classmethod)
+            if isinstance(owner.__dict__.get(target.method), (classmethod, FunctionType)):
+                patching.patch(owner, target.method, _cached_loader)
 
 
 class _Finder(importlib.abc.MetaPathFinder):

@@ -84,7 +84,11 @@ def overmind_home(monkeypatch: pytest.MonkeyPatch):
     os.chmod(home, 0o700)
     monkeypatch.setenv("OVERMIND_HOME", str(home))
     reset_shared_client()
+    if "overmind_jupyter.loading" in sys.modules:
+        sys.modules["overmind_jupyter.loading"].clear_fallbacks()
     yield home
+    if "overmind_jupyter.loading" in sys.modules:  # let this test's background publishes end first
+        sys.modules["overmind_jupyter.loading"].wait_for_publishes(60)
     reset_shared_client()
     stop_daemon(home)
     shutil.rmtree(home, ignore_errors=True)

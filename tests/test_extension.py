@@ -55,6 +55,9 @@ def test_on_off_restores_every_descriptor_and_reload_is_idempotent(shell, overmi
     assert "transformers.modeling_utils.PreTrainedModel" in changed
     assert "transformers.models.auto.modeling_auto.AutoModelForCausalLM" in changed
     assert "peft.peft_model.PeftModel" in changed and "diffusers.pipelines.pipeline_utils.DiffusionPipeline" in changed
+    import peft
+
+    assert hasattr(peft.PeftModel.load_adapter, "__overmind_original__")
     assert during["transformers.models.llama.modeling_llama.LlamaForCausalLM"] is None, "inherited, not copied"
     wrapper = transformers.AutoModelForCausalLM.from_pretrained
     assert wrapper.__name__ == "from_pretrained" and wrapper.__doc__ == before[
@@ -118,7 +121,6 @@ FAMILIES = """
     peft_model.load_adapter(paths["de"], adapter_name="de")
     ids = torch.tensor([tok("hello world the model").input_ids])
     with torch.no_grad():
-        out = {"llama": base(ids).logits.sum().item() if False else None}
         peft_model.set_adapter("fr")
         fr = peft_model(ids).logits.double().sum().item()
         peft_model.set_adapter("de")
@@ -132,6 +134,7 @@ FAMILIES = """
         "arena": [rebuild.entry_of(next(m.parameters()).data_ptr()) is not None
                   for m in (base, pipe.unet, pipe.text_encoder, peft_model)],
         "labels": sorted(e["meta"]["label"].split("(")[0] for e in status["daemon"]["entries"]),
+        "base_is_wrapped": peft_model.base_model.model is base,
         "hits": status["daemon"]["stats"].get("hits", 0), "fallbacks": loading.fallbacks(),
     }))
 """
@@ -153,9 +156,11 @@ def test_every_family_is_a_hit_in_the_next_process(overmind_home: Path, checkpoi
     hit = last_json(run_py(FAMILIES, env=env, timeout=300))
     assert not miss["fallbacks"] and not hit["fallbacks"]
     assert miss["labels"] == ["AutoModelForCausalLM.from_pretrained", "AutoTokenizer.from_pretrained",
-                              "DiffusionPipeline.from_pretrained", "PeftModel.from_pretrained"], \
+                              "DiffusionPipeline.from_pretrained", "PeftModel.from_pretrained",
+                              "PeftModel.load_adapter"], \
         "one entry per outermost call: nested loads (components, the concrete class) pass through"
-    assert hit["hits"] == 4 and all(hit["arena"]), "the second process got all four from shared memory"
+    assert hit["hits"] == 5 and all(hit["arena"]), "the second process got all five from shared memory"
+    assert hit["base_is_wrapped"], "PeftModel wraps the caller's base model object, as without the cache"
     for name in ("ids", "fr", "de", "image"):
         assert hit[name] == miss[name], name
     assert miss["fr"] != miss["de"], "the adapters differ, so the comparison means something"

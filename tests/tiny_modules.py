@@ -91,3 +91,11 @@ def counted_build(kind: str, delay: float = 0.0, seed: int = 0) -> nn.Module:
 
 def failing_build(kind: str) -> nn.Module:
     raise FileNotFoundError(f"no checkpoint for {kind}")
+
+
+def attach(model: nn.Module, width: int = 4, seed: int = 0) -> nn.Module:
+    """Loads more into `model` in place, as PeftModel.from_pretrained does with its base model."""
+    torch.manual_seed(seed)
+    model.extra = nn.Linear(width, width)
+    model.layers[0] = nn.Sequential(model.layers[0], nn.ReLU())
+    return model.extra
