@@ -150,6 +150,7 @@ class _Result:
     result: Callable[[], Any]  # a weak reference, or a strong one for a small unweakrefable result
     roots: list[weakref.ref[Any]]
     paths: dict[str, weakref.ref[Any]]
+    expected: bytes | None = None  # the entry's graph packed here, once computed
 
     def live(self) -> tuple[Any, _Replay] | None:
         result = self.result()
@@ -202,15 +203,25 @@ def result_key(obj: Any) -> str | None:
         packed = rebuild.pack((result, replay.roots), self_key=info.key, substitutes=replay.substitutes)
         if packed.own:
             return None  # a storage is not, or no longer, the entry's bytes
-        if info.pickled_here:
-            expected = info.graph
-        else:
-            as_stored, placeholders = rebuild.skeleton(info.graph, info.key)
-            expected = rebuild.pack(as_stored, self_key=info.key, trust_mappings=True,
-                                    substitutes=placeholders).graph
+        if info.expected is None:
+            if info.pickled_here:
+                info.expected = info.graph
+            else:
+                as_stored, placeholders = rebuild.skeleton(info.graph, info.key)
+                info.expected = rebuild.pack(as_stored, self_key=info.key, trust_mappings=True,
+                                             substitutes=placeholders).graph
     except (PackError, CorruptEntry):
         return None
-    return info.key if packed.graph == expected else None
+    if packed.graph != info.expected:
+        return None
+    reuse = getattr(_verified, "mapped", None)
+    if reuse is not None:
+        reuse.update(packed.mapped)
+    return info.key
+
+
+# The storages of the references the current call's key found unchanged, for its rebuild to reuse.
+_verified = threading.local()
 
 
 # Note [References]
@@ -265,6 +276,7 @@ def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
                  signature_of: Callable[..., Any] | None) -> Any:
     flush_warnings()
     label = _label(fn)
+    _verified.mapped = {}
     try:
         ck = keys.make_key(fn, args, kwargs, signature_of=signature_of)
     except Uncacheable as exc:
@@ -273,6 +285,8 @@ def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
     except Exception as exc:  # a bug in keying must not break a load
         _fall_back(label, "key_error", f"{type(exc).__name__}: {exc}")
         return fn(*args, **kwargs)
+    finally:
+        reuse, _verified.mapped = _verified.mapped, None
     label = ck.label
     replay = _Replay.of(ck.references) if ck.references else _NO_REPLAY
     try:
@@ -283,7 +297,7 @@ def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
         return fn(*args, **kwargs)
     if reply["status"] == "hit":
         try:
-            return _from_hit(client, ck, reply, replay)
+            return _from_hit(client, ck, reply, replay, reuse)
         except CorruptEntry as exc:
             _evict_quietly(client, ck.key)
             _fall_back(label, "corrupt", f"{exc}; the entry was evicted")
@@ -304,7 +318,8 @@ def _label(fn: Callable[..., Any]) -> str:
     return f"{keys.owner_name(fn)[1]}(...)"
 
 
-def _from_hit(client: Client, ck: keys.CallKey, reply: Response, replay: _Replay) -> Any:
+def _from_hit(client: Client, ck: keys.CallKey, reply: Response, replay: _Replay,
+              reuse: dict[tuple[str, int, int, str], Any]) -> Any:
     entries = reply["entries"]
     fds = reply.fds
     reply.fds = []
@@ -319,7 +334,7 @@ def _from_hit(client: Client, ck: keys.CallKey, reply: Response, replay: _Replay
 
         try:
             obj, _roots = rebuild.rebuild(graph, arenas, ck.key, on_unmap=unpin, populate=settings.populate,
-                                          arguments=replay.paths)
+                                          arguments=replay.paths, reuse=reuse)
         except BaseException:
             for e in entries:
                 unpin(e["key"])

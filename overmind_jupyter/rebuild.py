@@ -16,7 +16,9 @@ in C), so a 1.1B-parameter model's graph pickles in a few tens of milliseconds.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import copyreg
+import gc
 import io
 import mmap
 import os
@@ -24,7 +26,7 @@ import pickle
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -54,6 +56,8 @@ class Packed:
     arena_bytes: int
     tensors: list[tuple[torch.Tensor, int]] = field(repr=False)
     pickler: str = "pickle"
+    # storages that lie, unwritten, in entries' arenas: (entry key, offset, bytes, device) -> storage
+    mapped: dict[tuple[str, int, int, str], torch.UntypedStorage] = field(default_factory=dict, repr=False)
 
     def unchanged(self) -> bool:
         """True if no tensor of the graph was written in place since `pack` (version counters)."""
@@ -117,29 +121,41 @@ def _live_mapping(key: str) -> mmap.mmap | None:
     return None
 
 
-def entry_of(address: int) -> tuple[str, int] | None:
-    """(entry key, offset in its arena) of an address inside a registered mapping."""
+def _span_of(address: int) -> tuple[int, int, str] | None:
     with _registry_lock:
         i = bisect.bisect(_starts, address) - 1
         if i < 0:
             return None
-        start, end, key = _spans[i]
-    if start <= address < end:
-        return key, address - start
-    return None
+        span = _spans[i]
+    return span if span[0] <= address < span[1] else None
 
 
-def _written_pages(address: int, nbytes: int) -> int:
-    """Pages of [address, address + nbytes) that this process wrote (private copies), from
-    /proc/self/pagemap: present pages that are no longer the file's."""
-    page = arena.PAGE
-    first, last = address // page, (address + nbytes - 1) // page
-    with open("/proc/self/pagemap", "rb", buffering=0) as f:
-        raw = os.pread(f.fileno(), (last - first + 1) * 8, first * 8)
-    entries = torch.frombuffer(bytearray(raw), dtype=torch.int64)
-    present = (entries >> 63) & 1
-    file_backed = (entries >> 61) & 1
-    return int((present & (1 - file_backed)).sum())
+def entry_of(address: int) -> tuple[str, int] | None:
+    """(entry key, offset in its arena) of an address inside a registered mapping."""
+    span = _span_of(address)
+    return None if span is None else (span[2], address - span[0])
+
+
+class _WrittenPages:
+    """Which pages of registered mappings this process wrote (private copies), read from
+    /proc/self/pagemap once per mapping: present pages that are no longer the file's."""
+
+    def __init__(self) -> None:
+        self._sums: dict[int, torch.Tensor] = {}
+
+    def any(self, span: tuple[int, int, str], address: int, nbytes: int) -> bool:
+        start, end, _ = span
+        sums = self._sums.get(start)
+        if sums is None:
+            page = arena.PAGE
+            with open("/proc/self/pagemap", "rb", buffering=0) as f:
+                raw = os.pread(f.fileno(), (end - start) // page * 8, start // page * 8)
+            entries = torch.frombuffer(bytearray(raw), dtype=torch.int64)
+            written = ((entries >> 63) & 1) & (1 - ((entries >> 61) & 1))
+            sums = self._sums[start] = torch.cat([torch.zeros(1, dtype=torch.int64), written.cumsum(0)])
+        first = (address - start) // arena.PAGE
+        last = (address + nbytes - 1 - start) // arena.PAGE
+        return bool(sums[last + 1] - sums[first])
 
 
 # -- pack ------------------------------------------------------------------------------------------
@@ -151,6 +167,8 @@ class _Placer:
     def __init__(self, self_key: str | None, trust_mappings: bool) -> None:
         self.self_key = self_key
         self.trust_mappings = trust_mappings
+        self.written = _WrittenPages()
+        self.mapped: dict[tuple[str, int, int, str], torch.UntypedStorage] = {}
         self.offset = 0
         self.own: list[_Own] = []
         self.seen: dict[int, tuple[Any, ...]] = {}
@@ -182,9 +200,11 @@ class _Placer:
         nbytes = untyped.nbytes()
         device = str(untyped.device)
         if untyped.device.type == "cpu" and nbytes:
-            where = entry_of(untyped.data_ptr())
-            if where is not None and (self.trust_mappings or _written_pages(untyped.data_ptr(), nbytes) == 0):
-                key, offset = where
+            address = untyped.data_ptr()
+            span = _span_of(address)
+            if span is not None and (self.trust_mappings or not self.written.any(span, address, nbytes)):
+                key, offset = span[2], address - span[0]
+                self.mapped[(key, offset, nbytes, device)] = untyped
                 if key == self.self_key:
                     return ("own", None, offset, nbytes, device)
                 if key not in self.deps:
@@ -224,6 +244,19 @@ def _substituting(base: type) -> type:
     return Substituting
 
 
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pickling a model graph allocates many short-lived objects, enough to trigger full collections
+    of the whole heap (0.2 s with torch and transformers loaded) though almost nothing survives."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def _picklers() -> list[tuple[str, type]]:
     """The C pickler, and dill (slower, for closures and lambdas) when the C pickler fails."""
     import dill
@@ -256,13 +289,14 @@ def pack(obj: Any, *, self_key: str | None = None, trust_mappings: bool = False,
             pickler = cls(buf, protocol=pickle.HIGHEST_PROTOCOL)
         pickler.dispatch_table = placer.dispatch_table()
         try:
-            pickler.dump(obj)
+            with _gc_paused():
+                pickler.dump(obj)
         except PackError:
             raise
         except Exception as exc:  # any reason a graph does not pickle
             errors.append(f"{name}: {type(exc).__name__}: {exc}")
             continue
-        return Packed(buf.getvalue(), placer.own, placer.deps, placer.offset, placer.tensors, name)
+        return Packed(buf.getvalue(), placer.own, placer.deps, placer.offset, placer.tensors, name, placer.mapped)
     raise PackError(f"{type(obj).__name__} cannot be pickled ({'; '.join(errors)})")
 
 
@@ -327,6 +361,7 @@ class _Rebuild:
         self.starts: dict[str, int] = {}
         self.storages: dict[tuple[str, int, int, str], torch.UntypedStorage] = {}
         self.arguments: dict[str, Any] = {}
+        self.reuse: dict[tuple[str, int, int, str], torch.UntypedStorage] = {}
         self.journal: list[tuple[Any, dict[str, Any]]] = []
         self.placeholders: dict[str, Any] | None = None  # skeleton mode
 
@@ -368,6 +403,8 @@ class _Rebuild:
             raise CorruptEntry(f"bad storage reference {kind!r}, {key!r}")
         ident = (key, offset, nbytes, device)
         found = self.storages.get(ident)
+        if found is None and kind == "ref":
+            found = self.reuse.get(ident)
         if found is not None:
             return found
         if nbytes:
@@ -408,7 +445,8 @@ def _unpickle(graph: bytes, state: _Rebuild) -> Any:
     outer = getattr(_current, "rebuild", None)
     _current.rebuild = state
     try:
-        return pickle.loads(graph[1:])
+        with _gc_paused():
+            return pickle.loads(graph[1:])
     except CorruptEntry:
         state.roll_back()
         raise
@@ -423,13 +461,16 @@ def _unpickle(graph: bytes, state: _Rebuild) -> Any:
 
 def rebuild(graph: bytes, arenas: dict[str, ArenaRef], own_key: str, *,
             on_unmap: Callable[[str], None] = lambda key: None, populate: bool = True,
-            arguments: dict[str, Any] | None = None) -> Any:
+            arguments: dict[str, Any] | None = None,
+            reuse: dict[tuple[str, int, int, str], torch.UntypedStorage] | None = None) -> Any:
     """Unpickle a packed graph over private mappings of `arenas` (keyed by entry key; `own_key` is the
     entry's own). `on_unmap(key)` runs once per mapping when its last storage is gone; for arenas the
     graph does not use, at once. `arguments` are the call's objects by path (see Note [Argument
-    replay])."""
+    replay]); `reuse` are storages of other entries this process holds unwritten (`Packed.mapped`),
+    taken instead of mapping their arenas again."""
     state = _Rebuild(arenas, own_key, on_unmap, populate)
     state.arguments = arguments or {}
+    state.reuse = reuse or {}
     obj = _unpickle(graph, state)
     for key in arenas:
         if key not in state.maps:
