@@ -7,8 +7,17 @@ from __future__ import annotations
 
 from ._version import __version__
 from .client import Client, shared_client
-from .errors import (BudgetExceeded, DaemonError, DaemonUnavailable, PeerRefused, ProtocolError,
-                     ProtocolMismatch, RemoteError, StateDirError, WaitTimeout)
+from .errors import (
+                     BudgetExceeded,
+                     DaemonError,
+                     DaemonUnavailable,
+                     PeerRefused,
+                     ProtocolError,
+                     ProtocolMismatch,
+                     RemoteError,
+                     StateDirError,
+                     WaitTimeout,
+)
 from .protocol import PROTOCOL_VERSION
 
 __all__ = [

@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     evict.add_argument("--all", action="store_true")
     evict.add_argument("--json", action="store_true", help="print JSON")
     args = parser.parse_args(argv)
+    command: Callable[[argparse.Namespace], int] = _COMMANDS[args.command]
     try:
-        return _COMMANDS[args.command](args)
+        return command(args)
     except DaemonError as exc:
         print(f"overmind-daemon: {exc}", file=sys.stderr)
         return 1
@@ -89,7 +91,7 @@ def _stop(args: argparse.Namespace) -> int:
     return 1
 
 
-def _read(op: str):  # type: ignore[no-untyped-def]
+def _read(op: str) -> Callable[[argparse.Namespace], int]:
     def command(args: argparse.Namespace) -> int:
         home = lifecycle.state_dir()
         if not _running(home):
@@ -164,4 +166,4 @@ def _entries_text(entries: list[dict[str, Any]]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 
-_COMMANDS = {"start": _start, "stop": _stop, "status": _read("status"), "ls": _read("ls"), "evict": _evict}
+_COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {"start": _start, "stop": _stop, "status": _read("status"), "ls": _read("ls"), "evict": _evict}

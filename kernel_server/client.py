@@ -11,15 +11,23 @@ import os
 import queue
 import socket
 import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from . import lifecycle
-from .errors import (BudgetExceeded, DaemonUnavailable, PeerRefused, ProtocolError, ProtocolMismatch,
-                     RemoteError, WaitTimeout)
+from .errors import (
+    BudgetExceeded,
+    DaemonUnavailable,
+    PeerRefused,
+    ProtocolError,
+    ProtocolMismatch,
+    RemoteError,
+    WaitTimeout,
+)
 from .protocol import PROTOCOL_VERSION, Frame, FrameKind
 from .transport import close_fds, recv_frame, send_frame
 
@@ -158,7 +166,7 @@ class Client:
         self._pushes.put(None)
         self._fail_pending(DaemonUnavailable("client closed"))
 
-    def __enter__(self) -> Client:
+    def __enter__(self) -> Client:  # noqa: PYI034 (Python 3.10 has no typing.Self)
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -16,9 +16,10 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from . import arena
 from ._version import __version__
@@ -308,7 +309,7 @@ class Daemon:
             if len(fds) != 2:
                 raise RemoteError("bad_request", f"publish carries 2 descriptors (graph, arena), not {len(fds)}")
             graph_bytes, arena_bytes = req.get("graph_bytes"), req.get("arena_bytes")
-            if not all(isinstance(n, int) and n >= 0 for n in (graph_bytes, arena_bytes)):
+            if not (isinstance(graph_bytes, int) and isinstance(arena_bytes, int)) or min(graph_bytes, arena_bytes) < 0:
                 raise RemoteError("bad_request", "publish needs integer 'graph_bytes' and 'arena_bytes'")
             meta, deps = req.get("meta", {}), req.get("deps", [])
             if not isinstance(meta, dict) or len(str(meta)) > _MAX_META:

@@ -21,8 +21,8 @@ from .errors import DaemonUnavailable, StateDirError
 
 __all__ = [
     "default_budget",
-    "log_path",
     "lock_path",
+    "log_path",
     "parse_bytes",
     "socket_path",
     "spawn_daemon",
@@ -139,15 +139,12 @@ def spawn_daemon(home: Path) -> subprocess.Popen[bytes]:
     forks the daemon and exits once it serves (status 0) or failed (status 1), so the daemon is
     nobody's child and the caller reaps only the short-lived parent."""
     env = dict(os.environ, OVERMIND_HOME=str(home))
-    log = open(log_path(home), "ab")
-    try:
+    with open(log_path(home), "ab") as log:  # the child keeps its own copy of the descriptor
         return subprocess.Popen(
             [sys.executable, "-m", "kernel_server", "start", "--daemonize"],
             env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
             start_new_session=True, close_fds=True, cwd=str(home),
         )
-    finally:
-        log.close()
 
 
 def wait_for_socket(home: Path, proc: subprocess.Popen[bytes] | None, timeout: float) -> socket.socket:

@@ -23,12 +23,13 @@ import os
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from .errors import BudgetExceeded, RemoteError
 
-__all__ = ["Entry", "Store", "LookupResult"]
+__all__ = ["Entry", "LookupResult", "Store"]
 
 ConnId = int
 Notify = Callable[["LookupResult"], None]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import socket
 import struct
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from .errors import ProtocolError
 from .protocol import HEADER, MAX_FDS, Frame, FrameKind, decode_header, decode_payload, encode, frame_kind

@@ -15,7 +15,7 @@ import sys
 
 
 def main() -> int:
-    import dill
+    import dill  # type: ignore[import-untyped]
 
     job = dill.load(sys.stdin.buffer)
     os.chdir(job["cwd"])

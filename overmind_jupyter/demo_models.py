@@ -14,12 +14,12 @@ __all__ = ["LLAMA_SIZES", "build_llama"]
 
 # name -> LlamaConfig keyword arguments
 LLAMA_SIZES: dict[str, dict[str, Any]] = {
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=256),
-    "0.1b": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
-                 num_key_value_heads=4, vocab_size=32000),
-    "1.1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
-                 num_key_value_heads=4, vocab_size=32000),
+    "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "vocab_size": 256},
+    "0.1b": {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12, "num_attention_heads": 12,
+             "num_key_value_heads": 4, "vocab_size": 32000},
+    "1.1b": {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22, "num_attention_heads": 32,
+             "num_key_value_heads": 4, "vocab_size": 32000},
 }
 
 
@@ -52,8 +52,7 @@ def build_llama(path: str | os.PathLike[str], size: str = "tiny", *, dtype: str 
     return path
 
 
-_WORDS = ("the a an model adapter kernel restart load cache weights shared memory fast slow gpu cpu "
-          "jupyter notebook lora base token layer attention hello world french german english").split()
+_WORDS = ["the", "a", "an", "model", "adapter", "kernel", "restart", "load", "cache", "weights", "shared", "memory", "fast", "slow", "gpu", "cpu", "jupyter", "notebook", "lora", "base", "token", "layer", "attention", "hello", "world", "french", "german", "english"]
 
 
 def build_tokenizer(path: str | os.PathLike[str], *, vocab_size: int = 256) -> Path:

@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
-from kernel_server.errors import (BudgetExceeded, DaemonError, DaemonUnavailable, PeerRefused, ProtocolMismatch,
-                                  RemoteError, StateDirError, WaitTimeout)
+from kernel_server.errors import (
+    BudgetExceeded,
+    DaemonError,
+    DaemonUnavailable,
+    PeerRefused,
+    ProtocolMismatch,
+    RemoteError,
+    StateDirError,
+    WaitTimeout,
+)
 
 __all__ = [
     "BudgetExceeded",

@@ -23,10 +23,11 @@ import json
 import math
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path, PurePath
-from typing import Any, Callable
+from typing import Any
 
 from .errors import Uncacheable
 
@@ -155,7 +156,7 @@ def fingerprint(path: str) -> list[tuple[str, int, int]]:
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _version(package: str) -> str | None:
     try:
         return metadata.version(package)

@@ -17,8 +17,9 @@ import threading
 import time
 import warnings
 import weakref
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from kernel_server import arena
 from kernel_server.client import Client, Response, existing_shared_client, shared_client
@@ -48,12 +49,12 @@ __all__ = [
 class Settings:
     """How the cached call behaves; `overmind_jupyter.config` fills it from traitlets and the env."""
 
-    wait_timeout: float = float(os.environ.get("OVERMIND_WAIT_TIMEOUT", 600))
+    wait_timeout: float = float(os.environ.get("OVERMIND_WAIT_TIMEOUT", "600"))
     backing: str = os.environ.get("OVERMIND_ARENA", "memfd")
     populate: bool = os.environ.get("OVERMIND_POPULATE", "1") != "0"
     background_publish: bool = os.environ.get("OVERMIND_PUBLISH", "background") != "sync"
     adopt: bool = os.environ.get("OVERMIND_ADOPT", "1") != "0"
-    exit_publish_timeout: float = float(os.environ.get("OVERMIND_EXIT_PUBLISH_TIMEOUT", 30))
+    exit_publish_timeout: float = float(os.environ.get("OVERMIND_EXIT_PUBLISH_TIMEOUT", "30"))
 
 
 settings = Settings()
@@ -282,7 +283,7 @@ def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
     except Uncacheable as exc:
         _fall_back(label, "uncacheable", str(exc))
         return fn(*args, **kwargs)
-    except Exception as exc:  # a bug in keying must not break a load
+    except Exception as exc:  # noqa: BLE001 (a bug in keying must not break a load: never worse)
         _fall_back(label, "key_error", f"{type(exc).__name__}: {exc}")
         return fn(*args, **kwargs)
     finally:

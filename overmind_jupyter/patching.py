@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import inspect
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 __all__ = ["get_original", "is_patched", "patch", "patched", "unpatch", "unpatch_all"]
 
@@ -62,7 +63,7 @@ def unpatch_all() -> list[BaseException]:
         for owner, name in reversed(list(_records)):
             try:
                 unpatch(owner, name)
-            except BaseException as exc:  # keep restoring the others, report at the end
+            except BaseException as exc:  # noqa: BLE001 (keep restoring the others; reported at the end)
                 errors.append(exc)
     return errors
 

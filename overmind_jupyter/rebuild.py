@@ -25,8 +25,9 @@ import os
 import pickle
 import threading
 import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -232,7 +233,9 @@ def _dtype(dtype: torch.dtype) -> str:
 
 def _substituting(base: type) -> type:
     class Substituting(base):  # type: ignore[misc, valid-type]
-        substitutes: dict[int, str] = {}
+        def __init__(self, f: io.BytesIO, substitutes: dict[int, str]) -> None:
+            super().__init__(f, protocol=pickle.HIGHEST_PROTOCOL)
+            self.substitutes = substitutes
 
         def reducer_override(self, obj: Any) -> Any:
             path = self.substitutes.get(id(obj))
@@ -283,8 +286,7 @@ def pack(obj: Any, *, self_key: str | None = None, trust_mappings: bool = False,
         buf.write(_FORMAT.to_bytes(1, "little"))
         placer = _Placer(self_key, trust_mappings)
         if substitutes:
-            pickler = _substituting(cls)(buf, protocol=pickle.HIGHEST_PROTOCOL)
-            pickler.substitutes = substitutes
+            pickler = _substituting(cls)(buf, substitutes)
         else:
             pickler = cls(buf, protocol=pickle.HIGHEST_PROTOCOL)
         pickler.dispatch_table = placer.dispatch_table()
@@ -293,7 +295,7 @@ def pack(obj: Any, *, self_key: str | None = None, trust_mappings: bool = False,
                 pickler.dump(obj)
         except PackError:
             raise
-        except Exception as exc:  # any reason a graph does not pickle
+        except Exception as exc:  # noqa: BLE001 (any reason a graph does not pickle: try the next)
             errors.append(f"{name}: {type(exc).__name__}: {exc}")
             continue
         return Packed(buf.getvalue(), placer.own, placer.deps, placer.offset, placer.tensors, name, placer.mapped)

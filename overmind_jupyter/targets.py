@@ -13,9 +13,10 @@ import importlib.abc
 import importlib.machinery
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import FunctionType, ModuleType
-from typing import Any, Callable
+from typing import Any
 
 from . import patching
 

@@ -15,7 +15,7 @@ def run_py(code: str, *, env: dict[str, str] | None = None, timeout: float = 120
            cwd: str | os.PathLike[str] | None = None) -> subprocess.CompletedProcess[str]:
     """Run a Python snippet in a fresh interpreter (this venv's), with this test's environment."""
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env or dict(os.environ),
-                          capture_output=True, text=True, timeout=timeout, cwd=cwd)
+                          capture_output=True, text=True, timeout=timeout, cwd=cwd, check=False)
     if check and proc.returncode != 0:
         raise AssertionError(f"snippet failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc

@@ -7,7 +7,6 @@ import random
 import signal
 import socket
 import stat
-import struct
 import subprocess
 import sys
 import threading
@@ -15,13 +14,12 @@ import time
 from pathlib import Path
 
 import pytest
+from snippets import run_py, start_py
 
 from kernel_server import Client, arena, lifecycle
 from kernel_server.errors import BudgetExceeded, DaemonUnavailable, RemoteError, StateDirError
 from kernel_server.protocol import HEADER, MAGIC, MAX_PAYLOAD, PROTOCOL_VERSION, FrameKind, encode
 from kernel_server.transport import recv_frame, send_frame
-
-from snippets import run_py, start_py
 
 PAGE = arena.PAGE
 
@@ -54,7 +52,7 @@ def test_client_starts_one_detached_daemon_and_cli_stops_it(overmind_home: Path)
     def connect() -> None:
         try:
             clients.append(Client(overmind_home))
-        except Exception as exc:  # collected and asserted below
+        except Exception as exc:  # noqa: BLE001 (collected and asserted below)
             errors.append(exc)
 
     threads = [threading.Thread(target=connect) for _ in range(4)]
@@ -74,7 +72,7 @@ def test_client_starts_one_detached_daemon_and_cli_stops_it(overmind_home: Path)
     assert "serving at" in (overmind_home / "daemon.log").read_text()
     for c in clients:
         c.close()
-    cli = subprocess.run([sys.executable, "-m", "kernel_server", "stop"], capture_output=True, text=True, timeout=30)
+    cli = subprocess.run([sys.executable, "-m", "kernel_server", "stop"], capture_output=True, text=True, timeout=30, check=False)
     assert cli.returncode == 0, cli.stderr
     assert f"stopped daemon pid {pid}" in cli.stdout
     with pytest.raises(ProcessLookupError):
@@ -92,10 +90,10 @@ def test_cli_status_ls_evict_json(daemon: Client, overmind_home: Path) -> None:
     assert doc["running"] and doc["used"] == 2 * PAGE + 16 and doc["daemon"]["pid"] == daemon.daemon_pid
     listing = json.loads(run_py("from kernel_server.cli import main; main(['ls', '--json'])", env=env).stdout)
     assert [e["key"] for e in listing["entries"]] == ["k" * 64]
-    text = subprocess.run([sys.executable, "-m", "kernel_server", "ls"], capture_output=True, text=True).stdout
+    text = subprocess.run([sys.executable, "-m", "kernel_server", "ls"], capture_output=True, text=True, check=True).stdout
     assert "kkkkkkkkkkkkkkkk" in text and "8.0 KiB" in text
     out = subprocess.run([sys.executable, "-m", "kernel_server", "evict", "kkkk", "--json"], capture_output=True,
-                         text=True)
+                         text=True, check=True)
     assert json.loads(out.stdout) == {"evicted": ["k" * 64]}
     assert entry_keys(daemon) == []
 
@@ -222,7 +220,7 @@ f = recv_frame(s)  # the daemon answers a foreign uid before it sends anything
 print(json.dumps(f.payload if f else None))
 """
     proc = subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "/usr/bin/python3", "-c",
-                           code], capture_output=True, text=True, timeout=30, cwd="/")
+                           code], capture_output=True, text=True, timeout=30, cwd="/", check=False)
     if "Permission denied" in proc.stderr and "python3" in proc.stderr:
         pytest.skip("the system python cannot run as nobody here")
     assert proc.returncode == 0, proc.stderr

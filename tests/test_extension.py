@@ -6,14 +6,13 @@ import inspect
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from snippets import last_json, run_py
 
 from overmind_jupyter import demo_models
-from snippets import last_json, run_py
 
 TESTS = str(Path(__file__).resolve().parent)
 
@@ -268,8 +267,9 @@ def test_a_cuda_device_map_lands_on_the_gpu(shell, tiny_llama: Path, overmind_ho
 
 
 def test_preload_warms_the_cache_from_a_worker(overmind_home: Path, tiny_llama: Path) -> None:
-    import overmind_jupyter
     from transformers import AutoModelForCausalLM
+
+    import overmind_jupyter
 
     handle = overmind_jupyter.preload(AutoModelForCausalLM, str(tiny_llama), dtype=torch.float32)
     handle.wait(120)
