@@ -81,9 +81,7 @@ def _stop(args: argparse.Namespace) -> int:
         client.request("shutdown")
     deadline = time.monotonic() + args.timeout
     while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if lifecycle.process_gone(pid):
             print(f"stopped daemon pid {pid}")
             return 0
         time.sleep(0.02)
@@ -150,6 +148,11 @@ def _STATUS_TEXT(p: dict[str, Any]) -> str:
         + ", ".join(f"{k} {v}" for k, v in sorted(p["stats"].items())) + ")",
         f"kernels {len(p['kernels'])}: " + ", ".join(f"pid {k['pid']} ({k['role']})" for k in p["kernels"]),
     ]
+    for dev in (p.get("units") or {}).get("devices", []):
+        holders = ", ".join(f"pid {h.get('pid')} {h.get('units')}u{' busy' if h.get('busy') else ''}"
+                            for h in dev.get("holders", []))
+        lines.append(f"units  {dev.get('name')}{' (simulated)' if dev.get('simulated') else ''}: "
+                     f"{dev.get('used')}/{dev.get('capacity')} used" + (f" by {holders}" if holders else ""))
     for load in p["loading"]:
         lines.append(f"loading {load['key'][:16]} by pid {load['loader']['pid']}, {load['waiters']} waiting")
     return "\n".join(lines)

@@ -24,6 +24,7 @@ from typing import Any
 from . import arena
 from ._version import __version__
 from .errors import DaemonError, ProtocolError, RemoteError
+from .ledger import Ledger
 from .lifecycle import DaemonLock, default_budget, socket_path
 from .protocol import PROTOCOL_VERSION, FrameKind
 from .store import LookupResult, Store
@@ -97,6 +98,7 @@ class Daemon:
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._listener: socket.socket | None = None
+        self.ledger = Ledger.from_env(self.kernel_of)
         # Every operation a client may ask for. Anything else gets an "unknown_op" error reply.
         self.handlers: dict[str, Callable[[Connection, dict[str, Any], list[int]], Reply | None]] = {
             "hello": self.op_hello,
@@ -112,6 +114,12 @@ class Daemon:
             "evict": self.op_evict,
             "fallback": self.op_fallback,
             "shutdown": self.op_shutdown,
+            "units_register": self.ledger.op_register,
+            "units_acquire": self.ledger.op_acquire,
+            "units_release": self.ledger.op_release,
+            "units_touch": self.ledger.op_touch,
+            "units_cancel": self.ledger.op_cancel,
+            "units_state": self.ledger.op_state,
         }
         self._fallbacks: collections.deque[dict[str, Any]] = collections.deque(maxlen=_MAX_FALLBACKS)
 
@@ -220,6 +228,7 @@ class Daemon:
     def _release(self, conn: Connection) -> None:
         for notify, result in self.store.release_connection(conn.id):
             notify(result)
+        self.ledger.release_connection(conn.id)
 
     def _close_all(self) -> None:
         with self._lock:
@@ -266,6 +275,7 @@ class Daemon:
                        "home": str(self.home), "started": self.started},
             "kernels": kernels,
             "fallbacks": list(self._fallbacks),
+            "units": self.ledger.snapshot(),
             **snap,
         })
 

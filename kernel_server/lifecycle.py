@@ -170,6 +170,15 @@ def wait_for_socket(home: Path, proc: subprocess.Popen[bytes] | None, timeout: f
         delay = min(delay * 2, 0.1)
 
 
+def process_gone(pid: int) -> bool:
+    """True once `pid` has exited, also while it waits as a zombie for a busy init to reap it."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] == "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return True
+
+
 def tail(path: Path, lines: int = 20) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])

@@ -577,5 +577,18 @@ def _split_placement(kwargs: dict[str, Any]) -> tuple[dict[str, Any], Any]:
 
 
 def _place(obj: Any, device: Any) -> Any:
+    """Move a loaded result to `device`: a model through the GPU units ledger (units.place), anything
+    else that can move (a pipeline) with `.to`. Units that cannot be had in time leave the move to
+    `.to`, as the plain load would have done, and say so."""
+    import torch
+
+    if isinstance(obj, torch.nn.Module) and device.type == "cuda":
+        from . import units
+
+        try:
+            units.place(obj, device)
+            return obj
+        except units.UnitsError as exc:
+            _fall_back(f"{type(obj).__name__}.to({device})", "units", f"{exc}; moved without the ledger")
     move = getattr(obj, "to", None)
     return move(device) if callable(move) else obj

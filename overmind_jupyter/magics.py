@@ -51,6 +51,14 @@ class OvermindMagics(Magics):
                 evicted = extension.evict(None if args.all else args.target)
                 print(f"evicted {len(evicted)} entr{'y' if len(evicted) == 1 else 'ies'}")
                 return None
+            if args.command == "units":
+                from . import units
+
+                state = units.state()
+                if args.json:
+                    return state
+                print(units.format_state(state))
+                return None
             raise UsageError(f"%overmind {args.command} is not available yet in this version")
         except (DaemonError, OvermindError, RemoteError) as exc:
             raise UsageError(str(exc)) from exc

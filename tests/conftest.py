@@ -56,6 +56,8 @@ def stop_daemon(home: Path) -> None:
     pid = _daemon_pid(home)
     if pid is None:
         return
+    from kernel_server.lifecycle import process_gone
+
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.kill(pid, sig)
@@ -63,15 +65,9 @@ def stop_daemon(home: Path) -> None:
             return
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
+            if process_gone(pid):
                 return
-            try:  # reap it if it is our child
-                os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                pass
-            time.sleep(0.02)
+            time.sleep(0.01)
 
 
 @pytest.fixture

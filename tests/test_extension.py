@@ -6,6 +6,8 @@ import inspect
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -264,6 +266,23 @@ def test_a_cuda_device_map_lands_on_the_gpu(shell, tiny_llama: Path, overmind_ho
     for _ in range(2):
         model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), device_map="cuda:0")
         assert all(p.device == torch.device("cuda", 0) for p in model.parameters())
+
+
+def test_units_magic_shows_simulated_devices(overmind_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from IPython.core.interactiveshell import InteractiveShell
+
+    monkeypatch.setenv("OVERMIND_FAKE_GPUS", "2x4")  # read by the daemon this test starts
+    ip = InteractiveShell.instance()
+    ip.run_line_magic("load_ext", "overmind_jupyter")
+    try:
+        ip.run_line_magic("overmind", "on")
+        state = ip.run_line_magic("overmind", "units --json")
+        assert [d["capacity"] for d in state["devices"]] == [3, 3] and state["simulated"]
+        cli = subprocess.run([sys.executable, "-m", "kernel_server", "status"], capture_output=True, text=True,
+                             check=True)
+        assert "(simulated): 0/3 used" in cli.stdout
+    finally:
+        ip.run_line_magic("unload_ext", "overmind_jupyter")
 
 
 def test_preload_warms_the_cache_from_a_worker(overmind_home: Path, tiny_llama: Path) -> None:

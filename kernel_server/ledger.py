@@ -1,0 +1,599 @@
+"""The GPU-unit ledger: which connection holds how many 1 GiB units of which device.
+
+Every kernel of the user asks the daemon for units before it moves a model to a GPU, and keeps them
+until the daemon asks for them back (lazy release). The daemon never imports torch nor touches CUDA:
+kernels report the devices they see (`units_register`), or `OVERMIND_FAKE_GPUS` in the daemon's
+environment defines simulated ones (DESIGN.md section 4).
+
+Operations (JSON requests, see kernel_server/protocol.py; all ids are integers):
+
+- `units_register {devices: [{id, name, total_bytes, model, simulated}]}` -> `{devices: [...], simulated,
+  unit_bytes, reserve_gib}`. `id` names the physical device (a CUDA UUID), `name` is how the reporting
+  kernel addresses it ("cuda:0"). The first report of an id fixes its capacity. A daemon that simulates
+  devices ignores the report and answers with its own.
+- `units_acquire {units, devices: [id] | null, timeout_s: seconds | null, label, busy}` -> answered when
+  granted: `{holding, device, units}`; or an error `units_timeout`, `units_too_large`, `no_device`,
+  `unknown_device`; or `{status: "cancelled"}`. `devices` lists the acceptable devices in order of
+  preference (null: all); the first that fits is taken. A timeout of 0 never waits.
+- `units_release {holding}` -> `{released: units}`. `units_touch {holding, busy}` -> `{}`: marks a holding
+  busy or idle and makes it the most recently used. `units_cancel {request}` -> `{cancelled, revoked}`:
+  withdraws a waiting acquire (it is answered `cancelled`), or gives back the holding an acquire was
+  granted if the client stopped waiting before the answer came. `units_state {}` -> the snapshot.
+- Push `units_release_request {holding, device, units, waiter}`: the daemon asks the holder to give the
+  holding back (`units_release`) when it can; the holder may ignore it while the holding is busy.
+
+# Note [Units accounting]
+For every device, the units of its holdings never exceed its capacity: a holding is only created by
+`_grant`, which runs only when the device's free units cover the request. Capacity is the device's
+memory in whole GiB minus a reserve (OVERMIND_GPU_RESERVE, GiB, default 1, for the CUDA context and
+activations), and is fixed by the first report of a device, so it never shrinks under its holdings.
+Holdings and waiters belong to the connection that took them and die with it (DESIGN.md invariant 5).
+
+# Note [Units fairness]
+Waiting acquires are served in arrival order. One that cannot be served holds back every later one on
+the device it waits for: the first of its devices where asking idle holders to release makes room (its
+target; the idle holders there are asked in least-recently-used order, just enough of them), or, when
+no device can make room now (its holders are busy), every device large enough for it. Later requests
+for other devices go ahead. Busy holders are never asked; a holder that turns busy after it was asked
+is asked again when it turns idle, if the units are still needed. A holder that neither gives its
+units back nor turns busy within `ask_patience` seconds of being asked (a hung kernel) no longer counts
+as making room, and the next idle holder is asked.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import math
+import os
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from .errors import RemoteError
+from .transport import close_fds
+
+if TYPE_CHECKING:
+    from .daemon import Connection, Reply
+
+__all__ = ["GiB", "Ledger", "parse_fake_gpus"]
+
+log = logging.getLogger("kernel_server")
+
+GiB = 1 << 30
+ConnId = int
+Effect = Callable[[], Any]
+
+_MAX_DEVICES = 64
+_MAX_UNITS = 1 << 20
+
+
+# -- configuration -----------------------------------------------------------------------------------
+
+def parse_fake_gpus(text: str) -> list[float]:
+    """Read OVERMIND_FAKE_GPUS: "2x16" is two devices of 16 GiB; "24" one of 24 GiB; "1x80,2x16" three.
+
+    Args:
+        text: the variable's value.
+
+    Returns:
+        The memory of each simulated device, in GiB.
+    """
+    sizes: list[float] = []
+    for part in text.replace(" ", "").split(","):
+        m = re.fullmatch(r"(?:(\d+)[xX*])?(\d+(?:\.\d+)?)(?:[gG](?:i?[bB])?)?", part)
+        if not m or (m.group(1) is not None and int(m.group(1)) == 0) or float(m.group(2)) <= 0:
+            raise ValueError(f"OVERMIND_FAKE_GPUS={text!r} is not a device list: write COUNTxGiB, as in "
+                             "'2x16' (two devices of 16 GiB), or several joined by commas, as in '1x80,2x16'")
+        sizes += [float(m.group(2))] * int(m.group(1) or 1)
+    if len(sizes) > _MAX_DEVICES:
+        raise ValueError(f"OVERMIND_FAKE_GPUS={text!r} asks for {len(sizes)} devices; at most {_MAX_DEVICES}")
+    return sizes
+
+
+def _parse_reserve(text: str | None) -> float:
+    if text is None or not text.strip():
+        return 1.0
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or math.isinf(value):
+        raise ValueError(f"OVERMIND_GPU_RESERVE={text!r} is not a number of GiB: write e.g. 1 or 0.5")
+    return value
+
+
+# -- records ------------------------------------------------------------------------------------------
+
+@dataclass(eq=False)
+class Device:
+    id: str
+    name: str  # as the first reporter addresses it ("cuda:0")
+    model: str  # "NVIDIA H200", or "simulated"
+    total_bytes: int
+    capacity: int
+    simulated: bool
+    holdings: dict[int, Holding] = field(default_factory=dict)
+
+    @property
+    def used(self) -> int:
+        return sum(h.units for h in self.holdings.values())
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.used
+
+
+@dataclass(eq=False)
+class Holding:
+    id: int
+    conn: ConnId
+    device: str
+    units: int
+    label: str
+    request_id: int
+    busy: bool
+    last_used: int  # the ledger's tick: higher is more recent
+    push: Callable[[str, dict[str, Any]], bool]
+    granted: float = field(default_factory=time.time)
+    idle_since: float = field(default_factory=time.monotonic)
+    asked: float | None = None  # when a release was requested; cleared when it turns busy
+
+
+@dataclass(eq=False)  # identity: a request is itself, whatever its fields
+class _Waiter:
+    conn: ConnId
+    pid: int
+    request_id: int
+    devices: list[str]
+    units: int
+    label: str
+    busy: bool
+    deadline: float | None
+    timeout: float | None
+    answer: Callable[[dict[str, Any] | RemoteError], Any]
+    push: Callable[[str, dict[str, Any]], bool]
+    arrived: float = field(default_factory=time.monotonic)
+
+
+# -- the ledger ---------------------------------------------------------------------------------------
+
+class Ledger:
+    """Units of every known device, their holdings and the waiting acquires.
+
+    Args:
+        kernels: describes a connection id for snapshots (`Daemon.kernel_of`).
+        fake_gpus: simulated devices, as in OVERMIND_FAKE_GPUS; None for real devices reported by kernels.
+        reserve_gib: GiB of each device kept out of the ledger.
+        clock: monotonic seconds, for timeouts.
+        timers: run a thread that expires waiting acquires; without it, call `expire()`.
+        ask_patience: seconds an asked holder counts as making room; see Note [Units fairness].
+    """
+
+    def __init__(self, kernels: Callable[[ConnId], dict[str, Any]] = lambda c: {"conn": c}, *,
+                 fake_gpus: str | None = None, reserve_gib: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic, timers: bool = True,
+                 ask_patience: float = 30.0) -> None:
+        self.kernels = kernels
+        self.reserve_gib = reserve_gib
+        self.fake_spec = fake_gpus
+        self.config_error: str | None = None
+        self._clock = clock
+        self._timers = timers
+        self.ask_patience = ask_patience
+        self._cond = threading.Condition(threading.Lock())
+        self._devices: dict[str, Device] = {}
+        self._waiters: collections.deque[_Waiter] = collections.deque()
+        self._holding_ids = itertools.count(1)
+        self._ticks = itertools.count(1)
+        self._reaper: threading.Thread | None = None
+        self.stats: collections.Counter[str] = collections.Counter()
+        if fake_gpus:
+            for i, gib in enumerate(parse_fake_gpus(fake_gpus)):
+                total = int(gib * GiB)
+                self._devices[f"sim:{i}"] = Device(f"sim:{i}", f"cuda:{i}", "simulated", total,
+                                                   self._capacity(total), True)
+
+    @classmethod
+    def from_env(cls, kernels: Callable[[ConnId], dict[str, Any]]) -> Ledger:
+        """The daemon's ledger, configured by OVERMIND_FAKE_GPUS and OVERMIND_GPU_RESERVE. A bad value does
+        not stop the daemon: every units operation then answers an error that names it."""
+        try:
+            return cls(kernels, fake_gpus=os.environ.get("OVERMIND_FAKE_GPUS") or None,
+                       reserve_gib=_parse_reserve(os.environ.get("OVERMIND_GPU_RESERVE")))
+        except ValueError as exc:
+            log.error("units ledger disabled: %s", exc)
+            ledger = cls(kernels)
+            ledger.config_error = f"{exc}; fix it and restart the daemon with `overmind-daemon stop`"
+            return ledger
+
+    @property
+    def simulated(self) -> bool:
+        return self.fake_spec is not None
+
+    def _capacity(self, total_bytes: int) -> int:
+        return max(0, int((total_bytes - self.reserve_gib * GiB) // GiB))
+
+    # -- state changes (each runs its effects after the lock is released) ---------------------
+
+    def register(self, devices: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Record the devices a kernel sees; returns the views of the devices it may use, in its order."""
+        with self._cond:
+            if self.simulated:
+                return [self._view(d, d.name) for d in self._devices.values()]
+            out = []
+            for spec in devices:
+                dev = self._devices.get(spec["id"])
+                if dev is None:
+                    if len(self._devices) >= _MAX_DEVICES:
+                        raise RemoteError("bad_request", f"the ledger holds at most {_MAX_DEVICES} devices")
+                    total = spec["total_bytes"]
+                    dev = self._devices[spec["id"]] = Device(spec["id"], spec["name"], spec["model"], total,
+                                                             self._capacity(total), spec["simulated"])
+                    log.info("units: %s %s (%s), %d units", dev.id, dev.name, dev.model, dev.capacity)
+                out.append(self._view(dev, spec["name"]))
+            return out
+
+    def acquire(self, conn: ConnId, pid: int, request_id: int, *, units: int, devices: list[str] | None,
+                timeout: float | None, label: str, busy: bool,
+                answer: Callable[[dict[str, Any] | RemoteError], Any],
+                push: Callable[[str, dict[str, Any]], bool]) -> None:
+        """Queue an acquire; `answer` is called (outside the lock) with the grant or the error, maybe
+        before this returns. Raises RemoteError for a request that can never be served."""
+        with self._cond:
+            if not self._devices:
+                raise RemoteError("no_device", "the units ledger knows no GPU: use units from a kernel that "
+                                               "sees one, or start the daemon with OVERMIND_FAKE_GPUS=2x16 "
+                                               "in its environment to simulate two devices of 16 GiB")
+            names = list(self._devices) if devices is None else devices
+            unknown = [d for d in names if d not in self._devices]
+            if unknown or not names:
+                raise RemoteError("unknown_device", f"no device {unknown or names}; the ledger knows "
+                                                    f"{self._known()}")
+            largest = max(self._devices[d].capacity for d in names)
+            if units > largest:
+                raise RemoteError("units_too_large", self._too_large(units, names))
+            now = self._clock()
+            waiter = _Waiter(conn, pid, request_id, list(dict.fromkeys(names)), units, label, busy,
+                             None if timeout is None else now + timeout, timeout, answer, push, now)
+            self._waiters.append(waiter)
+            self.stats["acquires"] += 1
+            effects = self._schedule()
+            if waiter in self._waiters and timeout == 0:
+                self._waiters.remove(waiter)
+                effects.append(self._timed_out(waiter))
+            elif waiter in self._waiters:
+                self._start_reaper()
+                self._cond.notify()
+        _run(effects)
+
+    def release(self, conn: ConnId, holding: int) -> int:
+        """Give a holding back; returns its units."""
+        with self._cond:
+            h = self._holding(conn, holding)
+            del self._devices[h.device].holdings[h.id]
+            self.stats["released"] += 1
+            effects = self._schedule()
+        _run(effects)
+        return h.units
+
+    def touch(self, conn: ConnId, holding: int, busy: bool) -> None:
+        with self._cond:
+            h = self._holding(conn, holding)
+            h.busy = busy
+            h.last_used = next(self._ticks)
+            if busy:
+                h.asked = None  # see Note [Units fairness]: asked again once idle, if still needed
+            else:
+                h.idle_since = time.monotonic()
+            effects = self._schedule()  # a busy holder may have been a waiter's target
+        _run(effects)
+
+    def cancel(self, conn: ConnId, request_id: int) -> tuple[bool, int | None]:
+        """Withdraw a waiting acquire, or revoke what it was granted; (cancelled, revoked holding)."""
+        effects: list[Effect] = []
+        revoked = None
+        with self._cond:
+            waiter = next((w for w in self._waiters if w.conn == conn and w.request_id == request_id), None)
+            if waiter is not None:
+                self._waiters.remove(waiter)
+                self.stats["cancelled"] += 1
+                answer = waiter.answer
+                effects.append(lambda: answer({"status": "cancelled"}))
+            else:
+                for dev in self._devices.values():
+                    for h in list(dev.holdings.values()):
+                        if h.conn == conn and h.request_id == request_id:
+                            del dev.holdings[h.id]
+                            revoked = h.id
+                            self.stats["revoked"] += 1
+            effects += self._schedule()
+        _run(effects)
+        return waiter is not None or revoked is not None, revoked
+
+    def release_connection(self, conn: ConnId) -> None:
+        """Drop every holding and waiter of a connection that went away (DESIGN.md invariant 5)."""
+        with self._cond:
+            self._waiters = collections.deque(w for w in self._waiters if w.conn != conn)
+            dropped = 0
+            for dev in self._devices.values():
+                for h in list(dev.holdings.values()):
+                    if h.conn == conn:
+                        del dev.holdings[h.id]
+                        dropped += h.units
+            if dropped:
+                self.stats["released_on_disconnect"] += 1
+                log.info("units: connection %d went away, %d units freed", conn, dropped)
+            effects = self._schedule()
+        _run(effects)
+
+    def expire(self) -> None:
+        """Answer the waiting acquires whose timeout passed, and ask more holders where asked ones did not
+        answer in time (the timer thread calls this)."""
+        with self._cond:
+            effects = self._expire()
+        _run(effects)
+
+    # -- reads --------------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """Every device with its capacity, holdings (least recently used first) and waiters."""
+        with self._cond:
+            now = self._clock()
+            mono = time.monotonic()
+            devices = []
+            for dev in self._devices.values():
+                holders = sorted(dev.holdings.values(), key=lambda h: h.last_used)
+                devices.append(self._view(dev, dev.name) | {
+                    "holders": [{
+                        "holding": h.id, "kernel": (k := self.kernels(h.conn)), "pid": k.get("pid"),
+                        "label": h.label, "model": h.label, "units": h.units,
+                        "busy": h.busy, "idle_s": None if h.busy else round(mono - h.idle_since, 3),
+                        "granted": h.granted, "release_requested": h.asked is not None,
+                    } for h in holders],
+                })
+            waiters = [{"kernel": self.kernels(w.conn), "model": w.label, "units": w.units,
+                        "devices": [self._devices[d].name for d in w.devices], "device_ids": w.devices,
+                        "waited_s": round(now - w.arrived, 3), "timeout": w.timeout} for w in self._waiters]
+            return {"unit_bytes": GiB, "reserve_gib": self.reserve_gib, "simulated": self.simulated,
+                    "fake_gpus": self.fake_spec, "config_error": self.config_error, "devices": devices,
+                    "waiters": waiters, "stats": dict(self.stats)}
+
+    # -- internals (lock held) ----------------------------------------------------------------
+
+    def _view(self, dev: Device, name: str) -> dict[str, Any]:
+        return {"id": dev.id, "name": name, "model": dev.model, "simulated": dev.simulated,
+                "total_bytes": dev.total_bytes, "capacity": dev.capacity, "used": dev.used, "free": dev.free}
+
+    def _known(self) -> str:
+        return ", ".join(f"{d.id} ({d.name})" for d in self._devices.values()) or "none"
+
+    def _holding(self, conn: ConnId, holding: int) -> Holding:
+        for dev in self._devices.values():
+            h = dev.holdings.get(holding)
+            if h is not None and h.conn == conn:
+                return h
+        raise RemoteError("no_holding", f"this connection holds no units under holding {holding} "
+                                        "(released already, or revoked by a cancel)")
+
+    def _schedule(self) -> list[Effect]:
+        """Grant what fits in arrival order and ask idle holders for room; see Note [Units fairness]."""
+        effects: list[Effect] = []
+        blocked: set[str] = set()
+        for w in list(self._waiters):
+            usable = [d for d in w.devices if d not in blocked]
+            fit = next((d for d in usable if self._devices[d].free >= w.units), None)
+            if fit is not None:
+                self._waiters.remove(w)
+                effects.append(self._grant(w, fit))
+                continue
+            if w.timeout == 0:
+                continue  # answered by `acquire` at once; it neither waits nor holds anyone back
+            target = next((d for d in usable if self._devices[d].free + self._idle(d) >= w.units), None)
+            if target is not None:
+                effects += self._ask(target, w)
+                blocked.add(target)
+            else:
+                blocked.update(d for d in w.devices if self._devices[d].capacity >= w.units)
+        return effects
+
+    def _idle(self, device: str) -> int:
+        return sum(h.units for h in self._devices[device].holdings.values() if not h.busy)
+
+    def _ask(self, device: str, w: _Waiter) -> list[Effect]:
+        dev = self._devices[device]
+        idle = sorted((h for h in dev.holdings.values() if not h.busy), key=lambda h: h.last_used)
+        now = self._clock()
+        answering = [h for h in idle if h.asked is not None and now - h.asked < self.ask_patience]
+        coming = dev.free + sum(h.units for h in answering)
+        effects: list[Effect] = []
+        for h in idle:
+            if coming >= w.units:
+                break
+            if h.asked is not None:
+                continue  # asked already: making room, or given up on
+            h.asked = now
+            coming += h.units
+            self.stats["release_requests"] += 1
+            payload = {"holding": h.id, "device": device, "units": h.units,
+                       "waiter": {"pid": w.pid, "model": w.label, "units": w.units}}
+            effects.append(partial(h.push, "units_release_request", payload))
+        return effects
+
+    def _grant(self, w: _Waiter, device: str) -> Effect:
+        h = Holding(next(self._holding_ids), w.conn, device, w.units, w.label, w.request_id, w.busy,
+                    next(self._ticks), w.push)
+        self._devices[device].holdings[h.id] = h
+        self.stats["granted"] += 1
+        grant = {"holding": h.id, "device": device, "units": h.units,
+                 "waited_s": round(self._clock() - w.arrived, 6)}
+        answer = w.answer
+        return lambda: answer(grant)
+
+    def _expire(self) -> list[Effect]:
+        now = self._clock()
+        effects: list[Effect] = []
+        for w in list(self._waiters):
+            if w.deadline is not None and w.deadline <= now:
+                self._waiters.remove(w)
+                effects.append(self._timed_out(w))
+        return effects + self._schedule()
+
+    def _timed_out(self, w: _Waiter) -> Effect:
+        self.stats["timeouts"] += 1
+        parts = []
+        for d in w.devices:
+            dev = self._devices[d]
+            holders = ", ".join(
+                f"pid {self.kernels(h.conn).get('pid')} {h.label or 'model'} {h.units} "
+                f"({'busy' if h.busy else 'idle, asked to release' if h.asked else 'idle'})"
+                for h in sorted(dev.holdings.values(), key=lambda h: h.last_used)) or "nobody"
+            parts.append(f"{dev.name} has {dev.free} of {dev.capacity} units free, held by {holders}")
+        waited = "no waiting (timeout 0)" if w.timeout == 0 else f"{w.timeout:g} s"
+        error = RemoteError("units_timeout", (
+            f"{w.units} units for {w.label or 'a model'} were not free within {waited}: {'; '.join(parts)}. "
+            "Busy models are never moved: leave their `with units.using(...)` blocks, free models with "
+            "`units.release(model)` in the kernels listed, or pass a longer timeout"))
+        answer = w.answer
+        return lambda: answer(error)
+
+    def _too_large(self, units: int, names: list[str]) -> str:
+        devs = [self._devices[d] for d in names]
+        biggest = max(devs, key=lambda d: d.capacity)
+        where = (f" (simulated by OVERMIND_FAKE_GPUS={self.fake_spec})" if biggest.simulated else "")
+        return (f"{units} units requested but the largest of {', '.join(d.name for d in devs)} has "
+                f"{biggest.capacity} units: {biggest.total_bytes / GiB:.1f} GiB minus the "
+                f"{self.reserve_gib:g} GiB reserve{where}. Use a larger device, or lower "
+                "OVERMIND_GPU_RESERVE and restart the daemon with `overmind-daemon stop`")
+
+    def _start_reaper(self) -> None:
+        if self._timers and self._reaper is None:
+            self._reaper = threading.Thread(target=self._reap, name="overmind-units-timer", daemon=True)
+            self._reaper.start()
+
+    def _reap(self) -> None:
+        """While requests wait: answer them at their deadlines, and look again at least once a second
+        (asked holders that did not answer, see Note [Units fairness])."""
+        while True:
+            with self._cond:
+                if not self._waiters:
+                    self._cond.wait()
+                    continue
+                now = self._clock()
+                deadline = min((w.deadline for w in self._waiters if w.deadline is not None),
+                               default=now + 1.0)
+                self._cond.wait(max(0.0, min(deadline - now, 1.0)))
+                effects = self._expire()
+            _run(effects)
+
+    # -- the daemon's handlers ----------------------------------------------------------------
+    # Each is `(conn, request, fds) -> Reply | None`, listed in `Daemon.handlers`.
+
+    def op_register(self, conn: Connection, req: dict[str, Any], fds: list[int]) -> Reply:
+        close_fds(fds)
+        self._check_config()
+        raw = req.get("devices", [])
+        if not isinstance(raw, list) or len(raw) > _MAX_DEVICES:
+            raise RemoteError("bad_request", f"'devices' must be a list of at most {_MAX_DEVICES} devices")
+        devices = [_device_spec(d) for d in raw]
+        views = self.register(devices)
+        return _reply({"devices": views, "simulated": self.simulated, "unit_bytes": GiB,
+                       "reserve_gib": self.reserve_gib, "fake_gpus": self.fake_spec})
+
+    def op_acquire(self, conn: Connection, req: dict[str, Any], fds: list[int]) -> None:
+        close_fds(fds)
+        self._check_config()
+        request_id = req["id"]
+        units = req.get("units")
+        if not isinstance(units, int) or isinstance(units, bool) or not 1 <= units <= _MAX_UNITS:
+            raise RemoteError("bad_request",
+                              f"'units' must be an integer from 1 to {_MAX_UNITS}, not {units!r}")
+        devices = req.get("devices")
+        if devices is not None and (not isinstance(devices, list) or not devices
+                                    or len(devices) > _MAX_DEVICES
+                                    or not all(isinstance(d, str) for d in devices)):
+            raise RemoteError("bad_request",
+                              "'devices' must be null (any device) or a non-empty list of device ids")
+        timeout = req.get("timeout_s")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not 0 <= timeout < 1e9):
+            raise RemoteError("bad_request", f"'timeout_s' must be null (wait forever) or seconds >= 0, "
+                                             f"not {timeout!r}")
+
+        def answer(result: dict[str, Any] | RemoteError) -> None:
+            if isinstance(result, RemoteError):
+                conn.error(request_id, result.code, str(result))
+            else:
+                conn.reply(request_id, _reply(result))
+
+        self.acquire(conn.id, conn.pid, request_id, units=units, devices=devices,
+                     timeout=None if timeout is None else float(timeout),
+                     label=str(req.get("label", ""))[:200], busy=bool(req.get("busy", False)), answer=answer,
+                     push=conn.push)
+
+    def op_release(self, conn: Connection, req: dict[str, Any], fds: list[int]) -> Reply:
+        close_fds(fds)
+        return _reply({"released": self.release(conn.id, _holding_id(req))})
+
+    def op_touch(self, conn: Connection, req: dict[str, Any], fds: list[int]) -> Reply:
+        close_fds(fds)
+        busy = req.get("busy")
+        if not isinstance(busy, bool):
+            raise RemoteError("bad_request", "'busy' must be true or false")
+        self.touch(conn.id, _holding_id(req), busy)
+        return _reply({})
+
+    def op_cancel(self, conn: Connection, req: dict[str, Any], fds: list[int]) -> Reply:
+        close_fds(fds)
+        target = req.get("request")
+        if not isinstance(target, int) or isinstance(target, bool):
+            raise RemoteError("bad_request", "units_cancel needs the integer 'request' to cancel")
+        cancelled, revoked = self.cancel(conn.id, target)
+        return _reply({"cancelled": cancelled, "revoked": revoked})
+
+    def op_state(self, conn: Connection, req: dict[str, Any], fds: list[int]) -> Reply:
+        close_fds(fds)
+        return _reply(self.snapshot())
+
+    def _check_config(self) -> None:
+        if self.config_error is not None:
+            raise RemoteError("bad_config", self.config_error)
+
+
+def _run(effects: list[Effect]) -> None:
+    for effect in effects:
+        try:
+            effect()
+        except Exception:  # a reply to a peer that went away must not stop the others
+            log.exception("units: answering a request failed")
+
+
+def _reply(payload: dict[str, Any]) -> Reply:
+    from .daemon import Reply  # daemon.py imports this module; it is loaded by the time a handler runs
+
+    return Reply(payload)
+
+
+def _holding_id(req: dict[str, Any]) -> int:
+    holding = req.get("holding")
+    if not isinstance(holding, int) or isinstance(holding, bool):
+        raise RemoteError("bad_request", "'holding' must be the integer id an acquire returned")
+    return holding
+
+
+def _device_spec(raw: Any) -> dict[str, Any]:
+    if not isinstance(raw, dict):
+        raise RemoteError("bad_request", "each device must be an object {id, name, total_bytes, model}")
+    dev_id, name, total = raw.get("id"), raw.get("name", ""), raw.get("total_bytes")
+    if not isinstance(dev_id, str) or not 0 < len(dev_id) <= 128:
+        raise RemoteError("bad_request",
+                          "a device's 'id' must be a non-empty string of at most 128 characters")
+    if not isinstance(total, int) or isinstance(total, bool) or not 0 <= total < 1 << 60:
+        raise RemoteError("bad_request", f"device {dev_id!r}: 'total_bytes' must be a non-negative integer")
+    return {"id": dev_id, "name": str(name)[:64] or dev_id, "model": str(raw.get("model", ""))[:128],
+            "total_bytes": total, "simulated": bool(raw.get("simulated", False))}

@@ -1,0 +1,71 @@
+"""GPU units: models placed on GPUs under a per-device ledger of 1 GiB units, shared by the user's kernels.
+
+```python
+from overmind_jupyter import units
+
+units.place(model, "cuda:0")     # acquire ceil(bytes / GiB) units, move the model, leave it there
+with units.using(model):         # busy: never moved while inside; placed again if it was released
+    model.generate(**inputs)
+units.release(model)             # back to the CPU now (rebuilt weights come back without a copy)
+print(units.format_state(units.state()))   # per device: capacity; each holder: kernel, model, units, busy
+```
+
+When another kernel needs units, the daemon asks idle holders, least recently used first, to release;
+their kernels move those models back to the CPU. `OVERMIND_FAKE_GPUS=2x16` (in the daemon's environment)
+simulates two devices of 16 GiB: everything is accounted for as on real devices and labelled "simulated",
+while models stay on the CPU. Importing this package imports neither torch nor CUDA (DESIGN.md invariant 8).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._errors import (
+        ModelBusyError,
+        ModelTooLargeError,
+        NoDeviceError,
+        NotPlacedError,
+        UnitsError,
+        UnitsTimeout,
+    )
+    from .api import device_of, place, release, using
+    from .devices import units_for
+    from .report import format_state, state
+
+__all__ = [
+    "ModelBusyError",
+    "ModelTooLargeError",
+    "NoDeviceError",
+    "NotPlacedError",
+    "UnitsError",
+    "UnitsTimeout",
+    "device_of",
+    "format_state",
+    "place",
+    "release",
+    "state",
+    "units_for",
+    "using",
+]
+
+_WHERE = {
+    "place": ".api",
+    "using": ".api",
+    "release": ".api",
+    "device_of": ".api",
+    "units_for": ".devices",
+    "state": ".report",
+    "format_state": ".report",
+    **{name: "._errors" for name in __all__ if name.endswith(("Error", "Timeout"))},
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value

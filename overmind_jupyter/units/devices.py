@@ -1,0 +1,77 @@
+"""The devices this kernel reports to the ledger, and how many units a model needs.
+
+A kernel reports what it sees: simulated devices when OVERMIND_FAKE_GPUS is set (no torch import, no
+CUDA), else every visible CUDA device by its UUID, so that kernels with different CUDA_VISIBLE_DEVICES
+still share one ledger entry per physical device. The daemon answers with the devices to use; a daemon
+that simulates devices overrides what the kernel reports (see kernel_server/ledger.py).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import PurePath
+from typing import Any
+
+from kernel_server.ledger import GiB, parse_fake_gpus
+
+from ._errors import UnitsError
+
+__all__ = ["GiB", "local_devices", "model_bytes", "model_label", "units_for"]
+
+
+def local_devices() -> list[dict[str, Any]]:
+    """The devices of this process, as `units_register` takes them."""
+    spec = os.environ.get("OVERMIND_FAKE_GPUS")
+    if spec:
+        try:
+            sizes = parse_fake_gpus(spec)
+        except ValueError as exc:
+            raise UnitsError(str(exc)) from None
+        return [{"id": f"sim:{i}", "name": f"cuda:{i}", "total_bytes": int(gib * GiB), "model": "simulated",
+                 "simulated": True} for i, gib in enumerate(sizes)]
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    out = []
+    for i in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(i)
+        uuid = getattr(props, "uuid", None)
+        if uuid is not None:
+            dev_id = f"GPU-{uuid}"
+        else:  # older torch: the PCI address is as stable across CUDA_VISIBLE_DEVICES
+            parts = (getattr(props, f"pci_{n}_id", "?") for n in ("domain", "bus", "device"))
+            dev_id = "pci-{}:{}:{}".format(*parts)
+        out.append({"id": dev_id, "name": f"cuda:{i}", "total_bytes": int(props.total_memory),
+                    "model": str(props.name), "simulated": False})
+    return out
+
+
+def model_bytes(model: Any) -> int:
+    """Bytes the model's parameters and buffers take once moved to a device (tied tensors once)."""
+    seen: set[int] = set()
+    total = 0
+    tensors = [*model.parameters(), *model.buffers()]
+    for t in tensors:
+        if id(t) in seen or t.device.type == "meta":
+            continue
+        seen.add(id(t))
+        total += t.nelement() * t.element_size()
+    return total
+
+
+def units_for(model: Any) -> int:
+    """The units (1 GiB each) a model needs on a device: ceil(bytes / GiB), at least 1.
+
+    Args:
+        model: a `torch.nn.Module`.
+    """
+    return max(1, math.ceil(model_bytes(model) / GiB))
+
+
+def model_label(model: Any) -> str:
+    """A short name for ledgers and tables: the class, and the checkpoint it came from if known."""
+    name = type(model).__name__
+    path = getattr(getattr(model, "config", None), "name_or_path", "") or ""
+    return f"{name}({PurePath(str(path)).name})" if path else name
