@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup test demo clean
+.PHONY: setup test demo clean chromium
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -14,7 +14,15 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -e ".[test]"
 	touch $@
 
-setup: $(VENV)/.installed
+# Debian's chromium for the browser tests (Playwright drives it; it never downloads a browser of its own).
+# Installed when missing and running as root (CI); elsewhere the browser tests skip and say why.
+chromium:
+	@if command -v chromium >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	else echo "chromium is missing and this is not root: the browser tests will be skipped"; fi
+
+setup: $(VENV)/.installed chromium
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)

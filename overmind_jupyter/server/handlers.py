@@ -1,0 +1,126 @@
+"""The REST handlers of the side panel (the routes are listed in `overmind_jupyter.server`).
+
+Every verb is `@tornado.web.authenticated` (no token, no cookie: 403) and `@authorized` against the
+resource "overmind" (a server with a custom Authorizer decides who may read or evict). The daemon's
+socket is blocking, so each request runs in the server's thread pool, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import tornado.web
+from jupyter_server.auth.decorator import authorized
+from jupyter_server.base.handlers import APIHandler
+from jupyter_server.utils import url_path_join
+
+from kernel_server.errors import (
+    DaemonError,
+    PeerRefused,
+    ProtocolMismatch,
+    RemoteError,
+    StateDirError,
+    WaitTimeout,
+)
+
+from .link import DaemonDown, DaemonLink
+from .state import panel_state
+
+__all__ = ["EvictHandler", "StateHandler", "setup_handlers"]
+
+AUTH_RESOURCE = "overmind"
+_LINK_SETTING = "overmind_link"
+
+# RemoteError codes of the daemon and the HTTP status each becomes.
+_REMOTE_STATUS = {"no_entry": 404, "ambiguous_key": 409, "bad_request": 400}
+
+T = TypeVar("T")
+
+
+class _OvermindHandler(APIHandler):
+    auth_resource = AUTH_RESOURCE
+
+    @property
+    def link(self) -> DaemonLink:
+        return self.settings[_LINK_SETTING]  # type: ignore[no-any-return]
+
+    async def call_daemon(self, fn: Callable[[], T]) -> T | None:
+        """Run `fn` (blocking on the daemon's socket) in a worker thread; on a daemon error answer
+        with its status and a readable message, and return None."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(None, fn)
+        except DaemonDown as exc:
+            self.reply(503, {"message": str(exc), "reason": "daemon_down", "home": exc.home})
+        except (StateDirError, PeerRefused, ProtocolMismatch) as exc:
+            self.reply(503, {"message": str(exc), "reason": type(exc).__name__})
+        except WaitTimeout as exc:
+            self.reply(504, {"message": f"the overmind daemon did not answer: {exc}", "reason": "timeout"})
+        except RemoteError as exc:
+            self.reply(_REMOTE_STATUS.get(exc.code, 500), {"message": str(exc), "reason": exc.code})
+        except DaemonError as exc:
+            self.reply(503, {"message": str(exc), "reason": type(exc).__name__})
+        return None
+
+    def reply(self, status: int, body: dict[str, Any]) -> None:
+        self.set_status(status)
+        self.set_header("Content-Type", "application/json")
+        self.finish(json.dumps(body))
+
+
+class StateHandler(_OvermindHandler):
+    """`GET overmind/state`: entries, budget, hits and misses, kernels, units, fallbacks."""
+
+    @tornado.web.authenticated
+    @authorized("read")
+    async def get(self) -> None:
+        link = self.link
+
+        def read() -> dict[str, Any]:
+            status = link.request("status").payload
+            return panel_state(status, own_conn=link.conn_id)
+
+        state = await self.call_daemon(read)
+        if state is not None:
+            self.reply(200, state)
+
+
+class EvictHandler(_OvermindHandler):
+    """`POST overmind/evict` with `{"key": KEY}` or `{"all": true}`: drop entries from the cache."""
+
+    @tornado.web.authenticated
+    @authorized("write")
+    async def post(self) -> None:
+        try:
+            body = json.loads(self.request.body or b"{}")
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            self.reply(400, {"message": "the body must be a JSON object: {\"key\": KEY} or {\"all\": true}",
+                             "reason": "bad_request"})
+            return
+        if body.get("all") is True:
+            fields: dict[str, Any] = {"all": True}
+        elif isinstance(body.get("key"), str) and body["key"]:
+            fields = {"key": body["key"]}
+        else:
+            self.reply(400, {"message": "say which entry to evict: {\"key\": KEY} or {\"all\": true}",
+                             "reason": "bad_request"})
+            return
+        link = self.link
+        reply = await self.call_daemon(lambda: link.request("evict", **fields).payload)
+        if reply is not None:
+            self.log.info("overmind: evicted %s from the panel", reply.get("evicted"))
+            self.reply(200, {"evicted": reply.get("evicted", [])})
+
+
+def setup_handlers(web_app: tornado.web.Application) -> None:
+    """Add the routes under the server's base_url; one `DaemonLink` serves them all."""
+    web_app.settings.setdefault(_LINK_SETTING, DaemonLink())
+    base_url = web_app.settings["base_url"]
+    web_app.add_handlers(".*$", [
+        (url_path_join(base_url, "overmind", "state"), StateHandler),
+        (url_path_join(base_url, "overmind", "evict"), EvictHandler),
+    ])

@@ -1,0 +1,166 @@
+"""A real JupyterLab server and a real Chromium for the browser tests.
+
+`JupyterLab` runs `jupyter lab` on 127.0.0.1 with a random token in its own config, runtime and
+workspace directories (so nothing of the user's leaks in), and stops it by its pid. `chromium()` finds
+Debian's chromium, or says why the test cannot run; `launch()` starts it through Playwright with the
+flags that keep it off the network.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+__all__ = ["CHROMIUM_ARGS", "JupyterLab", "chromium", "launch"]
+
+CHROMIUM_ARGS = [
+    "--no-sandbox",  # root in CI
+    "--disable-gpu",
+    "--disable-dev-shm-usage",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-quic",
+    "--no-first-run",
+]
+
+
+def chromium() -> str:
+    """The path of Debian's chromium. Where it is missing: a failure in CI (`make setup` installs it
+    there, as root), a skip with the reason elsewhere."""
+    path = os.environ.get("OVERMIND_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
+    problem = None
+    if not os.access(path, os.X_OK):
+        problem = (f"no chromium at {path}: `make setup` installs Debian's chromium when run as root "
+                   "(`apt-get install -y chromium`); or point OVERMIND_CHROMIUM at one")
+    else:
+        try:
+            import playwright.sync_api  # noqa: F401
+        except ImportError:
+            problem = "the Python package playwright is missing: pip install -e '.[test]'"
+    if problem is not None:
+        if os.environ.get("CI"):
+            pytest.fail(f"the browser test must run in CI: {problem}")
+        pytest.skip(problem)
+    return path
+
+
+def launch(playwright: Any, executable: str) -> Any:
+    """A headless Chromium driven by Playwright (never a browser Playwright downloads itself)."""
+    return playwright.chromium.launch(executable_path=executable, headless=True, args=CHROMIUM_ARGS)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class JupyterLab:
+    """`jupyter lab` on 127.0.0.1 in `workdir`, for one test; `stop()` ends it by its pid.
+
+    Args:
+        workdir: holds the notebooks' root, the config, runtime and workspace directories and the log.
+        env: the environment of the server (and so of its kernels).
+    """
+
+    def __init__(self, workdir: Path, env: dict[str, str]) -> None:
+        self.workdir = workdir
+        self.port = _free_port()
+        self.token = secrets.token_hex(16)
+        self.root = workdir / "root"
+        self.runtime = workdir / "runtime"
+        config = workdir / "config"
+        for d in (self.root, self.runtime, config / "labconfig", workdir / "workspaces", workdir / "settings"):
+            d.mkdir(parents=True, exist_ok=True)
+        # no news prompt over the panel; nothing else of JupyterLab is turned off
+        (config / "labconfig" / "page_config.json").write_text(json.dumps(
+            {"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}}))
+        self.env = dict(env, JUPYTER_CONFIG_DIR=str(config), JUPYTER_RUNTIME_DIR=str(self.runtime))
+        self.log_path = workdir / "jupyter-lab.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/"
+
+    def start(self, timeout: float = 90) -> JupyterLab:
+        with open(self.log_path, "wb") as log:  # the server writes to its own copy of the descriptor
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--allow-root",
+                 "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={self.port}", "--ServerApp.port_retries=0",
+                 f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={self.root}",
+                 f"--LabApp.workspaces_dir={self.workdir / 'workspaces'}",
+                 f"--LabApp.user_settings_dir={self.workdir / 'settings'}",
+                 "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"],
+                env=self.env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"jupyter lab exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                self.request("GET", "api/status")
+                return self
+            except (OSError, urllib.error.URLError):
+                time.sleep(0.3)
+        raise AssertionError(f"jupyter lab did not answer within {timeout} s:\n{self.log_tail()}")
+
+    def request(self, method: str, path: str, body: Any = None, *, token: bool = True) -> Any:
+        """A REST call to the server; the JSON answer (None for an empty one)."""
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method)
+        if token:
+            req.add_header("Authorization", f"token {self.token}")
+        with urllib.request.urlopen(req, timeout=30) as response:
+            text = response.read()
+        return json.loads(text) if text else None
+
+    def start_kernel(self) -> tuple[str, Any]:
+        """A kernel of this server (it shows in JupyterLab), and a client on its connection file."""
+        from jupyter_client import BlockingKernelClient
+
+        kernel_id = self.request("POST", "api/kernels", {"name": "python3"})["id"]
+        deadline = time.monotonic() + 30
+        while not (files := list(self.runtime.glob(f"kernel-{kernel_id}*.json"))):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no connection file of kernel {kernel_id} in {self.runtime}")
+            time.sleep(0.1)
+        client = BlockingKernelClient(connection_file=str(files[0]))
+        client.load_connection_file()
+        # No heartbeat: on 2 busy cores (Chromium rendering, the kernel importing) a missed 1 s beat
+        # reads as a dead kernel; the kernel_info reply alone says it is ready.
+        client.start_channels(hb=False)
+        client.wait_for_ready(timeout=90)
+        return kernel_id, client
+
+    def log_tail(self, n: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        """SIGTERM (the server shuts its kernels down), then SIGKILL after 20 s; by pid only."""
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)

@@ -1,0 +1,219 @@
+"""The side panel's server extension: its routes against a real daemon, and its installation.
+
+The routes run in a real Jupyter server (pytest-jupyter's `jp_serverapp`, under a base_url that needs
+escaping) talking to a real daemon on the test's OVERMIND_HOME. The installation checks run the same
+`jupyter ... list` commands a user would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# The fixtures of pytest-jupyter for this module only (its autouse fixtures then touch no other test).
+from pytest_jupyter.jupyter_server import *
+
+import overmind_jupyter
+from kernel_server import Client, arena
+
+REPO = Path(__file__).resolve().parent.parent
+JUPYTER = [sys.executable, "-m", "jupyter"]
+
+
+@pytest.fixture
+def jp_server_config() -> dict[str, Any]:
+    return {"ServerApp": {"jpserver_extensions": {"overmind_jupyter": True}}}
+
+
+@pytest.fixture
+def fetch(jp_fetch, jp_asyncio_loop, jp_serverapp):
+    """`fetch(*path, method=, body=, token=)` -> (status, JSON body), from a synchronous test."""
+
+    def call(*parts: str, method: str = "GET", body: Any = None, token: bool = True) -> tuple[int, Any]:
+        headers = None if token else {"Authorization": "token not-the-token"}
+        raw = body if isinstance(body, (str, bytes)) or body is None else json.dumps(body)
+        response = jp_asyncio_loop.run_until_complete(
+            jp_fetch(*parts, method=method, body=raw, headers=headers, raise_error=False)
+        )
+        text = response.body.decode() if response.body else ""
+        try:
+            return response.code, json.loads(text) if text else None
+        except ValueError:
+            return response.code, text
+
+    yield call
+    jp_serverapp.web_app.settings["overmind_link"].close()
+
+
+def publish(client: Client, key: str, nbytes: int, label: str) -> None:
+    """Put an entry of `nbytes` under `key` into the store, the way a kernel publishes one."""
+    assert client.request("lookup", key=key, wait=False)["status"] == "load"
+    graph, data = arena.ArenaWriter(16), arena.ArenaWriter(nbytes)
+    graph.view[:] = b"g" * 16
+    data.view[:] = b"\x01" * nbytes
+    client.request("reserve", key=key, bytes=nbytes + 16)
+    client.request("publish", key=key, fds=[graph.seal(), data.seal()], graph_bytes=16, arena_bytes=nbytes,
+                   meta={"label": label}, deps=[])
+    graph.close()
+    data.close()
+
+
+# -- routes -------------------------------------------------------------------------------------------
+
+def test_state_without_a_daemon_is_a_readable_503_and_starts_none(fetch, overmind_home: Path) -> None:
+    status, body = fetch("overmind", "state")
+    assert status == 503
+    assert body["reason"] == "daemon_down"
+    assert f"no overmind daemon runs at {overmind_home}" in body["message"]
+    assert "%overmind on" in body["message"]
+    assert not (overmind_home / "daemon.sock").exists(), "the server must never start a daemon"
+    status, body = fetch("overmind", "evict", method="POST", body={"all": True})
+    assert status == 503 and body["reason"] == "daemon_down"
+
+
+def test_state_shows_entries_budget_stats_kernels_and_fallbacks(fetch, daemon: Client) -> None:
+    publish(daemon, "aaaa1111", 3 * arena.PAGE, "TinyLlama (bf16)")
+    reply = daemon.request("lookup", key="aaaa1111", wait=False)  # a hit
+    assert reply["status"] == "hit"
+    reply.close()
+    daemon.request("unpin", key="aaaa1111")
+    daemon.request("fallback", call="AutoModel.from_pretrained", kind="uncacheable", reason="a callable argument")
+
+    status, state = fetch("overmind", "state")
+    assert status == 200, state
+    assert state["daemon"]["pid"] == daemon.daemon_pid
+    [entry] = state["entries"]
+    assert entry["key"] == "aaaa1111" and entry["label"] == "TinyLlama (bf16)"
+    assert entry["bytes"] >= 3 * arena.PAGE and entry["hits"] == 1
+    assert state["budget"] == daemon.budget and state["used"] >= entry["bytes"]
+    assert state["stats"]["hits"] == 1 and state["stats"]["misses"] == 1
+    roles = [k["role"] for k in state["kernels"]]
+    assert roles == ["test"], "the test's connection shows; the server's own connection does not"
+    [fallback] = state["fallbacks"]
+    assert fallback["reason"] == "a callable argument" and fallback["kind"] == "uncacheable"
+    assert "units" in state  # null until the daemon has a units ledger, then a list of devices
+    if state["units"] is not None:
+        assert all({"device", "total", "used", "free", "simulated"} <= set(d) for d in state["units"]["devices"])
+
+
+def test_state_shows_units_per_simulated_device(fetch, overmind_home: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OVERMIND_FAKE_GPUS", "2x16")  # the daemon this client starts simulates them
+    with Client(overmind_home, role="kernel", label="notebook.ipynb") as kernel:
+        if "units" not in kernel.request("status").payload:
+            pytest.skip("this daemon has no units ledger yet")
+        held = kernel.request("units_acquire", units=3, devices=None, timeout_s=0, label="TinyLlama", busy=True)
+        status, state = fetch("overmind", "state")
+        assert status == 200, state
+        units = state["units"]
+        assert units["simulated"] and units["unit_bytes"] == 1 << 30 and units["error"] is None
+        assert [d["simulated"] for d in units["devices"]] == [True, True]
+        taken = next(d for d in units["devices"] if d["used"])
+        assert taken["id"] == held["device"] and taken["device"].startswith("cuda:")
+        assert taken["used"] == 3 and taken["free"] == taken["total"] - 3 and taken["total"] >= 14
+        assert taken["holders"] == [{"label": "TinyLlama", "kernel": "notebook.ipynb", "pid": os.getpid(),
+                                     "units": 3, "busy": True}]
+        kernel.request("units_release", holding=held["holding"])
+        assert all(d["used"] == 0 for d in fetch("overmind", "state")[1]["units"]["devices"])
+
+
+def test_units_view_reads_what_older_or_newer_ledgers_report() -> None:
+    from overmind_jupyter.server.state import units_view
+
+    assert units_view(None) is None
+    keyed = units_view({"simulated": True, "devices": {"cuda:0": {"total": 8, "free": 5, "leases": [
+        {"label": "m", "units": 3}]}}})
+    assert keyed is not None and keyed["simulated"]
+    [dev] = keyed["devices"]
+    assert (dev["device"], dev["total"], dev["used"], dev["free"], dev["simulated"]) == ("cuda:0", 8, 3, 5, True)
+    assert dev["holders"][0]["label"] == "m" and dev["holders"][0]["units"] == 3
+    listed = units_view([{"index": 1, "capacity": 4, "used": 4, "holders": ["pid 7"]}, "junk"])
+    assert listed is not None and not listed["simulated"]
+    assert [(d["device"], d["free"], d["holders"][0]["label"]) for d in listed["devices"]] == [("1", 0, "pid 7")]
+    assert units_view("nonsense") == {"simulated": False, "unit_bytes": 1 << 30, "error": None, "waiting": 0,
+                                      "devices": []}
+
+
+def test_evict_one_by_prefix_then_all(fetch, daemon: Client) -> None:
+    publish(daemon, "bbbb2222", arena.PAGE, "one")
+    publish(daemon, "cccc3333", arena.PAGE, "two")
+    publish(daemon, "cccc4444", arena.PAGE, "three")
+
+    status, body = fetch("overmind", "evict", method="POST", body={"key": "bbbb"})
+    assert status == 200 and body == {"evicted": ["bbbb2222"]}
+    status, body = fetch("overmind", "evict", method="POST", body={"key": "cccc"})
+    assert status == 409 and body["reason"] == "ambiguous_key"
+    status, body = fetch("overmind", "evict", method="POST", body={"key": "dddd"})
+    assert status == 404 and "no entry" in body["message"]
+    for bad in ("not json", {"key": 3}, {}, [1, 2]):
+        status, body = fetch("overmind", "evict", method="POST", body=bad)
+        assert status == 400, bad
+        assert "{\"all\": true}" in body["message"]
+    assert sorted(e["key"] for e in fetch("overmind", "state")[1]["entries"]) == ["cccc3333", "cccc4444"]
+
+    status, body = fetch("overmind", "evict", method="POST", body={"all": True})
+    assert status == 200 and sorted(body["evicted"]) == ["cccc3333", "cccc4444"]
+    assert fetch("overmind", "state")[1]["entries"] == []
+
+
+def test_every_route_refuses_a_request_without_the_token(fetch, daemon: Client) -> None:
+    publish(daemon, "eeee5555", arena.PAGE, "kept")
+    status, _ = fetch("overmind", "state", token=False)
+    assert status == 403
+    status, _ = fetch("overmind", "evict", method="POST", body={"all": True}, token=False)
+    assert status == 403
+    assert [e["key"] for e in daemon.request("ls")["entries"]] == ["eeee5555"], "a refused evict evicts nothing"
+
+
+def test_the_server_reaches_a_restarted_daemon(fetch, daemon: Client, overmind_home: Path) -> None:
+    assert fetch("overmind", "state")[0] == 200
+    first_pid = daemon.daemon_pid
+    daemon.close()
+    stop = subprocess.run([sys.executable, "-m", "kernel_server", "stop"], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert stop.returncode == 0, stop.stderr
+    status, body = fetch("overmind", "state")
+    assert status == 503 and body["reason"] == "daemon_down"
+    with Client(overmind_home, role="test") as again:
+        assert again.daemon_pid != first_pid
+        status, state = fetch("overmind", "state")
+        assert status == 200 and state["daemon"]["pid"] == again.daemon_pid
+
+
+# -- installation -------------------------------------------------------------------------------------
+
+def test_labextension_has_the_python_package_version() -> None:
+    package = json.loads((REPO / "labextension" / "package.json").read_text())
+    assert package["version"] == overmind_jupyter.__version__
+    built = Path(overmind_jupyter.__file__).parent / "labextension" / "package.json"
+    if built.exists():  # the build output copies it
+        assert json.loads(built.read_text())["version"] == overmind_jupyter.__version__
+
+
+def _jupyter(*args: str) -> str:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JUPYTER")}
+    proc = subprocess.run([*JUPYTER, *args], capture_output=True, text=True, timeout=120, env=env, check=False)
+    assert proc.returncode == 0, proc.stderr
+    return re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout + proc.stderr)  # no colours
+
+
+def test_jupyter_lists_the_server_extension_enabled() -> None:
+    out = _jupyter("server", "extension", "list")
+    assert re.search(r"overmind_jupyter\s+enabled", out), out
+    assert re.search(r"overmind_jupyter\s+\S*\s*OK", out), out
+
+
+def test_jupyter_lists_the_labextension_enabled_and_ok() -> None:
+    name = json.loads((REPO / "labextension" / "package.json").read_text())["name"]
+    out = _jupyter("labextension", "list")
+    line = next((ln for ln in out.splitlines() if name in ln), None)
+    assert line is not None, f"{name} is not installed; `make setup` builds and installs it:\n{out}"
+    version = re.escape(overmind_jupyter.__version__)
+    assert re.search(rf"{re.escape(name)} v{version} enabled\s+OK", line), line
