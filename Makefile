@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup test demo clean chromium
+.PHONY: setup test demo demo-headless clean chromium
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -29,6 +29,9 @@ test: setup
 
 demo: setup
 	$(PY) scripts/demo.py
+
+demo-headless: setup
+	$(PY) scripts/demo.py --headless
 
 clean:
 	rm -rf $(VENV) benchmarks/out

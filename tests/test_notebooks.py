@@ -1,0 +1,62 @@
+"""Every notebook in notebooks/ runs top to bottom in a real kernel, as a reader would run it.
+
+A markdown cell tagged `restart-kernel` stands for the reader pressing Restart: the test restarts the
+kernel there for real and goes on with the next cells.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+from nbclient.util import run_sync
+
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+
+
+def execute(name: str, workdir: Path, env: dict[str, str]) -> nbformat.NotebookNode:
+    """Run notebooks/<name> in `workdir` (a copy), restarting where it says so; return it executed."""
+    shutil.copy(NOTEBOOKS / name, workdir / name)
+    nb = nbformat.read(workdir / name, as_version=4)
+    client = NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(workdir)}})
+    with client.setup_kernel(env=env, cwd=str(workdir)):
+        for index, cell in enumerate(nb.cells):
+            if "restart-kernel" in cell.metadata.get("tags", []):
+                client.km.restart_kernel(now=True)
+                run_sync(client.kc.wait_for_ready)(timeout=120)
+            if cell.cell_type == "code":
+                client.execute_cell(cell, index)
+    return nb
+
+
+def stdout_of(nb: nbformat.NotebookNode) -> str:
+    return "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+                   if o.get("output_type") == "stream")
+
+
+@pytest.fixture
+def notebook_env(overmind_home: Path) -> dict[str, str]:
+    return dict(os.environ, OVERMIND_DEMO_MODEL="tiny", PYTHONWARNINGS="ignore")
+
+
+def test_quickstart_restart_gives_a_fast_hit(tmp_path: Path, notebook_env: dict[str, str]) -> None:
+    nb = execute("quickstart.ipynb", tmp_path, notebook_env)
+    text = stdout_of(nb)
+    first = float(re.search(r"first load \(before the restart\):\s+(\d+) ms", text).group(1))
+    again = float(re.search(r"same load after the restart:\s+(\d+) ms", text).group(1))
+    assert again < first, text
+    status = nb.cells[-1].outputs
+    assert status, "the status cell shows something"
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")))
+def test_notebooks_are_stored_without_outputs(name: str) -> None:
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            assert not cell.outputs and cell.execution_count is None, f"{name} holds outputs: strip them"
