@@ -1,13 +1,20 @@
 """Kernel restarts: one cell loads a model, the kernel restarts, the same cell runs again.
 
-Each case runs in a real kernel (jupyter_client), plain and with `%overmind on`:
+Each case runs in a real kernel (jupyter_client) in up to three modes, in the same run:
+  plain     the python3 kernelspec, plain `from_pretrained`
+  overmind  the python3 kernelspec with `%overmind on` (a cached load after the restart)
+  warm      a warm kernelspec (overmind_jupyter.warm, preloading the case's libraries) with `%overmind on`
+Cases:
   (a) the 1.1B Llama-shaped model of load.py, loaded as fp32 from its bf16 checkpoint
   (b) a Stable-Diffusion-shaped pipeline built locally (width 64)
   (c) a PeftModel with 3 LoRA adapters on the 0.1B model (from_pretrained + 2 load_adapter), fp32
 Reported, after the restart: the load inside the cell (the modules it needs are imported first and
-timed separately) and the whole cell (imports + load), overmind against plain, in the same run.
+timed separately) and the whole cell (imports + load), overmind against plain; then, per mode, the restart
+(the graceful `restart_kernel`, JupyterLab's restart button, until the kernel answers), the setup cell
+(`%load_ext` + `%overmind on`, or nothing for plain) and "ready": from the restart call to the end of the
+cell, i.e. restart + imports + load, against plain's.
 
-    .venv/bin/python benchmarks/restart.py [--cases a,b,c] [--repeat 3]
+    .venv/bin/python benchmarks/restart.py [--cases a,b,c] [--modes plain,overmind,warm] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -30,6 +38,7 @@ CASES = {
                    "from transformers.models.llama import modeling_llama",
         "load": "obj = AutoModelForCausalLM.from_pretrained({llama11!r}, dtype=torch.float32)",
         "what": "1.1B Llama as fp32",
+        "preload": ["torch", "transformers"],
     },
     "b": {
         "imports": "import torch\nfrom diffusers import DiffusionPipeline, StableDiffusionPipeline\n"
@@ -37,6 +46,7 @@ CASES = {
                    "from transformers import CLIPTextModel, CLIPTokenizer",
         "load": "obj = DiffusionPipeline.from_pretrained({sd!r})",
         "what": "SD-shaped pipeline",
+        "preload": ["torch", "transformers", "diffusers"],
     },
     "c": {
         "imports": "import torch\nfrom transformers import AutoModelForCausalLM\n"
@@ -46,6 +56,7 @@ CASES = {
                 "obj.load_adapter({a1!r}, adapter_name='a1')\n"
                 "obj.load_adapter({a2!r}, adapter_name='a2')",
         "what": "PeftModel, 3 adapters",
+        "preload": ["torch", "transformers", "peft"],
     },
 }
 
@@ -86,25 +97,43 @@ def execute(kc, code: str) -> str:  # type: ignore[no-untyped-def]
             return "".join(out)
 
 
-def measure(case: str, mode: str, paths: dict[str, str], env: dict[str, str], repeat: int) -> list[dict]:
+def warm_kernelspec(case: str, root: str) -> str:
+    """Install the warm kernelspec of `case` (preloading its libraries) under `root`; returns its name."""
+    from overmind_jupyter import warm
+
+    name = f"om-bench-warm-{case}"
+    warm.install(name, preload=CASES[case]["preload"], prefix=root)
+    os.environ["JUPYTER_PATH"] = os.pathsep.join(
+        p for p in (str(Path(root) / "share" / "jupyter"), os.environ.get("JUPYTER_PATH", "")) if p)
+    return name
+
+
+def measure(case: str, mode: str, paths: dict[str, str], env: dict[str, str], repeat: int,
+            kernel_name: str = "python3") -> list[dict]:
     from jupyter_client.manager import start_new_kernel
 
     spec = CASES[case]
     cell = CELL.format(imports=spec["imports"], load=spec["load"].format(**paths))
-    setup = "%load_ext overmind_jupyter\n%overmind on" if mode == "overmind" else "pass"
-    km, kc = start_new_kernel(kernel_name="python3", env=env)
+    cached = mode in ("overmind", "warm")
+    setup = "%load_ext overmind_jupyter\n%overmind on" if cached else "pass"
+    km, kc = start_new_kernel(kernel_name=kernel_name, env=env, startup_timeout=300)
     runs = []
     try:
         execute(kc, setup)
         execute(kc, cell)  # the first run of the day: for overmind a miss that publishes
-        if mode == "overmind":
+        if cached:
             execute(kc, "import overmind_jupyter; overmind_jupyter.loading.wait_for_publishes()")
         for _ in range(repeat):
-            km.restart_kernel(now=True)
+            started = time.perf_counter()
+            km.restart_kernel(now=False)  # what JupyterLab's restart button does
             kc.wait_for_ready(timeout=120)
+            restarted = time.perf_counter()
             execute(kc, setup)
-            runs.append(json.loads(execute(kc, cell).strip().splitlines()[-1]))
-        if mode == "overmind":
+            set_up = time.perf_counter()
+            run = json.loads(execute(kc, cell).strip().splitlines()[-1])
+            run.update(restart=restarted - started, setup=set_up - restarted, ready=time.perf_counter() - started)
+            runs.append(run)
+        if cached:
             status = execute(kc, "import overmind_jupyter, json; print(json.dumps(overmind_jupyter.loading.fallbacks()))")
             runs[-1]["fallbacks"] = json.loads(status.strip().splitlines()[-1])
     finally:
@@ -116,8 +145,11 @@ def measure(case: str, mode: str, paths: dict[str, str], env: dict[str, str], re
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", default="a,b,c")
+    parser.add_argument("--modes", default="plain,overmind,warm",
+                        help="comma-separated, among plain, overmind, warm (plain is always run: the baseline)")
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
+    modes = ["plain", *[m for m in args.modes.split(",") if m in ("overmind", "warm")]]
     OUT.mkdir(exist_ok=True)
     paths: dict[str, str] = {}
     build(paths)
@@ -125,20 +157,41 @@ def main() -> None:
     env = dict(os.environ, OVERMIND_HOME=home, TQDM_DISABLE="1", TRANSFORMERS_VERBOSITY="error",
                PYTHONWARNINGS="ignore", HF_HUB_OFFLINE="1")
     report = {}
+    specs = tempfile.mkdtemp(prefix="om-restart-specs-")
     try:
         for case in args.cases.split(","):
-            report[case] = {mode: measure(case, mode, paths, env, args.repeat) for mode in ("plain", "overmind")}
+            report[case] = {}
+            for mode in modes:
+                name = warm_kernelspec(case, specs) if mode == "warm" else "python3"
+                report[case][mode] = measure(case, mode, paths, env, args.repeat, kernel_name=name)
     finally:
+        if "warm" in modes:
+            from overmind_jupyter.warm import stop_spares
+
+            stop_spares()
         subprocess.run([sys.executable, "-m", "kernel_server", "stop"], env=env, check=False, capture_output=True)
     (OUT / "restart.json").write_text(json.dumps(report, indent=2))
-    print(f"{'case':26} {'plain load s':>12} {'ours load s':>11} {'load ratio':>10} {'plain cell s':>12} "
-          f"{'ours cell s':>11} {'cell ratio':>10}")
-    for case, modes in report.items():
-        med = {m: {f: statistics.median(r[f] for r in runs) for f in ("load", "cell")} for m, runs in modes.items()}
-        fb = " FALLBACKS: " + str(modes["overmind"][-1].get("fallbacks")) if modes["overmind"][-1].get("fallbacks") else ""
+    if "overmind" in modes:
+        print(f"{'case':26} {'plain load s':>12} {'ours load s':>11} {'load ratio':>10} {'plain cell s':>12} "
+              f"{'ours cell s':>11} {'cell ratio':>10}")
+    for case, runs_of in report.items():
+        if "overmind" not in runs_of:
+            break
+        med = {m: {f: statistics.median(r[f] for r in runs) for f in ("load", "cell")} for m, runs in runs_of.items()}
+        fb = " FALLBACKS: " + str(runs_of["overmind"][-1].get("fallbacks")) if runs_of["overmind"][-1].get("fallbacks") else ""
         print(f"({case}) {CASES[case]['what']:22} {med['plain']['load']:12.3f} {med['overmind']['load']:11.3f} "
               f"{med['overmind']['load'] / med['plain']['load']:10.3f} {med['plain']['cell']:12.3f} "
               f"{med['overmind']['cell']:11.3f} {med['overmind']['cell'] / med['plain']['cell']:10.3f}{fb}")
+    print(f"\nrestart + setup + imports + load (medians of {args.repeat}; ratio: ready / plain's ready)")
+    print(f"{'case':26} {'mode':9} {'restart s':>9} {'setup s':>8} {'imports s':>9} {'load s':>7} {'ready s':>8} "
+          f"{'ratio':>6}")
+    for case, runs_of in report.items():
+        plain_ready = statistics.median(r["ready"] for r in runs_of["plain"])
+        for mode, runs in runs_of.items():
+            med = {f: statistics.median(r[f] for r in runs) for f in ("restart", "setup", "imports", "load", "ready")}
+            fb = " FALLBACKS: " + str(runs[-1]["fallbacks"]) if runs[-1].get("fallbacks") else ""
+            print(f"({case}) {CASES[case]['what']:22} {mode:9} {med['restart']:9.3f} {med['setup']:8.3f} "
+                  f"{med['imports']:9.3f} {med['load']:7.3f} {med['ready']:8.3f} {med['ready'] / plain_ready:6.3f}{fb}")
 
 
 if __name__ == "__main__":

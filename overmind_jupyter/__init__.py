@@ -30,7 +30,7 @@ _LAZY = {
     "evict": "extension", "load_ipython_extension": "extension", "unload_ipython_extension": "extension",
     "cached": "loading", "preload": "preload",
 }
-_SUBMODULES = ("adapters", "units", "loading", "rebuild", "keys", "demo_models", "extension", "config",
+_SUBMODULES = ("adapters", "units", "widgets", "warm", "loading", "rebuild", "keys", "demo_models", "extension", "config",
                "patching", "targets")
 
 

@@ -1,0 +1,174 @@
+"""`WarmProvisioner`: a jupyter_client kernel provisioner that hands out pre-warmed kernels.
+
+Selected by a kernelspec whose `metadata.kernel_provisioner.provisioner_name` is `overmind-warm` (the
+entry point in the group `jupyter_client.kernel_provisioners`); `python -m overmind_jupyter.warm install`
+writes such a kernelspec. Its `config` sets the traits below, e.g. `{"preload": ["torch", "transformers"]}`.
+
+Everything but the launch is `LocalProvisioner`'s: ports, connection file, signals to the kernel's process
+group, shutdown, cleanup. The launch asks this kernelspec's spare (`spares.py`) to fork a kernel with the
+argv, environment and working directory the plain launch would have used, and keeps a `ForkedKernel`
+where `LocalProvisioner` keeps its `Popen`. When no spare can serve (it failed to import, the argv is not
+`python -m module ...`, `OVERMIND_WARM=0`), the kernel starts plainly, and the log says why
+(DESIGN.md invariant 1: never worse than without us).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Any
+
+from jupyter_client.connect import KernelConnectionInfo
+from jupyter_client.provisioning import LocalProvisioner
+from traitlets import Bool, Float, List, Unicode, default
+
+from . import spares
+from .spares import ForkedKernel, SpareKey, SpareUnavailable
+from .zygote import DEFAULT_PRELOAD
+
+__all__ = ["WarmProvisioner"]
+
+
+def split_argv(cmd: list[str]) -> tuple[tuple[str, ...], str, list[str]]:
+    """`[python, *flags, "-m", module, *args]` -> `((python, *flags), module, args)`.
+
+    Raises:
+        SpareUnavailable: the command does not have that shape (a spare can only run a module).
+    """
+    if "-m" in cmd[1:]:
+        at = cmd.index("-m", 1)
+        flags = cmd[1:at]
+        if at + 1 < len(cmd) and all(f.startswith("-") and f not in ("-c", "-") for f in flags):
+            return tuple(cmd[:at]), cmd[at + 1], list(cmd[at + 2:])
+    raise SpareUnavailable(f"the kernelspec's argv {cmd!r} is not `python [flags] -m module ...`")
+
+
+class _Stdio:
+    """The three fds a kernel gets, built from Popen-style arguments, and the pipe ends we keep."""
+
+    def __init__(self, stdin: Any, stdout: Any, stderr: Any) -> None:
+        self.fds: list[int] = []
+        self._close_after: list[int] = []
+        self.keep: dict[str, Any] = {}
+        self.fds.append(self._one("stdin", stdin, 0))
+        self.fds.append(self._one("stdout", stdout, 1))
+        if stderr == subprocess.STDOUT:
+            self.fds.append(self.fds[1])
+        else:
+            self.fds.append(self._one("stderr", stderr, 2))
+
+    def _one(self, name: str, value: Any, default_fd: int) -> int:
+        reading = name == "stdin"
+        if value is None and reading:  # jupyter_client's launcher: a pipe whose write end is closed at once
+            r, w = os.pipe()
+            self._close_after += [r, w]
+            return r
+        if value is None:
+            try:
+                os.fstat(default_fd)
+                return default_fd
+            except OSError:
+                value = subprocess.DEVNULL
+        if value == subprocess.DEVNULL:
+            fd = os.open(os.devnull, os.O_RDWR)
+            self._close_after.append(fd)
+            return fd
+        if value == subprocess.PIPE:
+            r, w = os.pipe()
+            theirs, ours = (r, w) if reading else (w, r)
+            self._close_after.append(theirs)
+            self.keep[name] = os.fdopen(ours, "wb" if reading else "rb")
+            return theirs
+        return value if isinstance(value, int) else value.fileno()
+
+    def close(self) -> None:
+        for fd in self._close_after:
+            os.close(fd)
+        self._close_after = []
+
+
+class WarmProvisioner(LocalProvisioner):
+    """Starts kernels by forking them from a spare process that has already imported `preload`.
+
+    One spare per kernelspec lives in the Jupyter server process for as long as it runs (shared by all
+    kernels of that kernelspec); each start or restart forks a fresh kernel from it, so a kernel never
+    inherits anything from an earlier one. See docs/warm-kernels.md.
+    """
+
+    preload = List(Unicode(), default_value=list(DEFAULT_PRELOAD), config=True,
+                   help="Modules the spare imports before forking kernels. A package with a lazy top level "
+                        "(transformers, diffusers, peft) also brings its model-loading core; a dotted name "
+                        "may also be a module attribute (transformers.AutoModelForCausalLM).")
+    kernel_env_keys = List(Unicode(), default_value=[], config=True,
+                           help="Environment variables, beyond JPY_SESSION_NAME and the other per-kernel "
+                                "ones, that may differ between kernels without replacing the spare.")
+    ready_timeout = Float(300.0, config=True,
+                          help="Seconds a start waits for a spare still importing before starting plainly.")
+    enabled = Bool(config=True, help="False starts plain kernels (environment: OVERMIND_WARM=0).")
+    fast_exit = Bool(True, config=True,
+                     help="A forked kernel ends with atexit handlers, closing open files and os._exit, "
+                          "skipping the ~1 s teardown of torch's modules (see Note [Fast exit] in zygote.py).")
+
+    _key: SpareKey | None = None
+
+    @default("enabled")
+    def _enabled_default(self) -> bool:
+        return os.environ.get("OVERMIND_WARM", "1").strip().lower() not in ("0", "false", "no", "off")
+
+    async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> KernelConnectionInfo:
+        """Fork the kernel from the spare; start it plainly when no spare can serve."""
+        if not self.enabled or kwargs.get("independent") or not sys.platform.startswith("linux"):
+            return await super().launch_kernel(cmd, **kwargs)  # forking after imports is a Linux design
+        try:
+            return await self._launch_warm(cmd, kwargs)
+        except SpareUnavailable as exc:
+            self.log.warning("No warm kernel (%s): starting a plain one", exc)
+            return await super().launch_kernel(cmd, **kwargs)
+
+    async def _launch_warm(self, cmd: list[str], kwargs: dict[str, Any]) -> KernelConnectionInfo:
+        interpreter, module, args = split_argv([os.path.expanduser(part) for part in cmd])
+        env = dict(os.environ if kwargs.get("env") is None else kwargs["env"])
+        env["JPY_PARENT_PID"] = str(os.getpid())  # as jupyter_client's launcher sets it
+        cwd = os.path.abspath(os.fspath(kwargs.get("cwd") or os.getcwd()))
+        if not os.path.isdir(cwd):  # let the plain launch raise what Popen raises for it
+            raise SpareUnavailable(f"the working directory {cwd} does not exist")
+        per_kernel = set(spares.PER_KERNEL_ENV) | set(self.kernel_env_keys)
+        spare_env = {k: v for k, v in env.items() if k not in per_kernel}
+        spec = self.kernel_spec
+        self._key = SpareKey(spec.resource_dir or spec.name or spec.display_name, interpreter,
+                             tuple(self.preload))
+        spare = spares.spare_for(self._key, spare_env, cwd)
+        await spare.wait_ready(self.ready_timeout)
+        stdio = _Stdio(kwargs.get("stdin"), kwargs.get("stdout"), kwargs.get("stderr"))
+        try:
+            pid, pidfd = spare.fork(module=module, args=args, argv=[*interpreter, "-m", module, *args], env=env,
+                                    cwd=cwd, parent_pid=os.getpid(), fast_exit=self.fast_exit,
+                                    stdio=(stdio.fds[0], stdio.fds[1], stdio.fds[2]))
+        except BaseException:
+            for pipe in stdio.keep.values():
+                pipe.close()
+            raise
+        finally:
+            stdio.close()
+        kernel = ForkedKernel(spare, pid, pidfd)
+        for name, pipe in stdio.keep.items():
+            setattr(kernel, name, pipe)
+        self.process = kernel
+        self.pid = self.pgid = pid
+        self.cwd = cwd
+        self.log.info("Kernel %s forked from spare %d as %d", self.kernel_id, spare.pid, pid)
+        return self.connection_info
+
+    async def poll(self) -> int | None:
+        """`LocalProvisioner.poll`; also replaces this kernelspec's spare if it died (the kernel restarter
+        polls every few seconds, so a dead spare is back before the next restart needs it)."""
+        if self._key is not None:
+            spares.revive(self._key)
+        return await super().poll()
+
+    async def get_provisioner_info(self) -> dict[str, Any]:
+        info = await super().get_provisioner_info()
+        info["warm"] = isinstance(self.process, ForkedKernel)
+        return info
+

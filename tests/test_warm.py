@@ -1,0 +1,450 @@
+"""Warm kernels (issue 10): the provisioner, its spares, the kernelspec installer, through real kernels.
+
+Kernels start through `jupyter_client` from kernelspecs installed into this module's own Jupyter data
+directory; one test runs a real `jupyter server` and restarts through its REST API, the path of
+JupyterLab's restart button. Two kernelspecs: WARM preloads torch and transformers (the default) plus
+`warm_probe`; LIGHT preloads only `warm_probe`, so the tests that start spares again stay quick.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from conftest import stop_daemon
+
+REPO = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
+GROUP = "jupyter_client.kernel_provisioners"
+WARM, LIGHT, PLAIN = "om-warm-test", "om-warm-light", "python3"
+
+
+def wait_until(condition: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def is_spare(proc: psutil.Process) -> bool:
+    try:
+        return "overmind_jupyter.warm.zygote" in proc.cmdline()
+    except psutil.Error:
+        return False
+
+
+def execute(kc, code: str, timeout: float = 120) -> tuple[str, str | None]:  # type: ignore[no-untyped-def]
+    """Run `code`; returns (stdout, name of the error raised or None)."""
+    msg_id = kc.execute(code)
+    out, error = [], None
+    while True:
+        msg = kc.get_iopub_msg(timeout=timeout)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        if msg["msg_type"] == "stream" and msg["content"]["name"] == "stdout":
+            out.append(msg["content"]["text"])
+        elif msg["msg_type"] == "error":
+            error = msg["content"]["ename"]
+            if error != "KeyboardInterrupt":
+                raise AssertionError("\n".join(msg["content"]["traceback"]))
+        elif msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            return "".join(out), error
+
+
+def run_json(kc, code: str) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    return json.loads(execute(kc, code)[0].strip().splitlines()[-1])
+
+
+PROBE = """
+import json as _json, os as _os, sys as _sys, random as _random
+_info = {"pid": _os.getpid(), "ppid": _os.getppid(), "cwd": _os.getcwd(), "torch_preloaded": "torch" in _sys.modules,
+         "leaked": "leaked" in globals(), "wave": "wave" in _sys.modules, "random": _random.random()}
+import torch as _torch, transformers.modeling_utils, warm_probe as _probe
+_info.update(path=_sys.path, argv=_sys.argv, orig_argv=_sys.orig_argv, env=dict(_os.environ), seed=_torch.initial_seed(),
+             probe_in_spare=_probe.IMPORTED_IN != _os.getpid(), probe_saw=_probe.SAW)
+print(_json.dumps(_info))
+"""
+
+
+@pytest.fixture(scope="module")
+def entry_point() -> str:
+    """The provisioner's entry point, as the package's metadata installs it."""
+    found = entry_points(group=GROUP, name="overmind-warm")
+    assert found, "the overmind-warm provisioner is not installed: run `pip install -e .` (make setup does)"
+    return next(iter(found)).value
+
+
+@pytest.fixture(scope="module")
+def warm(entry_point: str, tmp_path_factory: pytest.TempPathFactory):
+    """This module's Jupyter data dir with the WARM and LIGHT kernelspecs, and the environment every kernel
+    here starts with (fixed, so that all kernels of a kernelspec share one spare). Spares are stopped after."""
+    from overmind_jupyter import warm as warm_pkg
+
+    data = tmp_path_factory.mktemp("jupyter-data")
+    probe = tmp_path_factory.mktemp("probe")  # a copy, so a test may rewrite it
+    shutil.copy(TESTS / "warm_probe.py", probe / "warm_probe.py")
+    home = Path(tempfile.mkdtemp(prefix="om-w-", dir="/tmp"))
+    os.chmod(home, 0o700)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("JUPYTER_DATA_DIR", str(data))
+        warm_pkg.install(WARM, preload=["torch", "transformers", "warm_probe"])
+        warm_pkg.install(LIGHT, preload=["warm_probe"])
+        env = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+        paths = [str(probe), env.get("PYTHONPATH", "")]
+        env.update(OVERMIND_HOME=str(home), WARM_PROBE_SEEN="spare-env",
+                   PYTHONPATH=os.pathsep.join(p for p in paths if p))
+        yield env
+        warm_pkg.stop_spares()
+    stop_daemon(home)
+
+
+def start(name: str, env: dict[str, str], cwd: Path | None = None):  # type: ignore[no-untyped-def]
+    from jupyter_client.manager import start_new_kernel
+
+    return start_new_kernel(kernel_name=name, env=env, cwd=str(cwd) if cwd else None, startup_timeout=120)
+
+
+def restart(km, kc, *, now: bool = False, **kw: Any) -> float:  # type: ignore[no-untyped-def]
+    """Restart and wait until the kernel answers; returns the seconds that took. `now=False` is the graceful
+    path JupyterLab's restart button takes."""
+    started = time.perf_counter()
+    km.restart_kernel(now=now, **kw)
+    kc.wait_for_ready(timeout=120)
+    return time.perf_counter() - started
+
+
+def spare_of(spec: str) -> dict[str, Any]:
+    from overmind_jupyter.warm import describe_spares
+
+    found = [s for s in describe_spares() if s["spec"].endswith(os.sep + spec)]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def test_install_writes_a_kernelspec_jupyter_client_resolves(warm: dict[str, str], entry_point: str,
+                                                             tmp_path: Path) -> None:
+    from jupyter_client.kernelspec import KernelSpecManager
+    from jupyter_client.provisioning import KernelProvisionerFactory
+
+    from overmind_jupyter.warm import WarmProvisioner
+
+    env = dict(warm, JUPYTER_DATA_DIR=str(tmp_path))
+    cli = [sys.executable, "-m", "overmind_jupyter.warm"]
+    done = subprocess.run([*cli, "install", "--name", "cli-warm", "--preload", "torch,peft"], env=env,
+                          capture_output=True, text=True, check=True)
+    assert "cli-warm" in done.stdout
+    spec_file = tmp_path / "kernels" / "cli-warm" / "kernel.json"
+    spec = json.loads(spec_file.read_text())
+    assert spec["argv"] == [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+    assert spec["metadata"]["kernel_provisioner"] == {"provisioner_name": "overmind-warm",
+                                                      "config": {"preload": ["torch", "peft"]}}
+    assert spec["metadata"]["debugger"] is True and (spec_file.parent / "logo-64x64.png").exists()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("JUPYTER_DATA_DIR", str(tmp_path))
+        kernelspec = KernelSpecManager().get_kernel_spec("cli-warm")
+        factory = KernelProvisionerFactory.instance()
+        assert factory.is_provisioner_available(kernelspec), "the entry point resolves"
+        provisioner = factory.create_provisioner_instance("k1", kernelspec, None)
+    assert isinstance(provisioner, WarmProvisioner) and provisioner.preload == ["torch", "peft"]
+    assert subprocess.run([*cli, "uninstall", "--name", "cli-warm"], env=env, capture_output=True,
+                          check=False).returncode == 0
+    assert not spec_file.exists()
+    again = subprocess.run([*cli, "uninstall", "--name", "cli-warm"], env=env, capture_output=True, text=True,
+                           check=False)
+    assert again.returncode == 1 and "jupyter kernelspec list" in again.stderr
+    assert entry_point == "overmind_jupyter.warm.provisioner:WarmProvisioner"
+
+
+def test_every_start_forks_a_fresh_kernel_and_interrupt_and_shutdown_work(warm: dict[str, str],
+                                                                          tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    km, kc = start(WARM, warm, cwd=tmp_path / "a")
+    try:
+        first = run_json(kc, PROBE + "\nleaked = 41\nimport wave")
+        spare = spare_of(WARM)
+        assert first["ppid"] == spare["pid"] and spare["state"] == "ready"
+        assert {"torch", "transformers", "transformers.modeling_utils", "warm_probe"} <= set(spare["modules"])
+        assert first["torch_preloaded"] and first["probe_in_spare"] and first["probe_saw"] == "spare-env"
+        assert first["env"]["WARM_PROBE_SET"] == "by-import", "what a preloaded import set is replayed"
+        assert first["cwd"] == str(tmp_path / "a") and first["env"]["JPY_PARENT_PID"] == str(os.getpid())
+
+        restart(km, kc)
+        second = run_json(kc, PROBE)
+        assert second["pid"] != first["pid"] and second["ppid"] == spare["pid"]
+        assert not second["leaked"] and not second["wave"], "nothing of kernel A is in kernel B"
+        assert second["seed"] != first["seed"] and second["random"] != first["random"], "fresh random state"
+
+        restart(km, kc, now=True, env={**warm, "JPY_SESSION_NAME": "other.ipynb"}, cwd=str(tmp_path / "b"))
+        third = run_json(kc, PROBE)
+        assert third["cwd"] == str(tmp_path / "b") and third["env"]["JPY_SESSION_NAME"] == "other.ipynb"
+        assert third["ppid"] == spare["pid"], "a per-kernel variable does not replace the spare"
+        assert spare_of(WARM)["kernels"] == [third["pid"]], "earlier kernels are reaped"
+
+        msg_id = kc.execute("import time; time.sleep(30)")
+        wait_until(lambda: (m := kc.get_iopub_msg(timeout=10))["parent_header"].get("msg_id") == msg_id
+                   and m["content"].get("execution_state") == "busy", what="the cell to start")
+        time.sleep(0.3)
+        started = time.perf_counter()
+        km.interrupt_kernel()
+        reply = wait_until(lambda: (m := kc.get_shell_msg(timeout=15))["parent_header"].get("msg_id") == msg_id
+                           and m, what="the interrupted cell's reply")
+        assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "KeyboardInterrupt"
+        assert time.perf_counter() - started < 10
+        assert run_json(kc, "import json, os; print(json.dumps({'pid': os.getpid()}))")["pid"] == third["pid"]
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel()
+    assert not km.is_alive() and gone(third["pid"])
+    assert spare_of(WARM)["kernels"] == []
+    extra = [p for p in psutil.Process().children(recursive=True) if not is_spare(p) and not gone(p.pid)]
+    assert extra == [], "nothing but spares outlives the kernels"
+
+
+def test_a_dead_kernel_is_seen_and_a_killed_spare_is_replaced(warm: dict[str, str]) -> None:
+    km, kc = start(LIGHT, warm)
+    try:
+        kc.execute("import os; os._exit(3)")
+        wait_until(lambda: not km.is_alive(), what="the kernel's death to be seen")
+        assert km.provisioner.process.returncode == 3, "the spare reports the exit code"
+        restart(km, kc)
+        spare = spare_of(LIGHT)["pid"]
+        kernel = run_json(kc, "import json, os; print(json.dumps({'pid': os.getpid(), 'ppid': os.getppid()}))")
+        assert kernel["ppid"] == spare
+        os.kill(spare, signal.SIGKILL)
+        wait_until(lambda: gone(spare), what="the spare to die")
+        out, _ = execute(kc, "print(6 * 7)")
+        assert out == "42\n", "a running kernel outlives its spare (Note [Kernel lifetime])"
+
+        def replaced() -> bool:
+            km.is_alive()  # the kernel restarter polls like this every few seconds
+            info = spare_of(LIGHT)
+            return info["pid"] != spare and info["state"] == "ready"
+
+        wait_until(replaced, timeout=60, what="a new spare")
+        restart(km, kc)
+        again = run_json(kc, "import json, os; print(json.dumps({'pid': os.getpid(), 'ppid': os.getppid()}))")
+        assert again["ppid"] == spare_of(LIGHT)["pid"] != spare
+        assert gone(kernel["pid"])
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+def test_a_spare_is_replaced_when_the_environment_or_its_modules_change(warm: dict[str, str]) -> None:
+    km, kc = start(LIGHT, warm)
+    probe = "import json, os, sys, warm_probe; print(json.dumps({'ppid': os.getppid(), 'saw': warm_probe.SAW}))"
+    try:
+        before = run_json(kc, probe)
+        restart(km, kc, now=True, env={**warm, "WARM_PROBE_SEEN": "changed"})
+        changed = run_json(kc, probe)
+        assert changed["ppid"] != before["ppid"] and changed["saw"] == "changed", \
+            "a variable read at import time is seen with the kernel's value"
+        module = Path(warm["PYTHONPATH"].split(os.pathsep)[0]) / "warm_probe.py"
+        os.utime(module, ns=(time.time_ns(), time.time_ns()))  # what an upgrade does to a preloaded file
+        restart(km, kc, now=True)
+        upgraded = run_json(kc, probe)
+        assert upgraded["ppid"] not in (before["ppid"], changed["ppid"]) and gone(changed["ppid"])
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+@pytest.mark.parametrize("module, error", [("no_such_module_here", "import failed: ModuleNotFoundError"),
+                                           ("warm_threaded", "importing it started threads ['warm-threaded']")])
+def test_a_spare_that_cannot_preload_gives_plain_kernels(warm: dict[str, str], module: str, error: str) -> None:
+    from overmind_jupyter import warm as warm_pkg
+
+    probe = Path(warm["PYTHONPATH"].split(os.pathsep)[0])
+    (probe / "warm_threaded.py").write_text(
+        "import threading, time\nthreading.Thread(target=time.sleep, args=(60,), name='warm-threaded', "
+        "daemon=True).start()\n")
+    name = f"om-warm-broken-{module.replace('_', '-')}"
+    warm_pkg.install(name, preload=["json", module])  # into this module's data dir (JUPYTER_DATA_DIR)
+    km, kc = start(name, warm)
+    try:
+        info = run_json(kc, "import json, os; print(json.dumps({'ppid': os.getppid()}))")
+        assert info["ppid"] == os.getpid(), "a plain kernel, the child of its manager"
+        spare = spare_of(name)
+        assert spare["state"] == "failed" and f"{module}: {error}" in spare["error"], spare
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+def test_the_spare_answers_bad_requests_with_errors_and_goes_on(warm: dict[str, str], tmp_path: Path) -> None:
+    import asyncio
+
+    from overmind_jupyter.warm.spares import Spare, SpareKey
+
+    spare = Spare(SpareKey("protocol-test", (sys.executable,), ()), warm, str(tmp_path))
+    try:
+        asyncio.run(spare.wait_ready(60))
+        for bad in (b"not json", b"[1]", b'{"kind": "nope"}', b'{"kind": "status"}', b'{"kind": "status", "pid": "x"}',
+                    b'{"kind": "fork", "module": "m"}'):
+            spare.sock.send(bad)
+            answer = json.loads(spare.sock.recv(1 << 16))
+            assert answer["kind"] == "error" and "bad request" in answer["error"], (bad, answer)
+        r, w = os.pipe()
+        socket.send_fds(spare.sock, [b'{"kind": "fork", "module": "m"}'], [r, w, w])  # fds, but no argv
+        assert json.loads(spare.sock.recv(1 << 16))["kind"] == "error"
+        os.close(r)
+        os.close(w)
+        assert spare.ping() == {"kind": "pong", "pid": spare.pid, "kernels": []}
+        assert spare.exit_status(12345678) == (None, False)
+    finally:
+        spare.stop()
+    assert spare.proc.returncode == 0, "EOF ends the spare cleanly"
+
+
+def test_stop_spares_ends_them_and_running_kernels_live_on(warm: dict[str, str]) -> None:
+    from overmind_jupyter.warm import stop_spares
+
+    km, kc = start(LIGHT, warm)
+    try:
+        spare = spare_of(LIGHT)["pid"]
+        assert stop_spares() >= 1
+        wait_until(lambda: gone(spare), timeout=10, what="the spare to exit")
+        assert execute(kc, "print('still here')")[0] == "still here\n"
+        assert not [p for p in psutil.Process().children(recursive=True) if is_spare(p) and not gone(p.pid)]
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rest(port: int, path: str, method: str = "GET", body: Any = None) -> tuple[int, Any]:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method,
+                                     data=None if body is None else json.dumps(body).encode(),
+                                     headers={"Authorization": "token warm-test"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        text = response.read().decode()
+        return response.status, json.loads(text) if text else None
+
+
+def test_a_jupyter_server_restarts_warm_kernels_and_its_spare_dies_with_it(warm: dict[str, str],
+                                                                          tmp_path: Path) -> None:
+    port = _free_port()
+    log = tmp_path / "server.log"
+    with log.open("w") as sink:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "jupyter_server", f"--ServerApp.port={port}", "--ServerApp.port_retries=0",
+             "--IdentityProvider.token=warm-test", "--ServerApp.open_browser=False", "--allow-root",
+             f"--ServerApp.root_dir={tmp_path}",
+             "--ServerApp.ip=127.0.0.1"], env=warm, stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        def up() -> bool:
+            try:
+                return _rest(port, "/api/status")[0] == 200
+            except OSError:
+                assert server.poll() is None, log.read_text()
+                return False
+
+        wait_until(up, timeout=60, what="the jupyter server")
+        status, kernel = _rest(port, "/api/kernels", "POST", {"name": LIGHT})
+        assert status == 201, kernel
+
+        def kernels() -> tuple[int, list[int]]:
+            spares = [p for p in psutil.Process(server.pid).children() if is_spare(p)]
+            assert len(spares) == 1, log.read_text()
+            return spares[0].pid, [c.pid for c in spares[0].children() if not gone(c.pid)]
+
+        spare, first = wait_until(lambda: (k := kernels())[1] and k, what="the forked kernel")
+        assert len(first) == 1
+        assert _rest(port, f"/api/kernels/{kernel['id']}/restart", "POST")[0] == 200
+        spare_after, second = wait_until(lambda: (k := kernels())[1] and k, what="the restarted kernel")
+        assert spare_after == spare and len(second) == 1 and second != first and gone(first[0])
+        assert "forked from spare" in log.read_text()
+        server.kill()
+        server.wait()
+        wait_until(lambda: gone(spare) and gone(second[0]), timeout=15,
+                   what="the spare and the kernel to die with the server")
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+
+
+SETUP = "import sys as _sys\n_preloaded = 'torch' in _sys.modules\n%load_ext overmind_jupyter\n%overmind on"
+CELL = """
+import time as _t, json as _j
+_t0 = _t.perf_counter()
+import torch
+from transformers import AutoModelForCausalLM
+_t1 = _t.perf_counter()
+model = AutoModelForCausalLM.from_pretrained({path!r}, dtype=torch.float32)
+_t2 = _t.perf_counter()
+with torch.no_grad():
+    _out = model(torch.arange(10)[None]).logits.double().sum().item()
+import overmind_jupyter
+overmind_jupyter.loading.wait_for_publishes(60)
+print(_j.dumps({{"preloaded": _preloaded, "imports": _t1 - _t0, "load": _t2 - _t1, "out": _out,
+                "hits": overmind_jupyter.status()["daemon"]["stats"].get("hits", 0),
+                "fallbacks": len(overmind_jupyter.loading.fallbacks())}}))
+"""
+
+
+def test_after_a_restart_the_first_cell_imports_and_loads_a_cached_model_sooner(warm: dict[str, str],
+                                                                                tiny_llama: Path) -> None:
+    cell = CELL.format(path=str(tiny_llama))
+    figures, probes = {}, {}
+    for name in (PLAIN, WARM):
+        km, kc = start(name, warm, cwd=TESTS)
+        try:
+            execute(kc, SETUP)
+            run_json(kc, cell)  # the first load of the day: a miss for the first kernel, then hits
+            started = time.perf_counter()
+            restart_s = restart(km, kc)
+            setup_started = time.perf_counter()
+            execute(kc, SETUP)
+            setup_s = time.perf_counter() - setup_started
+            result = run_json(kc, cell)
+            result.update(restart=restart_s, setup=setup_s, ready=time.perf_counter() - started)
+            figures[name] = result
+            probes[name] = run_json(kc, PROBE)
+        finally:
+            kc.stop_channels()
+            km.shutdown_kernel(now=True)
+    plain, warm_ = figures[PLAIN], figures[WARM]
+    print("\nrestart to model ready, s: " + "; ".join(
+        f"{n}: restart {f['restart']:.2f} + %overmind on {f['setup']:.2f} + imports {f['imports']:.2f} + load "
+        f"{f['load']:.3f} -> {f['ready']:.2f}"
+        for n, f in figures.items()) + f"; warm/plain {warm_['ready'] / plain['ready']:.2f}")
+    assert plain["out"] == warm_["out"], "the same model, the same logits"
+    assert plain["fallbacks"] == warm_["fallbacks"] == 0 and warm_["hits"] >= 3, "both cached loads were hits"
+    assert warm_["preloaded"] and not plain["preloaded"], "the warm kernel started with torch imported"
+    assert warm_["setup"] + warm_["imports"] < (plain["setup"] + plain["imports"]) / 4, "the imports were skipped"
+    assert warm_["ready"] < plain["ready"], "and the kernel was model-ready sooner"
+    a, b = probes[PLAIN], probes[WARM]
+    assert a["cwd"] == b["cwd"] and a["path"] == b["path"] and a["argv"][0] == b["argv"][0]
+    assert a["orig_argv"][:3] == b["orig_argv"][:3] == [sys.executable, "-m", "ipykernel_launcher"]
+    assert a["env"] == b["env"], "the same environment as a plain kernel"
