@@ -70,6 +70,10 @@ class ArenaWriter:
         try:
             if nbytes:
                 os.ftruncate(self.fd, nbytes)
+                if backing == "file":
+                    # Allocate the blocks now: on a full disk this raises ENOSPC here, where a write
+                    # through the mapping into a sparse file would kill the process with SIGBUS.
+                    os.posix_fallocate(self.fd, 0, nbytes)
             self._map: mmap.mmap | None = mmap.mmap(self.fd, nbytes) if nbytes else None
         except BaseException:
             os.close(self.fd)
@@ -117,7 +121,9 @@ def check_sealed(fd: int, nbytes: int) -> str:
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
     except OSError:
         seals = None  # not a memfd
-    if seals is None:
+    if seals is None or seals & fcntl.F_SEAL_SEAL and not seals & fcntl.F_SEAL_WRITE:
+        # Not a memfd, or a file that can never be sealed: an O_TMPFILE file on a tmpfs (such as
+        # $XDG_RUNTIME_DIR) is shmem too, born with F_SEAL_SEAL alone.
         if st.st_nlink != 0:
             raise ValueError("a file arena must be unnamed (O_TMPFILE)")
         return "file"

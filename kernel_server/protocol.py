@@ -109,6 +109,8 @@ def decode_payload(body: bytes) -> dict[str, Any]:
         payload = json.loads(body)
     except (UnicodeDecodeError, ValueError) as exc:
         raise ProtocolError(f"payload is not JSON: {exc}") from None
+    except RecursionError:  # a payload nested deeper than the parser's stack: answer, do not die
+        raise ProtocolError("payload is not JSON this daemon reads: nested too deeply") from None
     if not isinstance(payload, dict):
         raise ProtocolError(f"payload must be a JSON object, not {type(payload).__name__}")
     return payload

@@ -31,12 +31,13 @@ from typing import Any
 
 from .errors import Uncacheable
 
-__all__ = ["CallKey", "fingerprint", "make_key", "owner_name", "register_reference"]
+__all__ = ["CallKey", "changed_since", "fingerprint", "make_key", "owner_name", "register_reference"]
 
 _KEY_FORMAT = 1
 _SOURCE_PARAMS = ("pretrained_model_name_or_path", "model_id", "pretrained_model_link_or_path", "repo_id")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _MAX_ITEMS = 10_000
+_MAX_VALUES = 100_000  # in all the arguments of one call: a list that holds one big list many times
 _MAX_DEPTH = 32
 _MAX_STRING = 64 * 1024
 _MAX_FILES = 100_000
@@ -60,6 +61,22 @@ class CallKey:
     deps: list[str] = field(default_factory=list)
     references: dict[str, Any] = field(default_factory=dict, repr=False)  # argument name -> cached result
     document: dict[str, Any] = field(default_factory=dict, repr=False)
+    # what the call reads, as (label, how to read its fingerprint again, the fingerprint in the key)
+    sources: list[tuple[str, Callable[[], Any], Any]] = field(default_factory=list, repr=False)
+
+
+def changed_since(ck: CallKey) -> str | None:
+    """The first source of `ck` (a checkpoint path, a hub snapshot) whose fingerprint is no longer the
+    one in the key, or None. A load that read a source changed under it is not cached: its result may
+    hold the new bytes, and the key names the old ones (see Note [Never stale])."""
+    for label, read, seen in ck.sources:
+        try:
+            now = read()
+        except (OSError, Uncacheable):
+            return label
+        if now != seen:
+            return label
+    return None
 
 
 def owner_name(fn: Callable[..., Any]) -> tuple[str, str, str]:
@@ -81,6 +98,10 @@ def make_key(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
              cwd: str | None = None, signature_of: Callable[..., Any] | None = None) -> CallKey:
     """The key of `fn(*args, **kwargs)` called from `cwd` (default: this process's). Raises
     Uncacheable, naming the argument, when the call has no canonical form."""
+    while isinstance(fn, functools.partial):  # partial(f, a, k=1)(b) is the call f(a, b, k=1)
+        args, kwargs = (*fn.args, *args), {**fn.keywords, **kwargs}
+        fn = fn.func
+    _check_named(fn)
     qualified, short, package = owner_name(fn)
     cwd = cwd or os.getcwd()
     arguments = _bind(signature_of or fn, args, kwargs)
@@ -110,7 +131,21 @@ def make_key(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
         "source": canon.source_label,
         "dtype": _dtype_label(arguments).removeprefix(", dtype=") or None,
     }
-    return CallKey(key, meta["label"], meta, canon.deps, canon.references, document)
+    return CallKey(key, meta["label"], meta, canon.deps, canon.references, document, canon.sources)
+
+
+def _check_named(fn: Callable[..., Any]) -> None:
+    """A key names a plain callable by `module.qualname`: refuse the callables whose name does not
+    say what they do, since two of them would share a key and one would be served the other's result."""
+    if getattr(fn, "__self__", None) is not None:
+        return  # a method: its class, or its object as the argument "self", is in the key
+    qualname = getattr(fn, "__qualname__", None)
+    if not isinstance(qualname, str):
+        raise Uncacheable(f"{type(fn).__qualname__} is a callable object, whose state is not part of a cache "
+                          "key; cache a function or a method defined at module level")
+    if "<" in qualname:
+        raise Uncacheable(f"{qualname} is a lambda or a function defined inside another, which can hold "
+                          "values its name does not show; cache a function defined at module level")
 
 
 def _bind(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -177,7 +212,9 @@ class _Canonical:
         self.deps: list[str] = []
         self.references: dict[str, Any] = {}
         self.source_label: str | None = None
+        self.sources: list[tuple[str, Callable[[], Any], Any]] = []
         self._active: set[int] = set()
+        self._values = 0
 
     def source(self, name: str, value: Any, arguments: dict[str, Any]) -> Any:
         if isinstance(value, (str, PurePath)):
@@ -188,20 +225,28 @@ class _Canonical:
                 return self._path(name, path)
             if isinstance(value, str) and _HUB_ID.match(value):
                 self.source_label = self.source_label or repr(value)
-                return {"hub": value, **_hub_commit(value, arguments)}
+                commit = _hub_commit(value, arguments)
+                self.sources.append((value, functools.partial(_hub_commit, value, arguments), commit))
+                return {"hub": value, **commit}
             raise Uncacheable(f"argument {name}={text!r} is neither a local path nor a hub id")
         return self.value(name, value, 0)
 
     def _path(self, name: str, path: str) -> Any:
         real = os.path.realpath(path)
         try:
-            return {"path": real, "files": fingerprint(real)}
+            files = fingerprint(real)
         except OSError as exc:
             raise Uncacheable(f"cannot fingerprint {name}={path!r}: {exc}") from exc
+        self.sources.append((real, functools.partial(fingerprint, real), files))
+        return {"path": real, "files": files}
 
     def value(self, name: str, v: Any, depth: int) -> Any:
         if depth > _MAX_DEPTH:
             raise Uncacheable(f"argument {name} nests deeper than {_MAX_DEPTH} levels")
+        self._values += 1
+        if self._values > _MAX_VALUES:
+            raise Uncacheable(f"the arguments hold more than {_MAX_VALUES} values (at {name}); at most that "
+                              "many can be keyed")
         if v is None or isinstance(v, bool) or isinstance(v, int) and type(v) is int:
             return v
         if isinstance(v, float):
