@@ -7,9 +7,7 @@ transformers, diffusers, peft nor IPython (DESIGN.md invariant 8); everything he
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
+from ._lazy import lazy_attributes
 from ._version import __version__
 
 __all__ = [
@@ -25,25 +23,16 @@ __all__ = [
     "unload_ipython_extension",
 ]
 
-_LAZY = {
-    "enable": "extension", "disable": "extension", "is_enabled": "extension", "status": "extension",
-    "evict": "extension", "load_ipython_extension": "extension", "unload_ipython_extension": "extension",
-    "cached": "loading", "preload": "preload",
+_WHERE = {
+    **dict.fromkeys(["enable", "disable", "is_enabled", "status", "evict", "load_ipython_extension",
+                     "unload_ipython_extension"], ".extension"),
+    "cached": ".loading",
+    "preload": ".preload",
+    **{name: f".{name}" for name in ("adapters", "units", "widgets", "warm", "loading", "rebuild", "keys",
+                                      "demo_models", "extension", "config", "patching", "targets")},
 }
-_SUBMODULES = ("adapters", "units", "widgets", "warm", "loading", "rebuild", "keys", "demo_models", "extension", "config",
-               "patching", "targets")
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-    if name in _SUBMODULES:
-        return importlib.import_module(f".{name}", __name__)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(__all__) | set(_SUBMODULES))
+__getattr__, __dir__ = lazy_attributes(__name__, _WHERE, __all__)
 
 
 def _jupyter_server_extension_points() -> list[dict[str, str]]:

@@ -18,8 +18,9 @@ while models stay on the CPU. Importing this package imports neither torch nor C
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .._lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from ._errors import (
@@ -62,10 +63,4 @@ _WHERE = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_attributes(__name__, _WHERE, __all__)
