@@ -110,6 +110,8 @@ class Client:
         """Send a request; returns its id and a future for the reply frame."""
         fut: Future[Frame] = Future()
         with self._lock:
+            if isinstance(self._failure, PeerRefused):  # however the refusal raced the hello
+                raise PeerRefused(str(self._failure))
             if self._failure is not None:
                 raise DaemonUnavailable(f"connection to the daemon is gone: {self._failure}")
             if self._closed:

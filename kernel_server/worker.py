@@ -4,8 +4,9 @@ this load: see Note [Single flight] in store.py).
 
     python -m kernel_server.worker < job
 
-The job is a pickle written by the kernel that started this worker (the user's own process, DESIGN.md
-invariant 4); it never comes through the daemon. This module imports torch only inside `main`.
+The job is two pickles (the kernel's cwd and sys.path, then the load) written by the kernel that started
+this worker (the user's own process, DESIGN.md invariant 4); it never comes through the daemon. This
+module imports torch only inside `main`.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import sys
 def main() -> int:
     import dill  # type: ignore[import-untyped]
 
+    where = dill.load(sys.stdin.buffer)  # first where the kernel imports from, so that the job unpickles
+    os.chdir(where["cwd"])
+    sys.path[:0] = [p for p in where["path"] if p not in sys.path]
     job = dill.load(sys.stdin.buffer)
-    os.chdir(job["cwd"])
-    sys.path[:0] = [p for p in job["path"] if p not in sys.path]
 
     from kernel_server.client import shared_client
     from overmind_jupyter import loading

@@ -28,11 +28,11 @@ _WHERE = {
                      "unload_ipython_extension"], ".extension"),
     "cached": ".loading",
     "preload": ".preload",
-    **{name: f".{name}" for name in ("adapters", "units", "widgets", "warm", "loading", "rebuild", "keys",
-                                      "demo_models", "extension", "config", "patching", "targets")},
 }
+_SUBMODULES = ("adapters", "units", "widgets", "warm", "loading", "rebuild", "keys", "demo_models", "extension",
+               "config", "patching", "targets")
 
-__getattr__, __dir__ = lazy_attributes(__name__, _WHERE, __all__)
+__getattr__, __dir__ = lazy_attributes(__name__, _WHERE, __all__, _SUBMODULES)
 
 
 def _jupyter_server_extension_points() -> list[dict[str, str]]:

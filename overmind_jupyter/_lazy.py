@@ -11,28 +11,30 @@ from typing import Any
 __all__ = ["lazy_attributes"]
 
 
-def lazy_attributes(package: str, where: dict[str, str],
-                    names: Iterable[str]) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+def lazy_attributes(package: str, where: dict[str, str], names: Iterable[str],
+                    submodules: Iterable[str] = ()) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """The module-level `__getattr__` and `__dir__` of `package`.
 
     Args:
         package: the package's `__name__`.
-        where: attribute name -> the module (relative, like ".api") that defines it; a name that maps to
-            itself prefixed with a dot is a submodule.
+        where: attribute name -> the module (relative, like ".api") that defines it.
         names: what `dir()` lists besides the package's own globals (its `__all__`).
+        submodules: names of submodules to import on access (`package.units`).
     """
     listed = set(names)
+    modules = set(submodules)
 
     def __getattr__(name: str) -> Any:
-        module = where.get(name)
-        if module is None:
+        if name in modules:
+            value = importlib.import_module(f".{name}", package)
+        elif name in where:
+            value = getattr(importlib.import_module(where[name], package), name)
+        else:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        imported = importlib.import_module(module, package)
-        value = imported if module == f".{name}" else getattr(imported, name)
         setattr(sys.modules[package], name, value)
         return value
 
     def __dir__() -> list[str]:
-        return sorted(set(vars(sys.modules[package])) | listed | set(where))
+        return sorted(set(vars(sys.modules[package])) | listed | set(where) | modules)
 
     return __getattr__, __dir__

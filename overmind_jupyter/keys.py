@@ -2,7 +2,9 @@
 
 # Note [Never stale]
 A key is the SHA-256 of a JSON document holding (DESIGN.md invariant 2):
-- the callable: `module.qualname` of the class a classmethod was called on, with the method's name;
+- the callable: `module.qualname` of the class a classmethod was called on, with the method's name; a
+  `functools.partial` is keyed as the call it makes, and a lambda, a function defined inside another or
+  a callable object is uncacheable, since its name does not say what it returns;
 - the arguments bound to the callable's signature (so positional and keyword spellings agree), each in
   a canonical form; an argument without one makes the call uncacheable (`Uncacheable`), never guessed;
 - for every argument naming a local path (relative ones resolved in the caller's cwd), the size and
@@ -11,6 +13,8 @@ A key is the SHA-256 of a JSON document holding (DESIGN.md invariant 2):
 - for an argument that is itself a cached result, the key of its entry (see `references`);
 - the versions of torch, of the library that owns the callable, and of the pack format.
 Anything that changes what the call would return changes the key, so a rewritten checkpoint is a miss.
+A checkpoint rewritten while it loads is read again after the load (`changed_since`), and the result is
+then not published: it may hold the new bytes, and its key names the old ones.
 """
 
 from __future__ import annotations

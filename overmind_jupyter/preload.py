@@ -62,8 +62,10 @@ def preload(owner: Any, *args: Any, **kwargs: Any) -> Preload:
 
     fn = owner.from_pretrained if isinstance(owner, type) else owner
     label = f"{getattr(owner, '__name__', type(owner).__name__)}({', '.join(map(repr, args))[:80]})"
-    job = dill.dumps({"fn": fn, "args": args, "kwargs": kwargs, "cwd": os.getcwd(), "path": list(sys.path),
-                      "parent": os.getpid()})
+    # Two pickles: where to import from, then the job, whose loader may live in a module found only
+    # through this kernel's sys.path (a directory the notebook appended, say).
+    job = dill.dumps({"cwd": os.getcwd(), "path": list(sys.path)}) + dill.dumps(
+        {"fn": fn, "args": args, "kwargs": kwargs, "parent": os.getpid()})
     home = lifecycle.state_dir()
     log = home / f"preload-{os.getpid()}-{time.monotonic_ns()}.log"
     with open(log, "wb") as out:

@@ -395,7 +395,10 @@ class _Rebuild:
             if ref is None:
                 raise CorruptEntry(f"entry references arena {key[:16]} that the daemon did not send")
             m = arena.map_private(ref.fd, ref.nbytes)
-            self.starts[key] = _register(m, key, lambda: self.on_unmap(key))
+            # The finalizer must not reach `self`, which holds the mapping: it would never run, and the
+            # entry would stay pinned and mapped after the last of its tensors is gone.
+            on_unmap = self.on_unmap
+            self.starts[key] = _register(m, key, lambda: on_unmap(key))
             self.maps[key] = m
         return m
 

@@ -1,0 +1,454 @@
+"""Faults: every one ends in a clean fallback or a clean error, never in wrong tensors, and the next call works.
+
+- the daemon SIGKILLed while a kernel publishes, during a hit (between the lookup answer and the end of the
+  rebuild), and while a preload worker loads and a kernel waits for it;
+- a kernel SIGKILLed while it holds GPU units, a pin on an entry and an in-flight load;
+- a full disk: the state directory on a 2 MiB tmpfs with file arenas (and the daemon's log on it), and a
+  file-size limit (RLIMIT_FSIZE) on a kernel with memfd arenas;
+- a corrupt entry published through the real protocol: a truncated graph, an arena shorter than its graph
+  says, a file arena truncated after it was published;
+- the checkpoint deleted or rewritten between the cache key (which fingerprints it) and the load.
+
+The timing windows are made deterministic by loaders and objects that wait at a gate (tests/faults_helpers.py),
+not by hooks in the product. What the tests cannot see: an arena whose bytes were changed while its size and
+graph stayed valid. Arenas are sealed memfds (or unnamed files) written once by the user's own process,
+and a rebuild does not checksum gigabytes it maps lazily; see Note [Copy-on-write mappings].
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import faults_helpers
+import pytest
+import tiny_modules
+import torch
+from faults_helpers import Gate, daemon_log, daemon_pid, digest, kill_daemon, wait_until
+from snippets import last_json, run_py, start_py
+
+from kernel_server import Client, arena
+from kernel_server.client import reset_shared_client
+from kernel_server.lifecycle import process_gone
+from overmind_jupyter import keys, loading, rebuild
+from overmind_jupyter.errors import FallbackWarning
+from overmind_jupyter.preload import PreloadError, preload
+
+TESTS = str(Path(__file__).resolve().parent)
+
+
+def kernel_env(**extra: str) -> dict[str, str]:
+    """The environment of a kernel process started now: this test's, with the tests importable."""
+    return dict(os.environ, PYTHONPATH=TESTS + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra)
+
+
+@pytest.fixture
+def gate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
+    g = Gate(tmp_path / "gate")
+    monkeypatch.setenv("FAULTS_GATE", str(g.path))
+    yield g
+    g.open()
+
+
+def in_arena(model: torch.nn.Module) -> bool:
+    return all(rebuild.entry_of(p.data_ptr()) is not None for p in model.parameters())
+
+
+def entries(client: Client) -> list[str]:
+    return [e["key"] for e in client.request("ls")["entries"]]
+
+
+def assert_cached_again(fn, *args, ref: str, **kwargs) -> None:  # type: ignore[no-untyped-def]
+    """The next calls work: a call (a miss that publishes, or already a hit), then a hit from the arena,
+    both bit-equal to `ref`."""
+    first = loading.cached(fn, *args, **kwargs)
+    assert digest(first) == ref
+    assert loading.wait_for_publishes(60)
+    second = loading.cached(fn, *args, **kwargs)
+    assert digest(second) == ref and in_arena(second), "the call after the fault is a hit again"
+
+
+# -- the daemon dies ------------------------------------------------------------------------------------
+
+def test_daemon_sigkilled_while_a_kernel_publishes(overmind_home: Path) -> None:
+    """Killed between the reserve and the publish of a 32 MiB entry, while the kernel copies it into its
+    arena: the load the kernel already returned stays right, the publish falls back, and the next call
+    starts a new daemon and caches."""
+    for attempt in range(4):
+        seed = 100 + attempt
+        ref = digest(tiny_modules.build("mlp", seed, width=2048))
+        watcher = Client(overmind_home, role="test")
+        killed: list[int] = []
+
+        def kill_when_reserved(watcher: Client = watcher, killed: list[int] = killed) -> None:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                status = watcher.request("status")
+                if status["reserved"]:
+                    os.kill(status["daemon"]["pid"], signal.SIGKILL)
+                    killed.append(status["daemon"]["pid"])
+                    return
+                if status["entries"]:
+                    return  # the publish won the race
+                time.sleep(0.0005)
+
+        killer = threading.Thread(target=kill_when_reserved)
+        killer.start()
+        model = loading.cached(tiny_modules.build, "mlp", seed, width=2048)
+        assert loading.wait_for_publishes(60)
+        killer.join(60)
+        watcher.close()
+        assert digest(model) == ref
+        if killed and loading.fallbacks():
+            break
+        loading.clear_fallbacks()  # the publish won the race: try again with another model
+    else:
+        pytest.fail("the kill never landed between reserve and publish in 4 attempts")
+    wait_until(lambda: process_gone(killed[0]), 5, "the daemon is gone")
+    with pytest.warns(FallbackWarning, match="not cached"):
+        loading.flush_warnings()  # a background publish's warning reaches the user's thread here
+    assert [f["kind"] for f in loading.fallbacks()] == ["publish"]
+    assert_cached_again(tiny_modules.build, "mlp", seed, width=2048, ref=ref)
+    assert loading.shared_client().daemon_pid != killed[0]
+    assert "Traceback" not in daemon_log(overmind_home)
+
+
+def test_daemon_sigkilled_during_a_hit(overmind_home: Path, gate: Gate) -> None:
+    """Killed after it answered a lookup with the entry's descriptors and before the kernel finished the
+    rebuild: the rebuild completes from the descriptors it holds, bit-equal; the next call starts a new
+    daemon."""
+    ref = digest(faults_helpers.rendezvous_build("mlp", 7, width=256))
+    loading.cached(faults_helpers.rendezvous_build, "mlp", 7, width=256)
+    assert loading.wait_for_publishes(30)
+    old_pid = daemon_pid(overmind_home)
+    gate.close()
+
+    def killer() -> None:
+        gate.wait_for("rebuilding")  # the kernel is inside the rebuild, holding the entry's descriptors
+        kill_daemon(overmind_home)
+        gate.open()
+
+    thread = threading.Thread(target=killer)
+    thread.start()
+    model = loading.cached(faults_helpers.rendezvous_build, "mlp", 7, width=256)
+    thread.join(30)
+    assert process_gone(old_pid)
+    assert digest(model) == ref and in_arena(model), "the hit was served from the arena, bit-equal"
+    assert loading.fallbacks() == []
+    del model  # its unpin goes to a dead daemon: dropped quietly
+    assert_cached_again(faults_helpers.rendezvous_build, "mlp", 7, width=256, ref=ref)
+    assert daemon_pid(overmind_home) != old_pid
+
+
+def test_daemon_sigkilled_during_a_preload(overmind_home: Path, gate: Gate) -> None:
+    """A preload worker is loading, the kernel waits for it (single flight), the daemon dies: the kernel
+    loads plainly with a warning, the preload ends in a PreloadError that says why, the next call caches."""
+    ref = digest(tiny_modules.build("mlp", 9, width=64))
+    gate.close()
+    job = preload(faults_helpers.gated_build, "mlp", 9, width=64)
+    worker_pid = gate.wait_for("started")[0]
+    assert worker_pid == job.pid
+    watcher = Client(overmind_home, role="test")
+    old_pid = watcher.daemon_pid
+
+    def killer() -> None:
+        wait_until(lambda: any(load["waiters"] for load in watcher.request("status")["loading"]), 30,
+                   "the kernel waits for the preload")
+        kill_daemon(overmind_home)
+        gate.open()
+
+    thread = threading.Thread(target=killer)
+    thread.start()
+    with pytest.warns(FallbackWarning, match="loads without the cache"):
+        model = loading.cached(faults_helpers.gated_build, "mlp", 9, width=64)
+    thread.join(30)
+    watcher.close()
+    assert digest(model) == ref
+    assert [f["kind"] for f in loading.fallbacks()] == ["daemon"]
+    with pytest.raises(PreloadError, match="not cached"):
+        job.wait(60)
+    assert process_gone(job.pid)
+    assert_cached_again(faults_helpers.gated_build, "mlp", 9, width=64, ref=ref)
+    assert daemon_pid(overmind_home) != old_pid
+
+
+# -- a kernel dies ----------------------------------------------------------------------------------------
+
+def test_a_sigkilled_kernel_frees_its_units_pins_and_load_within_1s(
+        overmind_home: Path, gate: Gate, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OVERMIND_FAKE_GPUS", "1x16")
+    monkeypatch.setenv("OVERMIND_GPU_RESERVE", "1")
+    watcher = Client(overmind_home, role="test")  # starts the daemon with a simulated device
+    loading.cached(tiny_modules.build, "mlp", 41, width=64)
+    assert loading.wait_for_publishes(30)
+    ref = digest(tiny_modules.build("mlp", 42, width=64))
+    gate.close()
+    victim = start_py("""
+        import sys, threading, tiny_modules, faults_helpers
+        from overmind_jupyter import loading, units
+        model = loading.cached(tiny_modules.build, "mlp", 41, width=64)  # a hit: its entry is pinned
+        units.place(model, units=4)                                       # 4 simulated GPU units
+        threading.Thread(target=loading.cached, args=(faults_helpers.gated_build, "mlp", 42),
+                         kwargs={"width": 64}, daemon=True).start()       # an in-flight load
+        print("ready", flush=True)
+        sys.stdin.read()
+    """, env=kernel_env())
+    try:
+        assert victim.stdout.readline().strip() == "ready", victim.stderr.read()
+        gate.wait_for("started")
+        status = watcher.request("status")
+        [entry] = status["entries"]
+        assert [k["pid"] for k in entry["pinned_by"]] == [victim.pid]
+        assert [load["loader"]["pid"] for load in status["loading"]] == [victim.pid]
+        assert [h["pid"] for h in status["units"]["devices"][0]["holders"]] == [victim.pid]
+
+        results: list[torch.nn.Module] = []
+        waiter = threading.Thread(target=lambda: results.append(
+            loading.cached(faults_helpers.gated_build, "mlp", 42, width=64)))
+        waiter.start()  # the same load: it waits for the victim's (single flight)
+        wait_until(lambda: watcher.request("status")["loading"][0]["waiters"] == 1, 10)
+
+        victim.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+
+        def released() -> bool:
+            s = watcher.request("status")
+            return (not s["entries"][0]["pinned_by"] and not s["units"]["devices"][0]["holders"]
+                    and [load["loader"]["pid"] for load in s["loading"]] == [os.getpid()])
+
+        wait_until(released, 5, "the victim's units, pins and load released")
+        assert time.monotonic() - killed < 1.0, "a SIGKILLed kernel's leases go within a second"
+        gate.open()  # the waiter, now the loader, loads
+        waiter.join(60)
+        assert len(results) == 1 and digest(results[0]) == ref
+        assert loading.fallbacks() == []
+        assert loading.wait_for_publishes(30)
+        hit = loading.cached(faults_helpers.gated_build, "mlp", 42, width=64)
+        assert digest(hit) == ref and in_arena(hit)
+    finally:
+        victim.kill()
+        victim.wait()
+        watcher.close()
+
+
+# -- the disk is full --------------------------------------------------------------------------------------
+
+@pytest.fixture
+def tiny_tmpfs(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """OVERMIND_HOME on a fresh 2 MiB tmpfs (needs root and mount); unmounted at the end."""
+    from conftest import stop_daemon
+
+    if os.getuid() != 0 or not shutil.which("mount"):
+        pytest.skip("mounting a tmpfs needs root and mount(8); "
+                    "test_a_file_size_limit_fails_publishing_cleanly covers a full disk without one")
+    home = Path(tempfile.mkdtemp(prefix="om-full-", dir="/tmp"))
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs", str(home)],
+                           capture_output=True, text=True, check=False)
+    if mount.returncode != 0:
+        home.rmdir()
+        pytest.skip(f"cannot mount a tmpfs here ({mount.stderr.strip()}); "
+                    "test_a_file_size_limit_fails_publishing_cleanly covers a full disk without one")
+    monkeypatch.setenv("OVERMIND_HOME", str(home))
+    reset_shared_client()
+    loading.clear_fallbacks()
+    try:
+        yield home
+    finally:
+        loading.wait_for_publishes(60)
+        reset_shared_client()
+        stop_daemon(home)
+        subprocess.run(["umount", "-l", str(home)], check=False)
+        home.rmdir()
+
+
+FULL_DISK_KERNEL = """
+    import json, tiny_modules
+    from faults_helpers import digest
+    from overmind_jupyter import loading, rebuild
+
+    def load(seed, width):
+        model = loading.cached(tiny_modules.build, "mlp", seed, width=width)
+        loading.wait_for_publishes(60)
+        ok = digest(model) == digest(tiny_modules.build("mlp", seed, width=width))
+        return ok, all(rebuild.entry_of(p.data_ptr()) is not None for p in model.parameters())
+
+    out = {{}}
+    out["big"] = load({big_seed}, 512)             # 2 MiB of weights: more than the disk holds
+    out["small"] = load({small_seed}, 32)          # a few pages: fits
+    out["small_again"] = load({small_seed}, 32)    # a hit
+    out["fallbacks"] = [f["kind"] for f in loading.fallbacks()]
+    out["reasons"] = [f["reason"] for f in loading.fallbacks()]
+    if {memfd_seed}:
+        loading.settings.backing = "memfd"      # shared memory, not the disk
+        out["memfd"] = load({memfd_seed}, 32)
+        out["memfd_again"] = load({memfd_seed}, 32)
+    print(json.dumps(out))
+"""
+
+
+def test_a_full_disk_under_file_arenas_falls_back_and_the_daemon_lives(tiny_tmpfs: Path) -> None:
+    env = kernel_env(OVERMIND_ARENA="file")
+    watcher = Client(tiny_tmpfs, role="test")
+    pid = watcher.daemon_pid
+    try:
+        # File arenas live on the state directory's disk: one too big for it is refused (ENOSPC at
+        # allocation, not SIGBUS at the first write), the next, smaller one is cached.
+        proc = run_py(FULL_DISK_KERNEL.format(big_seed=1, small_seed=2, memfd_seed=0), env=env, check=False)
+        assert proc.returncode == 0, f"the kernel died ({proc.returncode}): {proc.stderr[-2000:]}"
+        out = last_json(proc)
+        assert out["big"] == [True, False], "the big load is right, and plain"
+        assert out["small"] == [True, False] and out["small_again"] == [True, True]
+        assert out["fallbacks"] == ["publish"] and "No space left" in out["reasons"][0]
+
+        # Now fill the disk to the last byte: the daemon's log cannot be written any more.
+        with open(tiny_tmpfs / "filler", "wb", buffering=0) as f, contextlib.suppress(OSError):  # until ENOSPC
+            while True:
+                f.write(b"\0" * 65536)
+        assert shutil.disk_usage(tiny_tmpfs).free < 4096
+        for i in range(5):  # each new device is a line in the daemon's log
+            watcher.request("units_register", devices=[{"id": f"disk-full-{i}", "name": f"cuda:{i}",
+                                                         "total_bytes": 8 << 30}])
+        proc = run_py(FULL_DISK_KERNEL.format(big_seed=3, small_seed=4, memfd_seed=5), env=env, check=False)
+        assert proc.returncode == 0, f"the kernel died ({proc.returncode}): {proc.stderr[-2000:]}"
+        out = last_json(proc)
+        assert out["big"] == [True, False] and out["small"] == [True, False] and out["small_again"] == [True, False]
+        assert set(out["fallbacks"]) == {"publish"}, "loads on a full disk go the plain way"
+        assert out["memfd"] == [True, False] and out["memfd_again"] == [True, True], "memfd arenas need no disk"
+        assert watcher.request("ping")["pong"] and daemon_pid(tiny_tmpfs) == pid
+
+        (tiny_tmpfs / "filler").unlink()
+        watcher.request("units_register", devices=[{"id": "after-the-disk-emptied", "name": "cuda:9",
+                                                     "total_bytes": 8 << 30}])
+        wait_until(lambda: "after-the-disk-emptied" in daemon_log(tiny_tmpfs), 5, "the daemon logs again")
+        assert Client(tiny_tmpfs, role="test").daemon_pid == pid, "the same daemon serves on"
+    finally:
+        watcher.close()
+
+
+def test_a_file_size_limit_fails_publishing_cleanly(overmind_home: Path) -> None:
+    """RLIMIT_FSIZE below an entry's size (SIGXFSZ ignored, as a shell's `ulimit -f` leaves it): the default
+    memfd arena cannot grow, the load falls back, and a smaller entry is cached."""
+    Client(overmind_home, role="test").close()  # the daemon runs without the limit
+    code = "import resource, signal\n" \
+           "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n" \
+           "resource.setrlimit(resource.RLIMIT_FSIZE, (256 << 10, 256 << 10))\n" + \
+           textwrap.dedent(FULL_DISK_KERNEL.format(big_seed=11, small_seed=12, memfd_seed=0))
+    proc = run_py(code, env=kernel_env(), check=False)
+    assert proc.returncode == 0, f"the kernel died ({proc.returncode}): {proc.stderr[-2000:]}"
+    out = last_json(proc)
+    assert out["big"] == [True, False] and out["small"] == [True, False] and out["small_again"] == [True, True]
+    assert out["fallbacks"] == ["publish"] and "File too large" in out["reasons"][0]
+
+
+# -- corrupt entries -----------------------------------------------------------------------------------
+
+def _publish_corrupt(client: Client, home: Path, key: str, case: str) -> None:
+    """Publish, through the real protocol, an entry for `key` broken as `case` says."""
+    model = tiny_modules.build("mlp", 5, width=64)
+    packed = rebuild.pack((model, []))
+    graph_bytes = packed.graph
+    arena_bytes = packed.arena_bytes
+    backing = "memfd"
+    if case == "truncated graph":
+        graph_bytes = graph_bytes[: len(graph_bytes) // 2]
+    elif case == "short arena":
+        arena_bytes = arena.PAGE  # the graph places storages far beyond it
+    elif case == "file arena truncated after publish":
+        backing = "file"
+    assert client.request("lookup", key=key, wait=False)["status"] == "load"
+    client.request("reserve", key=key, bytes=arena_bytes + len(graph_bytes))
+    data = arena.ArenaWriter(arena_bytes, backing=backing, directory=home)
+    if case != "short arena":
+        rebuild.write_arena(packed, data.mapping)
+    graph = arena.ArenaWriter(len(graph_bytes))
+    graph.view[:] = graph_bytes
+    data_fd = data.seal()
+    keep = os.dup(data_fd)
+    client.request("publish", key=key, fds=[graph.seal(), data_fd], graph_bytes=len(graph_bytes),
+                   arena_bytes=arena_bytes)
+    graph.close()
+    data.close()
+    if case == "file arena truncated after publish":
+        os.ftruncate(keep, arena.PAGE)  # any holder of a file arena's descriptor can
+    os.close(keep)
+
+
+@pytest.mark.parametrize("case", ["truncated graph", "short arena", "file arena truncated after publish"])
+def test_a_corrupt_entry_is_evicted_and_loaded_plainly(overmind_home: Path, case: str) -> None:
+    key = keys.make_key(tiny_modules.build, ("mlp", 5), {"width": 64}).key
+    client = loading.shared_client()
+    _publish_corrupt(client, overmind_home, key, case)
+    assert entries(client) == [key]
+    ref = digest(tiny_modules.build("mlp", 5, width=64))
+    with pytest.warns(FallbackWarning, match="evicted"):
+        model = loading.cached(tiny_modules.build, "mlp", 5, width=64)
+    assert digest(model) == ref and not in_arena(model), "never the corrupt entry's tensors"
+    assert [f["kind"] for f in loading.fallbacks()] == ["corrupt"]
+    assert entries(client) == [], "the corrupt entry is gone"
+    assert_cached_again(tiny_modules.build, "mlp", 5, width=64, ref=ref)
+    assert "Traceback" not in daemon_log(overmind_home)
+
+
+# -- the checkpoint changes under the load ---------------------------------------------------------------
+
+def _plain_digest(path: Path) -> str:
+    os.environ.pop("FAULTS_MUTATE", None)
+    return digest(faults_helpers.from_pretrained_after(str(path), dtype=torch.float32))
+
+
+def test_a_checkpoint_deleted_between_key_and_load_raises_as_plain(
+        overmind_home: Path, tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    plain_copy, ckpt = tmp_path / "plain", tmp_path / "ckpt"
+    shutil.copytree(tiny_llama, plain_copy)
+    shutil.copytree(tiny_llama, ckpt)
+    monkeypatch.setenv("FAULTS_MUTATE", "delete")
+    with pytest.raises(Exception) as plain:
+        faults_helpers.from_pretrained_after(str(plain_copy), dtype=torch.float32)
+    monkeypatch.setenv("FAULTS_MUTATE", "delete")
+    with pytest.raises(Exception) as cached:
+        loading.cached(faults_helpers.from_pretrained_after, str(ckpt), dtype=torch.float32)
+    assert type(cached.value) is type(plain.value), "the same exception type as without overmind"
+    status = loading.shared_client().request("status")
+    assert status["entries"] == [] and status["loading"] == []
+    assert loading.fallbacks() == []
+    shutil.copytree(tiny_llama, ckpt)  # the checkpoint is back: the next call works, and caches
+    assert_cached_again(faults_helpers.from_pretrained_after, str(ckpt), dtype=torch.float32,
+                        ref=_plain_digest(tiny_llama))
+
+
+def test_a_checkpoint_rewritten_between_key_and_load_is_not_cached_under_the_old_key(
+        overmind_home: Path, tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from safetensors.torch import load_file, save_file
+
+    ckpt, saved, rewritten = tmp_path / "ckpt", tmp_path / "saved", tmp_path / "rewritten"
+    shutil.copytree(tiny_llama, ckpt)
+    shutil.copytree(ckpt, saved)  # copy2: the same sizes and mtimes, so the same fingerprint
+    shutil.copytree(ckpt, rewritten)
+    tensors = load_file(str(rewritten / "model.safetensors"))
+    save_file({k: v + 1 for k, v in tensors.items()}, str(rewritten / "model.safetensors"), metadata={"format": "pt"})
+    old_ref, new_ref = _plain_digest(ckpt), _plain_digest(rewritten)
+    assert old_ref != new_ref
+
+    monkeypatch.setenv("FAULTS_MUTATE", f"rewrite:{rewritten}")
+    with pytest.warns(FallbackWarning, match="changed while it was loading"):
+        model = loading.cached(faults_helpers.from_pretrained_after, str(ckpt), dtype=torch.float32)
+    assert digest(model) == new_ref, "the load read the files on disk, as a plain load would"
+    assert loading.wait_for_publishes(30)
+    assert [f["kind"] for f in loading.fallbacks()] == ["changed"]
+    client = loading.shared_client()
+    assert entries(client) == [] and client.request("status")["loading"] == []
+
+    for f in saved.iterdir():  # the old files come back with their old sizes and mtimes: the old key
+        shutil.copy2(f, ckpt / f.name)
+    again = loading.cached(faults_helpers.from_pretrained_after, str(ckpt), dtype=torch.float32)
+    assert digest(again) == old_ref, "the old key never serves the rewritten bytes"
+    assert_cached_again(faults_helpers.from_pretrained_after, str(ckpt), dtype=torch.float32, ref=old_ref)
