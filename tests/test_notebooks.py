@@ -50,8 +50,7 @@ def test_quickstart_restart_gives_a_fast_hit(tmp_path: Path, notebook_env: dict[
     first = float(re.search(r"first load \(before the restart\):\s+(\d+) ms", text).group(1))
     again = float(re.search(r"same load after the restart:\s+(\d+) ms", text).group(1))
     assert again < first, text
-    status = nb.cells[-1].outputs
-    assert status, "the status cell shows something"
+    assert widget_views(nb.cells[-1]) == 1, "the status cell shows the cache widget"
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")))
@@ -60,3 +59,22 @@ def test_notebooks_are_stored_without_outputs(name: str) -> None:
     for cell in nb.cells:
         if cell.cell_type == "code":
             assert not cell.outputs and cell.execution_count is None, f"{name} holds outputs: strip them"
+
+
+def widget_views(cell: nbformat.NotebookNode) -> int:
+    return sum("application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in cell.get("outputs", []))
+
+
+def test_adapters_notebook_serves_every_request_right(tmp_path: Path, notebook_env: dict[str, str]) -> None:
+    nb = execute("adapters.ipynb", tmp_path, notebook_env)
+    text = stdout_of(nb)
+    assert "12 concurrent requests, 0 wrong outputs" in text, text
+    assert "batched: 0 wrong outputs" in text, text
+    assert widget_views(nb.cells[-1]) == 1, "the adapter panel shows"
+
+
+def test_gpu_units_notebook_moves_the_idle_model_off(tmp_path: Path, notebook_env: dict[str, str]) -> None:
+    nb = execute("gpu_units.ipynb", tmp_path, notebook_env)
+    text = stdout_of(nb)
+    assert "first is on cuda:0" in text and "first: None  second: cuda:0" in text, text
+    assert widget_views(nb.cells[-1]) == 1, "the units bar shows"

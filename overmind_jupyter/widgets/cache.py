@@ -1,0 +1,278 @@
+"""The cache table: what the daemon holds, who uses it, an evict button per entry, and the calls that fell back.
+
+`cache_view(status)` turns `overmind_jupyter.status()` into the table's trait values (plain JSON, so tests
+read them as they are); `CacheTable` draws them.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import sys
+import time
+from typing import Any
+
+import traitlets
+
+from .live import CSS, JS_HELPERS, LiveView, run_action
+
+__all__ = ["CacheTable", "cache_view", "fetch_status", "open_gates"]
+
+
+def fetch_status() -> dict[str, Any]:
+    """The feed of the cache table: `overmind_jupyter.status()` (never starts a daemon), and the adapter
+    gates open in this kernel."""
+    from ..extension import status
+
+    snapshot = status()
+    snapshot["gates"] = open_gates()
+    return snapshot
+
+
+def open_gates() -> list[dict[str, Any]]:
+    """A line per adapter gate open in this kernel; nothing is imported for it (no gate: no adapters module)."""
+    gating = sys.modules.get("overmind_jupyter.adapters.gating")
+    if gating is None:
+        return []
+    out = []
+    for gate in gating.open_gates():
+        state = gate.state()
+        out.append({
+            "model": type(gate.model).__name__,
+            "mode": state["mode"],
+            "default": state["default"],
+            "adapters": len(state["adapters"]),
+            "in_flight": sum(state["in_flight"].values()),
+            "queued": sum(state["queued"].values()),
+        })
+    return out
+
+
+def cache_view(snapshot: dict[str, Any], my_conn: int | None = None) -> dict[str, Any]:
+    """The trait values of `CacheTable` for one `status()` snapshot.
+
+    Args:
+        snapshot: what `overmind_jupyter.status()` returned (with `gates` from `open_gates`, optionally).
+        my_conn: this kernel's connection id, to mark the entries it uses.
+
+    Returns:
+        `dict` with `entries` (each: `key`, `label`, `cls`, `model`, `path`, `dtype`, `bytes`, `hits`,
+        `last_used`, `created`, `kernels` (`pid`, `label`, `mine`)), `fallbacks` (each: `time`, `pid`,
+        `kernel`, `call`, `kind`, `reason`, `here`), `summary` and `gates`.
+    """
+    daemon = snapshot.get("daemon")
+    my_pid = os.getpid()
+    entries = [_entry(e, my_conn) for e in (daemon or {}).get("entries", [])]
+    summary: dict[str, Any] = {
+        "enabled": bool(snapshot.get("enabled")),
+        "patched": len(snapshot.get("patched") or []),
+        "publishing": int(snapshot.get("publishing") or 0),
+        "home": snapshot.get("home", ""),
+        "daemon_error": snapshot.get("daemon_error", "") if daemon is None else "",
+    }
+    if daemon is not None:
+        summary.update({
+            "daemon_pid": (daemon.get("daemon") or {}).get("pid"),
+            "budget": daemon.get("budget", 0),
+            "used": daemon.get("used", 0),
+            "reserved": daemon.get("reserved", 0),
+            "stats": dict(daemon.get("stats") or {}),
+            "kernels": len(daemon.get("kernels") or []),
+            "loading": len(daemon.get("loading") or []),
+        })
+    return {"entries": entries, "fallbacks": _fallbacks(snapshot, daemon, my_pid), "summary": summary,
+            "gates": list(snapshot.get("gates") or [])}
+
+
+def _entry(e: dict[str, Any], my_conn: int | None) -> dict[str, Any]:
+    meta = e.get("meta") or {}
+    label = str(meta.get("label") or e.get("key", "")[:16])
+    qualified = str(meta.get("class") or "")
+    cls = qualified.rsplit(".", 1)[-1] if qualified else label.split("(", 1)[0].split(".", 1)[0]
+    path = _unrepr(meta.get("source"))
+    model = os.path.basename(path.rstrip("/")) if os.path.isabs(path) else path
+    return {
+        "key": e.get("key", ""),
+        "label": label,
+        "cls": cls,
+        "model": model or label,
+        "path": path,
+        "dtype": str(meta.get("dtype") or ""),
+        "bytes": int(e.get("bytes") or 0),
+        "hits": int(e.get("hits") or 0),
+        "last_used": float(e.get("last_used") or 0.0),
+        "created": float(e.get("created") or 0.0),
+        "kernels": [{"pid": k.get("pid"), "label": str(k.get("label") or ""),
+                     "mine": my_conn is not None and k.get("conn") == my_conn}
+                    for k in e.get("pinned_by") or []],
+    }
+
+
+def _unrepr(source: Any) -> str:
+    """The model id or path of a key's meta (stored as the repr of the argument)."""
+    if not source:
+        return ""
+    try:
+        value = ast.literal_eval(str(source))
+    except (ValueError, SyntaxError):
+        return str(source)
+    return value if isinstance(value, str) else str(source)
+
+
+def _fallbacks(snapshot: dict[str, Any], daemon: dict[str, Any] | None, my_pid: int) -> list[dict[str, Any]]:
+    """Every kernel's fallbacks (the daemon's list), and this kernel's that never reached the daemon."""
+    out = [{"time": float(f.get("time") or 0.0), "pid": f.get("pid"), "kernel": str(f.get("label") or ""),
+            "call": str(f.get("call") or ""), "kind": str(f.get("kind") or ""), "reason": str(f.get("reason") or ""),
+            "here": f.get("pid") == my_pid}
+           for f in (daemon or {}).get("fallbacks", [])]
+    reported = [(f["call"], f["reason"], f["time"]) for f in out if f["here"]]
+    for f in snapshot.get("fallbacks") or []:
+        call, reason, when = str(f.get("call", "")), str(f.get("reason", "")), float(f.get("time") or 0.0)
+        if any(c == call and r == reason and abs(t - when) < 5 for c, r, t in reported):
+            continue
+        out.append({"time": when, "pid": my_pid, "kernel": "this kernel", "call": call,
+                    "kind": str(f.get("kind", "")), "reason": reason, "here": True})
+    out.sort(key=lambda f: f["time"])
+    return out[-50:]
+
+
+class CacheTable(LiveView):
+    """The daemon's cache entries with an evict button each, the open adapter gates, and the fallbacks.
+
+    Traits (synced, read-only for the frontend): `entries`, `fallbacks`, `summary`, `gates` (see
+    `cache_view`), `error` (why the daemon could not be read), `notice` (the last eviction's outcome).
+    A view's evict button sends `{"event": "evict", "key": ...}`; the eviction runs off the main thread
+    and the table shows its effect at the next tick.
+
+    Args:
+        live: subscribe to the "status" feed itself (a `StatusPanel` feeds its table instead).
+    """
+
+    entries = traitlets.List(traitlets.Dict()).tag(sync=True)
+    fallbacks = traitlets.List(traitlets.Dict()).tag(sync=True)
+    summary = traitlets.Dict().tag(sync=True)
+    gates = traitlets.List(traitlets.Dict()).tag(sync=True)
+
+    _esm = JS_HELPERS + r"""
+function plural(n, word) {
+  return n + " " + (n === 1 ? word : word + (word.endsWith("s") ? "es" : "s"));
+}
+function kernelsOf(e) {
+  if (!e.kernels.length) return h("span", { class: "om-muted" }, "-");
+  return e.kernels.map((k, i) => h("div", {},
+    "pid " + k.pid, k.mine ? h("b", {}, " (this kernel)") : null,
+    k.label && !k.mine ? h("span", { class: "om-muted" }, " " + k.label) : null));
+}
+function entryRow(model, e) {
+  const button = h("button", { class: "om-btn", "data-testid": "overmind-widget-evict", title: "evict " + e.key,
+    onclick: () => { button.disabled = true; button.textContent = "evicting..."; model.send({ event: "evict", key: e.key }); } },
+    "evict");
+  return h("tr", { "data-testid": "overmind-widget-entry", "data-key": e.key, title: e.label },
+    h("td", {},
+      h("div", {}, h("span", { class: "om-title" }, e.cls), " ", h("span", { "data-testid": "overmind-widget-model" }, e.model)),
+      h("div", { class: "om-muted om-mono" }, e.path && e.path !== e.model ? e.path + " - " : "", e.key.slice(0, 12))),
+    h("td", {}, e.dtype || h("span", { class: "om-muted" }, "as stored")),
+    h("td", { class: "om-num" }, fmtBytes(e.bytes)),
+    h("td", { class: "om-num" }, String(e.hits)),
+    h("td", { "data-ago": e.last_used }, ""),
+    h("td", {}, kernelsOf(e)),
+    h("td", {}, button));
+}
+function draw(model, root) {
+  const s = model.get("summary") || {};
+  const entries = model.get("entries") || [];
+  const fallbacks = model.get("fallbacks") || [];
+  const gates = model.get("gates") || [];
+  const error = model.get("error");
+  const notice = model.get("notice");
+  const stats = s.stats || {};
+  const parts = [];
+  parts.push(h("div", { class: "om-head" },
+    h("span", { class: "om-title" }, "overmind cache"),
+    h("span", { "data-testid": "overmind-widget-enabled" }, s.enabled ? "on" : "off", " (", String(s.patched || 0), " loaders patched)"),
+    s.daemon_pid ? h("span", { class: "om-muted" }, "daemon pid " + s.daemon_pid) : null,
+    s.daemon_pid ? h("span", { "data-testid": "overmind-widget-used" }, fmtBytes(s.used) + " of " + fmtBytes(s.budget) + " in " + entries.length + (entries.length === 1 ? " entry" : " entries")) : null,
+    s.daemon_pid ? h("span", { class: "om-muted" }, plural(stats.hits || 0, "hit") + " / " + plural(stats.misses || 0, "miss")) : null,
+    s.loading ? h("span", {}, s.loading + " loading") : null,
+    s.publishing ? h("span", {}, s.publishing + " publishing") : null));
+  if (error || s.daemon_error) {
+    parts.push(h("div", { class: "om-error", "data-testid": "overmind-widget-down" },
+      error || ("no daemon: " + s.daemon_error + " - `%overmind on` starts one")));
+  }
+  if (entries.length) {
+    parts.push(h("table", { "data-testid": "overmind-widget-entries" },
+      h("thead", {}, h("tr", {}, h("th", {}, "Model"), h("th", {}, "dtype"), h("th", { class: "om-num" }, "Size"),
+        h("th", { class: "om-num" }, "Hits"), h("th", {}, "Last used"), h("th", {}, "Kernels using it"), h("th", {}, ""))),
+      h("tbody", {}, entries.map((e) => entryRow(model, e)))));
+  } else if (s.daemon_pid) {
+    parts.push(h("div", { class: "om-muted", "data-testid": "overmind-widget-empty" }, "no cached models"));
+  }
+  if (gates.length) {
+    parts.push(h("div", { class: "om-section" }, "Adapter gates in this kernel"));
+    parts.push(h("ul", { class: "om-list", "data-testid": "overmind-widget-gates" }, gates.map((g) =>
+      h("li", {}, g.model + ": " + g.mode + ", default " + g.default + ", " + g.adapters + " adapters, " +
+        g.in_flight + " in flight, " + g.queued + " queued"))));
+  }
+  if (fallbacks.length) {
+    parts.push(h("div", { class: "om-section" }, "Calls that fell back (" + fallbacks.length + ")"));
+    parts.push(h("ul", { class: "om-list", "data-testid": "overmind-widget-fallbacks" }, fallbacks.slice().reverse().map((f) =>
+      h("li", { "data-testid": "overmind-widget-fallback" }, h("span", { class: "om-mono" }, f.call), ": ", f.reason, " ",
+        h("span", { class: "om-muted" }, "(", f.here ? "this kernel" : "pid " + f.pid + (f.kernel ? " " + f.kernel : ""), ", ",
+          h("span", { "data-ago": f.time }, ""), ")")))));
+  }
+  if (notice) parts.push(h("div", { class: "om-notice", "data-testid": "overmind-widget-notice" }, notice));
+  root.replaceChildren(...parts);
+}
+export default {
+  render({ model, el }) {
+    const root = h("div", { class: "om-w om-cache", "data-testid": "overmind-widget-cache" });
+    el.append(root);
+    return live(model, el, ["entries", "fallbacks", "summary", "gates", "error", "notice"], () => draw(model, root));
+  },
+};
+"""
+    _css = CSS
+
+    def __init__(self, *, live: bool = True, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if live:
+            self.subscribe("status", fetch_status, self.update)
+
+    def update(self, snapshot: dict[str, Any] | None, error: Exception | None = None) -> None:
+        """Show one `fetch_status()` snapshot (on the poller's thread)."""
+        from kernel_server.client import existing_shared_client
+
+        with self.hold_sync():
+            self.take_notice()
+            if error is not None or snapshot is None:
+                self.error = f"cannot read the cache: {error}"
+                return
+            client = existing_shared_client()
+            view = cache_view(snapshot, client.conn_id if client is not None else None)
+            self.error = ""
+            self.summary = view["summary"]
+            self.entries = view["entries"]
+            self.fallbacks = view["fallbacks"]
+            self.gates = view["gates"]
+
+    def on_event(self, event: str, content: dict[str, Any]) -> None:
+        if event == "evict" and isinstance(content.get("key"), str):
+            self.evict(content["key"])
+
+    def evict(self, key: str) -> None:
+        """Evict `key` off the main thread (what the row's button does); the table shows it at the next tick."""
+        label = next((e["label"] for e in self.entries if e["key"] == key), key[:12])
+
+        def act() -> None:
+            from ..extension import evict
+
+            started = time.monotonic()
+            try:
+                evicted = evict(key)
+            except Exception as exc:  # noqa: BLE001 - shown in the widget: the daemon went away, the key is gone
+                self.tell(f"could not evict {label}: {exc}")
+                return
+            took = time.monotonic() - started
+            self.tell(f"evicted {label} ({took * 1000:.0f} ms)" if evicted else f"{label} was already gone")
+
+        run_action("evict", act)

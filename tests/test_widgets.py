@@ -1,0 +1,495 @@
+"""The notebook widgets against a real daemon, real units and a real adapter gate, and in a real kernel.
+
+Each test changes real state (a load, an eviction, units taken by this and by another process, a gate's
+switch, mix and requests) and waits, with a deadline of 2 s, for the widget's trait values to show it. The
+latencies are written to test-artifacts/widgets-latency.json. The kernel test checks what the frontend
+receives: comm messages sent by the widgets' background thread, while a cell runs and while the kernel is
+idle, and none while every view of the widget is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from snippets import run_py
+
+from kernel_server import Client
+
+ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
+DEADLINE = 2.0  # seconds: the issue's bound for a widget to reflect a state change
+LATENCIES: dict[str, float] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report_latencies() -> Iterator[None]:
+    yield
+    if LATENCIES:
+        ARTIFACTS.mkdir(exist_ok=True)
+        text = json.dumps(LATENCIES, indent=2, sort_keys=True)
+        (ARTIFACTS / "widgets-latency.json").write_text(text + "\n")
+
+
+def within(what: str, predicate: Callable[[], Any], deadline: float = DEADLINE) -> float:
+    """Wait until `predicate()` holds; record and return how long it took; fail past the deadline."""
+    start = time.monotonic()
+    while True:
+        if predicate():
+            took = time.monotonic() - start
+            LATENCIES[what] = max(LATENCIES.get(what, 0.0), round(took, 4))
+            return took
+        if time.monotonic() - start > deadline:
+            raise AssertionError(f"{what}: not seen within {deadline} s")
+        time.sleep(0.005)
+
+
+@pytest.fixture
+def sim_daemon(overmind_home: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Client]:
+    """A daemon simulating two 16 GiB GPUs, started by this kernel's own connection (as `%overmind on`
+    does); yields a second client, another process's view of the same daemon."""
+    from kernel_server.client import shared_client
+
+    monkeypatch.setenv("OVERMIND_FAKE_GPUS", "2x16")
+    shared_client()
+    other = Client(overmind_home, role="test", label="other-kernel")
+    yield other
+    other.close()
+
+
+@pytest.fixture
+def closing() -> Iterator[list[Any]]:
+    """Widgets to close at the end, whatever happens; then the poller's thread must end."""
+    made: list[Any] = []
+    yield made
+    for widget in made:
+        widget.close()
+    from overmind_jupyter.widgets.polling import poller
+
+    within("poller stops once no widget is open", lambda: not poller().running)
+
+
+def test_importing_widgets_is_light() -> None:
+    proc = run_py("""
+        import sys
+        import overmind_jupyter, overmind_jupyter.widgets
+        heavy = ("ipywidgets", "anywidget", "torch", "transformers", "IPython")
+        heavy = [m for m in heavy if m in sys.modules]
+        print(heavy)
+    """)
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_status_panel_follows_loads_units_and_evictions(sim_daemon: Client, tiny_llama: Path,
+                                                        closing: list[Any]) -> None:
+    from transformers import AutoModelForCausalLM
+
+    import overmind_jupyter
+    from overmind_jupyter import loading, units, widgets
+    from overmind_jupyter.errors import FallbackWarning
+
+    panel = widgets.status_panel()
+    closing.append(panel)
+    table, bar = panel.table, panel.units
+    within("status: first snapshot", lambda: table.summary.get("daemon_pid"))
+    assert table.entries == [] and table.error == ""
+    assert [d["name"] for d in bar.devices] == ["cuda:0", "cuda:1"]
+    assert bar.simulated and all(d["simulated"] and d["holders"] == [] for d in bar.devices)
+
+    # a load: the entry appears with a readable key
+    model = overmind_jupyter.cached(AutoModelForCausalLM.from_pretrained, str(tiny_llama))
+    loading.wait_for_publishes(60)
+    within("status: a published load appears", lambda: len(table.entries) == 1)
+    entry = table.entries[0]
+    assert entry["cls"] == "AutoModelForCausalLM" and entry["model"] == "tiny-llama"
+    assert entry["path"] == str(tiny_llama) and entry["bytes"] > 0 and entry["hits"] == 0
+    assert entry["key"] and entry["last_used"] > 0
+
+    # a hit: the count rises and this kernel shows as a user of the entry
+    again = overmind_jupyter.cached(AutoModelForCausalLM.from_pretrained, str(tiny_llama))
+    within("status: a hit counts", lambda: table.entries and table.entries[0]["hits"] == 1)
+    within("status: the kernel using it", lambda: any(k["mine"] for k in table.entries[0]["kernels"]))
+
+    # units: this kernel's placement, then another kernel's, busy and idle
+    units.place(model, label="tiny-llama")
+    within("units: a placement appears", lambda: any(h["mine"] for d in bar.devices for h in d["holders"]))
+    holder = next(h for d in bar.devices for h in d["holders"])
+    assert holder["model"] == "tiny-llama" and holder["units"] == 1 and not holder["busy"]
+    assert holder["idle_since"] is not None
+    sim_daemon.request("units_acquire", units=3, devices=["sim:1"], timeout_s=0, label="elsewhere", busy=True)
+    within("units: another kernel's busy holding", lambda: any(
+        h["model"] == "elsewhere" and h["busy"] and not h["mine"] and h["units"] == 3
+        for h in bar.devices[1]["holders"]))
+    assert bar.devices[1]["used"] == 3 and bar.devices[1]["free"] == bar.devices[1]["capacity"] - 3
+    with units.using(model):
+        within("units: busy while in use", lambda: bar.devices[0]["holders"][0]["busy"])
+    within("units: idle again", lambda: not bar.devices[0]["holders"][0]["busy"])
+
+    # a fallback, with its reason
+    with pytest.warns(FallbackWarning):
+        overmind_jupyter.cached(type(model).from_pretrained, None, config=model.config,
+                                state_dict=model.state_dict())
+    within("status: a fallback appears", lambda: any("state_dict" in f["reason"] for f in table.fallbacks))
+    assert any(f["here"] for f in table.fallbacks)
+
+    # the evict button of the row (the message its view sends): gone at the next tick
+    table._on_frontend_msg(table, {"event": "evict", "key": entry["key"]}, [])
+    within("status: an evicted entry goes", lambda: table.entries == [])
+    assert table.notice.startswith("evicted AutoModelForCausalLM")
+    del again
+    units.release(model)
+
+    text = panel._repr_mimebundle_()
+    text = (text[0] if isinstance(text, tuple) else text)["text/plain"]
+    assert "daemon pid" in text, "a frontend without widgets shows the text status"
+
+
+def test_units_bar_reads_the_ledger_and_never_starts_a_daemon(sim_daemon: Client, closing: list[Any]) -> None:
+    from kernel_server.client import reset_shared_client
+    from overmind_jupyter import widgets
+
+    bar = widgets.units_bar()
+    closing.append(bar)
+    within("units bar: first snapshot", lambda: len(bar.devices) == 2)
+    assert bar.simulated and bar.fake_gpus == "2x16" and bar.unit_bytes == 1 << 30
+    sim_daemon.request("units_acquire", units=2, devices=["sim:0"], timeout_s=0, label="other", busy=False)
+    within("units bar: a holding of another kernel",
+           lambda: [h["model"] for h in bar.devices[0]["holders"]] == ["other"])
+
+    # the daemon stops: the bar says so, and its polls start no new daemon
+    home = Path(os.environ["OVERMIND_HOME"])
+    sim_daemon.close()
+    reset_shared_client()
+    from conftest import stop_daemon
+
+    stop_daemon(home)
+    within("units bar: the daemon went", lambda: "no daemon" in bar.error or "not available" in bar.error)
+    time.sleep(1.0)
+    from kernel_server import lifecycle
+
+    assert lifecycle.try_connect(home) is None, "a widget's poll must not start a daemon"
+
+
+def test_views_going_and_closing_stop_the_updates(sim_daemon: Client, closing: list[Any]) -> None:
+    from overmind_jupyter import widgets
+
+    table = widgets.cache_table()
+    closing.append(table)
+    within("table: first snapshot", lambda: table.summary.get("daemon_pid"))
+    sub = table._subscriptions[0]
+    table._on_frontend_msg(table, {"event": "view", "shown": True}, [])
+    table._on_frontend_msg(table, {"event": "view", "shown": False}, [])  # the output was cleared
+    assert not table.shown
+    time.sleep(0.3)
+    delivered = sub.delivered
+    sim_daemon.request("fallback", call="Model.from_pretrained('x')", kind="test", reason="while hidden")
+    time.sleep(1.2)
+    assert sub.delivered == delivered and table.fallbacks == [], "a widget shown nowhere is not polled"
+    table._on_frontend_msg(table, {"event": "view", "shown": True}, [])  # shown again (a reload, say)
+    within("table: updates resume with a view",
+           lambda: [f["reason"] for f in table.fallbacks] == ["while hidden"])
+    table.close()
+    assert sub.closed and table._subscriptions == []
+
+
+# -- the adapter panel ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def peft_model() -> Iterator[Any]:
+    """A tiny PEFT Llama with LoRA adapters fr, de, es (tests/adapters/adapter_models.py), one torch thread."""
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "adapters"))
+    from adapter_models import build_peft
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield build_peft()
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from transformers import AutoTokenizer
+
+    from overmind_jupyter.demo_models import build_tokenizer
+
+    path = build_tokenizer(tmp_path_factory.mktemp("tok") / "t", vocab_size=128)  # the models' vocabulary
+    return AutoTokenizer.from_pretrained(path)
+
+
+def test_adapter_panel_switches_mixes_and_compares(peft_model: Any, tokenizer: Any,
+                                                   closing: list[Any]) -> None:
+    from overmind_jupyter import adapters, widgets
+
+    panel = widgets.adapter_panel(peft_model, tokenizer)
+    closing.append(panel)
+    gate = adapters.gate(peft_model)
+    assert panel.gate is gate
+    view = panel.gate_view
+    assert view.gate["mode"] == "routed" and view.gate["default"] == "fr"
+    assert [r["name"] for r in view.gate["adapters"]] == ["de", "es", "fr", "__base__"]
+    assert panel.default_picker.value == "fr" and gate.default == "fr", "showing the panel switches nothing"
+
+    # the gate changes elsewhere (another thread, the user's code): the panel follows
+    gate.switch("de")
+    within("gate: an outside switch shows",
+           lambda: view.gate["default"] == "de" and panel.default_picker.value == "de")
+    assert gate.default == "de"
+    # a click on a toggle button switches the gate's default
+    panel.default_picker.value = "es"
+    assert gate.default == "es"
+    within("gate: a click's switch shows", lambda: view.gate["default"] == "es")
+
+    # requests in flight and queued, per adapter
+    release = threading.Event()
+    inside = threading.Event()
+
+    def hold(name: str) -> None:
+        with gate.use(name):
+            inside.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold, args=("fr",))
+    holder.start()
+    inside.wait(10)
+    within("gate: a request in flight", lambda: _row(view, "fr")["in_flight"] == 1)
+    release.set()
+    holder.join()
+    within("gate: the request ended", lambda: _row(view, "fr")["in_flight"] == 0)
+    locked, unlock = threading.Event(), threading.Event()
+
+    def exclusive() -> None:
+        with gate.exclusive():
+            locked.set()
+            unlock.wait(10)
+
+    changer = threading.Thread(target=exclusive)
+    changer.start()
+    locked.wait(10)
+    ids = tokenizer("hello world", return_tensors="pt")
+    waiting = threading.Thread(target=lambda: gate.generate(**ids, adapter="de", max_new_tokens=2))
+    waiting.start()
+    within("gate: a queued request", lambda: _row(view, "de")["queued"] == 1 and view.gate["exclusive"])
+    unlock.set()
+    changer.join()
+    waiting.join()
+    within("gate: the queue drained", lambda: _row(view, "de")["queued"] == 0)
+
+    # mix: sliders and a name, done off the main thread; the new adapter joins every list
+    panel.mix_sliders["fr"].value = 0.7
+    panel.mix_sliders["de"].value = 0.3
+    panel.mix_name.value = "fr_de"
+    panel.mix_button.click()
+    within("gate: a mix shows", lambda: _row(view, "fr_de") is not None, deadline=30)
+    within("gate: the controls know the mix", lambda: "fr_de" in panel.default_picker.options
+           and "fr_de" in panel.mix_sliders and "fr_de" in panel.choose.options)
+    assert "fr_de" in gate.adapters and "mixed" in view.notice
+
+    # compare: one generation per selected adapter, side by side, equal to the gate's own answers
+    panel.prompt.value = "hello world the model"
+    panel.choose.value = ("fr", "fr_de", "__base__")
+    panel.max_new_tokens.value = 4
+    panel.generate_button.click()
+    within("gate: three outputs", lambda: len(panel.outputs.outputs) == 3
+           and all(o["status"] == "done" for o in panel.outputs.outputs), deadline=60)
+    assert [o["adapter"] for o in panel.outputs.outputs] == ["fr", "fr_de", "__base__"]
+    assert panel.outputs.prompt == "hello world the model"
+    encoded = tokenizer("hello world the model", return_tensors="pt")
+    for out in panel.outputs.outputs:
+        expected = gate.generate(**encoded, adapter=out["adapter"], max_new_tokens=4, do_sample=False)
+        assert out["tokens"] == 4
+        new = expected[0, encoded["input_ids"].shape[1]:]
+        assert out["text"] == tokenizer.decode(new, skip_special_tokens=True)
+    within("gate: generate is enabled again", lambda: not panel.generate_button.disabled)
+
+    panel.close()
+    assert not gate.closed, "closing the panel leaves the gate to its owner"
+
+
+def test_adapter_panel_without_tokenizer_reads_token_ids(peft_model: Any, tokenizer: Any,
+                                                         closing: list[Any]) -> None:
+    from overmind_jupyter import adapters, widgets
+
+    panel = widgets.adapter_panel(peft_model)
+    closing.append(panel)
+    panel.generate("5 6 7", ["de"], 3)
+    within("gate: an output from token ids", lambda: panel.outputs.outputs
+           and panel.outputs.outputs[0]["status"] == "done", deadline=30)
+    assert len(panel.outputs.outputs[0]["text"].split()) == 3
+    panel.generate("hello", ["de"], 3)
+    within("gate: a readable error", lambda: panel.outputs.outputs[0]["status"] == "error", deadline=30)
+    assert "no tokenizer" in panel.outputs.outputs[0]["text"]
+
+    # a tokenizer saved next to the model's checkpoint is found
+    panel.close()
+    peft_model.config.name_or_path = tokenizer.name_or_path
+    panel = widgets.adapter_panel(peft_model)
+    closing.append(panel)
+    panel.generate("hello world", ["de"], 2)
+    within("gate: an output with the checkpoint's tokenizer", lambda: panel.outputs.outputs
+           and panel.outputs.outputs[0]["status"] == "done", deadline=30)
+    assert panel.tokenizer is not None and panel.tokenizer.name_or_path == tokenizer.name_or_path
+    adapters.gate(peft_model).close()
+    within("gate: a closed gate shows", lambda: panel.gate_view.gate["mode"] == "closed")
+    assert panel.generate_button.disabled and panel.mix_button.disabled
+
+
+def _row(view: Any, name: str) -> Any:
+    return next((r for r in view.gate["adapters"] if r["name"] == name), None)
+
+
+# -- the magic outside a notebook ----------------------------------------------------------------------------
+
+
+def test_magic_in_a_terminal_prints_text(sim_daemon: Client, peft_model: Any,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    from IPython.core.error import UsageError
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "overmind_jupyter")
+    try:
+        assert shell.run_line_magic("overmind", "status") is None
+        assert "daemon pid" in capsys.readouterr().out
+        assert isinstance(shell.run_line_magic("overmind", "status --json"), dict)
+        assert shell.run_line_magic("overmind", "units") is None
+        assert "simulated" in capsys.readouterr().out
+        shell.user_ns["m"] = peft_model
+        assert shell.run_line_magic("overmind", "adapters m") is None
+        out = capsys.readouterr().out
+        assert "<AdapterGate routed default='fr'" in out and "(default)" in out
+        assert shell.run_line_magic("overmind", "adapters m --json")["default"] == "fr"
+        with pytest.raises(UsageError, match="no variable named 'nope'"):
+            shell.run_line_magic("overmind", "adapters nope")
+        with pytest.raises(UsageError, match="takes the variable"):
+            shell.run_line_magic("overmind", "adapters")
+    finally:
+        shell.run_line_magic("unload_ext", "overmind_jupyter")
+        shell.user_ns.pop("m", None)
+        from overmind_jupyter import adapters
+
+        adapters.gate(peft_model).close()
+
+
+# -- in a real kernel: what the frontend receives ------------------------------------------------------------
+
+
+def test_updates_reach_the_frontend_while_a_cell_runs_and_while_idle(sim_daemon: Client) -> None:
+    """The widgets' thread sends comm updates over iopub during a running cell and between cells; none while
+    every view is gone; the kernel shuts down promptly with the thread running."""
+    from jupyter_client.manager import start_new_kernel
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    km, kc = start_new_kernel(kernel_name="python3", env=env, startup_timeout=90)
+    try:
+        reply, _ = _run(kc, "from overmind_jupyter import widgets\nimport time\nw = widgets.status_panel()\n"
+                            "while not w.table.summary.get('daemon_pid'):\n    time.sleep(0.05)\n"
+                            "print(w.table.model_id, w.units.model_id)")
+        table_id, units_id = reply.split()
+
+        # while a cell runs: the cell takes units, then sleeps; the update arrives before the cell ends
+        code = ("from kernel_server.client import shared_client\nimport time\n"
+                "shared_client().request('units_acquire', units=2, devices=['sim:0'], timeout_s=0, "
+                "label='in-cell', busy=False)\nt = time.time()\ntime.sleep(3)\nprint(t)")
+        _, messages = _run(kc, code)
+        seen = [m for m in messages if _update_mentions(m, units_id, "in-cell")]
+        assert seen, "no update of the units bar while the cell ran"
+        first, end = seen[0]["arrived"], messages[-1]["arrived"]
+        assert first < end - 0.5, "the update came only at the end of the cell"
+        LATENCIES["kernel: update during a running cell"] = round(first - messages[0]["arrived"], 4)
+
+        # idle: another process takes units; the update arrives with no cell running
+        started = time.monotonic()
+        sim_daemon.request("units_acquire", units=1, devices=["sim:1"], timeout_s=0, label="from-outside",
+                           busy=True)
+        idle = _watch(kc, lambda m: _update_mentions(m, units_id, "from-outside"), DEADLINE)
+        assert idle is not None, "no update while the kernel was idle"
+        LATENCIES["kernel: update while idle"] = round(idle["arrived"] - started, 4)
+
+        # every view goes (the output was cleared): no more updates; a view comes back: updates again
+        for comm_id in (table_id, units_id):
+            _view(kc, comm_id, True)
+            _view(kc, comm_id, False)
+        time.sleep(0.5)
+        sim_daemon.request("units_acquire", units=1, devices=["sim:1"], timeout_s=0, label="unseen",
+                           busy=True)
+        assert _watch(kc, lambda m: _update_mentions(m, units_id, "unseen"), 1.5) is None
+        _view(kc, units_id, True)
+        assert _watch(kc, lambda m: _update_mentions(m, units_id, "unseen"), DEADLINE) is not None
+
+        # close: the poller's thread ends
+        out, _ = _run(kc, "import time\nw.close()\nfrom overmind_jupyter.widgets.polling import poller\n"
+                          "time.sleep(1)\nprint(poller().running)")
+        assert out.strip() == "False"
+    finally:
+        kc.stop_channels()
+        started = time.monotonic()
+        km.shutdown_kernel(now=False)
+        LATENCIES["kernel: shutdown"] = round(time.monotonic() - started, 3)
+
+
+def _run(kc: Any, code: str, timeout: float = 120) -> tuple[str, list[dict[str, Any]]]:
+    """Execute `code`; its stdout and every iopub message until the kernel is idle again, each with the
+    monotonic time it arrived."""
+    msg_id = kc.execute(code)
+    out: list[str] = []
+    messages: list[dict[str, Any]] = []
+    deadline = time.monotonic() + timeout
+    while True:
+        msg = kc.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+        msg["arrived"] = time.monotonic()
+        messages.append(msg)
+        parent = msg["parent_header"].get("msg_id")
+        if msg["msg_type"] == "stream" and parent == msg_id:
+            out.append(msg["content"]["text"])
+        if msg["msg_type"] == "error" and parent == msg_id:
+            raise AssertionError("\n".join(msg["content"]["traceback"]))
+        if msg["msg_type"] == "status" and parent == msg_id and msg["content"]["execution_state"] == "idle":
+            return "".join(out), messages
+
+
+def _watch(kc: Any, predicate: Callable[[dict[str, Any]], bool], timeout: float) -> dict[str, Any] | None:
+    """The first iopub message that satisfies `predicate` within `timeout` s, or None."""
+    import queue
+
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            msg = kc.get_iopub_msg(timeout=left)
+        except queue.Empty:
+            return None
+        msg["arrived"] = time.monotonic()
+        if predicate(msg):
+            return msg
+    return None
+
+
+def _update_mentions(msg: dict[str, Any], comm_id: str, text: str) -> bool:
+    if msg["msg_type"] != "comm_msg" or msg["content"].get("comm_id") != comm_id:
+        return False
+    data = msg["content"].get("data") or {}
+    return data.get("method") == "update" and text in json.dumps(data.get("state", {}))
+
+
+def _view(kc: Any, comm_id: str, shown: bool) -> None:
+    """What anywidget's view sends as it renders (shown) and as it is disposed of (not shown)."""
+    msg = kc.session.msg("comm_msg", {"comm_id": comm_id,
+                                      "data": {"method": "custom", "content": {"event": "view", "shown": shown}}})
+    kc.shell_channel.send(msg)
+
+
+def test_no_widget_thread_is_left_behind() -> None:
+    from overmind_jupyter.widgets.polling import poller
+
+    assert not poller().running
+    assert not [t for t in threading.enumerate() if t.name.startswith("overmind-widget")]

@@ -1,0 +1,208 @@
+"""The notebook widgets in a real JupyterLab, driven in Debian's Chromium through Playwright.
+
+A notebook loads a tiny model with `%overmind on` and shows `%overmind status` (the cache table over the GPU
+units bar) and `%overmind adapters` (the adapter panel). It is run from the page with JupyterLab's own
+command; the test then reads the rendered widgets through DOM queries: the entry row of the model, the two
+simulated devices and the model's segment, the gate's adapters. It evicts the entry with its button and sees
+the row go within 2 s, switches the default adapter with a click, compares two adapters side by side, and
+clears the outputs to see the widgets' polling stop. Screenshots: test-artifacts/widgets.png (the status
+widget), widgets-adapters.png (the adapter panel), widgets-lab.png (the window).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from browser_lab import JupyterLab, chromium, launch
+
+pytestmark = pytest.mark.browser
+
+ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
+TIMEOUT_MS = 90_000
+CHANGE_MS = 2_000  # a widget reflects a state change within 2 s
+
+
+def _notebook(model_dir: Path, tokenizer_dir: Path) -> dict[str, Any]:
+    import nbformat
+
+    cells = [
+        "%load_ext overmind_jupyter\n%overmind on",
+        ("import torch\n"
+        "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+        "import overmind_jupyter\n"
+        "from overmind_jupyter import units\n"
+        "torch.set_num_threads(1)\n"
+        f"model = AutoModelForCausalLM.from_pretrained({str(model_dir)!r})\n"
+        "overmind_jupyter.loading.wait_for_publishes(60)\n"
+        "units.place(model, label='tiny-llama')"),
+        "%overmind status",
+        ("from peft import LoraConfig, get_peft_model\n"
+        f"tok = AutoTokenizer.from_pretrained({str(tokenizer_dir)!r})\n"
+        f"base = AutoModelForCausalLM.from_pretrained({str(model_dir)!r})  # a hit: the cached copy\n"
+        "lora = dict(r=4, lora_alpha=8, target_modules='all-linear', init_lora_weights=False)\n"
+        "torch.manual_seed(1)\n"
+        "lm = get_peft_model(base, LoraConfig(**lora), adapter_name='fr')\n"
+        "torch.manual_seed(2)\n"
+        "lm.add_adapter('de', LoraConfig(**lora))\n"
+        "lm = lm.eval()"),
+        "%overmind adapters lm --tokenizer tok",
+    ]
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(source) for source in cells]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    return nb
+
+
+def _settings(lab: JupyterLab) -> None:
+    """Every cell attached to the page (no windowing), and the app on `window` for its commands."""
+    page_config = lab.workdir / "config" / "labconfig" / "page_config.json"
+    config = json.loads(page_config.read_text())
+    config["exposeAppInBrowser"] = True
+    page_config.write_text(json.dumps(config))
+    tracker = lab.workdir / "settings" / "@jupyterlab" / "notebook-extension"
+    tracker.mkdir(parents=True, exist_ok=True)
+    (tracker / "tracker.jupyterlab-settings").write_text(json.dumps({"windowingMode": "none"}))
+
+
+def _kernel_client(lab: JupyterLab) -> Any:
+    """A second client on the notebook's kernel (to look inside it; the notebook shows nothing of it)."""
+    from jupyter_client import BlockingKernelClient
+
+    (kernel,) = lab.request("GET", "api/kernels")
+    (connection,) = lab.runtime.glob(f"kernel-{kernel['id']}*.json")
+    client = BlockingKernelClient(connection_file=str(connection))
+    client.load_connection_file()
+    client.start_channels(hb=False)
+    return client
+
+
+def _ask(kc: Any, code: str) -> str:
+    out: list[str] = []
+
+    def hook(msg: dict[str, Any]) -> None:
+        if msg["msg_type"] == "stream":
+            out.append(msg["content"]["text"])
+
+    reply = kc.execute_interactive(code, timeout=60, output_hook=hook)
+    if reply["content"]["status"] != "ok":
+        raise AssertionError("\n".join(reply["content"].get("traceback", [])))
+    return "".join(out).strip()
+
+
+def test_status_and_adapter_widgets_in_jupyterlab(overmind_home: Path, tiny_llama: Path,
+                                                  tmp_path: Path) -> None:
+    executable = chromium()
+    from playwright.sync_api import expect, sync_playwright
+
+    from overmind_jupyter.demo_models import build_tokenizer
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    tokenizer_dir = build_tokenizer(tmp_path / "tokenizer")
+    env = dict(os.environ, OVERMIND_HOME=str(overmind_home), OVERMIND_FAKE_GPUS="2x16")
+    lab = JupyterLab(tmp_path / "lab", env)
+    _settings(lab)
+    import nbformat
+
+    nbformat.write(_notebook(tiny_llama, tokenizer_dir), lab.root / "widgets.ipynb")
+    lab.start()
+    kc = None
+    started = time.monotonic()
+    try:
+        with sync_playwright() as pw:
+            browser = launch(pw, executable)
+            page = browser.new_page(viewport={"width": 1280, "height": 1000})
+            page.set_default_timeout(TIMEOUT_MS)
+            console: list[str] = []
+            page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
+            try:
+                page.goto(f"{lab.url}lab/tree/widgets.ipynb?token={lab.token}")
+                page.wait_for_function("() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
+                                       " && window.jupyterapp.shell.currentWidget.sessionContext")
+                page.evaluate("""async () => {
+                    const panel = window.jupyterapp.shell.currentWidget;
+                    await panel.sessionContext.ready;
+                    await window.jupyterapp.commands.execute("notebook:run-all-cells");
+                }""")
+
+                # %overmind status: the cache table and the units bar
+                status = page.get_by_test_id("overmind-widget-cache")
+                rows = status.get_by_test_id("overmind-widget-entry")
+                entry = rows.filter(has_text="AutoModelForCausalLM")  # the tokenizer is cached too
+                expect(entry).to_have_count(1)
+                expect(rows.filter(has_text="AutoTokenizer")).to_have_count(1)
+                expect(entry).to_contain_text("this kernel")  # it uses the cached copy (`base`, a hit)
+                expect(entry.get_by_test_id("overmind-widget-model")).to_have_text("tiny-llama")
+                expect(entry).to_contain_text("KiB")
+                units = page.get_by_test_id("overmind-widget-units")
+                devices = units.get_by_test_id("overmind-widget-device")
+                expect(devices).to_have_count(2)
+                for i in range(2):
+                    expect(devices.nth(i).get_by_test_id("overmind-widget-simulated")).to_have_text("simulated")
+                segment = devices.nth(0).get_by_test_id("overmind-widget-segment")
+                expect(segment).to_have_attribute("data-model", "tiny-llama")
+                expect(segment).to_have_attribute("data-busy", "false")
+                output = page.locator(".jp-OutputArea-output", has=status)
+                output.screenshot(path=str(ARTIFACTS / "widgets.png"))
+
+                # the adapter panel: switch with a click, compare two adapters side by side
+                gate = page.get_by_test_id("overmind-widget-gate")
+                expect(gate.get_by_test_id("overmind-widget-mode")).to_have_text("routed")
+                expect(gate.get_by_test_id("overmind-widget-default")).to_have_text("fr")
+                expect(gate.get_by_test_id("overmind-widget-adapter")).to_have_count(3)
+                panel = page.locator(".jp-OutputArea-output", has=gate)
+                panel.locator(".widget-toggle-button", has_text=re.compile(r"^de$")).click()
+                expect(gate.get_by_test_id("overmind-widget-default")).to_have_text("de", timeout=CHANGE_MS)
+                assert _row_default(gate, "de")
+                panel.locator(".widget-textarea textarea").fill("hello world the model")
+                panel.locator(".widget-select-multiple select").select_option(label=["de", "fr"])
+                panel.locator(".widget-button", has_text="Generate").click()
+                outputs = panel.get_by_test_id("overmind-widget-output")
+                expect(outputs).to_have_count(2)
+                for i in range(2):
+                    expect(outputs.nth(i)).to_have_attribute("data-status", "done")
+                assert {outputs.nth(i).get_attribute("data-adapter") for i in range(2)} == {"de", "fr"}
+                panel.screenshot(path=str(ARTIFACTS / "widgets-adapters.png"))
+                page.screenshot(path=str(ARTIFACTS / "widgets-lab.png"), full_page=True)
+
+                # evict with the row's button: the row goes within 2 s
+                entry.get_by_test_id("overmind-widget-evict").click()
+                expect(entry).to_have_count(0, timeout=CHANGE_MS)
+                expect(rows).to_have_count(1)
+                expect(status.get_by_test_id("overmind-widget-notice")).to_contain_text("evicted")
+
+                # the views told the kernel they exist; clearing the outputs stops the polling
+                kc = _kernel_client(lab)
+                probe = ("from overmind_jupyter.widgets.polling import poller\n"
+                         "print(sorted(s.active() for s in list(poller()._subs.values())))")
+                assert _ask(kc, probe) == "[True, True]"
+                page.evaluate("() => window.jupyterapp.commands.execute('notebook:clear-all-cell-outputs')")
+                expect(page.get_by_test_id("overmind-widget-cache")).to_have_count(0)
+                deadline = time.monotonic() + 5
+                while (answer := _ask(kc, probe)) != "[False, False]" and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                assert answer == "[False, False]", "widgets shown nowhere must not be polled"
+                errors = [line for line in console if line.startswith("error") and "overmind" in line.lower()]
+                assert not errors, errors
+            except BaseException:
+                page.screenshot(path=str(ARTIFACTS / "widgets-failure.png"), full_page=True)
+                print("browser console:\n" + "\n".join(console[-40:]))
+                print("jupyter lab log:\n" + lab.log_tail())
+                raise
+            finally:
+                browser.close()
+    finally:
+        if kc is not None:
+            kc.stop_channels()
+        lab.stop()
+        print(f"browser test: {time.monotonic() - started:.1f} s after JupyterLab answered")
+
+
+def _row_default(gate: Any, name: str) -> bool:
+    row = gate.locator(f'[data-testid="overmind-widget-adapter"][data-adapter="{name}"]')
+    return "om-default" in (row.get_attribute("class") or "")
