@@ -27,7 +27,7 @@ _WHERE = {
     **dict.fromkeys(["enable", "disable", "is_enabled", "status", "evict", "load_ipython_extension",
                      "unload_ipython_extension"], ".extension"),
     "cached": ".loading",
-    "preload": ".preload",
+    "preload": ".preloading",
 }
 _SUBMODULES = ("adapters", "units", "widgets", "warm", "loading", "rebuild", "keys", "demo_models", "extension",
                "config", "patching", "targets")

@@ -41,7 +41,7 @@ from kernel_server.client import reset_shared_client
 from kernel_server.lifecycle import process_gone
 from overmind_jupyter import keys, loading, rebuild
 from overmind_jupyter.errors import FallbackWarning
-from overmind_jupyter.preload import PreloadError, preload
+from overmind_jupyter.preloading import PreloadError, preload
 
 TESTS = str(Path(__file__).resolve().parent)
 

@@ -27,8 +27,10 @@ def execute(name: str, workdir: Path, env: dict[str, str]) -> nbformat.NotebookN
     with client.setup_kernel(env=env, cwd=str(workdir)):
         for index, cell in enumerate(nb.cells):
             if "restart-kernel" in cell.metadata.get("tags", []):
-                client.km.restart_kernel(now=True)
+                before = client.km.provisioner.pid
+                run_sync(client.km.restart_kernel)(now=True)
                 run_sync(client.kc.wait_for_ready)(timeout=120)
+                assert client.km.provisioner.pid != before, "a restart gives a new kernel process"
             if cell.cell_type == "code":
                 client.execute_cell(cell, index)
     return nb

@@ -255,6 +255,25 @@ def test_a_dead_kernel_is_seen_and_a_killed_spare_is_replaced(warm: dict[str, st
         km.shutdown_kernel(now=True)
 
 
+def test_a_graceful_restart_after_a_crash_does_not_hand_the_new_kernel_the_old_shutdown(
+        warm: dict[str, str]) -> None:
+    """Note [Shutdown request to a dead kernel] in provisioner.py. The manager's control socket lingers
+    2 s here instead of 0.1 s, so that the window the note closes is wide open rather than a race."""
+    km, kc = start(LIGHT, warm)
+    try:
+        km._control_socket.linger = 2000
+        for _ in range(2):
+            kc.execute("import os; os._exit(3)")
+            wait_until(lambda: not km.is_alive(), what="the kernel's death to be seen")
+            restart(km, kc)
+            km._control_socket.linger = 2000  # the manager made a new socket for the new kernel
+            out, _ = execute(kc, "print(6 * 7)")
+            assert out == "42\n" and km.is_alive(), "the new kernel runs: it did not get the old request"
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
 def test_a_spare_is_replaced_when_the_environment_or_its_modules_change(warm: dict[str, str]) -> None:
     km, kc = start(LIGHT, warm)
     probe = "import json, os, sys, warm_probe; print(json.dumps({'ppid': os.getppid(), 'saw': warm_probe.SAW}))"

@@ -14,9 +14,11 @@ where `LocalProvisioner` keeps its `Popen`. When no spare can serve (it failed t
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
+import time
 from typing import Any
 
 from jupyter_client.connect import KernelConnectionInfo
@@ -111,6 +113,7 @@ class WarmProvisioner(LocalProvisioner):
                           "skipping the ~1 s teardown of torch's modules (see Note [Fast exit] in zygote.py).")
 
     _key: SpareKey | None = None
+    _unread_shutdown_until = 0.0  # see Note [Shutdown request to a dead kernel]
 
     @default("enabled")
     def _enabled_default(self) -> bool:
@@ -126,6 +129,19 @@ class WarmProvisioner(LocalProvisioner):
             self.log.warning("No warm kernel (%s): starting a plain one", exc)
             return await super().launch_kernel(cmd, **kwargs)
 
+    async def shutdown_requested(self, restart: bool = False) -> None:
+        """Note [Shutdown request to a dead kernel]: a graceful restart sends `shutdown_request` on the
+        manager's control socket even when the kernel already died. No one reads it: zmq keeps it queued
+        for the socket's linger (100 ms in jupyter_client) after the manager closes the socket, and
+        reconnects meanwhile. A plain kernel takes seconds to bind the same cached port, but a forked one
+        binds in milliseconds, receives that request and shuts down ("Kernel died before replying to
+        kernel_info"). So the next launch waits until the request has expired."""
+        await super().shutdown_requested(restart)
+        if self.process is not None and self.process.poll() is not None:
+            control = getattr(self.parent, "_control_socket", None)
+            linger_ms = getattr(control, "linger", 100) if control is not None else 100
+            self._unread_shutdown_until = time.monotonic() + max(linger_ms, 100) / 1000 + 0.2
+
     async def _launch_warm(self, cmd: list[str], kwargs: dict[str, Any]) -> KernelConnectionInfo:
         interpreter, module, args = split_argv([os.path.expanduser(part) for part in cmd])
         env = dict(os.environ if kwargs.get("env") is None else kwargs["env"])
@@ -140,6 +156,7 @@ class WarmProvisioner(LocalProvisioner):
                              tuple(self.preload))
         spare = spares.spare_for(self._key, spare_env, cwd)
         await spare.wait_ready(self.ready_timeout)
+        await asyncio.sleep(max(0.0, self._unread_shutdown_until - time.monotonic()))
         stdio = _Stdio(kwargs.get("stdin"), kwargs.get("stdout"), kwargs.get("stderr"))
         try:
             pid, pidfd = spare.fork(module=module, args=args, argv=[*interpreter, "-m", module, *args], env=env,
