@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import statistics
 import subprocess
 import sys
@@ -83,18 +84,30 @@ def build(paths: dict[str, str]) -> None:
 
 
 def execute(kc, code: str) -> str:  # type: ignore[no-untyped-def]
+    """Run `code`; its stdout. Waits for the shell reply first: right after a restart the iopub
+    subscription may still be joining, and a cell's busy/idle there can be lost (a wait on idle alone
+    then hangs), so iopub is read until idle only for a bounded time after the reply."""
     msg_id = kc.execute(code)
-    out = []
     while True:
-        msg = kc.get_iopub_msg(timeout=600)
+        reply = kc.get_shell_msg(timeout=600)
+        if reply["parent_header"].get("msg_id") == msg_id:
+            break
+    out = []
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            msg = kc.get_iopub_msg(timeout=max(0.01, deadline - time.monotonic()))
+        except queue.Empty:
+            break
         if msg["parent_header"].get("msg_id") != msg_id:
             continue
         if msg["msg_type"] == "stream" and msg["content"]["name"] == "stdout":
             out.append(msg["content"]["text"])
-        elif msg["msg_type"] == "error":
-            raise RuntimeError("\n".join(msg["content"]["traceback"]))
         elif msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
-            return "".join(out)
+            break
+    if reply["content"]["status"] != "ok":
+        raise RuntimeError("\n".join(reply["content"].get("traceback", [])) or str(reply["content"]))
+    return "".join(out)
 
 
 def warm_kernelspec(case: str, root: str) -> str:

@@ -1,17 +1,27 @@
 """Arenas: sealed memory files that hold the tensor bytes (and the pickled graph) of a cache entry.
 
 # Note [Copy-on-write mappings]
-An arena is written once, through a shared mapping that the writer drops before it seals the file
-(F_SEAL_WRITE refuses every later shared writable mapping and write()). Readers map it MAP_PRIVATE:
+An arena is written once, by pwrite (or through a shared mapping that the writer drops) before it
+is sealed (F_SEAL_WRITE refuses every later shared writable mapping and write()). Readers map it MAP_PRIVATE:
 a page a reader writes to (`add_`, `load_state_dict`, an optimizer step) is copied into that process
 alone, so no in-place write is ever seen by another kernel or by a later hit (DESIGN.md invariant 3).
 Never MAP_POPULATE a private mapping: the kernel write-faults every page of a writable private
 mapping and so copies all of it. Populate with MADV_POPULATE_READ instead, which maps the shared
 pages read-only.
 
-Two backings exist and are chosen by measurement (benchmarks/RESULTS.md): a memfd (shmem pages),
-and an unnamed O_TMPFILE file in the state directory (page-cache pages). Only the memfd can be
-sealed; the file is never named, so only descriptors reach it.
+Two backings exist (Note [Arena backing]): a memfd (shmem pages), and an unnamed O_TMPFILE file on a
+disk filesystem (page-cache pages). Only the memfd can be sealed; the file is never named, so only
+descriptors reach it. Both are written with pwrite, not through a mapping: a write fault per page
+(and, on ext4, a page_mkwrite per page) made publishing 4 GB take seconds longer.
+
+# Note [Arena backing]
+Chosen by measuring call + first forward of a hit (benchmarks/RESULTS.md). shmem pages are 4 KiB
+where `shmem_enabled` is "never" (the usual default), so the first forward of a 1.1B model takes a
+page fault per 4 KiB; a disk file's page cache gets large folios and MADV_POPULATE_READ maps them in
+milliseconds. "auto" therefore takes a file in `arena_directory()` when that is on a disk filesystem
+that supports O_TMPFILE, else a memfd. The file's dirty pages are written back to disk once (they
+become clean page cache the kernel may drop and read back under memory pressure) and the blocks are
+freed when the last descriptor closes.
 """
 
 from __future__ import annotations
@@ -28,7 +38,9 @@ __all__ = [
     "PAGE",
     "ArenaWriter",
     "align",
+    "arena_directory",
     "check_sealed",
+    "choose_backing",
     "map_private",
     "populate",
     "read_all",
@@ -39,6 +51,50 @@ _MADV_POPULATE_READ = 22  # Linux 5.14; not exported by the mmap module
 _POPULATE_CHUNK = 16 << 20
 _libc = ctypes.CDLL(None, use_errno=True)
 _SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
+_MEMORY_FILESYSTEMS = {"tmpfs", "ramfs", "hugetlbfs"}
+
+
+def _filesystem_of(path: Path) -> str:
+    """The type of the filesystem `path` is on, from /proc/self/mountinfo (longest mount point)."""
+    best, kind = "", ""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                fields = line.split()
+                point, fstype = fields[4], fields[fields.index("-") + 1]
+                point = point.encode().decode("unicode_escape")
+                inside = str(path) == point or str(path).startswith(point.rstrip("/") + "/")
+                if inside and len(point) >= len(best):
+                    best, kind = point, fstype
+    except (OSError, ValueError, IndexError):
+        return ""
+    return kind
+
+
+def arena_directory(state_dir: str | os.PathLike[str]) -> Path:
+    """Where "file" arenas live: OVERMIND_ARENA_DIR, else the state directory when it is on a disk
+    filesystem, else ~/.cache/overmind/arenas (a state directory under $XDG_RUNTIME_DIR is a tmpfs)."""
+    env = os.environ.get("OVERMIND_ARENA_DIR")
+    if env:
+        return Path(env).expanduser()
+    state = Path(os.path.realpath(state_dir))
+    if _filesystem_of(state) not in _MEMORY_FILESYSTEMS:
+        return state
+    return Path.home() / ".cache" / "overmind" / "arenas"
+
+
+def choose_backing(backing: str, directory: Path) -> str:
+    """Resolve "auto" (Note [Arena backing]); "memfd" and "file" are taken as they are."""
+    if backing != "auto":
+        return backing
+    if _filesystem_of(Path(os.path.realpath(directory))) in _MEMORY_FILESYSTEMS:
+        return "memfd"
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.close(os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600))
+    except OSError:
+        return "memfd"
+    return "file"
 
 
 def align(n: int, to: int = PAGE) -> int:
@@ -46,19 +102,20 @@ def align(n: int, to: int = PAGE) -> int:
 
 
 class ArenaWriter:
-    """A new arena of `nbytes`: write through `view`, then `seal()` and hand `fd` over.
+    """A new arena of `nbytes`: fill it with `write` (or through `view`), then `seal()` and hand `fd` over.
 
     Args:
         nbytes: size of the file; a multiple of PAGE is best.
         name: shows in /proc/<pid>/fd of every holder, for debugging.
         backing: "memfd" (sealed shmem) or "file" (an unnamed file in `directory`).
-        directory: where a "file" arena lives (the state directory).
+        directory: where a "file" arena lives (`arena_directory()`).
     """
 
     def __init__(self, nbytes: int, *, name: str = "overmind", backing: str = "memfd",
                  directory: str | os.PathLike[str] | None = None) -> None:
         self.nbytes = nbytes
         self.backing = backing
+        self._map: mmap.mmap | None = None
         if backing == "memfd":
             self.fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         elif backing == "file":
@@ -69,33 +126,45 @@ class ArenaWriter:
             raise ValueError(f"unknown arena backing {backing!r}: use 'memfd' or 'file'")
         try:
             if nbytes:
+                # No fallocate: `write` reports a full disk as ENOSPC (delayed allocation reserves the
+                # blocks at write time), and only arenas written to the end are ever published. It
+                # cost seconds per GiB here: the first write to each preallocated block converts it.
                 os.ftruncate(self.fd, nbytes)
-                if backing == "file":
-                    # Allocate the blocks now: on a full disk this raises ENOSPC here, where a write
-                    # through the mapping into a sparse file would kill the process with SIGBUS.
-                    os.posix_fallocate(self.fd, 0, nbytes)
-            self._map: mmap.mmap | None = mmap.mmap(self.fd, nbytes) if nbytes else None
         except BaseException:
             os.close(self.fd)
             raise
 
+    def write(self, offset: int, data: memoryview | bytes) -> None:
+        """Write `data` at `offset` (pwrite: one copy, the GIL released, no page faults)."""
+        view = memoryview(data).cast("B")
+        while view:
+            done = os.pwrite(self.fd, view, offset)
+            view, offset = view[done:], offset + done
+
     @property
     def view(self) -> memoryview:
-        if self._map is None:
+        """A writable shared mapping of the whole arena (made on first use; `seal` drops it). For small
+        arenas: a write through it to a full disk is a SIGBUS where `write` raises ENOSPC."""
+        if not self.nbytes:
             return memoryview(b"")
+        if self._map is None:
+            self._map = mmap.mmap(self.fd, self.nbytes)
         return memoryview(self._map)
 
-    @property
-    def mapping(self) -> mmap.mmap | None:
-        return self._map
-
     def seal(self) -> int:
-        """Drop the writable mapping and seal the file; returns the descriptor (still owned here)."""
+        """Drop the writable mapping and seal the file; returns the descriptor (still owned here).
+
+        A file cannot be sealed: it is reopened read-only instead and the writable descriptor closed,
+        so that no holder of the arena (the daemon, a kernel on a hit) has a way to write to it."""
         if self._map is not None:
             self._map.close()
             self._map = None
         if self.backing == "memfd":
             fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS)
+        else:
+            read_only = os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
+            os.close(self.fd)
+            self.fd = read_only
         return self.fd
 
     def close(self) -> None:
@@ -126,6 +195,8 @@ def check_sealed(fd: int, nbytes: int) -> str:
         # $XDG_RUNTIME_DIR) is shmem too, born with F_SEAL_SEAL alone.
         if st.st_nlink != 0:
             raise ValueError("a file arena must be unnamed (O_TMPFILE)")
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDONLY:
+            raise ValueError("a file arena must be passed read-only")
         return "file"
     if seals & _SEALS != _SEALS:
         raise ValueError("memfd arena is not sealed against writes")

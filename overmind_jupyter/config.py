@@ -32,7 +32,10 @@ class Overmind(Configurable):
                                "when it starts (OVERMIND_BUDGET).").tag(config=True)
     wait_timeout = Float(600.0, help="Seconds to wait for another kernel's load of the same model before "
                                      "loading plainly (OVERMIND_WAIT_TIMEOUT).").tag(config=True)
-    arena = Enum(["memfd", "file"], "memfd", help="Backing of new cache entries (OVERMIND_ARENA).").tag(config=True)
+    arena = Enum(["auto", "memfd", "file"], "auto",
+                 help="Backing of new cache entries: a file on disk (page cache), a memfd (shmem), or auto: "
+                      "the file where OVERMIND_ARENA_DIR or the state directory is on a disk filesystem "
+                      "(OVERMIND_ARENA).").tag(config=True)
     populate = Bool(True, help="Map a hit's pages ahead of the first forward, in the background "
                                "(OVERMIND_POPULATE=0 to turn off).").tag(config=True)
     adopt = Bool(True, help="After a miss is published, move the kernel's model onto the shared copy "

@@ -305,19 +305,22 @@ def pack(obj: Any, *, self_key: str | None = None, trust_mappings: bool = False,
 _CHUNK = 64 << 20
 
 
-def write_arena(packed: Packed, mapping: mmap.mmap | None, stop: threading.Event | None = None) -> None:
-    """Copy the packed storages into a writable mapping of the new arena, in chunks; raises PackError
-    if `stop` is set meanwhile (the process is exiting)."""
+def write_arena(packed: Packed, writer: arena.ArenaWriter, stop: threading.Event | None = None) -> None:
+    """Copy the packed storages into the new arena, in chunks; raises PackError if `stop` is set
+    meanwhile (the process is exiting). CPU bytes go by pwrite straight from the storage: one thread,
+    no torch parallel region competing with the kernel's own work (Note [Publishing yields])."""
     for own in packed.own:
         if not own.nbytes:
             continue
-        dst = torch.frombuffer(mapping, dtype=torch.uint8, count=own.nbytes, offset=own.offset)  # type: ignore[arg-type]
         src = torch.empty(0, dtype=torch.uint8, device=own.storage.device).set_(own.storage)
+        whole = memoryview(src.numpy()) if src.device.type == "cpu" else None
         for start in range(0, own.nbytes, _CHUNK):
             if stop is not None and stop.is_set():
                 raise PackError("the process is exiting")
-            dst[start:start + _CHUNK].copy_(src[start:start + _CHUNK])
-        del dst, src
+            chunk = whole[start:start + _CHUNK] if whole is not None else memoryview(
+                src[start:start + _CHUNK].cpu().numpy())
+            writer.write(own.offset + start, chunk)
+        del whole, src
 
 
 def map_storages(packed: Packed, ref: ArenaRef, on_unmap: Callable[[str], None]) -> dict[int, torch.UntypedStorage]:

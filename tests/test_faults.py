@@ -296,7 +296,7 @@ FULL_DISK_KERNEL = """
 
 
 def test_a_full_disk_under_file_arenas_falls_back_and_the_daemon_lives(tiny_tmpfs: Path) -> None:
-    env = kernel_env(OVERMIND_ARENA="file")
+    env = kernel_env(OVERMIND_ARENA="file", OVERMIND_ARENA_DIR=str(tiny_tmpfs))
     watcher = Client(tiny_tmpfs, role="test")
     pid = watcher.daemon_pid
     try:
@@ -368,7 +368,7 @@ def _publish_corrupt(client: Client, home: Path, key: str, case: str) -> None:
     client.request("reserve", key=key, bytes=arena_bytes + len(graph_bytes))
     data = arena.ArenaWriter(arena_bytes, backing=backing, directory=home)
     if case != "short arena":
-        rebuild.write_arena(packed, data.mapping)
+        rebuild.write_arena(packed, data)
     graph = arena.ArenaWriter(len(graph_bytes))
     graph.view[:] = graph_bytes
     data_fd = data.seal()
@@ -378,7 +378,9 @@ def _publish_corrupt(client: Client, home: Path, key: str, case: str) -> None:
     graph.close()
     data.close()
     if case == "file arena truncated after publish":
-        os.ftruncate(keep, arena.PAGE)  # any holder of a file arena's descriptor can
+        writable = os.open(f"/proc/self/fd/{keep}", os.O_RDWR)  # its owner can reopen it writable
+        os.ftruncate(writable, arena.PAGE)
+        os.close(writable)
     os.close(keep)
 
 

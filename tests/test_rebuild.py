@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import tempfile
 import threading
 from pathlib import Path
 
@@ -12,6 +14,7 @@ import tiny_modules
 import torch
 from snippets import last_json, run_py, start_py
 
+from kernel_server.client import Client
 from overmind_jupyter import loading, rebuild
 from overmind_jupyter.errors import FallbackWarning
 
@@ -67,9 +70,11 @@ def test_every_dtype_and_meta_tensors(overmind_home: Path) -> None:
     assert second.u16.dtype == torch.uint16
 
 
-def test_zero_copy_rebuild_and_private_memory(env: dict[str, str]) -> None:
+@pytest.mark.parametrize("backing", ["memfd", "file"])
+def test_zero_copy_rebuild_and_private_memory(env: dict[str, str], backing: str, overmind_home: Path) -> None:
     """A hit maps the arena: no tensor is copied and the process's anonymous memory grows by a tiny
-    fraction of the model (64 MiB of weights here)."""
+    fraction of the model (64 MiB of weights here), with either backing."""
+    env = env | {"OVERMIND_ARENA": backing}
     code = """
         import json, torch, tiny_modules
         from overmind_jupyter import loading, rebuild
@@ -94,6 +99,30 @@ def test_zero_copy_rebuild_and_private_memory(env: dict[str, str]) -> None:
     assert hit["sum"] == miss["sum"], "a hit gives bit-equal outputs"
     assert miss["growth"] > 0.9 * model_bytes
     assert hit["growth"] < 0.05 * model_bytes, f"hit grew private memory by {hit['growth']} bytes"
+    with Client(overmind_home, role="test") as client:
+        assert [e["backing"] for e in client.request("ls")["entries"]] == [backing]
+
+
+def test_auto_backing_takes_a_disk_file_and_a_memfd_on_tmpfs(overmind_home: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Note [Arena backing]: "auto" puts arenas in a file when their directory is on a disk filesystem,
+    in a memfd when it is a tmpfs (where a file would be shmem anyway, under a size limit)."""
+    monkeypatch.setattr(loading.settings, "backing", "auto")
+    shm = Path(tempfile.mkdtemp(prefix="om-arenas-", dir="/dev/shm"))
+    disk = Path(tempfile.mkdtemp(prefix="om-arenas-", dir=Path.home()))
+    try:
+        for directory, kind in ((shm, "memfd"), (disk, "file")):
+            monkeypatch.setenv("OVERMIND_ARENA_DIR", str(directory))
+            model = loading.cached(tiny_modules.build, "mlp", width=64, depth=1, seed=len(kind))
+            assert loading.wait_for_publishes(30) and not loading.fallbacks()
+            again = loading.cached(tiny_modules.build, "mlp", width=64, depth=1, seed=len(kind))
+            assert_same_state(model, again)
+        with Client(overmind_home, role="test") as client:
+            assert sorted(e["backing"] for e in client.request("ls")["entries"]) == ["file", "memfd"]
+        assert not list(disk.iterdir()), "a file arena has no name"
+    finally:
+        shutil.rmtree(shm)
+        shutil.rmtree(disk)
 
 
 def test_in_place_write_is_never_seen_by_another_kernel(env: dict[str, str], tiny_llama: Path) -> None:
