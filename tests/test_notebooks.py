@@ -16,6 +16,8 @@ import pytest
 from nbclient import NotebookClient
 from nbclient.util import run_sync
 
+from kernel_server.client import Client
+
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
 
@@ -28,7 +30,7 @@ def execute(name: str, workdir: Path, env: dict[str, str]) -> nbformat.NotebookN
         for index, cell in enumerate(nb.cells):
             if "restart-kernel" in cell.metadata.get("tags", []):
                 before = client.km.provisioner.pid
-                run_sync(client.km.restart_kernel)(now=True)
+                run_sync(client.km.restart_kernel)(now=False)  # graceful, as the restart button
                 run_sync(client.kc.wait_for_ready)(timeout=120)
                 assert client.km.provisioner.pid != before, "a restart gives a new kernel process"
             if cell.cell_type == "code":
@@ -46,12 +48,16 @@ def notebook_env(overmind_home: Path) -> dict[str, str]:
     return dict(os.environ, OVERMIND_DEMO_MODEL="tiny", PYTHONWARNINGS="ignore")
 
 
-def test_quickstart_restart_gives_a_fast_hit(tmp_path: Path, notebook_env: dict[str, str]) -> None:
+def test_quickstart_restart_gives_a_hit(tmp_path: Path, notebook_env: dict[str, str], overmind_home: Path) -> None:
+    """The times it prints are for the reader (benchmarks/ measure speed); the test checks that the load
+    after the real restart was served by the daemon."""
     nb = execute("quickstart.ipynb", tmp_path, notebook_env)
     text = stdout_of(nb)
-    first = float(re.search(r"first load \(before the restart\):\s+(\d+) ms", text).group(1))
-    again = float(re.search(r"same load after the restart:\s+(\d+) ms", text).group(1))
-    assert again < first, text
+    assert re.search(r"first load \(before the restart\):\s+\d+ ms", text), text
+    assert re.search(r"same load after the restart:\s+\d+ ms", text), text
+    with Client(overmind_home, role="test") as client:
+        status = client.request("status")
+    assert status["stats"]["misses"] == 1 and status["stats"]["hits"] == 1, status["stats"]
     assert widget_views(nb.cells[-1]) == 1, "the status cell shows the cache widget"
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import shutil
 import signal
@@ -68,6 +69,16 @@ def test_every_dtype_and_meta_tensors(overmind_home: Path) -> None:
     assert_same_state(first, second)
     assert second.on_meta.device.type == "meta" and second.empty.numel() == 0
     assert second.u16.dtype == torch.uint16
+
+
+def test_ordered_dicts_keep_order_attributes_sharing_and_class(overmind_home: Path) -> None:
+    first, second = load_twice("ordered")
+    assert rebuild.entry_of(second.lin.weight.data_ptr()) is not None, "the second load is a hit"
+    assert_same_state(first, second)
+    table, again, empty = second.tables
+    assert list(table) == ["b", "a"] and table["a"] == [1, 2] and torch.equal(table["b"], torch.ones(2))
+    assert table.note == "kept" and again is table and type(empty) is collections.OrderedDict and not empty
+    assert type(second.tagged) is tiny_modules.Tagged and list(second.tagged.items()) == [("z", 1), ("y", 2)]
 
 
 @pytest.mark.parametrize("backing", ["memfd", "file"])

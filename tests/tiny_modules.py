@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import time
 
@@ -68,11 +69,27 @@ class Unpicklable(nn.Module):
         self.gen = (i for i in range(3))
 
 
+class Tagged(collections.OrderedDict):  # type: ignore[type-arg]
+    """An OrderedDict subclass: packed by its own reduce, not the fast path of plain OrderedDicts."""
+
+
+class OrderedState(nn.Module):
+    """OrderedDicts beyond a module's own: one with attributes, one shared, one empty, a subclass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        table = collections.OrderedDict(b=torch.ones(2), a=[1, 2])
+        table.note = "kept"
+        self.tables = [table, table, collections.OrderedDict()]
+        self.tagged = Tagged(z=1, y=2)
+
+
 def build(kind: str, seed: int = 0, **kwargs: object) -> nn.Module:
     """The loader the tests cache: deterministic for (kind, seed, kwargs)."""
     torch.manual_seed(seed)
     return {"tied": TiedWeights, "noncontig": NonContiguous, "dtypes": Dtypes, "mlp": Mlp,
-            "unpicklable": Unpicklable}[kind](**kwargs)
+            "unpicklable": Unpicklable, "ordered": OrderedState}[kind](**kwargs)
 
 
 def wrap(inner: nn.Module, seed: int = 0) -> Wrapper:
