@@ -189,7 +189,14 @@ class _Placer:
 
     def tensor(self, t: torch.Tensor) -> Any:
         self.tensors.append((t, t._version))
-        return t.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+        reduced = t.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+        if reduced[0] is torch._utils._rebuild_tensor_v2 and len(reduced) == 2:
+            storage, offset, size, stride, requires_grad, hooks, *metadata = reduced[1]
+            if not requires_grad and not hooks and not any(metadata):
+                # The same tensor without v2's extras: no empty hooks dict to pickle, no fake-mode
+                # detection per tensor at rebuild (a third of rebuilding a model's tensors).
+                return (torch._utils._rebuild_tensor, (storage, offset, size, stride))
+        return reduced
 
     def place(self, untyped: torch.UntypedStorage) -> tuple[Any, ...]:
         ident = untyped._cdata
@@ -224,6 +231,8 @@ def _reduce_ordered_dict(d: collections.OrderedDict[Any, Any]) -> tuple[Any, ...
     """What `OrderedDict.__reduce__` returns, without its call of `copyreg._slotnames`, which a builtin
     type cannot cache: every nn.Module holds several OrderedDicts, and that call was half of the
     Python time of packing a model (11,615 calls for a 0.1B PeftModel)."""
+    if not d:  # most of a module's dozen OrderedDicts (hooks) are empty
+        return (collections.OrderedDict, (), vars(d) or None)
     return (collections.OrderedDict, (), vars(d) or None, None, iter(d.items()))
 
 
@@ -234,31 +243,35 @@ def _dtype(dtype: torch.dtype) -> str:
 # Note [Argument replay]
 # A load may change its arguments in place: PeftModel.from_pretrained injects LoRA layers into the base
 # model it is given, load_adapter adds an adapter to the model it is called on. Such an entry is packed
-# with every module of those arguments (`substitutes`: id -> path such as "model/layers.0.mlp") reduced
+# with every module of those arguments (`substitutes`: path such as "model/layers.0.mlp" -> module) reduced
 # to `_argument(path, cls)` plus its state after the call. A hit rebuilds onto the caller's own argument
 # objects (`arguments`: path -> object): each keeps its identity and receives the state the load gave it,
 # as the plain call would have done. Their previous state is journaled first and put back if the
 # rebuild fails, so a failed hit leaves the arguments as they were for the plain load that follows.
 
 
-def _substituting(base: type) -> type:
-    class Substituting(base):  # type: ignore[misc, valid-type]
-        def __init__(self, f: io.BytesIO, substitutes: dict[int, str]) -> None:
-            super().__init__(f, protocol=pickle.HIGHEST_PROTOCOL)
-            self.substitutes = substitutes
+def _substituting(table: dict[type, Callable[[Any], Any]], substitutes: dict[str, Any]) -> None:
+    """Make the pickler with dispatch `table` reduce each of `substitutes` (path -> object) as
+    `_argument(path, cls)` plus its state. Through the dispatch table of their classes, not a
+    `reducer_override`, which would be a Python call for every object of the graph."""
+    paths = {id(obj): path for path, obj in substitutes.items()}
+    for cls in {type(obj) for obj in substitutes.values()}:
+        table[cls] = _substitute(paths, table.get(cls))
 
-        def reducer_override(self, obj: Any) -> Any:
-            path = self.substitutes.get(id(obj))
-            if path is None:
-                return NotImplemented
-            reduced = obj.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
-            return (_argument, (path, type(obj)), *reduced[2:])
 
-    return Substituting
+def _substitute(paths: dict[int, str], otherwise: Callable[[Any], Any] | None) -> Callable[[Any], Any]:
+    def reduce(obj: Any) -> Any:
+        path = paths.get(id(obj))
+        if path is None:
+            return otherwise(obj) if otherwise is not None else obj.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+        reduced = obj.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+        return (_argument, (path, type(obj)), *reduced[2:])
+
+    return reduce
 
 
 @contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
+def gc_paused() -> Iterator[None]:
     """Pickling a model graph allocates many short-lived objects, enough to trigger full collections
     of the whole heap (0.2 s with torch and transformers loaded) though almost nothing survives."""
     enabled = gc.isenabled()
@@ -278,7 +291,7 @@ def _picklers() -> list[tuple[str, type]]:
 
 
 def pack(obj: Any, *, self_key: str | None = None, trust_mappings: bool = False,
-         substitutes: dict[int, str] | None = None) -> Packed:
+         substitutes: dict[str, Any] | None = None) -> Packed:
     """Pickle `obj`'s graph, placing its storages; nothing is copied yet. Raises PackError.
 
     Args:
@@ -287,7 +300,7 @@ def pack(obj: Any, *, self_key: str | None = None, trust_mappings: bool = False,
             entry's own graph (for comparing a rebuilt object with its entry, see Note [References]
             in loading.py).
         trust_mappings: skip the check that mapped pages were not written (right after a rebuild).
-        substitutes: objects (by id) to pack as arguments of the call, by path (see Note [Argument
+        substitutes: objects to pack as arguments of the call, by their path (see Note [Argument
             replay]).
     """
     errors = []
@@ -295,13 +308,13 @@ def pack(obj: Any, *, self_key: str | None = None, trust_mappings: bool = False,
         buf = io.BytesIO()
         buf.write(_FORMAT.to_bytes(1, "little"))
         placer = _Placer(self_key, trust_mappings)
+        pickler = cls(buf, protocol=pickle.HIGHEST_PROTOCOL)
+        table = placer.dispatch_table()
         if substitutes:
-            pickler = _substituting(cls)(buf, substitutes)
-        else:
-            pickler = cls(buf, protocol=pickle.HIGHEST_PROTOCOL)
-        pickler.dispatch_table = placer.dispatch_table()
+            _substituting(table, substitutes)
+        pickler.dispatch_table = table
         try:
-            with _gc_paused():
+            with gc_paused():
                 pickler.dump(obj)
         except PackError:
             raise
@@ -351,7 +364,7 @@ def map_storages(packed: Packed, ref: ArenaRef, on_unmap: Callable[[str], None])
 _current = threading.local()
 
 
-def skeleton(graph: bytes, own_key: str) -> tuple[Any, dict[int, str]]:
+def skeleton(graph: bytes, own_key: str) -> tuple[Any, dict[str, Any]]:
     """Unpickle a packed graph over the mappings of its arenas that this process already has: the
     object as its entry holds it, sharing the live objects' bytes, with fresh placeholders for the
     call's arguments (returned as substitutes for `pack`). Packing it and packing a live object in
@@ -360,7 +373,7 @@ def skeleton(graph: bytes, own_key: str) -> tuple[Any, dict[int, str]]:
     state = _Rebuild(None, own_key, lambda key: None, populate=False)
     state.placeholders = {}
     obj = _unpickle(graph, state)
-    return obj, {id(o): path for path, o in state.placeholders.items()}
+    return obj, state.placeholders
 
 
 class _Rebuild:
@@ -463,7 +476,7 @@ def _unpickle(graph: bytes, state: _Rebuild) -> Any:
     outer = getattr(_current, "rebuild", None)
     _current.rebuild = state
     try:
-        with _gc_paused():
+        with gc_paused():
             return pickle.loads(graph[1:])
     except CorruptEntry:
         state.roll_back()

@@ -314,7 +314,7 @@ def test_a_failed_replay_leaves_the_arguments_as_they_were(overmind_home: Path) 
     from overmind_jupyter.errors import CorruptEntry
 
     model = tiny_modules.build("mlp", width=8)
-    packed = rebuild.pack((model, [model]), substitutes={id(model): "m/", id(model.layers): "m/layers"})
+    packed = rebuild.pack((model, [model]), substitutes={"m/": model, "m/layers": model.layers})
     other = tiny_modules.build("mlp", width=8, seed=1)
     before = dict(other.__dict__)
     with pytest.raises(CorruptEntry, match="lacks"):
