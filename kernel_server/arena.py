@@ -11,8 +11,8 @@ pages read-only.
 
 Two backings exist (Note [Arena backing]): a memfd (shmem pages), and an unnamed O_TMPFILE file on a
 disk filesystem (page-cache pages). Only the memfd can be sealed; the file is never named, so only
-descriptors reach it. Both are written with pwrite, not through a mapping: a write fault per page
-(and, on ext4, a page_mkwrite per page) made publishing 4 GB take seconds longer.
+descriptors reach it. Both are filled with pwrite, not through a shared mapping: no write fault per
+page, and one thread (Note [Publishing yields] in overmind_jupyter/loading.py).
 
 # Note [Arena backing]
 Chosen by measuring call + first forward of a hit (benchmarks/RESULTS.md). shmem pages are 4 KiB
@@ -30,6 +30,7 @@ import ctypes
 import fcntl
 import mmap
 import os
+import re
 import stat
 import threading
 from pathlib import Path
@@ -62,7 +63,7 @@ def _filesystem_of(path: Path) -> str:
             for line in f:
                 fields = line.split()
                 point, fstype = fields[4], fields[fields.index("-") + 1]
-                point = point.encode().decode("unicode_escape")
+                point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), point)  # "\040" is a space
                 inside = str(path) == point or str(path).startswith(point.rstrip("/") + "/")
                 if inside and len(point) >= len(best):
                     best, kind = point, fstype
@@ -127,8 +128,8 @@ class ArenaWriter:
         try:
             if nbytes:
                 # No fallocate: `write` reports a full disk as ENOSPC (delayed allocation reserves the
-                # blocks at write time), and only arenas written to the end are ever published. It
-                # cost seconds per GiB here: the first write to each preallocated block converts it.
+                # blocks at write time), and only arenas written to the end are ever published, so
+                # preallocating buys nothing (2 GiB took 0.4-8 s with it here, 0.8-3.5 s without).
                 os.ftruncate(self.fd, nbytes)
         except BaseException:
             os.close(self.fd)
