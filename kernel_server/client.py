@@ -11,6 +11,7 @@ import os
 import queue
 import socket
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -21,6 +22,7 @@ from typing import Any
 from . import lifecycle
 from .errors import (
     BudgetExceeded,
+    DaemonLost,
     DaemonUnavailable,
     PeerRefused,
     ProtocolError,
@@ -113,7 +115,7 @@ class Client:
             if isinstance(self._failure, PeerRefused):  # however the refusal raced the hello
                 raise PeerRefused(str(self._failure))
             if self._failure is not None:
-                raise DaemonUnavailable(f"connection to the daemon is gone: {self._failure}")
+                raise DaemonLost(f"connection to the daemon is gone: {self._failure}")
             if self._closed:
                 raise DaemonUnavailable("this client was closed")
             request_id = next(self._ids)
@@ -127,7 +129,7 @@ class Client:
             self._reader.join(1.0)  # it may hold the daemon's reason for closing (a refusal)
             if isinstance(self._failure, PeerRefused):
                 raise self._failure from exc
-            raise DaemonUnavailable(f"the daemon went away: {exc}") from exc
+            raise DaemonLost(f"the daemon went away: {exc}") from exc
         return request_id, fut
 
     def request(self, op: str, *, fds: Sequence[int] = (), timeout: float | None = 60.0,
@@ -177,7 +179,7 @@ class Client:
     # -- threads ------------------------------------------------------------------------------
 
     def _read_loop(self) -> None:
-        failure: Exception = DaemonUnavailable("the daemon closed the connection")
+        failure: Exception = DaemonLost("the daemon closed the connection")
         try:
             while True:
                 frame = recv_frame(self._sock)
@@ -200,7 +202,7 @@ class Client:
                 else:
                     self._late_reply(frame)
         except (OSError, ProtocolError) as exc:
-            failure = DaemonUnavailable(f"lost the daemon: {exc}")
+            failure = DaemonLost(f"lost the daemon: {exc}")
         with self._lock:
             self._failure = failure if not self._closed else self._failure
         self._fail_pending(failure)
@@ -264,7 +266,11 @@ def shared_client(*, spawn: bool = True, role: str = "kernel", label: str = "") 
     global _shared
     with _shared_lock:
         if _shared is None or _shared.closed or _shared.pid != os.getpid():
-            _shared = Client(spawn=spawn, role=role, label=label or _kernel_label())
+            try:
+                _shared = Client(spawn=spawn, role=role, label=label or _kernel_label())
+            except DaemonLost:  # reached a daemon that was exiting: its successor answers the next try
+                time.sleep(0.05)
+                _shared = Client(spawn=spawn, role=role, label=label or _kernel_label())
         return _shared
 
 

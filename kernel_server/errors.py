@@ -5,6 +5,7 @@ from __future__ import annotations
 __all__ = [
     "BudgetExceeded",
     "DaemonError",
+    "DaemonLost",
     "DaemonUnavailable",
     "PeerRefused",
     "ProtocolError",
@@ -25,6 +26,11 @@ class StateDirError(DaemonError):
 
 class DaemonUnavailable(DaemonError):
     """No daemon answers and none could be started, or the daemon went away mid-call."""
+
+
+class DaemonLost(DaemonUnavailable):
+    """The connection to a daemon that was there broke (it was killed, or it was exiting when we
+    connected). Asking again reaches its successor."""
 
 
 class ProtocolError(DaemonError):

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from kernel_server import arena
 from kernel_server.client import Client, Response, existing_shared_client, shared_client
-from kernel_server.errors import DaemonError, RemoteError
+from kernel_server.errors import DaemonError, DaemonLost, RemoteError
 from kernel_server.transport import close_fds
 
 from . import keys
@@ -303,8 +303,7 @@ def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
     for thread in _running(ck.key):  # this process publishes this very key: the daemon would answer
         thread.join()                # "load" again (its own load), so wait and take the entry instead
     try:
-        client = shared_client()
-        reply = client.request("lookup", key=ck.key, wait=True, timeout=settings.wait_timeout)
+        client, reply = _lookup(ck.key)
     except DaemonError as exc:
         _fall_back(label, "daemon", str(exc))
         return fn(*args, **kwargs)
@@ -449,6 +448,19 @@ def _publish(client: Client, ck: keys.CallKey, pub: _Publication) -> None:
         with _publish_lock:
             if not (pub.published and settings.adopt and packed.own) and pub in _publications:
                 _publications.remove(pub)  # nothing left to do for it
+
+
+def _lookup(key: str) -> tuple[Client, Response]:
+    """Ask the daemon for `key` (waiting while another kernel loads it). When the connection breaks
+    (the daemon was killed since the last request, or while we waited for another kernel's load), ask
+    once more: the shared client starts the next daemon, and the load is cached there instead of
+    falling back. A daemon lost twice in a row is a fallback."""
+    try:
+        client = shared_client()
+        return client, client.request("lookup", key=key, wait=True, timeout=settings.wait_timeout)
+    except DaemonLost:
+        client = shared_client()
+        return client, client.request("lookup", key=key, wait=True, timeout=settings.wait_timeout)
 
 
 def _yield_the_cores() -> None:
