@@ -85,13 +85,13 @@ def arena_directory(state_dir: str | os.PathLike[str]) -> Path:
 
 
 def choose_backing(backing: str, directory: Path) -> str:
-    """Resolve "auto" (Note [Arena backing]); "memfd" and "file" are taken as they are."""
+    """Resolve "auto" (Note [Arena backing]) for an existing `directory`; "memfd" and "file" are taken
+    as they are."""
     if backing != "auto":
         return backing
     if _filesystem_of(Path(os.path.realpath(directory))) in _MEMORY_FILESYSTEMS:
         return "memfd"
     try:
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.close(os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600))
     except OSError:
         return "memfd"

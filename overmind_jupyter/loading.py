@@ -481,12 +481,12 @@ def _yield_the_cores() -> None:
 def _new_arena(nbytes: int, name: str, home: str | os.PathLike[str]) -> arena.ArenaWriter:
     """The arena of a new entry, backed as `settings.backing` says (Note [Arena backing]); a file arena
     that cannot be made (a full disk, say) falls back to a memfd."""
-    directory = arena.arena_directory(home)
-    backing = arena.choose_backing(settings.backing, directory)
-    if backing == "file":
+    if settings.backing != "memfd":
+        directory = arena.arena_directory(home)
         try:
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-            return arena.ArenaWriter(nbytes, name=name, backing="file", directory=directory)
+            if arena.choose_backing(settings.backing, directory) == "file":
+                return arena.ArenaWriter(nbytes, name=name, backing="file", directory=directory)
         except OSError as exc:
             if settings.backing == "file":
                 raise

@@ -8,6 +8,7 @@ flags that keep it off the network.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -19,12 +20,15 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-__all__ = ["CHROMIUM_ARGS", "JupyterLab", "chromium", "launch"]
+__all__ = ["ARTIFACTS", "CHROMIUM_ARGS", "JupyterLab", "chromium", "closing_browser", "launch"]
+
+ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 
 CHROMIUM_ARGS = [
     "--no-sandbox",  # root in CI
@@ -61,6 +65,21 @@ def chromium() -> str:
 def launch(playwright: Any, executable: str) -> Any:
     """A headless Chromium driven by Playwright (never a browser Playwright downloads itself)."""
     return playwright.chromium.launch(executable_path=executable, headless=True, args=CHROMIUM_ARGS)
+
+
+@contextlib.contextmanager
+def closing_browser(browser: Any, page: Any, console: list[str], lab: JupyterLab, name: str) -> Iterator[None]:
+    """Close `browser` at the end; on a failure inside, first save a screenshot of `page` as
+    test-artifacts/`name` and print the browser console and the end of JupyterLab's log."""
+    try:
+        yield
+    except BaseException:
+        page.screenshot(path=str(ARTIFACTS / name), full_page=True)
+        print("browser console:\n" + "\n".join(console[-40:]))
+        print("jupyter lab log:\n" + lab.log_tail())
+        raise
+    finally:
+        browser.close()
 
 
 def _free_port() -> int:

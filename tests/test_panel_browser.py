@@ -14,11 +14,10 @@ import time
 from pathlib import Path
 
 import pytest
-from browser_lab import JupyterLab, chromium, launch
+from browser_lab import ARTIFACTS, JupyterLab, chromium, closing_browser, launch
 
 pytestmark = pytest.mark.browser
 
-ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 TIMEOUT_MS = 90_000
 
 
@@ -62,7 +61,7 @@ def test_panel_shows_a_model_loaded_in_a_kernel_and_evicts_it(overmind_home: Pat
             page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
             polls: list[str] = []
             page.on("request", lambda r: polls.append(r.url) if "/overmind/state" in r.url else None)
-            try:
+            with closing_browser(browser, page, console, lab, "panel-failure.png"):
                 page.goto(f"{lab.url}lab?token={lab.token}")
                 tab = page.locator('.jp-SideBar .lm-TabBar-tab[data-id="overmind-panel"]')
                 tab.click()
@@ -124,13 +123,6 @@ shared_client().request("units_acquire", units=2, devices=None, timeout_s=0, lab
                 # the kernel keeps its copy-on-write model after the eviction
                 assert execute(kc, "print(sum(p.numel() for p in model.parameters()) > 0)").strip() == "True"
                 lab.request("DELETE", f"api/kernels/{kernel_id}")
-            except BaseException:
-                page.screenshot(path=str(ARTIFACTS / "panel-failure.png"))
-                print("browser console:\n" + "\n".join(console[-40:]))
-                print("jupyter lab log:\n" + lab.log_tail())
-                raise
-            finally:
-                browser.close()
     finally:
         if kc is not None:
             kc.stop_channels()

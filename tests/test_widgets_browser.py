@@ -19,11 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from browser_lab import JupyterLab, chromium, launch
+from browser_lab import ARTIFACTS, JupyterLab, chromium, closing_browser, launch
 
 pytestmark = pytest.mark.browser
 
-ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 TIMEOUT_MS = 90_000
 CHANGE_MS = 2_000  # a widget reflects a state change within 2 s
 
@@ -120,7 +119,7 @@ def test_status_and_adapter_widgets_in_jupyterlab(overmind_home: Path, tiny_llam
             page.set_default_timeout(TIMEOUT_MS)
             console: list[str] = []
             page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
-            try:
+            with closing_browser(browser, page, console, lab, "widgets-failure.png"):
                 page.goto(f"{lab.url}lab/tree/widgets.ipynb?token={lab.token}")
                 page.wait_for_function("() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
                                        " && window.jupyterapp.shell.currentWidget.sessionContext")
@@ -189,13 +188,6 @@ def test_status_and_adapter_widgets_in_jupyterlab(overmind_home: Path, tiny_llam
                 assert answer == "[False, False]", "widgets shown nowhere must not be polled"
                 errors = [line for line in console if line.startswith("error") and "overmind" in line.lower()]
                 assert not errors, errors
-            except BaseException:
-                page.screenshot(path=str(ARTIFACTS / "widgets-failure.png"), full_page=True)
-                print("browser console:\n" + "\n".join(console[-40:]))
-                print("jupyter lab log:\n" + lab.log_tail())
-                raise
-            finally:
-                browser.close()
     finally:
         if kc is not None:
             kc.stop_channels()
