@@ -9,8 +9,8 @@ deduplicated by identity, so tied weights stay tied and views keep their storage
 no tensor is copied, and writes stay in this process (see Note [Copy-on-write mappings] in
 kernel_server/arena.py).
 
-Only storages and tensors go through Python hooks while pickling (a per-type dispatch table, looked up
-in C), so a 1.1B-parameter model's graph pickles in a few tens of milliseconds.
+Only storages, tensors, modules and OrderedDicts go through Python hooks while pickling (a per-type
+dispatch table, looked up in C), so a 1.1B-parameter model's graph pickles in a few milliseconds.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from .errors import CorruptEntry, PackError
 
 __all__ = ["ArenaRef", "Packed", "entry_of", "map_storages", "pack", "rebuild", "skeleton", "write_arena"]
 
-_FORMAT = 2  # bump when the storage references change
+_FORMAT = 3  # bump when the storage or tensor references change
 
 
 @dataclass
@@ -143,19 +143,23 @@ class _WrittenPages:
     /proc/self/pagemap once per mapping: present pages that are no longer the file's."""
 
     def __init__(self) -> None:
-        self._sums: dict[int, Any] = {}  # numpy arrays
+        self._sums: dict[int, Any] = {}  # numpy arrays, or None for a mapping without a written page
 
     def any(self, span: tuple[int, int, str], address: int, nbytes: int) -> bool:
         start, end, _ = span
-        sums = self._sums.get(start)
-        if sums is None:
+        try:
+            sums = self._sums[start]
+        except KeyError:
             page = arena.PAGE
             with open("/proc/self/pagemap", "rb", buffering=0) as f:
                 raw = os.pread(f.fileno(), (end - start) // page * 8, start // page * 8)
             entries = torch.frombuffer(bytearray(raw), dtype=torch.int64)
             written = ((entries >> 63) & 1) & (1 - ((entries >> 61) & 1))
             # numpy, not torch, for the lookups below: indexing a tensor costs ~20 us, an array ~0.1 us
-            sums = self._sums[start] = torch.cat([torch.zeros(1, dtype=torch.int64), written.cumsum(0)]).numpy()
+            sums = torch.cat([torch.zeros(1, dtype=torch.int64), written.cumsum(0)]).numpy()
+            sums = self._sums[start] = sums if sums[-1] else None
+        if sums is None:
+            return False
         first = (address - start) // arena.PAGE
         last = (address + nbytes - 1 - start) // arena.PAGE
         return bool(sums[last + 1] - sums[first])
@@ -179,7 +183,7 @@ class _Placer:
         self.tensors: list[tuple[torch.Tensor, int]] = []
 
     def dispatch_table(self) -> dict[type, Callable[[Any], Any]]:
-        table = copyreg.dispatch_table.copy()
+        table = _Dispatch(copyreg.dispatch_table)
         table[torch.storage.TypedStorage] = lambda s: (_storage, (*self.place(s._untyped_storage), _dtype(s.dtype)))
         table[torch.UntypedStorage] = lambda s: (_storage, (*self.place(s), None))
         table[torch.Tensor] = self.tensor
@@ -189,12 +193,21 @@ class _Placer:
 
     def tensor(self, t: torch.Tensor) -> Any:
         self.tensors.append((t, t._version))
+        kind = type(t)
+        if (t.layout is torch.strided and not t.is_meta and t.dtype in _PLAIN_DTYPES and not t.is_conj() and not t.is_neg()
+                and (kind is torch.nn.Parameter or not (t.requires_grad or t._backward_hooks or vars(t)))):
+            # Note [Plain tensors]
+            placed = self.place(t.untyped_storage())
+            shape = (t.dtype, t.storage_offset(), tuple(t.shape), t.stride())
+            if kind is torch.nn.Parameter:
+                return (_parameter, (*placed, *shape, t.requires_grad, vars(t) or None))
+            return (_tensor, (*placed, *shape))
         reduced = t.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
         if reduced[0] is torch._utils._rebuild_tensor_v2 and len(reduced) == 2:
             storage, offset, size, stride, requires_grad, hooks, *metadata = reduced[1]
             if not requires_grad and not hooks and not any(metadata):
                 # The same tensor without v2's extras: no empty hooks dict to pickle, no fake-mode
-                # detection per tensor at rebuild (a third of rebuilding a model's tensors).
+                # detection per tensor at rebuild.
                 return (torch._utils._rebuild_tensor, (storage, offset, size, stride))
         return reduced
 
@@ -236,6 +249,68 @@ def _reduce_ordered_dict(d: collections.OrderedDict[Any, Any]) -> tuple[Any, ...
     return (collections.OrderedDict, (), vars(d) or None, None, iter(d.items()))
 
 
+class _Dispatch(dict):  # type: ignore[type-arg]
+    """A pickler's dispatch table that gives each module class `_reduce_module` when the pickler first
+    meets one (the C pickler looks classes up with `__missing__`; dill's Python pickler does not, and
+    pickles modules the default way)."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.others: set[type] = set()
+
+    def __missing__(self, cls: type) -> Callable[[Any], Any]:
+        if cls not in self.others and _plain_module_class(cls):
+            self[cls] = _reduce_module
+            return _reduce_module
+        self.others.add(cls)
+        raise KeyError(cls)
+
+
+def _plain_module_class(cls: type) -> bool:
+    """Whether `cls` pickles as an nn.Module does by default: `object.__reduce_ex__` over
+    `Module.__getstate__`, and unpickles through `Module.__setstate__`."""
+    module = torch.nn.Module
+    return (issubclass(cls, module) and cls.__reduce_ex__ is object.__reduce_ex__
+            and cls.__reduce__ is object.__reduce__ and cls.__getstate__ is module.__getstate__
+            and cls.__setstate__ is module.__setstate__ and not hasattr(cls, "__getnewargs_ex__")
+            and not hasattr(cls, "__getnewargs__"))
+
+
+def _reduce_module(module: torch.nn.Module) -> tuple[Any, ...]:
+    """What `object.__reduce_ex__` gives for a module, except that its empty hook dicts (eleven
+    OrderedDicts per module) are named instead of pickled: each was a Python call while packing."""
+    full = module.__dict__
+    state = {k: v for k, v in full.items() if not (type(v) is _OrderedDict and not v and k in _HOOKS and not vars(v))}
+    dropped = len(full) - len(state)
+    empty = _HOOK_DICTS if dropped == len(_HOOK_DICTS) else tuple(k for k in full if k not in state)
+    return (_module, (type(module), empty), state)
+
+
+def _module(cls: type[Any], empty: tuple[str, ...]) -> Any:
+    """Called by the unpickler for each module: a new one with its empty hook dicts (its state follows),
+    in a __dict__ of its own (see `_new`). Set there directly: through Module.__setattr__ they cost more
+    to unpickle than they saved to pickle."""
+    obj = cls.__new__(cls)
+    object.__setattr__(obj, "__dict__", {name: _OrderedDict() for name in empty})
+    return obj
+
+
+def _new(cls: type[Any]) -> Any:
+    """A new instance whose __dict__ is its own, not one of CPython's split dicts, which take their key
+    strings from the first instance of the class: so its keys are the strings of the graph, shared as
+    the graph shares them, whichever objects this process unpickled or built before (Note [References]
+    in loading.py compares pickles, memo and all)."""
+    obj = cls.__new__(cls)
+    object.__setattr__(obj, "__dict__", {})
+    return obj
+
+
+_OrderedDict = collections.OrderedDict
+# A module's hook dicts: the attributes that a new nn.Module holds as empty OrderedDicts
+_HOOK_DICTS = tuple(k for k, v in vars(torch.nn.Module()).items() if type(v) is _OrderedDict and not v)
+_HOOKS = frozenset(_HOOK_DICTS)
+
+
 def _dtype(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -256,16 +331,21 @@ def _substituting(table: dict[type, Callable[[Any], Any]], substitutes: dict[str
     `reducer_override`, which would be a Python call for every object of the graph."""
     paths = {id(obj): path for path, obj in substitutes.items()}
     for cls in {type(obj) for obj in substitutes.values()}:
-        table[cls] = _substitute(paths, table.get(cls))
+        try:
+            otherwise = table[cls]
+        except KeyError:
+            otherwise = None
+        table[cls] = _substitute(paths, otherwise)
 
 
 def _substitute(paths: dict[int, str], otherwise: Callable[[Any], Any] | None) -> Callable[[Any], Any]:
     def reduce(obj: Any) -> Any:
+        reduced = otherwise(obj) if otherwise is not None else obj.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
         path = paths.get(id(obj))
         if path is None:
-            return otherwise(obj) if otherwise is not None else obj.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
-        reduced = obj.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
-        return (_argument, (path, type(obj)), *reduced[2:])
+            return reduced
+        empty = reduced[1][1] if reduced[0] is _module else ()
+        return (_argument, (path, type(obj), empty), *reduced[2:])
 
     return reduce
 
@@ -395,7 +475,7 @@ class _Rebuild:
 
     def argument(self, path: str, cls: type) -> Any:
         if self.placeholders is not None:
-            obj = self.placeholders[path] = cls.__new__(cls)
+            obj = self.placeholders[path] = _new(cls)
             return obj
         obj = self.arguments.get(path)
         if obj is None or type(obj) is not cls:
@@ -451,12 +531,15 @@ class _Rebuild:
         return untyped
 
 
-def _argument(path: str, cls: type) -> Any:
-    """Called by the unpickler for an argument of the call (see Note [Argument replay])."""
+def _argument(path: str, cls: type, empty: tuple[str, ...]) -> Any:
+    """Called by the unpickler for an argument of the call (see Note [Argument replay]); `empty`
+    names its empty hook dicts, as for `_module`."""
     state: _Rebuild | None = getattr(_current, "rebuild", None)
     if state is None:
         raise CorruptEntry("an overmind graph can only be loaded by rebuild()")
-    return state.argument(path, cls)
+    obj = state.argument(path, cls)
+    obj.__dict__.update({name: _OrderedDict() for name in empty})
+    return obj
 
 
 def _storage(kind: str, key: str | None, offset: int, nbytes: int, device: str, dtype: str | None) -> Any:
@@ -468,6 +551,42 @@ def _storage(kind: str, key: str | None, offset: int, nbytes: int, device: str, 
     # Tensors of the newer dtypes pickle an UntypedStorage, and their rebuild (torch's own
     # _rebuild_tensor_v3) expects it wrapped, as torch.load does, as bytes.
     return torch.storage.TypedStorage(wrap_storage=untyped, dtype=getattr(torch, dtype or "uint8"), _internal=True)
+
+
+def _tensor(kind: str, key: str | None, at: int, nbytes: int, device: str, dtype: torch.dtype, offset: int,
+            size: tuple[int, ...], stride: tuple[int, ...]) -> torch.Tensor:
+    """Called by the unpickler for each plain tensor (see Note [Plain tensors])."""
+    state: _Rebuild | None = getattr(_current, "rebuild", None)
+    if state is None:
+        raise CorruptEntry("an overmind graph can only be loaded by rebuild()")
+    untyped = state.storage(kind, key, at, nbytes, device)
+    return torch.empty((0,), dtype=dtype, device=untyped.device).set_(untyped, offset, size, stride)
+
+
+def _parameter(kind: str, key: str | None, at: int, nbytes: int, device: str, dtype: torch.dtype, offset: int,
+               size: tuple[int, ...], stride: tuple[int, ...], requires_grad: bool,
+               attributes: dict[str, Any] | None) -> torch.nn.Parameter:
+    """Called by the unpickler for each parameter (see Note [Plain tensors])."""
+    param = torch.nn.Parameter(_tensor(kind, key, at, nbytes, device, dtype, offset, size, stride), requires_grad)
+    if attributes:
+        # Not setattr, which interns each name and so changes which strings the object shares
+        # (Note [References] in loading.py compares pickles, memo and all)
+        param.__dict__.update(attributes)
+    return param
+
+
+# Note [Plain tensors]
+# A strided tensor of a classic dtype, not on the meta device and without conjugate or negative bit, is
+# packed as its storage's placement, dtype, offset, size and stride; a parameter also with requires_grad
+# and its Python attributes (transformers sets some). Like torch's own reduction, a parameter's backward
+# hooks are not kept. Any other tensor (a subclass, a plain tensor that requires grad or carries
+# attributes or hooks, a quantized or sparse one, the newer dtypes) goes through torch's `__reduce_ex__`,
+# whose storage is placed by the dispatch table's storage entries. torch's reduction is a dozen Python
+# calls per tensor: it was half the time of packing a model.
+_PLAIN_DTYPES = frozenset({
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+})
 
 
 def _unpickle(graph: bytes, state: _Rebuild) -> Any:

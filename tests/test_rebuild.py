@@ -69,6 +69,9 @@ def test_every_dtype_and_meta_tensors(overmind_home: Path) -> None:
     assert_same_state(first, second)
     assert second.on_meta.device.type == "meta" and second.empty.numel() == 0
     assert second.u16.dtype == torch.uint16
+    assert second.conj.is_conj() and second.grad.requires_grad
+    assert not second.frozen.requires_grad and second.frozen.tag == "kept"
+    assert rebuild.entry_of(second.frozen.data_ptr()) is not None, "the second load is a hit"
 
 
 def test_ordered_dicts_keep_order_attributes_sharing_and_class(overmind_home: Path) -> None:

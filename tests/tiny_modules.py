@@ -41,6 +41,11 @@ class Dtypes(nn.Module):
         self.register_buffer("u16", torch.randint(0, 60000, (3,), dtype=torch.int32).to(torch.uint16))
         self.register_buffer("on_meta", torch.empty(4, 4, device="meta"))
         self.register_buffer("empty", torch.empty(0))
+        # Tensors the fast reduction leaves to torch's own, and a parameter's extras it must keep
+        self.register_buffer("conj", torch.randn(3, dtype=torch.complex64).conj())
+        self.register_buffer("grad", torch.ones(2, requires_grad=True))
+        self.frozen = nn.Parameter(torch.randn(3), requires_grad=False)
+        self.frozen.tag = "kept"
 
 
 class Mlp(nn.Module):
