@@ -279,7 +279,7 @@ def _plain_module_class(cls: type) -> bool:
 def _reduce_module(module: torch.nn.Module) -> tuple[Any, ...]:
     """What `object.__reduce_ex__` gives for a module, except that its empty hook dicts (eleven
     OrderedDicts per module) are named instead of pickled: each was a Python call while packing."""
-    full = module.__dict__
+    full = module.__getstate__()
     state = {k: v for k, v in full.items() if not (type(v) is _OrderedDict and not v and k in _HOOKS and not vars(v))}
     dropped = len(full) - len(state)
     empty = _HOOK_DICTS if dropped == len(_HOOK_DICTS) else tuple(k for k in full if k not in state)

@@ -84,6 +84,18 @@ def test_ordered_dicts_keep_order_attributes_sharing_and_class(overmind_home: Pa
     assert type(second.tagged) is tiny_modules.Tagged and list(second.tagged.items()) == [("z", 1), ("y", 2)]
 
 
+def test_hooks_are_kept_and_compiled_state_dropped_as_torch_pickles_modules(overmind_home: Path) -> None:
+    first, second = load_twice("hooked")
+    assert rebuild.entry_of(second.layers[0].weight.data_ptr()) is not None, "the second load is a hit"
+    assert "_compiled_call_impl" in vars(first) and "_compiled_call_impl" not in vars(second)
+    assert rebuild.pack(first).pickler == "pickle", "the C pickler, not dill, packed it: modules reduced alike"
+    assert list(second._forward_hooks.values()) == [tiny_modules.doubled]
+    x = torch.ones(1, 8)
+    with torch.no_grad():
+        assert torch.equal(second._call_impl(x), first._call_impl(x))
+        assert torch.equal(second(x), 2 * second.forward(x)), "the hook runs"
+
+
 @pytest.mark.parametrize("backing", ["memfd", "file"])
 def test_zero_copy_rebuild_and_private_memory(env: dict[str, str], backing: str, overmind_home: Path) -> None:
     """A hit maps the arena: no tensor is copied and the process's anonymous memory grows by a tiny

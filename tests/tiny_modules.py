@@ -90,11 +90,23 @@ class OrderedState(nn.Module):
         self.tagged = Tagged(z=1, y=2)
 
 
+def doubled(module: nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
+    return output * 2
+
+
+def hooked() -> nn.Module:
+    """A module with a forward hook (a non-empty hook dict) and compiled (state torch does not pickle)."""
+    model = Mlp(width=8, depth=1)
+    model.register_forward_hook(doubled)
+    model.compile()
+    return model
+
+
 def build(kind: str, seed: int = 0, **kwargs: object) -> nn.Module:
     """The loader the tests cache: deterministic for (kind, seed, kwargs)."""
     torch.manual_seed(seed)
     return {"tied": TiedWeights, "noncontig": NonContiguous, "dtypes": Dtypes, "mlp": Mlp,
-            "unpicklable": Unpicklable, "ordered": OrderedState}[kind](**kwargs)
+            "unpicklable": Unpicklable, "ordered": OrderedState, "hooked": hooked}[kind](**kwargs)
 
 
 def wrap(inner: nn.Module, seed: int = 0) -> Wrapper:
