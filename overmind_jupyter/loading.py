@@ -242,8 +242,9 @@ _verified = threading.local()
 # that receives it is uncacheable. Unchanged is checked when the object is passed, not when it is
 # loaded (hits stay cheap): every storage must still lie in unwritten pages of the entry's arenas, and
 # the object must pickle exactly as the entry's graph does: for a hit, a skeleton unpickled from that
-# graph in this process and packed here (two unpickled copies share string objects alike, while a
-# pickle made in another process differs in memo layout); for a miss this process published and
+# graph in this process and packed here (two unpickled copies share string objects alike, as long as
+# the rebuild takes its strings from the graph: see `rebuild._new`; a pickle made in another process
+# differs in memo layout and in the order of its sets); for a miss this process published and
 # adopted, the graph it pickled from this very object.
 keys.register_reference(lambda obj: (k, "") if (k := result_key(obj)) is not None else None)
 

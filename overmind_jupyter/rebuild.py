@@ -286,7 +286,7 @@ def _reduce_module(module: torch.nn.Module) -> tuple[Any, ...]:
     return (_module, (type(module), empty), state)
 
 
-def _module(cls: type[Any], empty: tuple[str, ...]) -> Any:
+def _module(cls: Any, empty: tuple[str, ...]) -> Any:
     """Called by the unpickler for each module: a new one with its empty hook dicts (its state follows),
     in a __dict__ of its own (see `_new`). Set there directly: through Module.__setattr__ they cost more
     to unpickle than they saved to pickle."""
@@ -295,7 +295,7 @@ def _module(cls: type[Any], empty: tuple[str, ...]) -> Any:
     return obj
 
 
-def _new(cls: type[Any]) -> Any:
+def _new(cls: Any) -> Any:
     """A new instance whose __dict__ is its own, not one of CPython's split dicts, which take their key
     strings from the first instance of the class: so its keys are the strings of the graph, shared as
     the graph shares them, whichever objects this process unpickled or built before (Note [References]
