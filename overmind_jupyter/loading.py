@@ -553,8 +553,7 @@ def adopt_published(obj: Any = None) -> int:
         if target is None or pub.packed is None or not pub.packed.unchanged():
             continue
         try:
-            _adopt(pub.packed, pub.key, target, pub.replay)
-            moved += 1
+            moved += _adopt(pub.packed, pub.key, target, pub.replay)
         except (DaemonError, CorruptEntry, OSError):
             continue
     return moved
@@ -572,7 +571,8 @@ def _settle(obj: Any) -> None:
         adopt_published(obj)
 
 
-def _adopt(packed: rebuild.Packed, key: str, obj: Any, replay: _Replay) -> None:
+def _adopt(packed: rebuild.Packed, key: str, obj: Any, replay: _Replay) -> bool:
+    """Move `obj` onto the entry it was published as; False if the entry is gone (evicted meanwhile)."""
     import torch
 
     from . import rebuild
@@ -581,7 +581,9 @@ def _adopt(packed: rebuild.Packed, key: str, obj: Any, replay: _Replay) -> None:
     reply = client.request("lookup", key=key, wait=False, adopt=True, timeout=30)
     if reply["status"] != "hit":
         reply.close()
-        return
+        if reply["status"] == "load":  # the daemon took us for its loader now: we are not
+            _abandon(client, key)
+        return False
     arena_fd = reply.fds[1]
     try:
         entry = reply["entries"][0]
@@ -601,6 +603,7 @@ def _adopt(packed: rebuild.Packed, key: str, obj: Any, replay: _Replay) -> None:
         _remember(obj, key, packed.graph, replay, pickled_here=True)
     finally:
         reply.close()
+    return True
 
 
 # -- the patched loaders' entry point --------------------------------------------------------------------

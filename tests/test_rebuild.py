@@ -235,6 +235,17 @@ def test_miss_adopts_the_published_copy(overmind_home: Path) -> None:
     assert loading.result_key(model) is not None
 
 
+def test_adopting_an_evicted_entry_moves_nothing_and_leaves_no_load_in_flight(daemon: Client) -> None:
+    model = loading.cached(tiny_modules.build, "mlp", width=64)
+    assert loading.wait_for_publishes(30)
+    [entry] = daemon.request("ls")["entries"]
+    daemon.request("evict", key=entry["key"])
+    assert loading.adopt_published(model) == 0
+    assert rebuild.entry_of(model.layers[0].weight.data_ptr()) is None, "it kept its own memory"
+    reply = daemon.request("lookup", key=entry["key"], wait=False)
+    assert reply["status"] == "load", "another kernel loads it now, rather than waiting on us"
+
+
 def test_unpicklable_result_is_returned_and_reported(overmind_home: Path) -> None:
     with pytest.warns(FallbackWarning, match="will not be cached"):
         model = loading.cached(tiny_modules.build, "unpicklable")
