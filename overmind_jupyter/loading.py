@@ -394,6 +394,13 @@ class _Publication:
 
 
 _publications: list[_Publication] = []
+# Every publishing thread with its key, until it has ended entirely: a publication leaves
+# `_publications` before its thread does, and the thread's last step (threading.Thread.run dropping
+# its arguments) may free the last references to the published tensors. torch lets go of the GIL to
+# free a tensor, and a thread that takes it back while the interpreter exits is ended by pthread_exit,
+# whose unwinding through torch's C++ frames aborts the process ("terminate called without an active
+# exception"). So `wait_for_publishes`, and the exit, wait for the threads themselves.
+_threads: list[tuple[str, threading.Thread]] = []
 _exiting = threading.Event()
 _publish_lock = threading.Lock()
 
@@ -414,7 +421,9 @@ def _start_publish(client: Client, ck: keys.CallKey, obj: Any, replay: _Replay) 
         _publish(client, ck, pub)
         return
     pub.thread = threading.Thread(target=_publish, args=(client, ck, pub), name="overmind-publish", daemon=True)
-    pub.thread.start()
+    with _publish_lock:
+        pub.thread.start()
+        _threads.append((ck.key, pub.thread))
 
 
 def _publish(client: Client, ck: keys.CallKey, pub: _Publication) -> None:
@@ -505,8 +514,8 @@ def _weakable(obj: Any) -> bool:
 
 def _running(key: str | None = None) -> list[threading.Thread]:
     with _publish_lock:
-        return [p.thread for p in _publications if p.thread is not None and p.thread.is_alive()
-                and key in (None, p.key)]
+        _threads[:] = [(k, t) for k, t in _threads if t.is_alive()]
+        return [t for k, t in _threads if key in (None, k)]
 
 
 def publishing() -> int:

@@ -246,6 +246,22 @@ def test_adopting_an_evicted_entry_moves_nothing_and_leaves_no_load_in_flight(da
     assert reply["status"] == "load", "another kernel loads it now, rather than waiting on us"
 
 
+@pytest.mark.filterwarnings("ignore::overmind_jupyter.errors.FallbackWarning")
+def test_waiting_for_publishes_waits_for_their_threads_to_end(overmind_home: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A publish that fails (here: no budget) leaves the list of publications before its thread has
+    ended; the thread's last step frees the tensors it held. Exiting meanwhile aborted the process."""
+    monkeypatch.setenv("OVERMIND_BUDGET", "4096")
+    for seed in range(30):
+        model = loading.cached(tiny_modules.build, "mlp", width=64, seed=seed)
+        del model  # the publication holds the last references to its tensors
+        while not loading.wait_for_publishes(0):
+            pass
+        alive = [t for t in threading.enumerate() if t.name == "overmind-publish"]
+        assert not alive, f"load {seed}: wait_for_publishes returned with a publishing thread alive"
+    assert {f["kind"] for f in loading.fallbacks()} == {"budget"}, "every publish failed, as meant"
+
+
 def test_unpicklable_result_is_returned_and_reported(overmind_home: Path) -> None:
     with pytest.warns(FallbackWarning, match="will not be cached"):
         model = loading.cached(tiny_modules.build, "unpicklable")
