@@ -588,9 +588,10 @@ def _adopt(packed: rebuild.Packed, key: str, obj: Any, replay: _Replay) -> bool:
 
     client = shared_client()
     reply = client.request("lookup", key=key, wait=False, adopt=True, timeout=30)
-    if reply["status"] != "hit":
+    status = reply["status"]
+    if status != "hit":
         reply.close()
-        if reply["status"] == "load":  # the daemon took us for its loader now: we are not
+        if status == "load":  # the daemon took us for its loader now: we are not
             _abandon(client, key)
         return False
     arena_fd = reply.fds[1]
