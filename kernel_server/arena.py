@@ -85,17 +85,11 @@ def arena_directory(state_dir: str | os.PathLike[str]) -> Path:
 
 
 def choose_backing(backing: str, directory: Path) -> str:
-    """Resolve "auto" (Note [Arena backing]) for an existing `directory`; "memfd" and "file" are taken
-    as they are."""
+    """Resolve "auto" (Note [Arena backing]) for `directory`; "memfd" and "file" are taken as they are.
+    A file that cannot be made there after all (no O_TMPFILE, a full disk) is the caller's to handle."""
     if backing != "auto":
         return backing
-    if _filesystem_of(Path(os.path.realpath(directory))) in _MEMORY_FILESYSTEMS:
-        return "memfd"
-    try:
-        os.close(os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600))
-    except OSError:
-        return "memfd"
-    return "file"
+    return "memfd" if _filesystem_of(Path(os.path.realpath(directory))) in _MEMORY_FILESYSTEMS else "file"
 
 
 def align(n: int, to: int = PAGE) -> int:

@@ -490,7 +490,7 @@ def _yield_the_cores() -> None:
 
 def _new_arena(nbytes: int, name: str, home: str | os.PathLike[str]) -> arena.ArenaWriter:
     """The arena of a new entry, backed as `settings.backing` says (Note [Arena backing]); a file arena
-    that cannot be made (a full disk, say) falls back to a memfd."""
+    that cannot be made (no O_TMPFILE there, a full disk) falls back to a memfd."""
     if settings.backing != "memfd":
         directory = arena.arena_directory(home)
         try:

@@ -202,14 +202,7 @@ class _Placer:
             if kind is torch.nn.Parameter:
                 return (_parameter, (*placed, *shape, t.requires_grad, vars(t) or None))
             return (_tensor, (*placed, *shape))
-        reduced = t.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
-        if reduced[0] is torch._utils._rebuild_tensor_v2 and len(reduced) == 2:
-            storage, offset, size, stride, requires_grad, hooks, *metadata = reduced[1]
-            if not requires_grad and not hooks and not any(metadata):
-                # The same tensor without v2's extras: no empty hooks dict to pickle, no fake-mode
-                # detection per tensor at rebuild.
-                return (torch._utils._rebuild_tensor, (storage, offset, size, stride))
-        return reduced
+        return t.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
 
     def place(self, untyped: torch.UntypedStorage) -> tuple[Any, ...]:
         ident = untyped._cdata
@@ -242,8 +235,8 @@ class _Placer:
 
 def _reduce_ordered_dict(d: collections.OrderedDict[Any, Any]) -> tuple[Any, ...]:
     """What `OrderedDict.__reduce__` returns, without its call of `copyreg._slotnames`, which a builtin
-    type cannot cache: every nn.Module holds several OrderedDicts, and that call was half of the
-    Python time of packing a model (11,615 calls for a 0.1B PeftModel)."""
+    type cannot cache (it was half of the Python time of packing a model, when every module's hook
+    dicts came this way; now those of modules `_reduce_module` does not take)."""
     if not d:  # most of a module's dozen OrderedDicts (hooks) are empty
         return (collections.OrderedDict, (), vars(d) or None)
     return (collections.OrderedDict, (), vars(d) or None, None, iter(d.items()))
@@ -290,18 +283,16 @@ def _module(cls: Any, empty: tuple[str, ...]) -> Any:
     """Called by the unpickler for each module: a new one with its empty hook dicts (its state follows),
     in a __dict__ of its own (see `_new`). Set there directly: through Module.__setattr__ they cost more
     to unpickle than they saved to pickle."""
-    obj = cls.__new__(cls)
-    object.__setattr__(obj, "__dict__", {name: _OrderedDict() for name in empty})
-    return obj
+    return _new(cls, {name: _OrderedDict() for name in empty})
 
 
-def _new(cls: Any) -> Any:
-    """A new instance whose __dict__ is its own, not one of CPython's split dicts, which take their key
-    strings from the first instance of the class: so its keys are the strings of the graph, shared as
-    the graph shares them, whichever objects this process unpickled or built before (Note [References]
-    in loading.py compares pickles, memo and all)."""
+def _new(cls: Any, attributes: dict[str, Any] | None = None) -> Any:
+    """A new instance whose __dict__ (`attributes`, else empty) is its own, not one of CPython's split
+    dicts, which take their key strings from the first instance of the class: so its keys are the
+    strings of the graph, shared as the graph shares them, whichever objects this process unpickled or
+    built before (Note [References] in loading.py compares pickles, memo and all)."""
     obj = cls.__new__(cls)
-    object.__setattr__(obj, "__dict__", {})
+    object.__setattr__(obj, "__dict__", {} if attributes is None else attributes)
     return obj
 
 
