@@ -399,11 +399,23 @@ def pack(obj: Any, *, self_key: str | None = None, trust_mappings: bool = False,
 _CHUNK = 64 << 20
 
 
+_WRITERS = min(4, os.cpu_count() or 1)
+
+
 def write_arena(packed: Packed, writer: arena.ArenaWriter, stop: threading.Event | None = None) -> None:
-    """Copy the packed storages into the new arena, in chunks; raises PackError if `stop` is set
-    meanwhile (the process is exiting). CPU bytes go by pwrite straight from the storage: one thread,
-    no torch parallel region competing with the kernel's own work (Note [Publishing yields])."""
-    for own in packed.own:
+    """Copy the packed storages into the new arena; raises PackError if `stop` is set meanwhile (the
+    process is exiting). CPU bytes go straight from the storages, without torch (no parallel region
+    competing with the kernel's own work, Note [Publishing yields]): into a file arena from several
+    threads through a mapping, into a memfd by pwrite (Note [Filling an arena] in kernel_server/arena.py)."""
+    rest = packed.own
+    if writer.backing == "file":
+        rest = [own for own in packed.own if own.storage.device.type != "cpu"]
+        try:
+            writer.copy_from([(own.offset, own.storage.data_ptr(), own.nbytes) for own in packed.own
+                              if own.nbytes and own.storage.device.type == "cpu"], threads=_WRITERS, stop=stop)
+        except InterruptedError:
+            raise PackError("the process is exiting") from None
+    for own in rest:
         if not own.nbytes:
             continue
         src = torch.empty(0, dtype=torch.uint8, device=own.storage.device).set_(own.storage)

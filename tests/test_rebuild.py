@@ -15,6 +15,7 @@ import tiny_modules
 import torch
 from snippets import last_json, run_py, start_py
 
+from kernel_server import arena
 from kernel_server.client import Client
 from overmind_jupyter import loading, rebuild
 from overmind_jupyter.errors import FallbackWarning
@@ -127,6 +128,39 @@ def test_zero_copy_rebuild_and_private_memory(env: dict[str, str], backing: str,
     assert hit["growth"] < 0.05 * model_bytes, f"hit grew private memory by {hit['growth']} bytes"
     with Client(overmind_home, role="test") as client:
         assert [e["backing"] for e in client.request("ls")["entries"]] == [backing]
+
+
+def test_a_file_arena_is_filled_from_several_threads(tmp_path: Path) -> None:
+    """Note [Filling an arena]: pieces of memory copied into a file arena by several threads, a few
+    pages at a time, land byte for byte where they were placed; a stop or a piece outside the arena
+    raises instead."""
+    torch.manual_seed(0)
+    sources = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in (5 * arena.PAGE + 17, 1, 3 * arena.PAGE)]
+    offsets = [0, 6 * arena.PAGE, 7 * arena.PAGE]
+    pieces = [(off, t.data_ptr(), t.numel()) for off, t in zip(offsets, sources)]
+    writer = arena.ArenaWriter(10 * arena.PAGE, backing="file", directory=tmp_path)
+    try:
+        writer.copy_from(pieces, threads=3, chunk=2 * arena.PAGE)
+        fd = writer.seal()
+        for off, t in zip(offsets, sources):
+            assert os.pread(fd, t.numel(), off) == t.numpy().tobytes()
+        assert os.pread(fd, arena.PAGE - 17, 5 * arena.PAGE + 17) == bytes(arena.PAGE - 17), "gaps stay zero"
+    finally:
+        writer.close()
+
+    stop = threading.Event()
+    stop.set()
+    writer, memfd = arena.ArenaWriter(10 * arena.PAGE, backing="file", directory=tmp_path), arena.ArenaWriter(arena.PAGE)
+    try:
+        with pytest.raises(InterruptedError):
+            writer.copy_from(pieces, threads=2, stop=stop)
+        with pytest.raises(ValueError, match="outside the arena"):
+            writer.copy_from([(9 * arena.PAGE, sources[0].data_ptr(), 2 * arena.PAGE)])
+        with pytest.raises(ValueError, match="file arenas"):
+            memfd.copy_from(pieces[1:2])
+    finally:
+        writer.close()
+        memfd.close()
 
 
 def test_auto_backing_takes_a_disk_file_and_a_memfd_on_tmpfs(overmind_home: Path,
