@@ -25,18 +25,22 @@ freed when the last descriptor closes.
 # Note [Filling an arena]
 A memfd is filled with pwrite: one copy, no page fault, one thread (Note [Publishing yields] in
 overmind_jupyter/loading.py). A file arena is filled by `copy_from`: its blocks are reserved first
-(fallocate, milliseconds), then several threads copy into a shared mapping advised MADV_HUGEPAGE.
-pwrite holds the file's lock, so writers of one file take turns, and the cost of a publish is the
-first touch of the arena's fresh pages, which two threads share (on a VM whose free memory the host
-has taken back, a first touch costs more than the copy). The advice makes each fault allocate a 2 MiB
-folio: a fault per 2 MiB, and folios that a hit maps whole. The reservation matters: a write fault in
-a shared mapping of a full disk is a SIGBUS, where fallocate reports ENOSPC and the publish falls back.
-Measured on the 1.1B fp32 model's 4.4 GB, after 4.4 GB of other fresh memory: pwrite 0.3-1.0 GB/s,
-one thread through the advised mapping 0.8-1.0 GB/s, two threads 0.6-1.4 GB/s (benchmarks/RESULTS.md).
+(fallocate, milliseconds), then threads copy into a shared mapping advised MADV_HUGEPAGE. The cost of
+a publish is the first touch of the arena's fresh pages (on a VM whose free memory the host has taken
+back, a first touch costs more than the copy); pwrite holds the file's lock, so only a mapping lets two
+threads touch pages at once. The advice makes each fault allocate a 2 MiB folio: a fault per 2 MiB,
+and folios that a hit maps whole. The reservation matters: a write fault in a shared mapping of a full
+disk is a SIGBUS, where fallocate reports ENOSPC and the publish falls back.
+A thread that touches fresh pages stalls its core while the host supplies them, whatever its
+scheduling class, so helpers beyond the first thread start only when the caller says (`copy_from`'s
+`helpers_may_start`; the kernel's main thread being idle, overmind_jupyter/rebuild.py).
+Measured on 4.4 GB, after 4.4 GB of other fresh memory: pwrite 0.3-1.0 GB/s, one thread through the
+advised mapping 0.8-1.0 GB/s, two threads 0.6-1.4 GB/s (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import fcntl
 import mmap
@@ -44,11 +48,14 @@ import os
 import re
 import stat
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 __all__ = [
     "PAGE",
     "ArenaWriter",
+    "address_of",
     "align",
     "arena_directory",
     "check_sealed",
@@ -139,9 +146,11 @@ class ArenaWriter:
             raise
 
     def copy_from(self, pieces: list[tuple[int, int, int]], *, threads: int = 1,
-                  stop: threading.Event | None = None, chunk: int = _COPY_CHUNK) -> None:
+                  helpers_may_start: Callable[[], bool] | None = None, stop: threading.Event | None = None,
+                  chunk: int = _COPY_CHUNK) -> None:
         """Copy `pieces` of this process's memory, each (offset in the arena, address, length), into a
-        file arena, from `threads` threads at once, `chunk` bytes at a time (Note [Filling an arena]).
+        file arena, `chunk` bytes at a time, from up to `threads` threads (Note [Filling an arena]): the
+        calling thread at once, each helper once `helpers_may_start()` says so (polled every 50 ms).
         Raises OSError (a full disk: nothing was written), or InterruptedError when `stop` is set
         meanwhile."""
         if self.backing != "file":
@@ -149,8 +158,8 @@ class ArenaWriter:
         for offset, _, length in pieces:
             if offset < 0 or length < 0 or offset + length > self.nbytes:
                 raise ValueError(f"piece {offset}+{length} lies outside the arena ({self.nbytes} bytes)")
-        jobs = sorted((offset + at, address + at, min(chunk, length - at))
-                      for offset, address, length in pieces for at in range(0, length, chunk))
+        jobs = collections.deque(sorted((offset + at, address + at, min(chunk, length - at))
+                                        for offset, address, length in pieces for at in range(0, length, chunk)))
         if not jobs:
             return
         os.posix_fallocate(self.fd, 0, self.nbytes)
@@ -160,32 +169,33 @@ class ArenaWriter:
             self._map.madvise(mmap.MADV_HUGEPAGE)
         except (AttributeError, OSError):
             pass  # no transparent huge pages here: 4 KiB folios, still correct
-        anchor = ctypes.c_char.from_buffer(self._map)
-        base = ctypes.addressof(anchor)
-        del anchor  # the address stays valid while the mapping is open; the export would block close()
-        # contiguous runs of about equal bytes, one per thread: each fills its own part of the file
-        groups: list[list[tuple[int, int, int]]] = [[] for _ in range(max(1, threads))]
-        total, done = sum(j[2] for j in jobs), 0
-        for job in jobs:
-            groups[min(len(groups) - 1, done * len(groups) // total)].append(job)
-            done += job[2]
+        base = address_of(self._map)
         errors: list[BaseException] = []
 
-        def fill(group: list[tuple[int, int, int]]) -> None:
+        def fill(helper: bool) -> None:
             try:
-                for offset, address, length in group:
+                while helper and helpers_may_start is not None and not helpers_may_start():
+                    if not jobs or errors or stop is not None and stop.is_set():
+                        return
+                    time.sleep(0.05)
+                while True:
                     if stop is not None and stop.is_set() or errors:
                         raise InterruptedError("stopped while filling the arena")
+                    try:
+                        offset, address, length = jobs.popleft()  # atomic: no lock needed
+                    except IndexError:
+                        return
                     ctypes.memmove(base + offset, address, length)  # releases the GIL
             except BaseException as exc:  # noqa: BLE001 (re-raised in the calling thread)
                 errors.append(exc)
 
-        workers = [threading.Thread(target=fill, args=(g,), name="overmind-fill", daemon=True) for g in groups[1:] if g]
-        for w in workers:
-            w.start()
-        fill(groups[0])
-        for w in workers:
-            w.join()
+        helpers = [threading.Thread(target=fill, args=(True,), name="overmind-fill", daemon=True)
+                   for _ in range(min(threads, len(jobs)) - 1)]
+        for h in helpers:
+            h.start()
+        fill(False)
+        for h in helpers:
+            h.join()
         if errors:
             raise errors[0]
 
@@ -256,6 +266,15 @@ def check_sealed(fd: int, nbytes: int) -> str:
     if seals & _SEALS != _SEALS:
         raise ValueError("memfd arena is not sealed against writes")
     return "memfd"
+
+
+def address_of(mapping: mmap.mmap) -> int:
+    """The address of a writable mapping; valid while it stays open."""
+    anchor = ctypes.c_char.from_buffer(mapping)
+    try:
+        return ctypes.addressof(anchor)
+    finally:
+        del anchor  # an export left alive would make the mapping's close() fail
 
 
 def map_private(fd: int, nbytes: int) -> mmap.mmap:

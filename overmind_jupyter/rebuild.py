@@ -402,6 +402,29 @@ _CHUNK = 64 << 20
 _WRITERS = min(4, os.cpu_count() or 1)
 
 
+def _main_thread_idle() -> Callable[[], bool]:
+    """A test for `ArenaWriter.copy_from`'s helpers: true once the main thread used no CPU time since
+    the last call. A kernel's main thread runs its cells, and each fill thread stalls a core on every
+    fresh page it touches (SCHED_IDLE does not help while the core waits on the host): with two fill
+    threads during a miss's first forward, that forward took 5-7 s instead of 1.5 s in 4 of 8 runs.
+    So the first thread starts at once, the others when the kernel is idle (between cells, or waiting)."""
+    path = f"/proc/self/task/{threading.main_thread().native_id}/stat"
+    last: list[int] = []
+
+    def idle() -> bool:
+        try:
+            with open(path) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            used = int(fields[11]) + int(fields[12])  # utime and stime, in clock ticks
+        except (OSError, IndexError, ValueError):
+            return True  # no main thread any more, or no /proc: nothing to protect
+        was = last[:1]
+        last[:] = [used]
+        return was == [used]
+
+    return idle
+
+
 def write_arena(packed: Packed, writer: arena.ArenaWriter, stop: threading.Event | None = None) -> None:
     """Copy the packed storages into the new arena; raises PackError if `stop` is set meanwhile (the
     process is exiting). CPU bytes go straight from the storages, without torch (no parallel region
@@ -412,7 +435,8 @@ def write_arena(packed: Packed, writer: arena.ArenaWriter, stop: threading.Event
         rest = [own for own in packed.own if own.storage.device.type != "cpu"]
         try:
             writer.copy_from([(own.offset, own.storage.data_ptr(), own.nbytes) for own in packed.own
-                              if own.nbytes and own.storage.device.type == "cpu"], threads=_WRITERS, stop=stop)
+                              if own.nbytes and own.storage.device.type == "cpu"],
+                             threads=_WRITERS, helpers_may_start=_main_thread_idle(), stop=stop)
         except InterruptedError:
             raise PackError("the process is exiting") from None
     for own in rest:

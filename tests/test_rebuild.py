@@ -148,6 +148,16 @@ def test_a_file_arena_is_filled_from_several_threads(tmp_path: Path) -> None:
     finally:
         writer.close()
 
+    asked = []  # helpers that may not start: the calling thread fills it all
+    writer = arena.ArenaWriter(10 * arena.PAGE, backing="file", directory=tmp_path)
+    try:
+        writer.copy_from(pieces, threads=2, chunk=arena.PAGE, helpers_may_start=lambda: asked.append(1) and False)
+        fd = writer.seal()
+        assert all(os.pread(fd, t.numel(), off) == t.numpy().tobytes() for off, t in zip(offsets, sources))
+        assert asked, "the helper asked"
+    finally:
+        writer.close()
+
     stop = threading.Event()
     stop.set()
     writer, memfd = arena.ArenaWriter(10 * arena.PAGE, backing="file", directory=tmp_path), arena.ArenaWriter(arena.PAGE)
