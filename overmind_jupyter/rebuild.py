@@ -406,8 +406,9 @@ def _main_thread_idle() -> Callable[[], bool]:
     """A test for `ArenaWriter.copy_from`'s helpers: true once the main thread used no CPU time since
     the last call. A kernel's main thread runs its cells, and each fill thread stalls a core on every
     fresh page it touches (SCHED_IDLE does not help while the core waits on the host): with two fill
-    threads during a miss's first forward, that forward took 5-7 s instead of 1.5 s in 4 of 8 runs.
-    So the first thread starts at once, the others when the kernel is idle (between cells, or waiting)."""
+    threads from the start, a 1.1B bf16 miss took 4.9-8.1 s for its call + first forward instead of
+    about 1.5 s in 4 of 8 runs (benchmarks/RESULTS.md). So the first thread starts at once, the others
+    when the kernel is idle (between cells, or waiting)."""
     path = f"/proc/self/task/{threading.main_thread().native_id}/stat"
     last: list[int] = []
 
