@@ -55,7 +55,6 @@ from pathlib import Path
 __all__ = [
     "PAGE",
     "ArenaWriter",
-    "address_of",
     "align",
     "arena_directory",
     "check_sealed",
@@ -169,7 +168,7 @@ class ArenaWriter:
             self._map.madvise(mmap.MADV_HUGEPAGE)
         except (AttributeError, OSError):
             pass  # no transparent huge pages here: 4 KiB folios, still correct
-        base = address_of(self._map)
+        base = _address_of(self._map)
         errors: list[BaseException] = []
 
         def fill(helper: bool) -> None:
@@ -268,7 +267,7 @@ def check_sealed(fd: int, nbytes: int) -> str:
     return "memfd"
 
 
-def address_of(mapping: mmap.mmap) -> int:
+def _address_of(mapping: mmap.mmap) -> int:
     """The address of a writable mapping; valid while it stays open."""
     anchor = ctypes.c_char.from_buffer(mapping)
     try:
