@@ -1,14 +1,17 @@
 """Load a Llama-shaped model plain and through overmind, each case in fresh processes.
 
 Cases (each run in a new process with torch, transformers and the Llama modeling module imported
-before the clock starts; median of --repeat runs):
+before the clock starts; --repeat rounds of all four cases, medians; the page cache is written back
+between processes):
   plain        LlamaForCausalLM.from_pretrained in the stored dtype (bf16) and as fp32
   torch.load   torch.load(mmap=True) of torch.save(model) (bf16 and fp32 files)
   miss         overmind with an empty store: plain load, then publishing in the background
   hit          overmind with the entry published
 Reported: the call, call + first forward (16 tokens), the growth of the process's anonymous
-(private) memory, and for the miss the time until the entry can serve the next kernel. Then three
-processes holding the same fp32 model at once: their total PSS, plain against overmind.
+(private) memory, and for the miss the time until the entry can serve the next kernel. Each process
+then runs a second forward: plain's is the floor under any hit's call + first forward (the model's
+own compute, with no load left in it). Then three processes holding the same fp32 model at once:
+their total PSS, plain against overmind.
 
     .venv/bin/python benchmarks/load.py                 # both models, all cases
     .venv/bin/python benchmarks/load.py --models 0.1b --repeat 3
@@ -96,6 +99,10 @@ def child(spec: dict) -> None:
         print(json.dumps(result), flush=True)
         sys.stdin.read()  # hold the model until the parent closes our stdin
         return
+    t3 = time.perf_counter()
+    with torch.inference_mode():
+        model(x)
+    result["second"] = time.perf_counter() - t3  # the model's steady forward: no load left in it
     print(json.dumps(result), flush=True)
 
 
@@ -118,17 +125,33 @@ def median_of(runs: list[dict], field: str) -> float:
     return statistics.median(r[field] for r in runs)
 
 
-def measure(spec: dict, env: dict[str, str], repeat: int, *, evict: bool = False) -> dict:
-    runs = []
-    for _ in range(repeat):
-        if evict:
-            daemon(env, "evict", "--all")
-        runs.append(run_child(spec, env))
-    fields = ["call", "first", "anon_growth", "rss_growth"] + (["published"] if "published" in runs[0] else [])
+def settle() -> None:
+    """Between two measured processes: write back what the last one left dirty (a miss leaves its
+    arena's 2-4 GB of page cache to be written back), so that no case pays for the one before it."""
+    os.sync()
+
+
+def read_through(file: Path) -> None:
+    with open(file, "rb", buffering=0) as f:
+        while f.read(64 << 20):
+            pass
+
+
+def summarize(runs: list[dict]) -> dict:
+    fields = ["call", "first", "second", "anon_growth", "rss_growth"] + (["published"] if "published" in runs[0] else [])
     summary = {f: median_of(runs, f) for f in fields}
     summary["checksum"] = runs[0]["checksum"]
     summary["fallbacks"] = [f for r in runs for f in r["fallbacks"]]
+    summary["runs"] = [{f: r[f] for f in fields} for r in runs]
     return summary
+
+
+def measure(spec: dict, env: dict[str, str], repeat: int) -> dict:
+    runs = []
+    for _ in range(repeat):
+        settle()
+        runs.append(run_child(spec, env))
+    return summarize(runs)
 
 
 def build(models: list[str]) -> dict[str, Path]:
@@ -162,6 +185,7 @@ def pss_study(path: Path, env: dict[str, str]) -> dict:
     results = {}
     for case in ("plain", "ours"):
         daemon(env, "evict", "--all")
+        settle()
         procs = []
         try:
             for i in range(3):
@@ -203,6 +227,7 @@ def main() -> None:
                HF_HUB_OFFLINE="1", TQDM_DISABLE="1")
     report: dict = {"models": {}, "cpu_count": os.cpu_count()}
     try:
+        daemon(env, "start")  # a miss is measured against a running daemon, not its start
         if args.arena_study:
             report["arena_study"] = arena_study(paths["1.1b"], env, args.repeat)
         else:
@@ -219,18 +244,28 @@ def main() -> None:
 
 
 def study(size: str, path: Path, env: dict[str, str], repeat: int) -> dict:
+    """The cases of one dtype in rounds (miss, hit, plain, torch.load, then the next round), so that
+    the machine's drift over the minutes of a run reaches every case alike; each miss starts from an
+    empty store and publishes the entry its round's hit uses."""
     rows = {}
     for dtype in ("bfloat16", "float32"):
         base = {"model": str(path), "dtype": dtype}
-        rows[f"plain {dtype}"] = measure(base | {"case": "plain"}, env, repeat)
-        file = OUT / "models" / f"llama-{size}-{dtype}.pt"
-        rows[f"torch.load {dtype}"] = measure(base | {"case": "torch.load", "file": str(file)}, env, repeat)
-        rows[f"miss {dtype}"] = measure(base | {"case": "miss"}, env, repeat, evict=True)
-        run_child(base | {"case": "miss"}, env)  # publish once for the hits
-        rows[f"hit {dtype}"] = measure(base | {"case": "hit"}, env, repeat)
+        specs = {"miss": base | {"case": "miss"}, "hit": base | {"case": "hit"}, "plain": base | {"case": "plain"},
+                 "torch.load": base | {"case": "torch.load", "file": str(OUT / "models" / f"llama-{size}-{dtype}.pt")}}
+        runs: dict[str, list[dict]] = {case: [] for case in specs}
+        for file in [*path.glob("*.safetensors"), Path(specs["torch.load"]["file"])]:
+            read_through(file)  # every case starts from files in the page cache, round 1 too
+        for _ in range(repeat):
+            daemon(env, "evict", "--all")
+            for case, spec in specs.items():
+                settle()
+                runs[case].append(run_child(spec, env))
+        for case in ("plain", "torch.load", "miss", "hit"):
+            rows[f"{case} {dtype}"] = summarize(runs[case])
+        plain = rows[f"plain {dtype}"]["checksum"]
         for case in ("torch.load", "miss", "hit"):
             r = rows[f"{case} {dtype}"]
-            if abs(r["checksum"] - rows[f"plain {dtype}"]["checksum"]) > 1e-3 * abs(rows[f"plain {dtype}"]["checksum"]):
+            if abs(r["checksum"] - plain) > 1e-3 * abs(plain):
                 r["checksum_mismatch"] = True
     return {"bytes": {d: model_bytes(path, d) for d in ("bfloat16", "float32")}, "rows": rows}
 
@@ -273,6 +308,9 @@ def print_report(report: dict) -> None:
             plain, miss = rows[f"plain {dtype}"], rows[f"miss {dtype}"]
             print(f"  {dtype}: miss ready for the next kernel after {miss['published'] / plain['first']:.2f} x "
                   f"plain call+first forward")
+            print(f"  {dtype}: floor for any hit (plain's second forward / its call+first forward): "
+                  f"{plain['second'] / plain['first']:.2f} x; the hit's call+first forward is "
+                  f"{rows[f'hit {dtype}']['first'] / plain['second']:.2f} x plain's second forward")
     if "pss" in report:
         p = report["pss"]
         print(f"\n3 processes holding the {p['model']} fp32 model, growth of their total PSS: plain "
