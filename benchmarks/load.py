@@ -61,7 +61,7 @@ def child(spec: dict) -> None:
     from transformers import LlamaForCausalLM
     from transformers.models.llama import modeling_llama  # noqa: F401
 
-    from overmind_jupyter import loading
+    from overmind_jupyter import loading, rebuild
 
     torch.manual_seed(0)
     x = torch.randint(0, 32000, (1, 16))
@@ -90,6 +90,8 @@ def child(spec: dict) -> None:
         "checksum": float(logits.double().sum()),
         "fallbacks": loading.fallbacks(),
     }
+    if spec["case"] == "hit" and rebuild.entry_of(model.lm_head.weight.data_ptr()) is None:
+        raise RuntimeError("the hit case loaded without the store (was the entry published?)")
     if spec["case"] == "miss":
         loading.wait_for_publishes()
         result["published"] = time.perf_counter() - t0
