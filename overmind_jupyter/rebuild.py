@@ -410,18 +410,18 @@ def _main_thread_idle() -> Callable[[], bool]:
     about 1.5 s in 4 of 8 runs (benchmarks/RESULTS.md). So the first thread starts at once, the others
     when the kernel is idle (between cells, or waiting)."""
     path = f"/proc/self/task/{threading.main_thread().native_id}/stat"
-    last: list[int] = []
+    last: int | None = None
 
     def idle() -> bool:
+        nonlocal last
         try:
             with open(path) as f:
                 fields = f.read().rsplit(")", 1)[1].split()
             used = int(fields[11]) + int(fields[12])  # utime and stime, in clock ticks
         except (OSError, IndexError, ValueError):
             return True  # no main thread any more, or no /proc: nothing to protect
-        was = last[:1]
-        last[:] = [used]
-        return was == [used]
+        was, last = last, used
+        return was == used
 
     return idle
 
