@@ -25,6 +25,7 @@ import mmap
 import os
 import pickle
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -402,15 +403,15 @@ _CHUNK = 64 << 20
 _WRITERS = min(4, os.cpu_count() or 1)
 
 
-def _main_thread_idle() -> Callable[[], bool]:
-    """A test for `ArenaWriter.copy_from`'s helpers: true once the main thread used no CPU time since
-    the last call. A kernel's main thread runs its cells, and each fill thread stalls a core on every
-    fresh page it touches (SCHED_IDLE does not help while the core waits on the host): with two fill
-    threads from the start, a 1.1B bf16 miss took 4.9-8.1 s for its call + first forward instead of
-    about 1.5 s in 4 of 8 runs (benchmarks/RESULTS.md). So the first thread starts at once, the others
-    when the kernel is idle (between cells, or waiting)."""
+def _main_thread_idle(quiet: float = 0.05) -> Callable[[], bool]:
+    """A test for `ArenaWriter.copy_from`'s helpers: true once the main thread has used no CPU time for
+    `quiet` seconds, however many helpers ask and however often. A kernel's main thread runs its cells,
+    and each fill thread stalls a core on every fresh page it touches (SCHED_IDLE does not help while
+    the core waits on the host): with two fill threads from the start, a 1.1B bf16 miss took 4.9-8.1 s
+    for its call + first forward instead of about 1.5 s in 4 of 8 runs (benchmarks/RESULTS.md). So the
+    first thread starts at once, the others when the kernel is idle (between cells, or waiting)."""
     path = f"/proc/self/task/{threading.main_thread().native_id}/stat"
-    last: int | None = None
+    last: tuple[int, float] | None = None  # the main thread's CPU time, and since when it has not moved
 
     def idle() -> bool:
         nonlocal last
@@ -420,8 +421,11 @@ def _main_thread_idle() -> Callable[[], bool]:
             used = int(fields[11]) + int(fields[12])  # utime and stime, in clock ticks
         except (OSError, IndexError, ValueError):
             return True  # no main thread any more, or no /proc: nothing to protect
-        was, last = last, used
-        return was == used
+        now = time.monotonic()
+        if last is None or last[0] != used:
+            last = (used, now)
+            return False
+        return now - last[1] >= quiet
 
     return idle
 

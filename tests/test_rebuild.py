@@ -8,6 +8,7 @@ import shutil
 import signal
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -128,6 +129,36 @@ def test_zero_copy_rebuild_and_private_memory(env: dict[str, str], backing: str,
     assert hit["growth"] < 0.05 * model_bytes, f"hit grew private memory by {hit['growth']} bytes"
     with Client(overmind_home, role="test") as client:
         assert [e["backing"] for e in client.request("ls")["entries"]] == [backing]
+
+
+def test_fill_helpers_wait_until_the_main_thread_is_quiet() -> None:
+    """The test behind a file arena's helper threads (rebuild._main_thread_idle): while the main thread
+    works it stays false, however many threads ask and however often; once the main thread has been
+    quiet for `quiet` seconds it is true."""
+    idle = rebuild._main_thread_idle(quiet=0.2)
+    answers: dict[str, list[bool]] = {}
+
+    def ask(name: str, seconds: float) -> None:
+        seen, end = [], time.monotonic() + seconds
+        while time.monotonic() < end:
+            seen.append(idle())
+            time.sleep(0.01)
+        answers[name] = seen
+
+    askers = [threading.Thread(target=ask, args=(f"busy {i}", 0.5)) for i in range(2)]
+    for a in askers:
+        a.start()
+    end = time.monotonic() + 0.6
+    while time.monotonic() < end:  # the main thread at work, as in a cell's forward
+        pass
+    for a in askers:
+        a.join()
+    assert not any(answers["busy 0"] + answers["busy 1"]), "a helper was let in while the main thread worked"
+
+    asker = threading.Thread(target=ask, args=("quiet", 0.6))
+    asker.start()
+    asker.join()  # the main thread waits: no CPU time
+    assert not answers["quiet"][0] and answers["quiet"][-1], answers["quiet"]
 
 
 def test_a_file_arena_is_filled_from_several_threads(tmp_path: Path) -> None:
