@@ -23,19 +23,17 @@ become clean page cache the kernel may drop and read back under memory pressure)
 freed when the last descriptor closes.
 
 # Note [Filling an arena]
-A memfd is filled with pwrite: one copy, no page fault, one thread (Note [Publishing yields] in
-overmind_jupyter/loading.py). A file arena is filled by `copy_from`: its blocks are reserved first
-(fallocate, milliseconds), then threads copy into a shared mapping advised MADV_HUGEPAGE. The cost of
-a publish is the first touch of the arena's fresh pages (on a VM whose free memory the host has taken
-back, a first touch costs more than the copy); pwrite holds the file's lock, so only a mapping lets two
-threads touch pages at once. The advice makes each fault allocate a 2 MiB folio: a fault per 2 MiB,
-and folios that a hit maps whole. The reservation matters: a write fault in a shared mapping of a full
-disk is a SIGBUS, where fallocate reports ENOSPC and the publish falls back.
-A thread that touches fresh pages stalls its core while the host supplies them, whatever its
-scheduling class, so helpers beyond the first thread start only when the caller says (`copy_from`'s
-`helpers_may_start`; the kernel's main thread being idle, overmind_jupyter/rebuild.py).
-Measured on 4.4 GB, after 4.4 GB of other fresh memory: pwrite 0.3-1.0 GB/s, one thread through the
-advised mapping 0.8-1.0 GB/s, two threads 0.6-1.4 GB/s (benchmarks/RESULTS.md).
+A kernel fills a new arena inside the loading call, before the call returns (Note [Atomic miss] in
+overmind_jupyter/publishing.py). A memfd is filled with pwrite (one copy, no page fault). A file arena
+is filled by `copy_from`: its blocks are reserved first (fallocate, milliseconds), then threads copy
+into a shared mapping advised MADV_HUGEPAGE. What a fill costs on these VMs is the first touch of the
+arena's fresh pages, not the copy: pwrite holds the file's lock, so only a mapping lets two threads
+touch pages at once; the advice makes each fault allocate a 2 MiB folio, which a hit later maps whole;
+and `copy_from` hands each piece back as soon as it is copied (`done`), so that the caller can free
+the piece's source and the next pieces land on pages freed a moment before. The reservation matters:
+a write fault in a shared mapping of a full disk is a SIGBUS, where fallocate reports ENOSPC and the
+load falls back. The daemon fills the arenas it compacts the same way, from the checkpoint files
+(kernel_server/compaction.py).
 """
 
 from __future__ import annotations
@@ -48,7 +46,6 @@ import os
 import re
 import stat
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -59,6 +56,7 @@ __all__ = [
     "arena_directory",
     "check_sealed",
     "choose_backing",
+    "file_identity",
     "map_private",
     "populate",
     "read_all",
@@ -110,6 +108,13 @@ def choose_backing(backing: str, directory: Path) -> str:
     return "memfd" if _filesystem_of(Path(os.path.realpath(directory))) in _MEMORY_FILESYSTEMS else "file"
 
 
+def file_identity(st: os.stat_result) -> dict[str, int]:
+    """What names one version of a file: a file rewritten in any way, even with its size and mtime
+    restored, has another ctime (which no user can set back), or another inode if it was replaced."""
+    return {"dev": st.st_dev, "ino": st.st_ino, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+            "ctime_ns": st.st_ctime_ns}
+
+
 def align(n: int, to: int = PAGE) -> int:
     return (n + to - 1) // to * to
 
@@ -145,58 +150,80 @@ class ArenaWriter:
             raise
 
     def copy_from(self, pieces: list[tuple[int, int, int]], *, threads: int = 1,
-                  helpers_may_start: Callable[[], bool] | None = None, stop: threading.Event | None = None,
+                  done: Callable[[int], None] | None = None, progress: Callable[[int], None] | None = None,
                   chunk: int = _COPY_CHUNK) -> None:
         """Copy `pieces` of this process's memory, each (offset in the arena, address, length), into a
-        file arena, `chunk` bytes at a time, from up to `threads` threads (Note [Filling an arena]): the
-        calling thread at once, each helper once `helpers_may_start()` says so (polled every 50 ms).
-        Raises OSError (a full disk: nothing was written), or InterruptedError when `stop` is set
-        meanwhile."""
+        file arena, `chunk` bytes at a time, from the calling thread and `threads - 1` helpers (Note
+        [Filling an arena]). `done(i)` runs in the calling thread once piece i is copied whole, and
+        `progress(n)` after each n bytes. Raises OSError (a full disk: nothing was written)."""
         if self.backing != "file":
             raise ValueError("copy_from fills file arenas; write a memfd with `write`")
         for offset, _, length in pieces:
             if offset < 0 or length < 0 or offset + length > self.nbytes:
                 raise ValueError(f"piece {offset}+{length} lies outside the arena ({self.nbytes} bytes)")
-        jobs = collections.deque(sorted((offset + at, address + at, min(chunk, length - at))
-                                        for offset, address, length in pieces for at in range(0, length, chunk)))
-        if not jobs:
-            return
-        os.posix_fallocate(self.fd, 0, self.nbytes)
-        if self._map is None:
-            self._map = mmap.mmap(self.fd, self.nbytes)
-        try:
-            self._map.madvise(mmap.MADV_HUGEPAGE)
-        except (AttributeError, OSError):
-            pass  # no transparent huge pages here: 4 KiB folios, still correct
-        base = _address_of(self._map)
+        jobs = collections.deque((i, offset + at, address + at, min(chunk, length - at))
+                                 for i, (offset, address, length) in enumerate(pieces)
+                                 for at in range(0, length, chunk))
+        left = [0] * len(pieces)
+        for i, *_ in jobs:
+            left[i] += 1
+        finished = collections.deque(i for i, (_, _, length) in enumerate(pieces) if not length)
+        if jobs:
+            os.posix_fallocate(self.fd, 0, self.nbytes)
+            if self._map is None:
+                self._map = mmap.mmap(self.fd, self.nbytes)
+            try:
+                self._map.madvise(mmap.MADV_HUGEPAGE)
+            except (AttributeError, OSError):
+                pass  # no transparent huge pages here: 4 KiB folios, still correct
+        base = _address_of(self._map) if self._map is not None and jobs else 0
+        lock = threading.Lock()
+        copied: list[int] = []
         errors: list[BaseException] = []
 
-        def fill(helper: bool) -> None:
+        def step() -> bool:
             try:
-                while helper and helpers_may_start is not None and not helpers_may_start():
-                    if not jobs or errors or stop is not None and stop.is_set():
-                        return
-                    time.sleep(0.05)
-                while True:
-                    if stop is not None and stop.is_set() or errors:
-                        raise InterruptedError("stopped while filling the arena")
-                    try:
-                        offset, address, length = jobs.popleft()  # atomic: no lock needed
-                    except IndexError:
-                        return
-                    ctypes.memmove(base + offset, address, length)  # releases the GIL
+                i, offset, address, length = jobs.popleft()  # atomic: no lock needed
+            except IndexError:
+                return False
+            ctypes.memmove(base + offset, address, length)  # releases the GIL
+            with lock:
+                copied.append(length)
+                left[i] -= 1
+                if not left[i]:
+                    finished.append(i)
+            return True
+
+        def helper() -> None:
+            try:
+                while not errors and step():
+                    pass
             except BaseException as exc:  # noqa: BLE001 (re-raised in the calling thread)
                 errors.append(exc)
 
-        helpers = [threading.Thread(target=fill, args=(True,), name="overmind-fill", daemon=True)
+        def report() -> None:
+            while finished:
+                i = finished.popleft()
+                if done is not None:
+                    done(i)
+            if progress is not None and copied:
+                with lock:
+                    n, copied[:] = sum(copied), []
+                progress(n)
+
+        helpers = [threading.Thread(target=helper, name="overmind-fill", daemon=True)
                    for _ in range(min(threads, len(jobs)) - 1)]
         for h in helpers:
             h.start()
-        fill(False)
-        for h in helpers:
-            h.join()
+        try:
+            while not errors and step():
+                report()
+        finally:
+            for h in helpers:
+                h.join()
         if errors:
             raise errors[0]
+        report()
 
     def write(self, offset: int, data: memoryview | bytes) -> None:
         """Write `data` at `offset` (pwrite: one copy, the GIL released, no page faults)."""

@@ -16,7 +16,7 @@ from . import lifecycle
 from .client import Client
 from .errors import DaemonError, RemoteError
 
-__all__ = ["main"]
+__all__ = ["human_bytes", "main", "pending_text"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,6 +139,16 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def pending_text(pending: dict[str, Any]) -> str:
+    """An entry's pending pieces as words (Note [Pending pieces] in store.py): 'copying from its
+    checkpoint: 40%, 3 s left', or 'served from its checkpoint; copy queued'."""
+    if not pending["copying"]:
+        return "served from its checkpoint; copy queued"
+    percent = 100 * pending["done"] // max(1, pending["bytes"])
+    left = f", {pending['eta']:.0f} s left" if pending.get("eta") is not None else ""
+    return f"copying from its checkpoint: {percent}%{left}"
+
+
 def _STATUS_TEXT(p: dict[str, Any]) -> str:
     d = p["daemon"]
     lines = [
@@ -155,17 +165,21 @@ def _STATUS_TEXT(p: dict[str, Any]) -> str:
                      f"{dev.get('used')}/{dev.get('capacity')} used" + (f" by {holders}" if holders else ""))
     for load in p["loading"]:
         lines.append(f"loading {load['key'][:16]} by pid {load['loader']['pid']}, {load['waiters']} waiting")
+    for e in p["entries"]:
+        if e.get("pending"):
+            lines.append(f"entry  {e['key'][:16]} {e['meta'].get('label', '')}: {pending_text(e['pending'])}")
     return "\n".join(lines)
 
 
 def _entries_text(entries: list[dict[str, Any]]) -> str:
     if not entries:
         return "no entries"
-    rows = [("KEY", "WHAT", "BYTES", "HITS", "PINNED BY")]
+    rows = [("KEY", "WHAT", "BYTES", "HITS", "PINNED BY", "STATE")]
     for e in entries:
         rows.append((e["key"][:16], str(e["meta"].get("label", ""))[:60], human_bytes(e["bytes"]), str(e["hits"]),
-                     ",".join(str(k["pid"]) for k in e["pinned_by"]) or "-"))
-    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+                     ",".join(str(k["pid"]) for k in e["pinned_by"]) or "-",
+                     pending_text(e["pending"]) if e.get("pending") else "ready"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 

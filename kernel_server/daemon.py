@@ -9,11 +9,13 @@ never imports torch and never unpickles anything: it keeps descriptors and JSON.
 from __future__ import annotations
 
 import collections
+import fcntl
 import itertools
 import logging
 import os
 import signal
 import socket
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -23,11 +25,12 @@ from typing import Any
 
 from . import arena
 from ._version import __version__
+from .compaction import Compactor
 from .errors import DaemonError, ProtocolError, RemoteError
 from .ledger import Ledger
 from .lifecycle import DaemonLock, default_budget, socket_path
 from .protocol import PROTOCOL_VERSION, FrameKind
-from .store import LookupResult, Store
+from .store import LookupResult, Source, Store
 from .transport import close_fds, peer_credentials, recv_frame, send_frame
 
 __all__ = ["Daemon", "run"]
@@ -99,6 +102,8 @@ class Daemon:
         self._stopping = threading.Event()
         self._listener: socket.socket | None = None
         self.ledger = Ledger.from_env(self.kernel_of)
+        compact = os.environ.get("OVERMIND_COMPACT", "1").strip().lower() not in ("0", "false", "no", "off")
+        self.compactor = Compactor(self.store, lambda: arena.arena_directory(self.home), enabled=compact)
         # Every operation a client may ask for. Anything else gets an "unknown_op" error reply.
         self.handlers: dict[str, Callable[[Connection, dict[str, Any], list[int]], Reply | None]] = {
             "hello": self.op_hello,
@@ -238,6 +243,7 @@ class Daemon:
                 conn.sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+        self.compactor.stop()
         self.store.close()
 
     def kernel_of(self, conn_id: int) -> dict[str, Any]:
@@ -292,7 +298,7 @@ class Daemon:
             conn.reply(request_id, _lookup_reply(key, result))
 
         result = self.store.lookup(conn.id, conn.pid, key, wait=bool(req.get("wait", True)),
-                                   request_id=request_id, notify=notify, count=not req.get("adopt"))
+                                   request_id=request_id, notify=notify)
         return None if result is None else _lookup_reply(key, result)
 
     def op_cancel(self, conn: Connection, req: dict[str, Any], fds: list[int]) -> Reply:
@@ -314,10 +320,14 @@ class Daemon:
         return Reply({"evicted": evicted})
 
     def op_publish(self, conn: Connection, req: dict[str, Any], fds: list[int]) -> Reply:
+        """Descriptors: the graph, the arena, then one per source file of `sources` (Note [Pending
+        pieces] in store.py). `pieces`: [arena offset, bytes, source index, file offset] each."""
         try:
             key = _key(req)
-            if len(fds) != 2:
-                raise RemoteError("bad_request", f"publish carries 2 descriptors (graph, arena), not {len(fds)}")
+            raw_sources, pieces = req.get("sources", []), req.get("pieces", [])
+            if not isinstance(raw_sources, list) or len(fds) != 2 + len(raw_sources):
+                raise RemoteError("bad_request", "publish carries 2 descriptors (graph, arena) and one per source, "
+                                                 f"not {len(fds)} for {len(raw_sources)} sources")
             graph_bytes, arena_bytes = req.get("graph_bytes"), req.get("arena_bytes")
             if not (isinstance(graph_bytes, int) and isinstance(arena_bytes, int)) or min(graph_bytes, arena_bytes) < 0:
                 raise RemoteError("bad_request", "publish needs integer 'graph_bytes' and 'arena_bytes'")
@@ -329,15 +339,20 @@ class Daemon:
             try:
                 arena.check_sealed(fds[0], graph_bytes)
                 backing = arena.check_sealed(fds[1], arena_bytes)
-            except (ValueError, OSError) as exc:
+                sources = [_source(fd, raw) for fd, raw in zip(fds[2:], raw_sources)]
+                _check_pieces(pieces, arena_bytes, sources)
+            except (ValueError, TypeError, OSError) as exc:
                 raise RemoteError("bad_arena", f"refused arena: {exc}") from None
         except BaseException:
             close_fds(fds)
             raise
         answers = self.store.publish(conn.id, key, graph_fd=fds[0], arena_fd=fds[1], graph_bytes=graph_bytes,
-                                     arena_bytes=arena_bytes, backing=backing, meta=meta, deps=deps)
+                                     arena_bytes=arena_bytes, backing=backing, meta=meta, deps=deps,
+                                     sources=sources, pieces=pieces, pin=bool(req.get("pin")))
         for notify, result in answers:
             notify(result)
+        if pieces:
+            self.compactor.submit(key)
         return Reply({"published": key, "served_waiters": len(answers)})
 
     def op_abandon(self, conn: Connection, req: dict[str, Any], fds: list[int]) -> Reply:
@@ -388,14 +403,45 @@ def _key(req: dict[str, Any]) -> str:
     return key
 
 
+def _source(fd: int, raw: Any) -> Source:
+    """A source file a publish names, checked against what the descriptor is (Note [Pending pieces])."""
+    if not isinstance(raw, dict) or not isinstance(raw.get("path"), str):
+        raise TypeError("each source needs a 'path' and its identity")
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"source {raw['path']} is not a regular file")
+    if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDONLY:
+        raise ValueError(f"source {raw['path']} must be passed read-only")
+    identity = arena.file_identity(st)
+    if {k: raw.get(k) for k in identity} != identity:
+        raise ValueError(f"source {raw['path']} is not the file announced (it changed, or another was sent)")
+    return Source(fd, identity, raw["path"][:4096])
+
+
+def _check_pieces(pieces: Any, arena_bytes: int, sources: list[Source]) -> None:
+    if not isinstance(pieces, list):
+        raise TypeError("'pieces' must be a list")
+    end = 0
+    for piece in sorted(p for p in pieces if isinstance(p, list)):
+        if (len(piece) != 4 or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in piece)
+                or piece[2] >= len(sources)):
+            raise ValueError(f"bad piece {piece!r}: [arena offset, bytes, source index, file offset]")
+        offset, nbytes, source, file_offset = piece
+        if offset < end or offset + nbytes > arena_bytes or file_offset + nbytes > sources[source].identity["size"]:
+            raise ValueError(f"piece {piece!r} overlaps another or lies outside its arena or file")
+        end = offset + nbytes
+    if len(pieces) != sum(isinstance(p, list) for p in pieces):
+        raise ValueError("each piece must be a list")
+
+
 def _lookup_reply(key: str, result: LookupResult) -> Reply:
     if result.status != "hit":
         return Reply({"status": result.status, "key": key})
     return Reply({
         "status": "hit",
         "key": key,
-        "entries": [{"key": e.key, "arena_bytes": e.arena_bytes, "graph_bytes": e.graph_bytes,
-                     "meta": e.meta} for e in result.entries],
+        "entries": [{"key": e.key, "arena_bytes": e.arena_bytes, "graph_bytes": e.graph_bytes, "meta": e.meta,
+                     "sources": [s.describe() for s in e.sources], "pieces": e.pieces} for e in result.entries],
     }, result.fds)
 
 

@@ -22,7 +22,11 @@ A frame is a fixed 12-byte header followed by a JSON payload::
   in every header. Replies MAY arrive in another order than their requests (a "lookup" that waits for
   another kernel's load is answered when that load ends).
 - Pickled bytes never travel in a frame: object graphs and tensor bytes travel as descriptors of sealed
-  memory files that only the user's own processes map and unpickle (DESIGN.md invariant 4).
+  memory files that only the user's own processes map and unpickle (docs/design.md, invariant 4).
+- "publish" attaches the graph, the arena, then one read-only descriptor per entry of its "sources"
+  (checkpoint files that its "pieces" still lie in, each with the identity the daemon MUST check); a
+  "lookup" answered "hit" attaches the graph, then for each listed entry its arena followed by its
+  sources' descriptors (see Note [Pending pieces] in store.py).
 
 The protocol version is independent of the package version; bump it on any change to this format or to
 the meaning of an existing operation.
@@ -53,7 +57,7 @@ __all__ = [
 ]
 
 MAGIC = b"OVMD"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 HEADER = struct.Struct("!4sHBBI")
 MAX_PAYLOAD = 1 << 20
 MAX_FDS = 64

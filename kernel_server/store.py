@@ -1,7 +1,17 @@
 """The daemon's store: cache entries by key, their byte budget, pins, and in-flight loads.
 
-The store never looks inside an entry: it holds two descriptors per entry (the pickled object graph
-and the arena of tensor bytes, see kernel_server/arena.py) and hands duplicates of them out.
+The store never looks inside an entry: it holds descriptors (the pickled object graph, the arena of
+tensor bytes, see kernel_server/arena.py, and the checkpoint files its pending pieces still refer to)
+and hands duplicates of them out.
+
+# Note [Pending pieces]
+An entry is servable from the moment it is published. Some of its bytes may still lie in the checkpoint
+files it was loaded from instead of its arena (Note [Atomic miss] in overmind_jupyter/publishing.py):
+each such piece says where in the arena it belongs and where in which source file it is now. The
+daemon holds each source file open and checks its identity (device, inode, size, mtime_ns, ctime_ns)
+before every hit: a file changed in any way makes the entry stale, and it is dropped (the lookup is a
+miss). The compactor (kernel_server/compaction.py) copies the pieces into a new arena of the daemon's
+own, reading only the files, and swaps it in; hits after that map the arena alone.
 
 # Note [Budget accounting]
 `used` (bytes of published entries) plus `reserved` (bytes promised to loads in flight) never exceeds
@@ -27,12 +37,31 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import arena
 from .errors import BudgetExceeded, RemoteError
 
-__all__ = ["Entry", "LookupResult", "Store"]
+__all__ = ["CompactionJob", "Entry", "LookupResult", "Source", "Store"]
 
 ConnId = int
 Notify = Callable[["LookupResult"], None]
+
+
+@dataclass
+class Source:
+    """A checkpoint file that pending pieces of an entry still lie in (Note [Pending pieces])."""
+
+    fd: int
+    identity: dict[str, int]
+    path: str
+
+    def intact(self) -> bool:
+        try:
+            return arena.file_identity(os.fstat(self.fd)) == self.identity
+        except OSError:
+            return False
+
+    def describe(self) -> dict[str, Any]:
+        return {"path": self.path, **self.identity}
 
 
 @dataclass
@@ -50,10 +79,32 @@ class Entry:
     last_used: float = field(default_factory=time.time)
     hits: int = 0
     pins: Counter[ConnId] = field(default_factory=Counter)
+    sources: list[Source] = field(default_factory=list)
+    pieces: list[list[int]] = field(default_factory=list)  # [arena offset, bytes, source index, file offset]
+    compaction: dict[str, float] | None = None  # {"total", "done", "started"} while the compactor copies
 
     @property
     def nbytes(self) -> int:
         return self.graph_bytes + self.arena_bytes
+
+    @property
+    def pending_bytes(self) -> int:
+        return sum(p[1] for p in self.pieces)
+
+    def intact(self) -> bool:
+        return all(s.intact() for s in self.sources)
+
+    def pending(self) -> dict[str, Any] | None:
+        """What is left to copy into the arena (Note [Pending pieces]), for status: bytes, done, eta."""
+        if not self.pieces:
+            return None
+        total = self.pending_bytes
+        c = self.compaction
+        done = int(c["done"]) if c else 0
+        elapsed = time.time() - c["started"] if c else 0.0
+        eta = (total - done) * elapsed / done if done and elapsed > 0 else None
+        return {"bytes": total, "done": done, "copying": c is not None, "eta": eta,
+                "sources": [s.path for s in self.sources]}
 
     def describe(self, kernels: Callable[[ConnId], dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -66,6 +117,7 @@ class Entry:
             "created": self.created,
             "last_used": self.last_used,
             "deps": self.deps,
+            "pending": self.pending(),
             "pinned_by": [kernels(c) | {"pins": n} for c, n in sorted(self.pins.items())],
         }
 
@@ -98,6 +150,23 @@ class LookupResult:
     status: str
     entries: list[Entry] = field(default_factory=list)
     fds: list[int] = field(default_factory=list)
+
+
+@dataclass
+class CompactionJob:
+    """What the compactor needs of one entry, with descriptors of its own (closed by `close`)."""
+
+    key: str
+    entry: Entry
+    arena_fd: int
+    arena_bytes: int
+    backing: str
+    pieces: list[list[int]]
+    sources: list[Source]
+
+    def close(self) -> None:
+        for fd in [self.arena_fd, *(s.fd for s in self.sources)]:
+            os.close(fd)
 
 
 class Store:
@@ -137,15 +206,15 @@ class Store:
     # -- lookups and loads ---------------------------------------------------------------------
 
     def lookup(self, conn: ConnId, pid: int, key: str, *, wait: bool, request_id: int,
-               notify: Notify, count: bool = True) -> LookupResult | None:
-        """Decide a lookup; None means the caller waits and `notify` will be called with the result.
-        `count=False` is for a loader mapping what it just published: not a hit of the cache."""
+               notify: Notify) -> LookupResult | None:
+        """Decide a lookup; None means the caller waits and `notify` will be called with the result."""
         with self._lock:
             entry = self._entries.get(key)
+            if entry is not None and not self._intact(entry):
+                entry = None
             if entry is not None:
-                if count:
-                    self.stats["hits"] += 1
-                return self._hit(conn, entry, count=count)
+                self.stats["hits"] += 1
+                return self._hit(conn, entry)
             load = self._loads.get(key)
             if load is None:
                 self.stats["misses"] += 1
@@ -193,9 +262,13 @@ class Store:
             return evicted
 
     def publish(self, conn: ConnId, key: str, *, graph_fd: int, arena_fd: int, graph_bytes: int,
-                arena_bytes: int, backing: str, meta: dict[str, Any], deps: list[str]) -> list[tuple[Notify, LookupResult]]:
-        """Turn a load into an entry. Takes ownership of both descriptors, also on error. Returns the
-        waiters to answer (outside any lock)."""
+                arena_bytes: int, backing: str, meta: dict[str, Any], deps: list[str],
+                sources: list[Source] | None = None, pieces: list[list[int]] | None = None,
+                pin: bool = False) -> list[tuple[Notify, LookupResult]]:
+        """Turn a load into an entry. Takes ownership of every descriptor, also on error. `pin` pins
+        the entry once for the publisher (whose model now lies in its arena). Returns the waiters to
+        answer (outside any lock)."""
+        sources = sources or []
         try:
             with self._lock:
                 load = self._owned_load(conn, key)
@@ -207,7 +280,10 @@ class Store:
                 missing = [d for d in deps if d not in self._entries]
                 if missing:
                     raise RemoteError("missing_dependency", f"entries {missing} were evicted meanwhile")
-                entry = Entry(key, graph_fd, arena_fd, graph_bytes, arena_bytes, backing, meta, deps, load.owner_pid)
+                entry = Entry(key, graph_fd, arena_fd, graph_bytes, arena_bytes, backing, meta, deps, load.owner_pid,
+                              sources=sources, pieces=pieces or [])
+                if pin:
+                    entry.pins[conn] += 1
                 del self._loads[key]
                 self._entries[key] = entry
                 self.stats["published"] += 1
@@ -217,7 +293,7 @@ class Store:
                     answers.append((waiter.notify, self._hit(waiter.conn, entry)))
                 return answers
         except BaseException:
-            for fd in (graph_fd, arena_fd):
+            for fd in (graph_fd, arena_fd, *(s.fd for s in sources)):
                 os.close(fd)
             raise
 
@@ -228,6 +304,45 @@ class Store:
                 return []
             self.stats["abandoned"] += 1
             return self._hand_over(load)
+
+    # -- compaction (Note [Pending pieces]) ---------------------------------------------------------
+
+    def compaction_job(self, key: str) -> CompactionJob | None:
+        """Start compacting `key`: its pieces and descriptors of its own; None when there is nothing
+        (left) to do or the entry went stale."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or not entry.pieces or entry.compaction is not None or not self._intact(entry):
+                return None
+            entry.compaction = {"total": entry.pending_bytes, "done": 0, "started": time.time()}
+            return CompactionJob(key, entry, os.dup(entry.arena_fd), entry.arena_bytes, entry.backing,
+                                 [list(p) for p in entry.pieces],
+                                 [Source(os.dup(s.fd), dict(s.identity), s.path) for s in entry.sources])
+
+    def compaction_progress(self, job: CompactionJob, done: int) -> None:
+        with self._lock:
+            if job.entry.compaction is not None:
+                job.entry.compaction["done"] = done
+
+    def compaction_finish(self, job: CompactionJob, arena_fd: int | None) -> bool:
+        """Swap the compacted arena in (or, with None, give up: the entry stays servable from its
+        sources). Takes ownership of `arena_fd`; False if the entry is gone, stale or changed."""
+        with self._lock:
+            entry = self._entries.get(job.key)
+            current = entry is job.entry and entry is not None and self._intact(entry)
+            if entry is job.entry and entry is not None:
+                entry.compaction = None
+            if arena_fd is None:
+                return False
+            if not current or entry is None:
+                os.close(arena_fd)
+                return False
+            old, sources = entry.arena_fd, entry.sources
+            entry.arena_fd, entry.sources, entry.pieces = arena_fd, [], []
+            self.stats["compacted"] += 1
+        for fd in [old, *(s.fd for s in sources)]:
+            os.close(fd)
+        return True
 
     # -- pins and eviction ---------------------------------------------------------------------
 
@@ -277,7 +392,7 @@ class Store:
             raise RemoteError("not_loading", f"this connection is not loading {key!r}; look it up first")
         return load
 
-    def _hit(self, conn: ConnId, entry: Entry, *, count: bool = True) -> LookupResult:
+    def _hit(self, conn: ConnId, entry: Entry) -> LookupResult:
         chain = self._with_deps(entry)
         now = time.time()
         fds = [os.dup(entry.graph_fd)]
@@ -285,7 +400,8 @@ class Store:
             e.last_used = now
             e.pins[conn] += 1
             fds.append(os.dup(e.arena_fd))
-        entry.hits += int(count)
+            fds += [os.dup(s.fd) for s in e.sources]
+        entry.hits += 1
         return LookupResult("hit", chain, fds)
 
     def _with_deps(self, entry: Entry) -> list[Entry]:
@@ -309,6 +425,15 @@ class Store:
                     stack.append(e.key)
         return out
 
+    def _intact(self, entry: Entry) -> bool:
+        """Whether every source file of `entry` and of the entries it builds on is unchanged; drops
+        the stale ones (and what builds on them) otherwise (Note [Pending pieces])."""
+        stale = [e.key for e in self._with_deps(entry) if not e.intact()]
+        for key in stale:
+            self.stats["stale"] += 1
+            self._drop(key)
+        return not stale
+
     def _pinned(self, entry: Entry) -> bool:
         if entry.pins:
             return True
@@ -331,8 +456,8 @@ class Store:
             entry = self._entries.pop(k, None)
             if entry is None:
                 continue
-            os.close(entry.graph_fd)
-            os.close(entry.arena_fd)
+            for fd in (entry.graph_fd, entry.arena_fd, *(s.fd for s in entry.sources)):
+                os.close(fd)
             dropped.append(k)
         return dropped
 

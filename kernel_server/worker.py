@@ -28,8 +28,7 @@ def main() -> int:
 
     shared_client(role="worker", label=f"preload for pid {job['parent']}")
     kwargs, _device = loading._split_placement(job["kwargs"])  # the cache holds CPU bytes
-    loading.cached(job["fn"], *job["args"], **kwargs)
-    loading.wait_for_publishes()
+    loading.cached(job["fn"], *job["args"], **kwargs)  # published before it returns
     for fallback in loading.fallbacks():
         print(f"overmind preload: {fallback['call']}: {fallback['reason']}", file=sys.stderr)
     return 1 if loading.fallbacks() else 0

@@ -18,7 +18,6 @@ ENV = {
     "wait_timeout": "OVERMIND_WAIT_TIMEOUT",
     "arena": "OVERMIND_ARENA",
     "populate": "OVERMIND_POPULATE",
-    "adopt": "OVERMIND_ADOPT",
 }
 
 
@@ -38,8 +37,6 @@ class Overmind(Configurable):
                       "(OVERMIND_ARENA).").tag(config=True)
     populate = Bool(True, help="Map a hit's pages ahead of the first forward, in the background "
                                "(OVERMIND_POPULATE=0 to turn off).").tag(config=True)
-    adopt = Bool(True, help="After a miss is published, move the kernel's model onto the shared copy "
-                            "between cells (OVERMIND_ADOPT=0 to turn off).").tag(config=True)
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -61,7 +58,6 @@ class Overmind(Configurable):
         settings.wait_timeout = self.wait_timeout
         settings.backing = self.arena
         settings.populate = self.populate
-        settings.adopt = self.adopt
         if self.home:
             os.environ["OVERMIND_HOME"] = self.home
         if self.budget:

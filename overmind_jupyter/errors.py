@@ -24,6 +24,7 @@ __all__ = [
     "PackError",
     "PeerRefused",
     "ProtocolMismatch",
+    "PublishError",
     "RemoteError",
     "StateDirError",
     "Uncacheable",
@@ -41,6 +42,15 @@ class Uncacheable(OvermindError):
 
 class PackError(OvermindError):
     """A loaded object cannot be packed into an arena (unpicklable, or changed while packing)."""
+
+
+class PublishError(OvermindError):
+    """A result was loaded but could not be made an entry; `kind` names the fallback ("budget",
+    "publish"). The result the caller gets is still the plain load's."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 class CorruptEntry(OvermindError):

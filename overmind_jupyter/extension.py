@@ -61,8 +61,9 @@ def is_enabled() -> bool:
 
 
 def status() -> dict[str, Any]:
-    """The cache as this kernel sees it: the daemon's entries, budget and kernels, this process's
-    fallbacks and pending publishes, and what is patched."""
+    """The cache as this kernel sees it: the daemon's entries (with what is left to copy of each, see
+    Note [Pending pieces] in kernel_server/store.py), budget and kernels, this process's fallbacks,
+    and what is patched."""
     from kernel_server import lifecycle
     from kernel_server.client import shared_client
 
@@ -72,7 +73,6 @@ def status() -> dict[str, Any]:
         "enabled": _enabled,
         "patched": patching.patched(),
         "fallbacks": loading.fallbacks(),
-        "publishing": loading.publishing(),
     }
     try:
         out["home"] = str(lifecycle.state_dir(create=False))
@@ -96,7 +96,7 @@ def evict(key: str | None = None) -> list[str]:
 
 def format_status(s: dict[str, Any]) -> str:
     """`status()` as text, for terminals."""
-    from kernel_server.cli import human_bytes
+    from kernel_server.cli import human_bytes, pending_text
 
     lines = [f"overmind {'on' if s['enabled'] else 'off'}; {len(s['patched'])} loaders patched"]
     d = s.get("daemon")
@@ -109,9 +109,7 @@ def format_status(s: dict[str, Any]) -> str:
         for e in d["entries"]:
             users = ", ".join(str(k["pid"]) for k in e["pinned_by"]) or "-"
             lines.append(f"  {e['key'][:12]}  {e['meta'].get('label', '')}  {human_bytes(e['bytes'])}  "
-                         f"hits {e['hits']}  used by {users}")
-    if s["publishing"]:
-        lines.append(f"publishing {s['publishing']} entr{'y' if s['publishing'] == 1 else 'ies'} in the background")
+                         f"hits {e['hits']}  used by {users}" + (f"  {pending_text(e['pending'])}" if e.get('pending') else ""))
     for f in s["fallbacks"][-10:]:
         lines.append(f"fallback: {f['call']}: {f['reason']}")
     return "\n".join(lines)
@@ -126,7 +124,6 @@ class Session:
 
         self.shell = shell
         self.config = Overmind(parent=shell)
-        self._threads_at_start = {t.ident for t in threading.enumerate()}
         self._undo: list[Any] = []
         shell.register_magics(OvermindMagics(shell, session=self))
         self._undo.append(lambda: shell.magics_manager.magics["line"].pop("overmind", None))
@@ -150,17 +147,10 @@ class Session:
                     pass  # already gone
 
     def _post_run_cell(self, result: Any) -> None:
-        """Between cells no code of the user runs, unless it started threads: then adopting is left
-        for a later cell (see loading.adopt_published)."""
+        """After each cell: the warnings of loads that ran in other threads."""
         from . import loading
 
         loading.flush_warnings()
-        if not (_enabled and loading.settings.adopt and loading.has_adoptable()):
-            return
-        foreign = [t for t in threading.enumerate()
-                   if t.ident not in self._threads_at_start and not t.name.startswith("overmind-")]
-        if not foreign:
-            loading.adopt_published()
 
 
 _session: Session | None = None

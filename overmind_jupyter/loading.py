@@ -1,5 +1,7 @@
 """The cached call: key, daemon, rebuild on a hit, load and publish on a miss, plain load on any failure.
 
+A miss is published inside the call, before it returns (Note [Atomic miss] in publishing.py).
+
 # Note [Never worse]
 Every failure on the cache path (no key, no daemon, a daemon that dies mid-call, a full budget, an
 unpicklable result, a corrupt entry) ends in the original call, and is recorded with its reason in
@@ -9,9 +11,7 @@ call itself propagates unchanged, and its load is abandoned so that no entry is 
 
 from __future__ import annotations
 
-import atexit
 import collections
-import logging
 import os
 import queue
 import threading
@@ -20,34 +20,26 @@ import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kernel_server import arena
 from kernel_server.client import Client, Response, existing_shared_client, shared_client
-from kernel_server.errors import DaemonError, DaemonLost, RemoteError
+from kernel_server.errors import DaemonError, DaemonLost
 from kernel_server.transport import close_fds
 
 from . import keys
-from .errors import CorruptEntry, FallbackWarning, PackError, Uncacheable
-
-_log = logging.getLogger(__name__)
-
-if TYPE_CHECKING:
-    from . import rebuild  # imports torch: loaded on first use, so that %overmind on stays light
+from .errors import CorruptEntry, FallbackWarning, PackError, PublishError, Uncacheable
 
 __all__ = [
     "Settings",
-    "adopt_published",
     "cached",
+    "calls",
     "clear_fallbacks",
     "fallbacks",
     "flush_warnings",
-    "has_adoptable",
     "patched_call",
-    "publishing",
     "result_key",
     "settings",
-    "wait_for_publishes",
 ]
 
 
@@ -58,10 +50,6 @@ class Settings:
     wait_timeout: float = float(os.environ.get("OVERMIND_WAIT_TIMEOUT", "600"))
     backing: str = os.environ.get("OVERMIND_ARENA", "auto")
     populate: bool = os.environ.get("OVERMIND_POPULATE", "1") != "0"
-    background_publish: bool = os.environ.get("OVERMIND_PUBLISH", "background") != "sync"
-    adopt: bool = os.environ.get("OVERMIND_ADOPT", "1") != "0"
-    exit_publish_timeout: float = float(os.environ.get("OVERMIND_EXIT_PUBLISH_TIMEOUT", "30"))
-    publish_idle: bool = os.environ.get("OVERMIND_PUBLISH_IDLE", "1") != "0"
 
 
 settings = Settings()
@@ -71,6 +59,12 @@ settings = Settings()
 
 _fallbacks: collections.deque[dict[str, Any]] = collections.deque(maxlen=200)
 _warned: set[str] = set()
+_calls: collections.Counter[str] = collections.Counter()
+
+
+def calls() -> dict[str, int]:
+    """How this process's cached calls went: "hit", "miss" (loaded and published) and "plain"."""
+    return dict(_calls)
 
 
 def fallbacks() -> list[dict[str, Any]]:
@@ -82,6 +76,7 @@ _deferred_warnings: collections.deque[str] = collections.deque(maxlen=20)
 
 
 def _fall_back(label: str, kind: str, reason: str) -> None:
+    _calls["plain"] += 1
     _fallbacks.append({"time": time.time(), "call": label, "kind": kind, "reason": reason})
     _report(label, kind, reason)
     if kind in _warned:
@@ -90,7 +85,7 @@ def _fall_back(label: str, kind: str, reason: str) -> None:
     message = f"overmind: {label} loads without the cache: {reason}"
     if threading.current_thread() is threading.main_thread():
         warnings.warn(message, FallbackWarning, stacklevel=4)
-    else:  # a background publish: warn in the user's thread, at its next load or cell
+    else:  # a load in a thread of the user's: warn in the main thread, at its next load or cell
         _deferred_warnings.append(message)
 
 
@@ -102,7 +97,7 @@ def clear_fallbacks() -> None:
 
 
 def flush_warnings() -> None:
-    """Emit the warnings of background publishes (called at each load and after each cell)."""
+    """Emit the warnings of loads in other threads (called at each load and after each cell)."""
     while _deferred_warnings:
         warnings.warn(_deferred_warnings.popleft(), FallbackWarning, stacklevel=3)
 
@@ -150,7 +145,7 @@ class _Result:
 
     key: str
     graph: bytes
-    pickled_here: bool  # `graph` was pickled from these very objects (a published and adopted miss)
+    pickled_here: bool  # `graph` was pickled from these very objects (a miss this process published)
     result: Callable[[], Any]  # a weak reference, or a strong one for a small unweakrefable result
     roots: list[weakref.ref[Any]]
     paths: dict[str, weakref.ref[Any]]
@@ -192,11 +187,10 @@ def _remember(obj: Any, key: str, graph: bytes, replay: _Replay, *, pickled_here
 
 
 def result_key(obj: Any) -> str | None:
-    """The entry `obj` belongs to (it was rebuilt from it, published and adopted as it, or changed by
-    the call it holds), if it is unchanged since; else None. See Note [References]."""
+    """The entry `obj` belongs to (it was rebuilt from it, published as it, or changed by the call it
+    holds), if it is unchanged since; else None. See Note [References]."""
     from . import rebuild
 
-    _settle(obj)
     try:
         info = _results.get(obj)
     except TypeError:
@@ -240,12 +234,13 @@ _verified = threading.local()
 # pipeline) enters that load's key as the key of its entry, but only while it is unchanged: a model
 # written in place, or one whose Python state changed, is no longer what its entry holds, and the call
 # that receives it is uncacheable. Unchanged is checked when the object is passed, not when it is
-# loaded (hits stay cheap): every storage must still lie in unwritten pages of the entry's arenas, and
+# loaded (hits stay cheap): every storage must still lie in unwritten pages of the entry's mappings
+# (Note [Mapping registry] in mappings.py), and
 # the object must pickle exactly as the entry's graph does: for a hit, a skeleton unpickled from that
 # graph in this process and packed here (two unpickled copies share string objects alike, as long as
 # the rebuild takes its strings from the graph: see `rebuild._new`; a pickle made in another process
-# differs in memo layout and in the order of its sets); for a miss this process published and
-# adopted, the graph it pickled from this very object.
+# differs in memo layout and in the order of its sets); for a miss this process published, the graph
+# it pickled from this very object.
 keys.register_reference(lambda obj: (k, "") if (k := result_key(obj)) is not None else None)
 
 
@@ -301,8 +296,6 @@ def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
         reuse, _verified.mapped = _verified.mapped, None
     label = ck.label
     replay = _Replay.of(ck.references) if ck.references else _NO_REPLAY
-    for thread in _running(ck.key):  # this process publishes this very key: the daemon would answer
-        thread.join()                # "load" again (its own load), so wait and take the entry instead
     try:
         client, reply = _lookup(ck.key)
     except DaemonError as exc:
@@ -328,8 +321,28 @@ def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
         _abandon(client, ck.key)
         _fall_back(label, "changed", f"{changed} changed while it was loading; the result is not cached")
         return obj
-    _start_publish(client, ck, obj, replay)
+    _publish(client, ck, obj, replay)
     return obj
+
+
+def _publish(client: Client, ck: keys.CallKey, obj: Any, replay: _Replay) -> None:
+    """Make `obj` the entry of `ck` before the call returns (Note [Atomic miss] in publishing.py)."""
+    from . import publishing, rebuild
+
+    try:
+        packed = rebuild.pack((obj, replay.roots), substitutes=replay.paths)
+    except PackError as exc:
+        _abandon(client, ck.key)
+        _fall_back(ck.label, "unpicklable", f"{exc}; it was loaded normally and will not be cached")
+        return
+    try:
+        publishing.publish(client, ck.key, ck.label, ck.meta, packed, backing=settings.backing,
+                           unpin=lambda key: _unpins.put((client, key)))
+    except PublishError as exc:
+        _fall_back(ck.label, exc.kind, str(exc))
+        return
+    _calls["miss"] += 1
+    _remember(obj, ck.key, packed.graph, replay, pickled_here=True)
 
 
 def _label(fn: Callable[..., Any]) -> str:
@@ -343,25 +356,31 @@ def _from_hit(client: Client, ck: keys.CallKey, reply: Response, replay: _Replay
     entries = reply["entries"]
     fds = reply.fds
     reply.fds = []
+
+    def unpin(key: str) -> None:
+        _unpins.put((client, key))
+
     try:
-        if len(fds) != len(entries) + 1:
-            raise CorruptEntry(f"the daemon sent {len(fds)} descriptors for {len(entries)} arenas")
-        graph = arena.read_all(fds[0])
-        arenas = {e["key"]: rebuild.ArenaRef(e["key"], fd, e["arena_bytes"]) for e, fd in zip(entries, fds[1:])}
-
-        def unpin(key: str) -> None:
-            _unpins.put((client, key))
-
-        try:
-            obj, _roots = rebuild.rebuild(graph, arenas, ck.key, on_unmap=unpin, populate=settings.populate,
-                                          arguments=replay.paths, reuse=reuse)
-        except BaseException:
+        expected = 1 + sum(1 + len(e.get("sources", [])) for e in entries)
+        if len(fds) != expected:
             for e in entries:
                 unpin(e["key"])
-            raise
+            raise CorruptEntry(f"the daemon sent {len(fds)} descriptors for {len(entries)} entries, not {expected}")
+        graph = arena.read_all(fds[0])
+        arenas = {}
+        at = 1
+        for e in entries:
+            sources = [rebuild.SourceRef(fd, {k: s[k] for k in ("dev", "ino", "size", "mtime_ns", "ctime_ns")},
+                                         s.get("path", "")) for s, fd in zip(e.get("sources", []), fds[at + 1:])]
+            arenas[e["key"]] = rebuild.ArenaRef(e["key"], fds[at], e["arena_bytes"], e.get("pieces", []), sources)
+            at += 1 + len(sources)
+
+        obj, _roots = rebuild.rebuild(graph, arenas, ck.key, on_unmap=unpin, populate=settings.populate,
+                                      arguments=replay.paths, reuse=reuse)
     finally:
         close_fds(fds)
     _remember(obj, ck.key, graph, replay, pickled_here=False)
+    _calls["hit"] += 1
     return obj
 
 
@@ -379,86 +398,7 @@ def _evict_quietly(client: Client, key: str) -> None:
         pass
 
 
-# -- publishing ------------------------------------------------------------------------------------------
-
-@dataclass(eq=False)
-class _Publication:
-    """One result of this process on its way into the cache, then waiting to be adopted."""
-
-    key: str
-    packed: rebuild.Packed | None
-    obj: Callable[[], Any]  # a weak reference
-    replay: _Replay
-    thread: threading.Thread | None = None
-    published: bool = False
-
-
-_publications: list[_Publication] = []
-# Every publishing thread with its key, until it has ended entirely: a publication leaves
-# `_publications` before its thread does, and the thread's last step (threading.Thread.run dropping
-# its arguments) may free the last references to the published tensors. torch lets go of the GIL to
-# free a tensor, and a thread that takes it back while the interpreter exits is ended by pthread_exit,
-# whose unwinding through torch's C++ frames aborts the process ("terminate called without an active
-# exception"). So `wait_for_publishes`, and the exit, wait for the threads themselves.
-_threads: list[tuple[str, threading.Thread]] = []
-_exiting = threading.Event()
-_publish_lock = threading.Lock()
-
-
-def _start_publish(client: Client, ck: keys.CallKey, obj: Any, replay: _Replay) -> None:
-    from . import rebuild
-
-    try:
-        packed = rebuild.pack((obj, replay.roots), substitutes=replay.paths)
-    except PackError as exc:
-        _abandon(client, ck.key)
-        _fall_back(ck.label, "unpicklable", f"{exc}; it was loaded normally and will not be cached")
-        return
-    pub = _Publication(ck.key, packed, _reference(obj, replay), replay)
-    with _publish_lock:
-        _publications.append(pub)
-    if not settings.background_publish:
-        _publish(client, ck, pub)
-        return
-    pub.thread = threading.Thread(target=_publish, args=(client, ck, pub), name="overmind-publish", daemon=True)
-    with _publish_lock:
-        pub.thread.start()
-        _threads.append((ck.key, pub.thread))
-
-
-def _publish(client: Client, ck: keys.CallKey, pub: _Publication) -> None:
-    from . import rebuild
-
-    packed = pub.packed
-    assert packed is not None
-    writers: list[arena.ArenaWriter] = []
-    if pub.thread is not None and settings.publish_idle:
-        _yield_the_cores()
-    try:
-        total = packed.arena_bytes + len(packed.graph)
-        client.request("reserve", key=ck.key, bytes=total, timeout=30)
-        data = _new_arena(packed.arena_bytes, f"overmind:{ck.key[:12]}", client.home)
-        writers.append(data)
-        rebuild.write_arena(packed, data, _exiting)
-        if not packed.unchanged():
-            raise PackError("it was written in place while being published")
-        graph = arena.ArenaWriter(len(packed.graph), name=f"overmind-graph:{ck.key[:12]}")
-        writers.append(graph)
-        graph.view[:] = packed.graph
-        client.request("publish", key=ck.key, fds=[graph.seal(), data.seal()], graph_bytes=len(packed.graph),
-                       arena_bytes=packed.arena_bytes, meta=ck.meta, deps=packed.deps, timeout=30)
-        pub.published = True
-    except (DaemonError, PackError, OSError) as exc:
-        _abandon(client, ck.key)
-        kind = "budget" if isinstance(exc, RemoteError) and exc.code == "budget_exceeded" else "publish"
-        _fall_back(ck.label, kind, f"it was loaded normally but not cached: {exc}")
-    finally:
-        for w in writers:
-            w.close()
-        with _publish_lock:
-            if not (pub.published and settings.adopt and packed.own) and pub in _publications:
-                _publications.remove(pub)  # nothing left to do for it
-
+# -- the daemon ------------------------------------------------------------------------------------------
 
 def _lookup(key: str) -> tuple[Client, Response]:
     """Ask the daemon for `key` (waiting while another kernel loads it). When the connection breaks
@@ -473,147 +413,12 @@ def _lookup(key: str) -> tuple[Client, Response]:
         return client, client.request("lookup", key=key, wait=True, timeout=settings.wait_timeout)
 
 
-def _yield_the_cores() -> None:
-    """Note [Publishing yields]: the kernel's own first forward, right after the load, matters more than
-    the entry being ready a moment earlier. The publishing thread runs under SCHED_IDLE: it gets a core
-    only when nothing else of this machine wants it, and any waking thread preempts it at once. (With a
-    nice of 10 and torch's parallel copy instead of pwrite, the first forward after a miss of the 1.1B
-    bf16 model took 1.5-1.7 x plain's; now about 1.05 x, benchmarks/RESULTS.md.)"""
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread
-    except (AttributeError, OSError):
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except OSError:
-            pass
-
-
-def _new_arena(nbytes: int, name: str, home: str | os.PathLike[str]) -> arena.ArenaWriter:
-    """The arena of a new entry, backed as `settings.backing` says (Note [Arena backing]); a file arena
-    that cannot be made (no O_TMPFILE there, a full disk) falls back to a memfd."""
-    if settings.backing != "memfd":
-        directory = arena.arena_directory(home)
-        try:
-            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-            if arena.choose_backing(settings.backing, directory) == "file":
-                return arena.ArenaWriter(nbytes, name=name, backing="file", directory=directory)
-        except OSError as exc:
-            if settings.backing == "file":
-                raise
-            _log.info("file arena in %s failed (%s); using a memfd", directory, exc)
-    return arena.ArenaWriter(nbytes, name=name, backing="memfd")
-
-
 def _weakable(obj: Any) -> bool:
     try:
         weakref.ref(obj)
         return True
     except TypeError:
         return False
-
-
-def _running(key: str | None = None) -> list[threading.Thread]:
-    with _publish_lock:
-        _threads[:] = [(k, t) for k, t in _threads if t.is_alive()]
-        return [t for k, t in _threads if key in (None, k)]
-
-
-def publishing() -> int:
-    """How many publishes of this process run in the background now."""
-    return len(_running())
-
-
-def has_adoptable() -> bool:
-    with _publish_lock:
-        return any(p.published for p in _publications)
-
-
-@atexit.register
-def _finish_publishes() -> None:
-    """At exit, let running publishes finish (they take about a second per GiB), then stop the rest:
-    a thread still copying tensors while the interpreter tears down would abort the process."""
-    if not wait_for_publishes(timeout=settings.exit_publish_timeout):
-        _exiting.set()
-        wait_for_publishes(timeout=5)
-
-
-def wait_for_publishes(timeout: float | None = None) -> bool:
-    """Wait until this process's background publishes end; True if none is left."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    for thread in _running():
-        thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-    return not _running()
-
-
-def adopt_published(obj: Any = None) -> int:
-    """Move results this process loaded and published (all, or just `obj`) onto the published copy, so
-    that their memory is shared with every other kernel; returns how many objects moved.
-
-    Only call it where no other thread can be running an operation on those objects (the extension
-    calls it between cells). An object written in place since the load keeps its private copy."""
-    with _publish_lock:
-        chosen = [p for p in _publications if p.published and (
-            obj is None or p.obj() is obj or any(r is obj for r in p.replay.roots))]
-        for p in chosen:
-            _publications.remove(p)
-    moved = 0
-    for pub in chosen:
-        target = pub.obj()
-        if target is None or pub.packed is None or not pub.packed.unchanged():
-            continue
-        try:
-            moved += _adopt(pub.packed, pub.key, target, pub.replay)
-        except (DaemonError, CorruptEntry, OSError):
-            continue
-    return moved
-
-
-def _settle(obj: Any) -> None:
-    """If `obj` is a result of this process still being published, wait for it and adopt it, so that it
-    can enter another load's key (a base model passed to PeftModel.from_pretrained in the same cell)."""
-    with _publish_lock:
-        pubs = [p for p in _publications if p.obj() is obj or any(r is obj for r in p.replay.roots)]
-    for pub in pubs:
-        if pub.thread is not None:
-            pub.thread.join()
-    if pubs:
-        adopt_published(obj)
-
-
-def _adopt(packed: rebuild.Packed, key: str, obj: Any, replay: _Replay) -> bool:
-    """Move `obj` onto the entry it was published as; False if the entry is gone (evicted meanwhile)."""
-    import torch
-
-    from . import rebuild
-
-    client = shared_client()
-    reply = client.request("lookup", key=key, wait=False, adopt=True, timeout=30)
-    status = reply["status"]
-    if status != "hit":
-        reply.close()
-        if status == "load":  # the daemon took us for its loader now: we are not
-            _abandon(client, key)
-        return False
-    arena_fd = reply.fds[1]
-    try:
-        entry = reply["entries"][0]
-
-        def unpin(k: str) -> None:
-            _unpins.put((client, k))
-
-        for e in reply["entries"][1:]:
-            unpin(e["key"])
-        storages = rebuild.map_storages(packed, rebuild.ArenaRef(key, arena_fd, entry["arena_bytes"]), unpin)
-        with torch.no_grad():
-            for t, _ in packed.tensors:
-                new = storages.get(t.untyped_storage()._cdata)
-                if new is not None and t.device.type == "cpu":
-                    typed = torch.storage.TypedStorage(wrap_storage=new, dtype=t.dtype, _internal=True)
-                    t.set_(typed, t.storage_offset(), t.size(), t.stride())
-        _remember(obj, key, packed.graph, replay, pickled_here=True)
-    finally:
-        reply.close()
-    return True
 
 
 # -- the patched loaders' entry point --------------------------------------------------------------------

@@ -1,11 +1,12 @@
 """Pack an object graph into an arena, and rebuild it from one zero-copy and copy-on-write.
 
 `pack` pickles the graph with a dispatch table that replaces every torch storage by a reference: to a
-place in the new arena (the bytes are copied there by `write_arena`), or, when the storage already is
-a mapping of another entry's arena whose pages this process has not written, to that entry's bytes
-(so a base model inside a PeftModel, or a vae inside a pipeline, is stored once). Storages are
+place in the new arena (publishing.py fills it), or, when the storage already lies in unwritten pages
+of another entry's mapping (Note [Mapping registry] in mappings.py), to that entry's bytes (so a base
+model inside a PeftModel, or a vae inside a pipeline, is stored once). Storages are
 deduplicated by identity, so tied weights stay tied and views keep their storage offsets.
-`rebuild` maps the arenas MAP_PRIVATE and creates each storage over its bytes with `torch.frombuffer`:
+`rebuild` maps the arenas (and the checkpoint files of pieces still pending, Note [Pending pieces] in
+kernel_server/store.py) MAP_PRIVATE and creates each storage over its bytes with `torch.frombuffer`:
 no tensor is copied, and writes stay in this process (see Note [Copy-on-write mappings] in
 kernel_server/arena.py).
 
@@ -25,8 +26,6 @@ import mmap
 import os
 import pickle
 import threading
-import time
-import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,16 +34,19 @@ import torch
 
 from kernel_server import arena
 
+from . import mappings
 from .errors import CorruptEntry, PackError
 
-__all__ = ["ArenaRef", "Packed", "entry_of", "map_storages", "pack", "rebuild", "skeleton", "write_arena"]
+__all__ = ["ArenaRef", "Packed", "SourceRef", "entry_of", "pack", "rebuild", "skeleton"]
+
+entry_of = mappings.entry_of
 
 _FORMAT = 3  # bump when the storage or tensor references change
 
 
 @dataclass
 class _Own:
-    storage: torch.UntypedStorage
+    storage: torch.UntypedStorage | None  # dropped once its bytes are in the arena (publishing.py)
     offset: int
     nbytes: int
 
@@ -57,113 +59,44 @@ class Packed:
     own: list[_Own]
     deps: list[str]
     arena_bytes: int
-    tensors: list[tuple[torch.Tensor, int]] = field(repr=False)
+    tensors: list[torch.Tensor] = field(repr=False)  # the plain tensors and parameters of the graph
     pickler: str = "pickle"
-    # storages that lie, unwritten, in entries' arenas: (entry key, offset, bytes, device) -> storage
+    # storages that lie, unwritten, in entries' mappings: (entry key, offset, bytes, device) -> storage
     mapped: dict[tuple[str, int, int, str], torch.UntypedStorage] = field(default_factory=dict, repr=False)
 
-    def unchanged(self) -> bool:
-        """True if no tensor of the graph was written in place since `pack` (version counters)."""
-        return all(t._version == v for t, v in self.tensors)
+
+@dataclass
+class SourceRef:
+    """A checkpoint file that pending pieces of an entry lie in: its descriptor and identity."""
+
+    fd: int
+    identity: dict[str, int]
+    path: str = ""
 
 
 @dataclass
 class ArenaRef:
-    """One arena to map for a rebuild: its entry key, descriptor and size."""
+    """One entry to map for a rebuild: its key, the arena's descriptor and size, and its pending
+    pieces ([arena offset, bytes, source index, file offset]) with their source files."""
 
     key: str
     fd: int
     nbytes: int
+    pieces: list[list[int]] = field(default_factory=list)
+    sources: list[SourceRef] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        self.pieces = sorted(self.pieces)
+        self._starts = [p[0] for p in self.pieces]
 
-# -- the registry of live arena mappings ---------------------------------------------------------
-
-# Note [Mapping registry]
-# Every private mapping this process made of an entry's arena is recorded as (start address, end,
-# entry key). `pack` uses it to recognise storages that already live in an entry; `rebuild` adds to
-# it; a mapping leaves it when its last storage dies (the finalizer of the mmap object).
-_registry_lock = threading.Lock()
-_starts: list[int] = []
-_spans: list[tuple[int, int, str]] = []
-_by_key: dict[str, list[weakref.ref[mmap.mmap]]] = {}
-
-
-def _register(mapping: mmap.mmap, key: str, on_release: Callable[[], None]) -> int:
-    start = torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr()
-    span = (start, start + len(mapping), key)
-    ref = weakref.ref(mapping)
-    with _registry_lock:
-        i = bisect.bisect(_starts, start)
-        _starts.insert(i, start)
-        _spans.insert(i, span)
-        _by_key.setdefault(key, []).append(ref)
-
-    def release() -> None:
-        with _registry_lock:
-            if span in _spans:
-                i = _spans.index(span)
-                del _starts[i]
-                del _spans[i]
-            refs = _by_key.get(key, [])
-            if ref in refs:
-                refs.remove(ref)
-            if not refs:
-                _by_key.pop(key, None)
-        on_release()
-
-    weakref.finalize(mapping, release)
-    return start
-
-
-def _live_mapping(key: str) -> mmap.mmap | None:
-    with _registry_lock:
-        for ref in _by_key.get(key, []):
-            m = ref()
-            if m is not None:
-                return m
-    return None
-
-
-def _span_of(address: int) -> tuple[int, int, str] | None:
-    with _registry_lock:
-        i = bisect.bisect(_starts, address) - 1
-        if i < 0:
-            return None
-        span = _spans[i]
-    return span if span[0] <= address < span[1] else None
-
-
-def entry_of(address: int) -> tuple[str, int] | None:
-    """(entry key, offset in its arena) of an address inside a registered mapping."""
-    span = _span_of(address)
-    return None if span is None else (span[2], address - span[0])
-
-
-class _WrittenPages:
-    """Which pages of registered mappings this process wrote (private copies), read from
-    /proc/self/pagemap once per mapping: present pages that are no longer the file's."""
-
-    def __init__(self) -> None:
-        self._sums: dict[int, Any] = {}  # numpy arrays, or None for a mapping without a written page
-
-    def any(self, span: tuple[int, int, str], address: int, nbytes: int) -> bool:
-        start, end, _ = span
-        try:
-            sums = self._sums[start]
-        except KeyError:
-            page = arena.PAGE
-            with open("/proc/self/pagemap", "rb", buffering=0) as f:
-                raw = os.pread(f.fileno(), (end - start) // page * 8, start // page * 8)
-            entries = torch.frombuffer(bytearray(raw), dtype=torch.int64)
-            written = ((entries >> 63) & 1) & (1 - ((entries >> 61) & 1))
-            # numpy, not torch, for the lookups below: indexing a tensor costs ~20 us, an array ~0.1 us
-            sums = torch.cat([torch.zeros(1, dtype=torch.int64), written.cumsum(0)]).numpy()
-            sums = self._sums[start] = sums if sums[-1] else None
-        if sums is None:
-            return False
-        first = (address - start) // arena.PAGE
-        last = (address + nbytes - 1 - start) // arena.PAGE
-        return bool(sums[last + 1] - sums[first])
+    def piece_at(self, offset: int, nbytes: int) -> list[int] | None:
+        """The pending piece that holds [offset, offset + nbytes), if any."""
+        i = bisect.bisect(self._starts, offset) - 1
+        if i >= 0:
+            piece = self.pieces[i]
+            if offset + nbytes <= piece[0] + piece[1]:
+                return piece
+        return None
 
 
 # -- pack ------------------------------------------------------------------------------------------
@@ -175,13 +108,14 @@ class _Placer:
     def __init__(self, self_key: str | None, trust_mappings: bool) -> None:
         self.self_key = self_key
         self.trust_mappings = trust_mappings
-        self.written = _WrittenPages()
+        self.written = mappings.WrittenPages()
+        self.intact: dict[int, bool] = {}  # id(source file) -> whether it is unchanged
         self.mapped: dict[tuple[str, int, int, str], torch.UntypedStorage] = {}
         self.offset = 0
         self.own: list[_Own] = []
         self.seen: dict[int, tuple[Any, ...]] = {}
         self.deps: list[str] = []
-        self.tensors: list[tuple[torch.Tensor, int]] = []
+        self.tensors: list[torch.Tensor] = []
 
     def dispatch_table(self) -> dict[type, Callable[[Any], Any]]:
         table = _Dispatch(copyreg.dispatch_table)
@@ -193,7 +127,7 @@ class _Placer:
         return table
 
     def tensor(self, t: torch.Tensor) -> Any:
-        self.tensors.append((t, t._version))
+        self.tensors.append(t)
         kind = type(t)
         if (t.layout is torch.strided and not t.is_meta and t.dtype in _PLAIN_DTYPES and not t.is_conj() and not t.is_neg()
                 and (kind is torch.nn.Parameter or not (t.requires_grad or t._backward_hooks or vars(t)))):
@@ -219,9 +153,9 @@ class _Placer:
         device = str(untyped.device)
         if untyped.device.type == "cpu" and nbytes:
             address = untyped.data_ptr()
-            span = _span_of(address)
-            if span is not None and (self.trust_mappings or not self.written.any(span, address, nbytes)):
-                key, offset = span[2], address - span[0]
+            span = mappings.span_of(address)
+            if span is not None and address + nbytes <= span.end and self._trusted(span, address, nbytes):
+                key, offset = span.key, span.offset(address)
                 self.mapped[(key, offset, nbytes, device)] = untyped
                 if key == self.self_key:
                     return ("own", None, offset, nbytes, device)
@@ -232,6 +166,17 @@ class _Placer:
         self.offset = arena.align(offset + nbytes)
         self.own.append(_Own(untyped, offset, nbytes))
         return ("own", None, offset, nbytes, device)
+
+    def _trusted(self, span: mappings.Span, address: int, nbytes: int) -> bool:
+        """Whether a storage in `span` still is its entry's bytes: its pages unwritten here, and the
+        checkpoint file under it (if any) unchanged (Note [Mapping registry])."""
+        if span.source is not None:
+            intact = self.intact.get(id(span.source))
+            if intact is None:
+                intact = self.intact[id(span.source)] = span.source.intact()
+            if not intact:
+                return False
+        return self.trust_mappings or not self.written.any(span.start, span.end, address, nbytes)
 
 
 def _reduce_ordered_dict(d: collections.OrderedDict[Any, Any]) -> tuple[Any, ...]:
@@ -397,80 +342,6 @@ def pack(obj: Any, *, self_key: str | None = None, trust_mappings: bool = False,
     raise PackError(f"{type(obj).__name__} cannot be pickled ({'; '.join(errors)})")
 
 
-_CHUNK = 64 << 20
-
-
-_WRITERS = min(4, os.cpu_count() or 1)
-
-
-def _main_thread_idle(quiet: float = 0.05) -> Callable[[], bool]:
-    """A test for `ArenaWriter.copy_from`'s helpers: true once the main thread has used no CPU time for
-    `quiet` seconds, however many helpers ask and however often. A kernel's main thread runs its cells,
-    and each fill thread stalls a core on every fresh page it touches (SCHED_IDLE does not help while
-    the core waits on the host): with two fill threads from the start, a 1.1B bf16 miss took 4.9-8.1 s
-    for its call + first forward instead of about 1.5 s in 4 of 8 runs (benchmarks/RESULTS.md). So the
-    first thread starts at once, the others when the kernel is idle (between cells, or waiting)."""
-    path = f"/proc/self/task/{threading.main_thread().native_id}/stat"
-    last: tuple[int, float] | None = None  # the main thread's CPU time, and since when it has not moved
-
-    def idle() -> bool:
-        nonlocal last
-        try:
-            with open(path) as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            used = int(fields[11]) + int(fields[12])  # utime and stime, in clock ticks
-        except (OSError, IndexError, ValueError):
-            return True  # no main thread any more, or no /proc: nothing to protect
-        now = time.monotonic()
-        if last is None or last[0] != used:
-            last = (used, now)
-            return False
-        return now - last[1] >= quiet
-
-    return idle
-
-
-def write_arena(packed: Packed, writer: arena.ArenaWriter, stop: threading.Event | None = None) -> None:
-    """Copy the packed storages into the new arena; raises PackError if `stop` is set meanwhile (the
-    process is exiting). CPU bytes go straight from the storages, without torch (no parallel region
-    competing with the kernel's own work, Note [Publishing yields]): into a file arena from several
-    threads through a mapping, into a memfd by pwrite (Note [Filling an arena] in kernel_server/arena.py)."""
-    rest = packed.own
-    if writer.backing == "file":
-        rest = [own for own in packed.own if own.storage.device.type != "cpu"]
-        try:
-            writer.copy_from([(own.offset, own.storage.data_ptr(), own.nbytes) for own in packed.own
-                              if own.nbytes and own.storage.device.type == "cpu"],
-                             threads=_WRITERS, helpers_may_start=_main_thread_idle(), stop=stop)
-        except InterruptedError:
-            raise PackError("the process is exiting") from None
-    for own in rest:
-        if not own.nbytes:
-            continue
-        src = torch.empty(0, dtype=torch.uint8, device=own.storage.device).set_(own.storage)
-        whole = memoryview(src.numpy()) if src.device.type == "cpu" else None
-        for start in range(0, own.nbytes, _CHUNK):
-            if stop is not None and stop.is_set():
-                raise PackError("the process is exiting")
-            chunk = whole[start:start + _CHUNK] if whole is not None else memoryview(
-                src[start:start + _CHUNK].cpu().numpy())
-            writer.write(own.offset + start, chunk)
-        del whole, src
-
-
-def map_storages(packed: Packed, ref: ArenaRef, on_unmap: Callable[[str], None]) -> dict[int, torch.UntypedStorage]:
-    """Storages over a private mapping of the arena `packed` was published to, by the identity
-    (`_cdata`) of the storage each replaces."""
-    if not ref.nbytes:
-        return {}
-    m = arena.map_private(ref.fd, ref.nbytes)
-    _register(m, ref.key, lambda: on_unmap(ref.key))
-    return {
-        own.storage._cdata: torch.frombuffer(m, dtype=torch.uint8, count=own.nbytes, offset=own.offset).untyped_storage()
-        for own in packed.own if own.nbytes
-    }
-
-
 # -- rebuild ---------------------------------------------------------------------------------------
 
 _current = threading.local()
@@ -497,8 +368,9 @@ class _Rebuild:
         self.own_key = own_key
         self.on_unmap = on_unmap
         self.populate = populate
-        self.maps: dict[str, mmap.mmap] = {}
-        self.starts: dict[str, int] = {}
+        # (entry key, None for its arena or the index of a source file) -> this rebuild's mapping of it
+        self.maps: dict[tuple[str, int | None], mmap.mmap] = {}
+        self.pins: dict[str, mappings.Pin] = {}
         self.storages: dict[tuple[str, int, int, str], torch.UntypedStorage] = {}
         self.arguments: dict[str, Any] = {}
         self.reuse: dict[tuple[str, int, int, str], torch.UntypedStorage] = {}
@@ -521,23 +393,49 @@ class _Rebuild:
             obj.__dict__.clear()
             obj.__dict__.update(saved)
 
-    def mapping(self, key: str) -> mmap.mmap:
-        m = self.maps.get(key)
-        if m is None and self.arenas is None:
-            m = _live_mapping(key)
-            if m is None:
-                raise CorruptEntry(f"no live mapping of arena {key[:16]} in this process")
-            self.maps[key] = m
-        if m is None:
-            ref = self.arenas.get(key)
-            if ref is None:
-                raise CorruptEntry(f"entry references arena {key[:16]} that the daemon did not send")
+    def locate(self, key: str, offset: int, nbytes: int) -> tuple[mmap.mmap, int]:
+        """A mapping that holds bytes [offset, offset + nbytes) of entry `key`, and where they start
+        in it: the entry's arena, or the checkpoint file of a pending piece (Note [Pending pieces] in
+        kernel_server/store.py); for a skeleton, whatever mapping of this process holds them."""
+        if self.arenas is None:
+            found = mappings.find(key, offset, nbytes)
+            if found is None:
+                raise CorruptEntry(f"no live mapping of entry {key[:16]} in this process")
+            return found
+        ref = self.arenas.get(key)
+        if ref is None:
+            raise CorruptEntry(f"entry references arena {key[:16]} that the daemon did not send")
+        piece = ref.piece_at(offset, nbytes)
+        if piece is None:
+            if offset + nbytes > ref.nbytes:
+                raise CorruptEntry(f"storage at {offset}+{nbytes} lies outside arena {key[:16]} ({ref.nbytes} bytes)")
+            return self._map(ref, None), offset
+        at, _, source, file_offset = piece
+        if source >= len(ref.sources):
+            raise CorruptEntry(f"entry {key[:16]} names source {source} of {len(ref.sources)}")
+        m = self._map(ref, source)
+        where = file_offset + offset - at
+        if where + nbytes > len(m):
+            raise CorruptEntry(f"piece at {file_offset}+{nbytes} lies outside its file ({len(m)} bytes)")
+        return m, where
+
+    def _map(self, ref: ArenaRef, source: int | None) -> mmap.mmap:
+        m = self.maps.get((ref.key, source))
+        if m is not None:
+            return m
+        pin = self.pins.get(ref.key)
+        if pin is None:
+            pin = self.pins[ref.key] = mappings.Pin(ref.key, self.on_unmap)
+        if source is None:
             m = arena.map_private(ref.fd, ref.nbytes)
-            # The finalizer must not reach `self`, which holds the mapping: it would never run, and the
-            # entry would stay pinned and mapped after the last of its tensors is gone.
-            on_unmap = self.on_unmap
-            self.starts[key] = _register(m, key, lambda: on_unmap(key))
-            self.maps[key] = m
+            mappings.register(m, ref.key, pin)
+        else:
+            src = ref.sources[source]
+            m = arena.map_private(src.fd, src.identity["size"])
+            mine = mappings.SourceFile(os.dup(src.fd), src.identity)
+            mappings.register(m, ref.key, pin, [(file_offset, nbytes, offset) for offset, nbytes, i, file_offset
+                                                in ref.pieces if i == source], source=mine)
+        self.maps[(ref.key, source)] = m
         return m
 
     def storage(self, kind: str, key: str | None, offset: int, nbytes: int, device: str) -> torch.UntypedStorage:
@@ -551,10 +449,8 @@ class _Rebuild:
         if found is not None:
             return found
         if nbytes:
-            m = self.mapping(key)
-            if offset + nbytes > len(m):
-                raise CorruptEntry(f"storage at {offset}+{nbytes} lies outside arena {key[:16]} ({len(m)} bytes)")
-            untyped = torch.frombuffer(m, dtype=torch.uint8, count=nbytes, offset=offset).untyped_storage()
+            m, at = self.locate(key, offset, nbytes)
+            untyped = torch.frombuffer(m, dtype=torch.uint8, count=nbytes, offset=at).untyped_storage()
         else:
             untyped = torch.UntypedStorage(0)
         if device != "cpu":
@@ -646,17 +542,29 @@ def rebuild(graph: bytes, arenas: dict[str, ArenaRef], own_key: str, *,
             arguments: dict[str, Any] | None = None,
             reuse: dict[tuple[str, int, int, str], torch.UntypedStorage] | None = None) -> Any:
     """Unpickle a packed graph over private mappings of `arenas` (keyed by entry key; `own_key` is the
-    entry's own). `on_unmap(key)` runs once per mapping when its last storage is gone; for arenas the
-    graph does not use, at once. `arguments` are the call's objects by path (see Note [Argument
-    replay]); `reuse` are storages of other entries this process holds unwritten (`Packed.mapped`),
-    taken instead of mapping their arenas again."""
+    entry's own). `on_unmap(key)` runs once per entry when the last storage over its mappings is gone;
+    for entries the graph does not use, at once. `arguments` are the call's objects by path (see Note
+    [Argument replay]); `reuse` are storages of other entries this process holds unwritten
+    (`Packed.mapped`), taken instead of mapping their arenas again. Raises CorruptEntry, also when a
+    checkpoint file of a pending piece is no longer the one the entry was made from."""
+    for ref in arenas.values():
+        for src in ref.sources:
+            try:
+                now = arena.file_identity(os.fstat(src.fd))
+            except OSError as exc:
+                raise CorruptEntry(f"cannot read checkpoint file {src.path}: {exc}") from None
+            if now != src.identity:
+                raise CorruptEntry(f"checkpoint file {src.path} changed since it was cached")
     state = _Rebuild(arenas, own_key, on_unmap, populate)
     state.arguments = arguments or {}
     state.reuse = reuse or {}
-    obj = _unpickle(graph, state)
-    for key in arenas:
-        if key not in state.maps:
-            on_unmap(key)
-        elif populate:
-            arena.populate(state.starts[key], len(state.maps[key]))
+    try:
+        obj = _unpickle(graph, state)
+    finally:  # entries mapped here are unpinned when their mappings die, the others now
+        for key in arenas:
+            if key not in state.pins:
+                on_unmap(key)
+    if populate:
+        for m in state.maps.values():
+            arena.populate(mappings.address_of(m), len(m))
     return obj

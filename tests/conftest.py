@@ -19,7 +19,6 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
-os.environ.setdefault("TQDM_DISABLE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -83,8 +82,6 @@ def overmind_home(monkeypatch: pytest.MonkeyPatch):
     if "overmind_jupyter.loading" in sys.modules:
         sys.modules["overmind_jupyter.loading"].clear_fallbacks()
     yield home
-    if "overmind_jupyter.loading" in sys.modules:  # let this test's background publishes end first
-        sys.modules["overmind_jupyter.loading"].wait_for_publishes(60)
     reset_shared_client()
     stop_daemon(home)
     shutil.rmtree(home, ignore_errors=True)

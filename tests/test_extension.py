@@ -128,7 +128,6 @@ FAMILIES = """
         de = peft_model(ids).logits.double().sum().item()
         image = pipe("hello world", num_inference_steps=2, height=16, width=16, output_type="np",
                      generator=torch.manual_seed(0)).images
-    loading.wait_for_publishes(60)
     status = overmind_jupyter.status()
     print(json.dumps({
         "ids": ids.tolist(), "fr": fr, "de": de, "image": float(image.sum()),
@@ -180,7 +179,6 @@ def test_a_rewritten_checkpoint_is_loaded_fresh(overmind_home: Path, tmp_path: P
         ids = torch.arange(8)[None]
         with torch.no_grad():
             a, b = m(ids).logits.double().sum().item(), plain(ids).logits.double().sum().item()
-        loading.wait_for_publishes(30)
         print(json.dumps({"cached": a, "plain": b, "entries": len(overmind_jupyter.status()["daemon"]["entries"])}))
     """.replace("sys.argv[1]", repr(str(tmp_path / "model")))
     demo_models.build_llama(tmp_path / "model", "tiny", seed=1)
@@ -202,7 +200,6 @@ def test_the_same_relative_path_from_two_cwds_gives_two_entries(overmind_home: P
         overmind_jupyter.enable()
         from transformers import AutoModelForCausalLM
         m = AutoModelForCausalLM.from_pretrained("model", dtype=torch.float32)
-        loading.wait_for_publishes(30)
         with torch.no_grad():
             print(json.dumps({"out": m(torch.arange(8)[None]).logits.double().sum().item(),
                               "keys": sorted(e["key"] for e in overmind_jupyter.status()["daemon"]["entries"])}))
@@ -245,11 +242,9 @@ def test_uncacheable_argument_loads_plainly_and_status_says_why(shell, tiny_llam
 def test_cpu_device_maps_share_the_cpu_entry(shell, tiny_llama: Path, overmind_home: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from overmind_jupyter import loading
 
     shell.run_line_magic("overmind", "on")
     AutoModelForCausalLM.from_pretrained(str(tiny_llama))
-    loading.wait_for_publishes(30)
     for device_map in ("cpu", {"": "cpu"}, "auto"):
         model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), device_map=device_map)
         assert next(model.parameters()).device.type == "cpu"
@@ -326,7 +321,6 @@ model = AutoModelForCausalLM.from_pretrained({str(tiny_llama)!r}, dtype=torch.fl
 with torch.no_grad():
     out = model(torch.arange(10)[None]).logits.double().sum().item()
 import overmind_jupyter
-overmind_jupyter.loading.wait_for_publishes(60)
 print(repr(out), overmind_jupyter.status()["daemon"]["stats"].get("hits", 0), len(overmind_jupyter.loading.fallbacks()))
 """
     km, kc = start_new_kernel(kernel_name="python3", env=dict(os.environ))

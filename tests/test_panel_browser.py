@@ -77,7 +77,6 @@ def test_panel_shows_a_model_loaded_in_a_kernel_and_evicts_it(overmind_home: Pat
 import overmind_jupyter
 from transformers import AutoModelForCausalLM
 model = overmind_jupyter.cached(AutoModelForCausalLM.from_pretrained, {str(tiny_llama)!r})
-overmind_jupyter.loading.wait_for_publishes(60)
 again = overmind_jupyter.cached(AutoModelForCausalLM.from_pretrained, {str(tiny_llama)!r})  # a hit
 from kernel_server.client import shared_client  # the kernel's lease: 2 units of a simulated GPU
 shared_client().request("units_acquire", units=2, devices=None, timeout_s=0, label="tiny-llama", busy=False)

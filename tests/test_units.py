@@ -603,7 +603,6 @@ def test_importing_units_imports_no_torch(fake_gpus: Callable[..., Client]) -> N
 def arena_backed(kind: str) -> torch.nn.Module:
     """A module rebuilt from the cache: its CPU storages are private mappings of the daemon's arena."""
     loading.cached(tiny_modules.build, kind)
-    assert loading.wait_for_publishes(30)
     model = loading.cached(tiny_modules.build, kind)
     assert all(rebuild.entry_of(p.data_ptr()) is not None for p in model.parameters())
     return model

@@ -91,7 +91,7 @@ def test_status_panel_follows_loads_units_and_evictions(sim_daemon: Client, tiny
     from transformers import AutoModelForCausalLM
 
     import overmind_jupyter
-    from overmind_jupyter import loading, units, widgets
+    from overmind_jupyter import units, widgets
     from overmind_jupyter.errors import FallbackWarning
 
     panel = widgets.status_panel()
@@ -104,7 +104,6 @@ def test_status_panel_follows_loads_units_and_evictions(sim_daemon: Client, tiny
 
     # a load: the entry appears with a readable key
     model = overmind_jupyter.cached(AutoModelForCausalLM.from_pretrained, str(tiny_llama))
-    loading.wait_for_publishes(60)
     within("status: a published load appears", lambda: len(table.entries) == 1)
     entry = table.entries[0]
     assert entry["cls"] == "AutoModelForCausalLM" and entry["model"] == "tiny-llama"

@@ -38,7 +38,6 @@ def _notebook(model_dir: Path, tokenizer_dir: Path) -> dict[str, Any]:
         "from overmind_jupyter import units\n"
         "torch.set_num_threads(1)\n"
         f"model = AutoModelForCausalLM.from_pretrained({str(model_dir)!r})\n"
-        "overmind_jupyter.loading.wait_for_publishes(60)\n"
         "units.place(model, label='tiny-llama')"),
         "%overmind status",
         ("from peft import LoraConfig, get_peft_model\n"

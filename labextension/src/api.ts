@@ -16,6 +16,15 @@ export interface IConnection {
   pins?: number;
 }
 
+/** What the daemon still copies of an entry from its checkpoint files (it is servable already). */
+export interface IPending {
+  bytes: number;
+  done: number;
+  copying: boolean;
+  eta: number | null;
+  sources: string[];
+}
+
 export interface IEntry {
   key: string;
   label: string;
@@ -25,6 +34,7 @@ export interface IEntry {
   last_used: number;
   backing?: string;
   pinned_by: IConnection[];
+  pending?: IPending | null;
 }
 
 export interface ILoad {

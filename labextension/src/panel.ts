@@ -21,6 +21,7 @@ import {
   IEntry,
   IFallback,
   IPanelState,
+  IPending,
   StateResult
 } from './api';
 
@@ -71,6 +72,21 @@ export function formatBytes(n: number): string {
   }
   const digits = value < 10 && !Number.isInteger(value) ? 1 : 0;
   return `${value.toFixed(digits)} ${units[i]}`;
+}
+
+/** An entry's compaction: served from its checkpoint while the daemon copies it into its arena. */
+function pendingLine(pending: IPending): HTMLElement {
+  const percent = Math.floor((100 * pending.done) / Math.max(1, pending.bytes));
+  const text = pending.copying
+    ? `copying from its checkpoint: ${percent}%` +
+      (pending.eta !== null ? `, ${Math.round(pending.eta)} s left` : '')
+    : 'served from its checkpoint; copy queued';
+  return h(
+    'div',
+    { class: 'jp-Overmind-hint', 'data-testid': 'overmind-pending' },
+    h('progress', { max: '100', value: String(percent) }),
+    ` ${text}`
+  );
 }
 
 /** Seconds since the epoch -> "12 s ago", "3 min ago", "2 h ago". */
@@ -346,7 +362,8 @@ export class OvermindPanel extends Widget {
         { class: 'jp-Overmind-hint' },
         `${formatBytes(entry.bytes)} · ${entry.hits} hit${entry.hits === 1 ? '' : 's'} · ` +
           `used ${ago(entry.last_used)} · ${users}`
-      )
+      ),
+      entry.pending ? pendingLine(entry.pending) : null
     );
   }
 

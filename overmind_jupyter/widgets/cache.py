@@ -57,7 +57,8 @@ def cache_view(snapshot: dict[str, Any], my_conn: int | None = None) -> dict[str
 
     Returns:
         `dict` with `entries` (each: `key`, `label`, `cls`, `model`, `path`, `dtype`, `bytes`, `hits`,
-        `last_used`, `created`, `kernels` (`pid`, `label`, `mine`)), `fallbacks` (each: `time`, `pid`,
+        `last_used`, `created`, `kernels` (`pid`, `label`, `mine`), `pending` (what the daemon still
+        copies from the checkpoint: `text` and `percent`, or None)), `fallbacks` (each: `time`, `pid`,
         `kernel`, `call`, `kind`, `reason`, `here`), `summary` and `gates`.
     """
     daemon = snapshot.get("daemon")
@@ -66,7 +67,6 @@ def cache_view(snapshot: dict[str, Any], my_conn: int | None = None) -> dict[str
     summary: dict[str, Any] = {
         "enabled": bool(snapshot.get("enabled")),
         "patched": len(snapshot.get("patched") or []),
-        "publishing": int(snapshot.get("publishing") or 0),
         "home": snapshot.get("home", ""),
         "daemon_error": snapshot.get("daemon_error", "") if daemon is None else "",
     }
@@ -105,7 +105,17 @@ def _entry(e: dict[str, Any], my_conn: int | None) -> dict[str, Any]:
         "kernels": [{"pid": k.get("pid"), "label": str(k.get("label") or ""),
                      "mine": my_conn is not None and k.get("conn") == my_conn}
                     for k in e.get("pinned_by") or []],
+        "pending": _pending(e.get("pending")),
     }
+
+
+def _pending(pending: dict[str, Any] | None) -> dict[str, Any] | None:
+    """An entry's compaction (Note [Pending pieces] in kernel_server/store.py), as the widgets show it."""
+    from kernel_server.cli import pending_text
+
+    if not pending:
+        return None
+    return {"text": pending_text(pending), "percent": int(100 * pending["done"] // max(1, pending["bytes"]))}
 
 
 def _unrepr(source: Any) -> str:
@@ -170,7 +180,9 @@ function entryRow(model, e) {
   return h("tr", { "data-testid": "overmind-widget-entry", "data-key": e.key, title: e.label },
     h("td", {},
       h("div", {}, h("span", { class: "om-title" }, e.cls), " ", h("span", { "data-testid": "overmind-widget-model" }, e.model)),
-      h("div", { class: "om-muted om-mono" }, e.path && e.path !== e.model ? e.path + " - " : "", e.key.slice(0, 12))),
+      h("div", { class: "om-muted om-mono" }, e.path && e.path !== e.model ? e.path + " - " : "", e.key.slice(0, 12)),
+      e.pending ? h("div", { class: "om-muted", "data-testid": "overmind-widget-pending" },
+        h("progress", { max: "100", value: String(e.pending.percent) }), " ", e.pending.text) : null),
     h("td", {}, e.dtype || h("span", { class: "om-muted" }, "as stored")),
     h("td", { class: "om-num" }, fmtBytes(e.bytes)),
     h("td", { class: "om-num" }, String(e.hits)),
@@ -193,8 +205,7 @@ function draw(model, root) {
     s.daemon_pid ? h("span", { class: "om-muted" }, "daemon pid " + s.daemon_pid) : null,
     s.daemon_pid ? h("span", { "data-testid": "overmind-widget-used" }, fmtBytes(s.used) + " of " + fmtBytes(s.budget) + " in " + entries.length + (entries.length === 1 ? " entry" : " entries")) : null,
     s.daemon_pid ? h("span", { class: "om-muted" }, plural(stats.hits || 0, "hit") + " / " + plural(stats.misses || 0, "miss")) : null,
-    s.loading ? h("span", {}, s.loading + " loading") : null,
-    s.publishing ? h("span", {}, s.publishing + " publishing") : null));
+    s.loading ? h("span", {}, s.loading + " loading") : null));
   if (error || s.daemon_error) {
     parts.push(h("div", { class: "om-error", "data-testid": "overmind-widget-down" },
       error || ("no daemon: " + s.daemon_error + " - `%overmind on` starts one")));

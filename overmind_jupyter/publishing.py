@@ -1,0 +1,259 @@
+"""Publishing a miss: the loaded result becomes a cache entry inside the loading call, before it returns.
+
+# Note [Atomic miss]
+Every byte another kernel will see is fixed before the loading call returns to user code, or comes
+from a source user code cannot reach (docs/design.md, invariant 3):
+- A storage that lies, unwritten, in a private mapping of a file (a same-dtype safetensors load: its
+  parameters are views of `model.safetensors`) is a *piece*: the entry records where in the arena it
+  belongs and where in which file it is now, and the kernel hands the daemon a read-only descriptor of
+  the file with its identity. Nothing is copied; the daemon checks the identity before every hit and
+  copies the pieces into an arena of its own later, reading only the file (kernel_server/compaction.py,
+  Note [Pending pieces] in kernel_server/store.py).
+- Every other storage (a dtype conversion, a randomly initialised head, buffers computed at init) is
+  copied into the new arena here, and its tensors are moved at once onto a private mapping of the arena
+  (so that the copy's source is freed while the next pieces are copied: Note [Filling an arena] in
+  kernel_server/arena.py).
+- The pieces' tensors are moved onto this module's own private mapping of their file (the same page
+  cache pages: no copy), so that the registry knows them (Note [Mapping registry] in mappings.py).
+So when the call returns, the result is backed by private, copy-on-write mappings of the entry or of its
+checkpoint files, in this kernel as in every other, and the entry is already servable: no thread reads
+the result afterwards, nothing moves a tensor later, and a write by any route (`.data`, a fused
+optimizer, numpy, ctypes, `merge_and_unload`) stays in this process. A restart or a kill of this kernel
+after the call loses nothing. Nothing here reads tensor version counters.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import stat
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kernel_server import arena
+from kernel_server.client import Client
+from kernel_server.errors import DaemonError, RemoteError
+
+from . import mappings, rebuild
+from .errors import PublishError
+
+__all__ = ["publish"]
+
+_log = logging.getLogger(__name__)
+
+_WRITERS = min(2, os.cpu_count() or 1)
+_MAX_SOURCES = 32  # more files than this are copied instead (a reply's descriptors are limited)
+_CHUNK = 64 << 20
+_PROGRESS_BYTES = 256 << 20  # copies at least this large show a progress bar
+
+
+@dataclass
+class _Source:
+    path: str
+    fd: int
+    identity: dict[str, int]
+    pieces: list[tuple[rebuild._Own, int]] = field(default_factory=list)  # (storage, file offset)
+
+
+@dataclass
+class _Plan:
+    copies: list[rebuild._Own]
+    sources: list[_Source]
+
+
+def publish(client: Client, key: str, label: str, meta: dict[str, Any], packed: rebuild.Packed, *,
+            backing: str, unpin: Callable[[str], None]) -> None:
+    """Make `packed` (the graph of a result just loaded) the entry `key`, moving the result's tensors
+    onto private mappings of it (Note [Atomic miss]). Raises PublishError (with a `kind` for
+    fallbacks): the result is then still correct, only not cached."""
+    plan = _plan(packed)
+    by_storage = _tensors_by_storage(packed)
+    pin = mappings.Pin(key, unpin)
+    pin.hold()  # until the end of this call: released with no mapping made, it unpins at once
+    forget: list[Callable[[], None]] = []
+    published = False
+    try:
+        with contextlib.ExitStack() as stack:
+            for src in plan.sources:
+                stack.callback(os.close, src.fd)
+            try:
+                client.request("reserve", key=key, bytes=packed.arena_bytes + len(packed.graph), timeout=30)
+                data = stack.enter_context(contextlib.closing(_new_arena(packed.arena_bytes, key, client.home, backing)))
+                private = arena.map_private(data.fd, packed.arena_bytes) if packed.arena_bytes else None
+                if private is not None:
+                    forget.append(mappings.register(private, key, pin))
+                _fill(data, plan.copies, private, label, by_storage)
+                graph = stack.enter_context(contextlib.closing(
+                    arena.ArenaWriter(len(packed.graph), name=f"overmind-graph:{key[:12]}")))
+                graph.view[:] = packed.graph
+                client.request(
+                    "publish", key=key, fds=[graph.seal(), data.seal(), *(s.fd for s in plan.sources)],
+                    graph_bytes=len(packed.graph), arena_bytes=packed.arena_bytes, meta=meta, deps=packed.deps,
+                    sources=[{"path": s.path, **s.identity} for s in plan.sources],
+                    pieces=[[own.offset, own.nbytes, i, at] for i, s in enumerate(plan.sources) for own, at in s.pieces],
+                    pin=True, timeout=30)
+                published = True
+            except (DaemonError, OSError) as exc:
+                _abandon(client, key)
+                kind = "budget" if isinstance(exc, RemoteError) and exc.code == "budget_exceeded" else "publish"
+                raise PublishError(kind, f"it was loaded normally but not cached: {exc}") from exc
+            for src in plan.sources:
+                _remap(src, key, pin, by_storage)
+    finally:
+        if not published:
+            for undo in forget:
+                undo()
+        pin.release()
+
+
+def _plan(packed: rebuild.Packed) -> _Plan:
+    """Which storages are pieces of files (unwritten private file mappings, Note [Atomic miss]) and
+    which are copied."""
+    maps = mappings.ProcessMaps()
+    written = mappings.WrittenPages()
+    sources: dict[tuple[int, int], _Source | None] = {}
+    copies: list[rebuild._Own] = []
+    for own in packed.own:
+        storage = own.storage
+        assert storage is not None
+        found = None
+        if storage.device.type == "cpu" and own.nbytes:
+            address = storage.data_ptr()
+            fm = mappings.file_mapping_of(maps, written, address, own.nbytes)
+            if fm is not None:
+                src = sources.get((fm.dev, fm.ino), 0)
+                if src == 0:
+                    src = sources[(fm.dev, fm.ino)] = _open_source(fm, len(sources))
+                at = fm.offset + address - fm.start
+                if src is not None and at + own.nbytes <= src.identity["size"]:
+                    found = src
+                    src.pieces.append((own, at))
+        if found is None:
+            copies.append(own)
+    return _Plan(copies, [s for s in sources.values() if s is not None])
+
+
+def _open_source(fm: mappings.FileMapping, count: int) -> _Source | None:
+    """The file of `fm` opened read-only, if it still is the file mapped (not replaced since)."""
+    if count >= _MAX_SOURCES:
+        return None
+    try:
+        fd = os.open(fm.path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != (fm.dev, fm.ino):
+        os.close(fd)
+        return None
+    return _Source(fm.path, fd, arena.file_identity(st))
+
+
+def _tensors_by_storage(packed: rebuild.Packed) -> dict[int, list[torch.Tensor]]:
+    out: dict[int, list[torch.Tensor]] = collections.defaultdict(list)
+    for t in packed.tensors:
+        out[t.untyped_storage()._cdata].append(t)
+    return out
+
+
+def _move(tensors: list[torch.Tensor], storage: torch.UntypedStorage) -> None:
+    """Put `tensors` (all of one storage) onto `storage`, which holds the same bytes."""
+    with torch.no_grad():
+        for t in tensors:
+            typed = torch.storage.TypedStorage(wrap_storage=storage, dtype=t.dtype, _internal=True)
+            t.set_(typed, t.storage_offset(), t.size(), t.stride())
+
+
+def _fill(writer: arena.ArenaWriter, copies: list[rebuild._Own], private: Any, label: str,
+          by_storage: dict[int, list[torch.Tensor]]) -> None:
+    """Copy `copies` into the arena; each CPU storage's tensors move onto `private` (the arena's
+    private mapping) as soon as its bytes are there, and its own memory is freed."""
+
+    def move(own: rebuild._Own) -> None:
+        storage = own.storage
+        if private is None or storage is None or storage.device.type != "cpu" or not own.nbytes:
+            return
+        new = torch.frombuffer(private, dtype=torch.uint8, count=own.nbytes, offset=own.offset).untyped_storage()
+        _move(by_storage.pop(storage._cdata, []), new)
+        own.storage = None  # the last reference of ours: the old bytes go now, not at the end
+
+    cpu = [own for own in copies if own.storage is not None and own.storage.device.type == "cpu" and own.nbytes]
+    others = [own for own in copies if own not in cpu and own.nbytes]
+    total = sum(own.nbytes for own in copies)
+    with _progress(total, label) as advance:
+        if writer.backing == "file":
+            writer.copy_from([(own.offset, own.storage.data_ptr(), own.nbytes) for own in cpu if own.storage is not None],
+                             threads=_WRITERS, done=lambda i: move(cpu[i]), progress=advance)
+        else:
+            for own in cpu:
+                assert own.storage is not None
+                src = torch.empty(0, dtype=torch.uint8).set_(own.storage)
+                writer.write(own.offset, memoryview(src.numpy()))
+                del src
+                advance(own.nbytes)
+                move(own)
+        for own in others:  # a GPU storage: its bytes through the CPU, chunk by chunk
+            assert own.storage is not None
+            src = torch.empty(0, dtype=torch.uint8, device=own.storage.device).set_(own.storage)
+            for start in range(0, own.nbytes, _CHUNK):
+                writer.write(own.offset + start, memoryview(src[start:start + _CHUNK].cpu().numpy()))
+                advance(min(_CHUNK, own.nbytes - start))
+            del src
+
+
+@contextlib.contextmanager
+def _progress(total: int, label: str) -> Any:
+    """A progress bar for a large copy (tqdm, as the libraries' own loading bars), else nothing."""
+    if total < _PROGRESS_BYTES:
+        yield lambda n: None
+        return
+    from tqdm.auto import tqdm
+
+    with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"overmind: caching {label}",
+              leave=False) as bar:
+        yield bar.update
+
+
+def _remap(src: _Source, key: str, pin: mappings.Pin, by_storage: dict[int, list[torch.Tensor]]) -> None:
+    """Move the pieces of `src` onto a private mapping of the file that the registry knows: the same
+    page cache pages the load mapped, so nothing is copied (Note [Atomic miss])."""
+    if not src.pieces:
+        return
+    m = arena.map_private(src.fd, src.identity["size"])
+    mappings.register(m, key, pin, [(at, own.nbytes, own.offset) for own, at in src.pieces],
+                      source=mappings.SourceFile(os.dup(src.fd), src.identity))
+    for own, at in src.pieces:
+        storage = own.storage
+        if storage is None:
+            continue
+        new = torch.frombuffer(m, dtype=torch.uint8, count=own.nbytes, offset=at).untyped_storage()
+        _move(by_storage.pop(storage._cdata, []), new)
+        own.storage = None
+
+
+def _new_arena(nbytes: int, key: str, home: str | os.PathLike[str], backing: str) -> arena.ArenaWriter:
+    """The arena of a new entry, backed as `backing` says (Note [Arena backing]); a file arena that
+    cannot be made (no O_TMPFILE there, a full disk) falls back to a memfd."""
+    name = f"overmind:{key[:12]}"
+    if backing != "memfd":
+        directory = arena.arena_directory(home)
+        try:
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if arena.choose_backing(backing, directory) == "file":
+                return arena.ArenaWriter(nbytes, name=name, backing="file", directory=directory)
+        except OSError as exc:
+            if backing == "file":
+                raise
+            _log.info("file arena in %s failed (%s); using a memfd", directory, exc)
+    return arena.ArenaWriter(nbytes, name=name, backing="memfd")
+
+
+def _abandon(client: Client, key: str) -> None:
+    try:
+        client.request("abandon", key=key, timeout=10)
+    except DaemonError:
+        pass

@@ -1,0 +1,288 @@
+"""The atomic miss (Note [Atomic miss] in overmind_jupyter/publishing.py): an entry is fixed before the
+loading call returns, the loading kernel's model lies in it from that moment, and no write of the
+user's, by any route, reaches another kernel or a later hit.
+
+The write routes run in real kernels (jupyter_client) with progress bars on and a thread of the
+user's alive, as in JupyterLab.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import tiny_modules
+import torch
+from faults_helpers import wait_until
+from kernels import USER_THREAD, execute, kernel, kernel_env
+from snippets import last_json, run_py
+
+from kernel_server import Client
+from overmind_jupyter import demo_models, loading, rebuild
+
+# -- write routes, in the loading kernel ----------------------------------------------------------------
+
+# Each route writes the model `m` in place (or returns the model to keep, for merge_and_unload).
+ROUTES: dict[str, str] = {
+    "data.mul_": "m.model.layers[0].mlp.gate_proj.weight.data.mul_(2)",
+    "data.copy_": "w = m.model.layers[0].mlp.up_proj.weight; w.data.copy_(torch.full_like(w, 0.5))",
+    "data +=": "w = m.model.layers[0].mlp.down_proj.weight\nw.data += 1",
+    "no_grad add_": "with torch.no_grad():\n    m.model.layers[0].self_attn.q_proj.weight.add_(1)",
+    "load_state_dict": "m.load_state_dict({k: v + 1 for k, v in m.state_dict().items()})",
+    "nn.init.normal_": "torch.nn.init.normal_(m.model.layers[1].mlp.gate_proj.weight)",
+    "SGD step": "opt = torch.optim.SGD(m.parameters(), lr=0.5)\nm(IDS, labels=IDS).loss.backward()\nopt.step()",
+    "AdamW foreach": ("opt = torch.optim.AdamW(m.parameters(), lr=0.1, foreach=True)\n"
+                      "m(IDS, labels=IDS).loss.backward()\nopt.step()"),
+    "AdamW fused": ("opt = torch.optim.AdamW(m.parameters(), lr=0.1, fused=True)\n"
+                    "m(IDS, labels=IDS).loss.backward()\nopt.step()"),
+    "merge_and_unload": ("from peft import LoraConfig, get_peft_model\n"
+                         "m = get_peft_model(m, LoraConfig(r=4, target_modules=['q_proj', 'v_proj'],"
+                         " init_lora_weights=False)).merge_and_unload()"),
+    "numpy view": "m.model.norm.weight.detach().view(torch.uint8).numpy()[:] = 7",
+    "untyped_storage": "m.model.layers[1].input_layernorm.weight.untyped_storage().fill_(9)",
+    "ctypes memset": ("import ctypes\nw = m.model.layers[1].post_attention_layernorm.weight\n"
+                      "ctypes.memset(w.data_ptr(), 5, w.nbytes)"),
+    "buffer inv_freq": "m.model.rotary_emb.inv_freq.mul_(2)",
+}
+
+DIGEST = """
+import hashlib, torch
+def digest(m):
+    h = hashlib.sha256()
+    tensors = sorted(m.state_dict(keep_vars=True).items()) + sorted(("buffer " + n, b) for n, b in m.named_buffers())
+    for name, t in tensors:
+        h.update(name.encode())
+        h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+IDS = torch.arange(12)[None]
+"""
+
+
+def digest(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    tensors = sorted(model.state_dict(keep_vars=True).items()) + sorted(
+        ("buffer " + n, b) for n, b in model.named_buffers())
+    for name, t in tensors:
+        h.update(name.encode())
+        h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def apply(route: str, var: str) -> str:
+    """A cell fragment that applies `route` to models[var] and stores the model back."""
+    body = ROUTES[route].replace("\n", "\n    ")
+    return f"if True:\n    m = models[{var!r}]\n    {body}\n    models[{var!r}] = m\n"
+
+
+@pytest.fixture(scope="module")
+def route_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One copy of a tiny Llama per route and dtype (separate files: separate entries)."""
+    root = tmp_path_factory.mktemp("routes")
+    base = demo_models.build_llama(root / "base", "tiny", dtype="bfloat16")
+    out = {}
+    for i, route in enumerate(ROUTES):
+        for dtype in ("bfloat16", "float32"):
+            out[f"{dtype} {route}"] = Path(shutil.copytree(base, root / f"{dtype}-{i}"))
+    return out
+
+
+def test_every_write_route_stays_in_the_loading_kernel(overmind_home: Path, route_checkpoints: dict[str, Path]) -> None:
+    """Each route, made in the same cell as the miss and again in the next cell, is seen by the loading
+    kernel in every later cell, and never by another kernel or by a hit after its restart. Both dtypes:
+    bf16 entries refer to their checkpoint (pieces, compacted later), fp32 ones are copied at once."""
+    from transformers import AutoModelForCausalLM
+
+    plain = {dtype: digest(AutoModelForCausalLM.from_pretrained(next(iter(route_checkpoints.values())),
+                                                               dtype=getattr(torch, dtype)))
+             for dtype in ("bfloat16", "float32")}
+    env = kernel_env()
+    setup = "%load_ext overmind_jupyter\n%overmind on\n" + USER_THREAD + DIGEST + (
+        "from transformers import AutoModelForCausalLM\nimport json, overmind_jupyter\nmodels = {}\n")
+
+    def load_all(check_routes: bool) -> str:
+        cell = ""
+        for name, path in route_checkpoints.items():
+            dtype, route = name.split(" ", 1)
+            cell += f"models[{name!r}] = AutoModelForCausalLM.from_pretrained({str(path)!r}, dtype=torch.{dtype})\n"
+            if check_routes:
+                cell += apply(route, name)  # in the same cell as the miss
+        return cell
+
+    dump = "print(json.dumps({k: digest(v) for k, v in models.items()}))\n"
+    with kernel(env) as (km, kc):
+        execute(kc, setup)
+        first = json.loads(execute(kc, load_all(True) + dump))
+        calls = json.loads(execute(kc, "print(json.dumps(overmind_jupyter.loading.calls()))"))
+        assert calls == {"miss": len(route_checkpoints)}, f"every load was a cached miss: {calls}"
+        for name, seen in first.items():
+            assert seen != plain[name.split()[0]], f"{name}: the write took effect"
+        assert json.loads(execute(kc, dump)) == first, "every write is still there in the next cell"
+        second = json.loads(execute(kc, "".join(apply(n.split(" ", 1)[1], n) for n in first) + dump))
+        assert json.loads(execute(kc, "import gc; gc.collect()\n" + dump)) == second, "and in the cell after"
+
+        with kernel(env) as (_, other):  # another kernel, while the writer lives
+            execute(other, setup)
+            seen = json.loads(execute(other, load_all(False) + dump))
+            assert json.loads(execute(other, "print(json.dumps(overmind_jupyter.loading.calls()))")) == {
+                "hit": len(route_checkpoints)}
+        for name, d in seen.items():
+            assert d == plain[name.split()[0]], f"{name}: another kernel saw the loading kernel's write"
+
+        km.restart_kernel(now=False)
+        kc.wait_for_ready(timeout=120)
+        execute(kc, setup)
+        again = json.loads(execute(kc, load_all(False) + dump))
+        for name, d in again.items():
+            assert d == plain[name.split()[0]], f"{name}: a hit after the restart got the write"
+
+
+# -- entries that refer to their checkpoint ---------------------------------------------------------------
+
+def entries(client: Client) -> list[dict]:
+    return client.request("ls")["entries"]
+
+
+MAPS_PROBE = """
+    import json, sys, torch
+    from transformers import AutoModelForCausalLM
+    from overmind_jupyter import loading
+    m = loading.cached(AutoModelForCausalLM.from_pretrained, sys.argv[1], dtype=torch.bfloat16)
+    with torch.no_grad():
+        out = m(torch.arange(8)[None]).logits.double().sum().item()
+    maps = open("/proc/self/maps").read()
+    print(json.dumps({"out": out, "calls": loading.calls(), "maps_checkpoint": "model.safetensors" in maps}))
+"""
+
+
+def test_a_same_dtype_miss_is_servable_at_once_and_compacted_by_the_daemon(
+        overmind_home: Path, tmp_path: Path) -> None:
+    """A bf16 load of a bf16 checkpoint: the entry refers to `model.safetensors` (nothing copied) and
+    serves another kernel at once; the daemon copies it into an arena of its own, and later hits map
+    that arena alone, while the loading kernel keeps its pages."""
+    from transformers import AutoModelForCausalLM
+
+    path = demo_models.build_llama(tmp_path / "m", "tiny", num_hidden_layers=4)
+    plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    with torch.no_grad():
+        ref = plain(torch.arange(8)[None]).logits.double().sum().item()
+    model = loading.cached(AutoModelForCausalLM.from_pretrained, str(path), dtype=torch.bfloat16)
+    key, _ = rebuild.entry_of(model.model.embed_tokens.weight.data_ptr())
+    assert all(rebuild.entry_of(p.data_ptr())[0] == key for p in model.parameters())
+    client = Client(overmind_home, role="test")
+    [entry] = entries(client)
+    assert entry["pending"] is not None and entry["pending"]["sources"] == [str(path / "model.safetensors")]
+    assert entry["pending"]["bytes"] >= 0.9 * (path / "model.safetensors").stat().st_size
+    wait_until(lambda: entries(client)[0]["pending"] is None, 60, "the daemon compacted the entry")
+    hit = last_json(run_py(MAPS_PROBE.replace("sys.argv[1]", repr(str(path)))))
+    assert hit["calls"] == {"hit": 1} and hit["out"] == ref
+    assert not hit["maps_checkpoint"], "a hit after the compaction maps the arena, not the checkpoint"
+    assert client.request("status")["stats"].get("compacted") == 1
+    with torch.no_grad():
+        assert model(torch.arange(8)[None]).logits.double().sum().item() == ref
+    client.close()
+
+
+def test_a_checkpoint_rewritten_while_referred_to_makes_its_entry_stale(
+        overmind_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While an entry still refers to its checkpoint (compaction off here, to hold it there), a rewrite
+    of the file in place with its size and mtime restored is seen by the daemon (the ctime moved): the
+    entry is dropped and the next load reads the file as it is now."""
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("OVERMIND_COMPACT", "0")
+    path = demo_models.build_llama(tmp_path / "m", "tiny", seed=1)
+    loading.cached(AutoModelForCausalLM.from_pretrained, str(path), dtype=torch.bfloat16)
+    client = Client(overmind_home, role="test")
+    assert entries(client)[0]["pending"] is not None
+    file = path / "model.safetensors"
+    st = file.stat()
+    other = demo_models.build_llama(tmp_path / "other", "tiny", seed=2) / "model.safetensors"
+    time.sleep(0.01)
+    file.write_bytes(other.read_bytes())  # same size, other weights
+    os.utime(file, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert file.stat().st_size == st.st_size and file.stat().st_mtime_ns == st.st_mtime_ns
+    code = MAPS_PROBE.replace("sys.argv[1]", repr(str(path)))
+    got = last_json(run_py(code))
+    fresh = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert got["out"] == fresh(torch.arange(8)[None]).logits.double().sum().item(), "never the old weights"
+    assert client.request("status")["stats"].get("stale", 0) >= 1 or got["calls"] != {"hit": 1}
+    client.close()
+
+
+def test_the_daemon_refuses_pieces_that_do_not_match_their_file(daemon: Client, tmp_path: Path) -> None:
+    """A publish whose source is writable, or whose identity or pieces do not match the descriptor it
+    sends, is refused with a clear error; the daemon serves on."""
+    from kernel_server import arena
+    from kernel_server.errors import RemoteError
+
+    file = tmp_path / "ckpt"
+    file.write_bytes(os.urandom(3 * arena.PAGE))
+    identity = arena.file_identity(file.stat())
+
+    def attempt(mode: int, source: dict, pieces: list) -> None:
+        key = f"k{os.urandom(4).hex()}"
+        assert daemon.request("lookup", key=key, wait=False)["status"] == "load"
+        daemon.request("reserve", key=key, bytes=4 * arena.PAGE)
+        graph, data = arena.ArenaWriter(16), arena.ArenaWriter(2 * arena.PAGE)
+        graph.view[:] = bytes(16)
+        fd = os.open(file, mode)
+        try:
+            daemon.request("publish", key=key, fds=[graph.seal(), data.seal(), fd], graph_bytes=16,
+                           arena_bytes=2 * arena.PAGE, sources=[source], pieces=pieces)
+        finally:
+            graph.close()
+            data.close()
+            os.close(fd)
+
+    good = {"path": str(file), **identity}
+    with pytest.raises(RemoteError, match="read-only"):
+        attempt(os.O_RDWR, good, [[0, 100, 0, 0]])
+    with pytest.raises(RemoteError, match="not the file announced"):
+        attempt(os.O_RDONLY, good | {"ctime_ns": identity["ctime_ns"] - 1}, [[0, 100, 0, 0]])
+    with pytest.raises(RemoteError, match="outside"):
+        attempt(os.O_RDONLY, good, [[0, 100, 0, 3 * arena.PAGE]])
+    with pytest.raises(RemoteError, match="overlaps"):
+        attempt(os.O_RDONLY, good, [[0, 100, 0, 0], [50, 100, 0, 0]])
+    attempt(os.O_RDONLY, good, [[0, 100, 0, 0], [arena.PAGE, 100, 0, 200]])
+    assert daemon.request("ping")["pong"]
+
+
+# -- share_memory right after a miss ---------------------------------------------------------------------
+
+def test_share_memory_right_after_a_miss(overmind_home: Path, tiny_llama: Path) -> None:
+    """torch.multiprocessing's `share_memory()` moves every storage right after the load returned: 20
+    rounds, each a fresh miss, with no crash and logits equal to plain's."""
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.arange(10)[None]
+    misses = loading.calls().get("miss", 0)
+    for dtype in (torch.float32, torch.bfloat16):
+        with torch.no_grad():
+            ref = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=dtype)(ids).logits
+        for _ in range(10):
+            model = loading.cached(AutoModelForCausalLM.from_pretrained, str(tiny_llama), dtype=dtype)
+            model.share_memory()
+            with torch.no_grad():
+                assert torch.equal(model(ids).logits, ref)
+            del model
+            loading.shared_client().request("evict", all=True)
+    assert loading.calls().get("miss", 0) == misses + 20 and not loading.fallbacks()
+
+
+# -- a miss of an in-process builder, kept private ---------------------------------------------------------
+
+def test_a_miss_moves_no_tensor_after_it_returned(overmind_home: Path) -> None:
+    """Nothing moves the loading kernel's tensors later: their storages are the ones the call returned,
+    cells later."""
+    model = loading.cached(tiny_modules.build, "tied")
+    before = {name: p.untyped_storage().data_ptr() for name, p in model.named_parameters()}
+    for _ in range(3):
+        loading.flush_warnings()  # what the extension runs after each cell
+        loading.cached(tiny_modules.build, "mlp", width=32)  # other loads meanwhile
+    assert {name: p.untyped_storage().data_ptr() for name, p in model.named_parameters()} == before
