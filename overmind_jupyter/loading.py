@@ -75,8 +75,9 @@ def fallbacks() -> list[dict[str, Any]]:
 _deferred_warnings: collections.deque[str] = collections.deque(maxlen=20)
 
 
-def _fall_back(label: str, kind: str, reason: str) -> None:
-    _calls["plain"] += 1
+def _fall_back(label: str, kind: str, reason: str, *, plain: bool = True) -> None:
+    if plain:  # the call went the plain way (a move to a device without the ledger does not count)
+        _calls["plain"] += 1
     _fallbacks.append({"time": time.time(), "call": label, "kind": kind, "reason": reason})
     _report(label, kind, reason)
     if kind in _warned:
@@ -341,6 +342,10 @@ def _publish(client: Client, ck: keys.CallKey, obj: Any, replay: _Replay) -> Non
     except PublishError as exc:
         _fall_back(ck.label, exc.kind, str(exc))
         return
+    except Exception as exc:  # noqa: BLE001 (a bug in publishing must not break a load: never worse)
+        _abandon(client, ck.key)  # the result is still the plain load's bytes, wherever they lie now
+        _fall_back(ck.label, "publish", f"it was loaded normally but not cached: {type(exc).__name__}: {exc}")
+        return
     _calls["miss"] += 1
     _remember(obj, ck.key, packed.graph, replay, pickled_here=True)
 
@@ -478,6 +483,6 @@ def _place(obj: Any, device: Any) -> Any:
             units.place(obj, device)
             return obj
         except units.UnitsError as exc:
-            _fall_back(f"{type(obj).__name__}.to({device})", "units", f"{exc}; moved without the ledger")
+            _fall_back(f"{type(obj).__name__}.to({device})", "units", f"{exc}; moved without the ledger", plain=False)
     move = getattr(obj, "to", None)
     return move(device) if callable(move) else obj

@@ -103,7 +103,10 @@ def publish(client: Client, key: str, label: str, meta: dict[str, Any], packed: 
                 kind = "budget" if isinstance(exc, RemoteError) and exc.code == "budget_exceeded" else "publish"
                 raise PublishError(kind, f"it was loaded normally but not cached: {exc}") from exc
             for src in plan.sources:
-                _remap(src, key, pin, by_storage)
+                try:
+                    _remap(src, key, pin, by_storage)
+                except OSError as exc:  # no mapping to be had: the tensors stay on the library's own
+                    _log.info("cannot map %s again (%s); its tensors stay where the load put them", src.path, exc)
     finally:
         if not published:
             for undo in forget:
@@ -183,10 +186,11 @@ def _fill(writer: arena.ArenaWriter, copies: list[rebuild._Own], private: Any, l
 
     cpu = [own for own in copies if own.storage is not None and own.storage.device.type == "cpu" and own.nbytes]
     others = [own for own in copies if own not in cpu and own.nbytes]
+    addresses = [own.storage.data_ptr() for own in cpu if own.storage is not None]
     total = sum(own.nbytes for own in copies)
     with _progress(total, label) as advance:
         if writer.backing == "file":
-            writer.copy_from([(own.offset, own.storage.data_ptr(), own.nbytes) for own in cpu if own.storage is not None],
+            writer.copy_from([(own.offset, address, own.nbytes) for own, address in zip(cpu, addresses)],
                              threads=_WRITERS, done=lambda i: move(cpu[i]), progress=advance)
         else:
             for own in cpu:

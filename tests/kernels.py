@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["USER_THREAD", "execute", "kernel", "kernel_env"]
+__all__ = ["USER_THREAD", "execute", "execute_all", "kernel", "kernel_env"]
 
 # A cell that leaves a thread of the user's running, as a data loader or a progress monitor would.
 USER_THREAD = """
@@ -39,15 +39,24 @@ def kernel(env: dict[str, str] | None = None, cwd: str | None = None) -> Iterato
 
 def execute(kc: Any, code: str, timeout: float = 300) -> str:
     """Run `code` in the kernel; its stdout. Raises AssertionError with the traceback on an error."""
+    return "".join(text for kind, text in execute_all(kc, code, timeout) if kind == "stdout")
+
+
+def execute_all(kc: Any, code: str, timeout: float = 300) -> list[tuple[str, str]]:
+    """Run `code` in the kernel; everything it showed, in order, as (kind, text): "stdout", "stderr",
+    or "display" (the text/plain form of a displayed object, such as a progress bar widget)."""
     msg_id = kc.execute(code)
     out = []
     while True:
         msg = kc.get_iopub_msg(timeout=timeout)
         if msg["parent_header"].get("msg_id") != msg_id:
             continue
-        if msg["msg_type"] == "stream" and msg["content"]["name"] == "stdout":
-            out.append(msg["content"]["text"])
-        elif msg["msg_type"] == "error":
-            raise AssertionError("\n".join(msg["content"]["traceback"]))
-        elif msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
-            return "".join(out)
+        kind, content = msg["msg_type"], msg["content"]
+        if kind == "stream":
+            out.append((content["name"], content["text"]))
+        elif kind in ("display_data", "update_display_data", "execute_result"):
+            out.append(("display", str(content.get("data", {}).get("text/plain", ""))))
+        elif kind == "error":
+            raise AssertionError("\n".join(content["traceback"]))
+        elif kind == "status" and content["execution_state"] == "idle":
+            return out

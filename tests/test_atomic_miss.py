@@ -286,3 +286,48 @@ def test_a_miss_moves_no_tensor_after_it_returned(overmind_home: Path) -> None:
         loading.flush_warnings()  # what the extension runs after each cell
         loading.cached(tiny_modules.build, "mlp", width=32)  # other loads meanwhile
     assert {name: p.untyped_storage().data_ptr() for name, p in model.named_parameters()} == before
+
+
+# -- what status, the widget and the CLI show of the work left on an entry -----------------------------
+
+HOG = "while True: pass"
+
+
+def test_status_widget_and_cli_show_the_copy_left_with_its_model_percent_and_time(
+        overmind_home: Path, tmp_path: Path) -> None:
+    """While the daemon copies a same-dtype entry from its checkpoint (slowed here: every core is busy,
+    so it waits for an idle one before each chunk), `%overmind status`'s text, the status widget's
+    table and `overmind-daemon ls` name the model and show the percent done and the time left."""
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    import overmind_jupyter
+    from overmind_jupyter.extension import format_status
+    from overmind_jupyter.widgets.cache import cache_view
+
+    path = demo_models.build_llama(tmp_path / "m", "tiny", hidden_size=512, intermediate_size=1536,
+                                   num_hidden_layers=8, vocab_size=8192)  # about 60 MiB in bf16
+    hogs = [subprocess.Popen([sys.executable, "-c", HOG]) for _ in range(os.cpu_count() or 1)]
+    try:
+        model = loading.cached(AutoModelForCausalLM.from_pretrained, str(path), dtype=torch.bfloat16)
+        client = Client(overmind_home, role="test")
+        wait_until(lambda: (entries(client)[0]["pending"] or {}).get("done", 0) > 0, 60, "a chunk was copied")
+        status = overmind_jupyter.status()
+        text = format_status(status)
+        row = cache_view(status)["entries"][0]
+        cli = subprocess.run([sys.executable, "-m", "kernel_server", "ls"], capture_output=True, text=True,
+                             check=True).stdout
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    assert "AutoModelForCausalLM.from_pretrained" in text and "copying from its checkpoint: " in text
+    assert " s left" in text and "%" in text, text
+    assert row["model"] == "m" and 0 < row["pending"]["percent"] < 100 and " s left" in row["pending"]["text"]
+    assert "copying from its checkpoint: " in cli and "AutoModelForCausalLM" in cli, cli
+    wait_until(lambda: entries(client)[0]["pending"] is None, 120, "the copy finished once the cores were free")
+    assert "copying" not in format_status(overmind_jupyter.status())
+    del model
+    client.close()

@@ -11,7 +11,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from kernels import USER_THREAD, execute, kernel, kernel_env
+from kernels import USER_THREAD, execute, execute_all, kernel, kernel_env
 
 from kernel_server import Client
 from overmind_jupyter import demo_models
@@ -60,10 +60,12 @@ def test_the_loading_kernel_keeps_no_private_copy(overmind_home: Path, llama_1b:
         execute(kc, SETUP)
         warm_up(kc, tiny_llama)
         before = int(execute(kc, "print(anon())"))
-        loaded = json.loads(execute(kc, load_cell(llama_1b, dtype)))
+        shown = execute_all(kc, load_cell(llama_1b, dtype))
+        loaded = json.loads("".join(text for kind, text in shown if kind == "stdout"))
         assert loaded["calls"] == {"miss": 1}
-        assert "user-thread" in loaded["threads"] and any("Monitor" in t or "tqdm" in t.lower()
-                                                          for t in loaded["threads"]), loaded["threads"]
+        assert {"user-thread", "tqdm_monitor"} <= set(loaded["threads"]), "a kernel as JupyterLab runs it"
+        if dtype == "float32":  # 4.1 GiB copied into the entry: a long first load shows its progress
+            assert any("overmind: caching AutoModelForCausalLM" in text for _, text in shown), shown
         growth = int(execute(kc, "print(anon())")) - before
         assert growth <= 0.05 * model_bytes, f"{growth / 2**20:.0f} MiB private after a {dtype} miss"
         out = execute(kc, "with torch.no_grad():\n    print(model(torch.arange(8)[None]).logits.float().sum().item())")
