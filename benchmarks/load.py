@@ -18,6 +18,7 @@ their total PSS, plain against overmind.
     .venv/bin/python benchmarks/load.py                 # both models, all cases
     .venv/bin/python benchmarks/load.py --models 0.1b --repeat 3
     .venv/bin/python benchmarks/load.py --arena-study   # memfd vs file, populate on/off (hits)
+    .venv/bin/python benchmarks/load.py --keys          # what computing a key costs (Note [Never stale])
 """
 
 from __future__ import annotations
@@ -239,11 +240,19 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--arena-study", action="store_true", help="compare arena backings on 1.1B bf16 hits")
     parser.add_argument("--no-pss", action="store_true")
+    parser.add_argument("--keys", action="store_true", help="only the cost of computing keys")
     args = parser.parse_args()
     if args.child:
         child(json.loads(args.child))
         return
     OUT.mkdir(exist_ok=True)
+    if args.keys:
+        report = key_study(build(["1.1b"])["1.1b"])
+        (OUT / "load_keys.json").write_text(json.dumps(report, indent=2))
+        for name, r in report["cases"].items():
+            print(f"key of {name} ({r['files']} files): median {r['median_ms']:.3f} ms, p90 {r['p90_ms']:.3f} ms")
+        print(f"bytecode present: {report['bytecode']}")
+        return
     paths = build(args.models.split(","))
     home = tempfile.mkdtemp(prefix="om-bench-")
     env = dict(os.environ, OVERMIND_HOME=home, PYTHONWARNINGS="ignore", TRANSFORMERS_VERBOSITY="error",
@@ -264,6 +273,38 @@ def main() -> None:
         daemon(env, "stop")
     (OUT / ("load_arena.json" if args.arena_study else "load.json")).write_text(json.dumps(report, indent=2))
     print_report(report)
+
+
+def key_study(path: Path, calls: int = 300) -> dict:
+    """The time `keys.make_key` takes for the 1.1B model's directory and for a 60-file directory of a
+    model with its tokenizer (torch and transformers imported first, as in a kernel that loads)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from overmind_jupyter import demo_models, keys
+
+    many = OUT / "models" / "tokenizer-plus-model"
+    if not many.exists():
+        demo_models.build_llama(many, "tiny")
+        demo_models.build_tokenizer(many)
+        present = sum(1 for _ in many.rglob("*") if _.is_file())
+        for i in range(60 - present):  # the rest of a real snapshot: vocab files, readme, extra configs
+            (many / f"extra-{i:02d}.json").write_text(json.dumps({"part": i}))
+    cases = {}
+    for name, directory in (("the 1.1B model", path), ("a model with its tokenizer", many)):
+        fn, args = AutoModelForCausalLM.from_pretrained, (str(directory),)
+        for _ in range(30):
+            keys.make_key(fn, args, {"dtype": torch.bfloat16})
+        times = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            keys.make_key(fn, args, {"dtype": torch.bfloat16})
+            times.append((time.perf_counter() - t0) * 1000)
+        times.sort()
+        cases[name] = {"files": sum(1 for f in directory.rglob("*") if f.is_file()),
+                       "median_ms": statistics.median(times), "p90_ms": times[int(0.9 * len(times))]}
+    bytecode = (REPO / "overmind_jupyter" / "__pycache__").is_dir()
+    return {"cases": cases, "bytecode": bytecode}
 
 
 def study(size: str, path: Path, env: dict[str, str], repeat: int) -> dict:

@@ -348,7 +348,8 @@ class Daemon:
             raise
         answers = self.store.publish(conn.id, key, graph_fd=fds[0], arena_fd=fds[1], graph_bytes=graph_bytes,
                                      arena_bytes=arena_bytes, backing=backing, meta=meta, deps=deps,
-                                     sources=sources, pieces=pieces, pin=bool(req.get("pin")))
+                                     sources=sources, pieces=pieces, pin=bool(req.get("pin")),
+                                     marker=bool(req.get("marker")))
         for notify, result in answers:
             notify(result)
         if pieces:

@@ -26,7 +26,8 @@ A frame is a fixed 12-byte header followed by a JSON payload::
 - "publish" attaches the graph, the arena, then one read-only descriptor per entry of its "sources"
   (checkpoint files that its "pieces" still lie in, each with the identity the daemon MUST check); a
   "lookup" answered "hit" attaches the graph, then for each listed entry its arena followed by its
-  sources' descriptors (see Note [Pending pieces] in store.py).
+  sources' descriptors (see Note [Pending pieces] in store.py). A "publish" with "marker" true makes an
+  entry without bytes that status and "ls" do not list (Note [Random loads] in overmind_jupyter/loading.py).
 
 The protocol version is independent of the package version; bump it on any change to this format or to
 the meaning of an existing operation.

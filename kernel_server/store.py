@@ -82,6 +82,7 @@ class Entry:
     sources: list[Source] = field(default_factory=list)
     pieces: list[list[int]] = field(default_factory=list)  # [arena offset, bytes, source index, file offset]
     compaction: dict[str, float] | None = None  # {"total", "done", "started"} while the compactor copies
+    marker: bool = False  # no bytes: it tells the kernel where to look instead (its meta says why)
 
     @property
     def nbytes(self) -> int:
@@ -194,7 +195,7 @@ class Store:
                 "budget": self.budget,
                 "used": self.used,
                 "reserved": self.reserved,
-                "entries": [e.describe(kernels) for e in entries],
+                "entries": [e.describe(kernels) for e in entries if not e.marker],
                 "loading": [
                     {"key": load.key, "since": load.started, "reserved": load.reserved,
                      "loader": kernels(load.owner), "waiters": len(load.waiters)}
@@ -213,7 +214,7 @@ class Store:
             if entry is not None and not self._intact(entry):
                 entry = None
             if entry is not None:
-                self.stats["hits"] += 1
+                self.stats["hits"] += int(not entry.marker)
                 return self._hit(conn, entry)
             load = self._loads.get(key)
             if load is None:
@@ -264,7 +265,7 @@ class Store:
     def publish(self, conn: ConnId, key: str, *, graph_fd: int, arena_fd: int, graph_bytes: int,
                 arena_bytes: int, backing: str, meta: dict[str, Any], deps: list[str],
                 sources: list[Source] | None = None, pieces: list[list[int]] | None = None,
-                pin: bool = False) -> list[tuple[Notify, LookupResult]]:
+                pin: bool = False, marker: bool = False) -> list[tuple[Notify, LookupResult]]:
         """Turn a load into an entry. Takes ownership of every descriptor, also on error. `pin` pins
         the entry once for the publisher (whose model now lies in its arena). Returns the waiters to
         answer (outside any lock)."""
@@ -281,7 +282,7 @@ class Store:
                 if missing:
                     raise RemoteError("missing_dependency", f"entries {missing} were evicted meanwhile")
                 entry = Entry(key, graph_fd, arena_fd, graph_bytes, arena_bytes, backing, meta, deps, load.owner_pid,
-                              sources=sources, pieces=pieces or [])
+                              sources=sources, pieces=pieces or [], marker=marker)
                 if pin:
                     entry.pins[conn] += 1
                 del self._loads[key]
@@ -289,7 +290,7 @@ class Store:
                 self.stats["published"] += 1
                 answers = []
                 for waiter in load.waiters:
-                    self.stats["hits"] += 1
+                    self.stats["hits"] += int(not marker)
                     answers.append((waiter.notify, self._hit(waiter.conn, entry)))
                 return answers
         except BaseException:
@@ -401,7 +402,7 @@ class Store:
             e.pins[conn] += 1
             fds.append(os.dup(e.arena_fd))
             fds += [os.dup(s.fd) for s in e.sources]
-        entry.hits += 1
+        entry.hits += int(not entry.marker)
         return LookupResult("hit", chain, fds)
 
     def _with_deps(self, entry: Entry) -> list[Entry]:

@@ -3,13 +3,20 @@
 # Note [Never stale]
 A key is the SHA-256 of a JSON document holding (DESIGN.md invariant 2):
 - the callable: `module.qualname` of the class a classmethod was called on, with the method's name; a
-  `functools.partial` is keyed as the call it makes, and a lambda, a function defined inside another or
-  a callable object is uncacheable, since its name does not say what it returns;
+  plain function (a notebook's `load`) by what it does: its code (bytecode, constants, names, nested
+  code), its defaults, the values of its closure and of the globals it reads (functions among them by
+  their own code), and the identity of its module's file; a `functools.partial` is keyed as the call it
+  makes; a callable object is uncacheable, since its state is not known;
 - the arguments bound to the callable's signature (so positional and keyword spellings agree), each in
-  a canonical form; an argument without one makes the call uncacheable (`Uncacheable`), never guessed;
-- for every argument naming a local path (relative ones resolved in the caller's cwd), the size and
-  mtime_ns of every file under it; for a hub id, the commit the local Hugging Face cache resolves the
-  revision to, read offline;
+  a canonical form; an argument without one makes the call uncacheable (`Uncacheable`), never guessed.
+  Objects with a `to_dict` (configs) are keyed by their whole state, every attribute, private ones
+  included (`to_dict` drops some, such as the attention implementation asked for);
+- for every argument naming a local path (any spelling: relative in the caller's cwd, with or without a
+  slash, `~`, `os.PathLike`), the identity of every file under it: device, inode, size, mtime_ns and
+  ctime_ns, taken through symlinks, with each link's own target; so a file rewritten in any way (its
+  size and mtime restored, replaced by rename, a link pointed elsewhere) is another key. For a hub id,
+  the commit the local Hugging Face cache resolves the revision to, read offline, and its snapshot's
+  files (links to blobs) the same way;
 - for an argument that is itself a cached result, the key of its entry (see `references`);
 - the versions of torch, of the library that owns the callable, and of the pack format.
 Anything that changes what the call would return changes the key, so a rewritten checkpoint is a miss.
@@ -27,6 +34,9 @@ import json
 import math
 import os
 import re
+import stat
+import sys
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -37,7 +47,7 @@ from .errors import Uncacheable
 
 __all__ = ["CallKey", "changed_since", "fingerprint", "make_key", "owner_name", "register_reference"]
 
-_KEY_FORMAT = 1
+_KEY_FORMAT = 2  # bump on any change to what a key holds: old entries then simply miss
 _SOURCE_PARAMS = ("pretrained_model_name_or_path", "model_id", "pretrained_model_link_or_path", "repo_id")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _MAX_ITEMS = 10_000
@@ -121,6 +131,8 @@ def make_key(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
             doc_args[name] = os.fspath(arguments[name])
         else:
             doc_args[name] = canon.value(name, arguments[name], 0)
+    if isinstance(fn, types.FunctionType) and getattr(fn, "__self__", None) is None:
+        doc_args["<function>"] = canon.function("the function", fn, 0)  # by its code, not its name
     document = {
         "format": _KEY_FORMAT,
         "callable": qualified,
@@ -139,17 +151,13 @@ def make_key(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
 
 
 def _check_named(fn: Callable[..., Any]) -> None:
-    """A key names a plain callable by `module.qualname`: refuse the callables whose name does not
-    say what they do, since two of them would share a key and one would be served the other's result."""
-    if getattr(fn, "__self__", None) is not None:
-        return  # a method: its class, or its object as the argument "self", is in the key
-    qualname = getattr(fn, "__qualname__", None)
-    if not isinstance(qualname, str):
+    """Refuse the callables a key cannot say what they do of: a callable object (its state is not
+    known). Methods are keyed by their class (or object), plain functions by their code."""
+    if getattr(fn, "__self__", None) is not None or isinstance(fn, types.FunctionType):
+        return
+    if not isinstance(getattr(fn, "__qualname__", None), str):
         raise Uncacheable(f"{type(fn).__qualname__} is a callable object, whose state is not part of a cache "
-                          "key; cache a function or a method defined at module level")
-    if "<" in qualname:
-        raise Uncacheable(f"{qualname} is a lambda or a function defined inside another, which can hold "
-                          "values its name does not show; cache a function defined at module level")
+                          "key; cache a function or a method instead")
 
 
 def _bind(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -174,25 +182,43 @@ def _bind(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any])
     return arguments
 
 
-def fingerprint(path: str) -> list[tuple[str, int, int]]:
-    """(relative name, size, mtime_ns) of `path` or of every file under it, sorted."""
+def fingerprint(path: str) -> list[list[Any]]:
+    """Every file of `path` (a file, or a directory walked through its links), sorted by relative name:
+    [name, link target or None, device, inode, size, mtime_ns, ctime_ns] of what the name resolves to."""
     st = os.stat(path)
-    if not os.path.isdir(path):
-        return [(".", st.st_size, st.st_mtime_ns)]
-    out = []
-    for root, dirs, files in os.walk(path, followlinks=True):
-        dirs.sort()
-        for name in files:
-            full = os.path.join(root, name)
+    if not stat.S_ISDIR(st.st_mode):
+        return [[".", None, *_identity(st)]]
+    out: list[list[Any]] = []
+    stack = [("", path)]
+    seen = {(st.st_dev, st.st_ino)}
+    while stack:
+        rel, directory = stack.pop()
+        with os.scandir(directory) as it:
+            entries = sorted(it, key=lambda e: e.name)
+        for entry in entries:
+            name = f"{rel}{entry.name}"
+            link = os.readlink(entry.path) if entry.is_symlink() else None
             try:
-                fst = os.stat(full)
+                est = entry.stat()  # through links
             except FileNotFoundError:
-                continue  # a dangling link (an incomplete hub download) is not read by the load
-            out.append((os.path.relpath(full, path), fst.st_size, fst.st_mtime_ns))
+                out.append([name, link, None, None, None, None, None])  # a dangling link is read as absent
+                continue
+            if stat.S_ISDIR(est.st_mode):
+                if (est.st_dev, est.st_ino) not in seen:  # a link back up would loop
+                    seen.add((est.st_dev, est.st_ino))
+                    stack.append((f"{name}/", entry.path))
+                if link is not None:
+                    out.append([name + "/", link, None, None, None, None, None])
+                continue
+            out.append([name, link, *_identity(est)])
             if len(out) > _MAX_FILES:
                 raise Uncacheable(f"{path} holds more than {_MAX_FILES} files; load it without the cache")
-    out.sort()
+    out.sort(key=lambda row: row[0])
     return out
+
+
+def _identity(st: os.stat_result) -> list[int]:
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
 @functools.cache
@@ -218,6 +244,7 @@ class _Canonical:
         self.source_label: str | None = None
         self.sources: list[tuple[str, Callable[[], Any], Any]] = []
         self._active: set[int] = set()
+        self._functions: set[int] = set()
         self._values = 0
 
     def source(self, name: str, value: Any, arguments: dict[str, Any]) -> Any:
@@ -260,12 +287,12 @@ class _Canonical:
         if isinstance(v, str):
             if len(v) > _MAX_STRING:
                 raise Uncacheable(f"argument {name} is a string of {len(v)} characters")
-            path = os.path.join(self.cwd, v)
-            if ("/" in v or v.startswith(".")) and os.path.exists(path):
+            path = os.path.join(self.cwd, os.path.expanduser(v)) if v else ""
+            if path and os.path.exists(path):  # any spelling of a path: "cfgdir", "./m", "~/m", "/abs"
                 return self._path(name, path)
             return v
-        if isinstance(v, PurePath):
-            return self._path(name, os.path.join(self.cwd, os.fspath(v)))
+        if isinstance(v, (PurePath, os.PathLike)):
+            return self._path(name, os.path.join(self.cwd, os.path.expanduser(os.fspath(v))))
         if isinstance(v, enum.Enum):
             return {"enum": f"{type(v).__qualname__}.{v.name}"}
         torch = _torch()
@@ -281,6 +308,55 @@ class _Canonical:
             return self._container(name, v, depth)
         finally:
             self._active.discard(id(v))
+
+    def function(self, name: str, fn: types.FunctionType, depth: int) -> Any:
+        """A plain function by what it does (see Note [Never stale]); Uncacheable when something it
+        reads has no canonical form."""
+        if id(fn) in self._functions:
+            return {"recursive": fn.__qualname__}
+        if depth > _MAX_DEPTH:
+            raise Uncacheable(f"{name}: functions call functions deeper than {_MAX_DEPTH} levels")
+        self._functions.add(id(fn))
+        try:
+            code = fn.__code__
+            names = sorted(_global_names(code))
+            read = {}
+            for g in names:
+                if g not in fn.__globals__:
+                    continue  # a builtin, or an attribute name that is no global
+                x = fn.__globals__[g]
+                read[g] = self._global(f"{fn.__qualname__}: global {g}", x, depth)
+            closure = [self.value(f"{fn.__qualname__}: closure {v}", c.cell_contents, depth + 1)
+                       for v, c in zip(code.co_freevars, fn.__closure__ or ())]
+            out = {
+                "qualname": f"{fn.__module__}.{fn.__qualname__}",
+                "code": _code_digest(code),
+                "defaults": self.value(f"{fn.__qualname__}: defaults", list(fn.__defaults__ or ()), depth + 1),
+                "kwdefaults": self.value(f"{fn.__qualname__}: defaults", dict(fn.__kwdefaults__ or {}), depth + 1),
+                "closure": closure,
+                "globals": read,
+            }
+            module = sys.modules.get(fn.__module__)
+            file = getattr(module, "__file__", None) if fn.__module__ != "__main__" else None
+            if isinstance(file, str) and os.path.isfile(file):
+                out["file"] = _identity(os.stat(file))
+            return out
+        finally:
+            self._functions.discard(id(fn))
+
+    def _global(self, name: str, x: Any, depth: int) -> Any:
+        if isinstance(x, types.ModuleType):
+            return {"module": x.__name__}
+        if isinstance(x, type):
+            return {"class": f"{x.__module__}.{x.__qualname__}"}
+        if isinstance(x, types.FunctionType):
+            return {"function": self.function(name, x, depth + 1)}
+        if isinstance(x, (types.BuiltinFunctionType, types.MethodType)) or callable(x) and hasattr(x, "__self__"):
+            owner = getattr(x, "__self__", None)
+            return {"callable": f"{_qualname(owner) if owner is not None else ''}.{getattr(x, '__qualname__', '')}"}
+        if callable(getattr(x, "__wrapped__", None)) and hasattr(x, "__qualname__"):
+            return {"callable": f"{getattr(x, '__module__', '')}.{x.__qualname__}"}  # functools wrappers
+        return self.value(name, x, depth + 1)
 
     def _container(self, name: str, v: Any, depth: int) -> Any:
         if isinstance(v, (list, tuple)):
@@ -305,13 +381,25 @@ class _Canonical:
                 if depth == 0:
                     self.references[name] = v
                 return {"entry": key}
+        if isinstance(v, (set, frozenset)):
+            if len(v) > _MAX_ITEMS:
+                raise Uncacheable(f"argument {name} has {len(v)} items; at most {_MAX_ITEMS} can be keyed")
+            items = [self.value(f"{name}{{}}", x, depth + 1) for x in v]
+            return {type(v).__name__: sorted(items, key=lambda x: json.dumps(x, sort_keys=True))}
+        if isinstance(v, types.FunctionType):
+            return {"function": self.function(name, v, depth + 1)}
         to_dict = getattr(v, "to_dict", None)
         if callable(to_dict) and not isinstance(v, type):
+            # A config: what `to_dict()` says, and its whole state besides: `to_dict` drops private
+            # fields such as the attention implementation asked for (`_attn_implementation`).
             try:
                 data = to_dict()
             except Exception as exc:
                 raise Uncacheable(f"argument {name}: {type(v).__name__}.to_dict() failed: {exc}") from exc
-            return {"object": _qualname(v), "dict": self.value(name, data, depth + 1)}
+            out = {"object": _qualname(v), "dict": self.value(name, data, depth + 1)}
+            if hasattr(v, "__dict__"):
+                out["state"] = self.value(name, dict(vars(v)), depth + 1)
+            return out
         config = getattr(v, "config", None)
         if _is_scheduler(v) and isinstance(config, dict):
             return {"object": _qualname(v), "config": self.value(name, dict(config), depth + 1)}
@@ -360,3 +448,24 @@ def _hub_commit(repo_id: str, arguments: dict[str, Any]) -> dict[str, Any]:
     if not snapshot.is_dir():
         raise Uncacheable(f"{repo_id}@{commit[:8]} has no snapshot in {cache_dir}")
     return {"commit": commit, "files": fingerprint(str(snapshot))}
+
+
+def _global_names(code: types.CodeType) -> set[str]:
+    """The names `code` and the code nested in it (inner functions, comprehensions) look up."""
+    out = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            out |= _global_names(const)
+    return out
+
+
+def _code_digest(code: types.CodeType) -> str:
+    """What a code object does, without where it was compiled: bytecode, constants (nested code by
+    its own digest), names, argument layout."""
+    h = hashlib.sha256()
+    for part in (code.co_code, code.co_names, code.co_varnames, code.co_freevars, code.co_cellvars,
+                 (code.co_argcount, code.co_posonlyargcount, code.co_kwonlyargcount, code.co_flags)):
+        h.update(repr(part).encode())
+    for const in code.co_consts:
+        h.update(_code_digest(const).encode() if isinstance(const, types.CodeType) else repr((type(const), const)).encode())
+    return h.hexdigest()

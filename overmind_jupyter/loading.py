@@ -28,7 +28,7 @@ from kernel_server.errors import DaemonError, DaemonLost
 from kernel_server.transport import close_fds
 
 from . import keys
-from .errors import CorruptEntry, FallbackWarning, PackError, PublishError, Uncacheable
+from .errors import CorruptEntry, FallbackWarning, OvermindWarning, PackError, PublishError, Uncacheable
 
 __all__ = [
     "Settings",
@@ -90,6 +90,20 @@ def _fall_back(label: str, kind: str, reason: str, *, plain: bool = True) -> Non
         _deferred_warnings.append(message)
 
 
+def _tell_once(topic: str, message: str) -> None:
+    """A notice that is no fallback (the call is cached), once per topic and process."""
+    if ("notice", topic) in _told:
+        return
+    _told.add(("notice", topic))
+    if threading.current_thread() is threading.main_thread():
+        warnings.warn(message, OvermindWarning, stacklevel=4)
+    else:
+        _deferred_warnings.append(message)
+
+
+_told: set[tuple[str, str]] = set()
+
+
 def clear_fallbacks() -> None:
     """Forget this process's fallbacks, and warn again for every reason."""
     _fallbacks.clear()
@@ -100,7 +114,9 @@ def clear_fallbacks() -> None:
 def flush_warnings() -> None:
     """Emit the warnings of loads in other threads (called at each load and after each cell)."""
     while _deferred_warnings:
-        warnings.warn(_deferred_warnings.popleft(), FallbackWarning, stacklevel=3)
+        message = _deferred_warnings.popleft()
+        category = FallbackWarning if "loads without the cache" in message else OvermindWarning
+        warnings.warn(message, category, stacklevel=3)
 
 
 def _report(label: str, kind: str, reason: str) -> None:
@@ -150,6 +166,7 @@ class _Result:
     result: Callable[[], Any]  # a weak reference, or a strong one for a small unweakrefable result
     roots: list[weakref.ref[Any]]
     paths: dict[str, weakref.ref[Any]]
+    random_after: tuple[Any, ...] | None = None  # what the graph holds besides (Note [Random loads])
     expected: bytes | None = None  # the entry's graph packed here, once computed
 
     def live(self) -> tuple[Any, _Replay] | None:
@@ -174,14 +191,15 @@ def _reference(obj: Any, replay: _Replay) -> Callable[[], Any]:
     return lambda: None
 
 
-def _remember(obj: Any, key: str, graph: bytes, replay: _Replay, *, pickled_here: bool) -> None:
+def _remember(obj: Any, key: str, graph: bytes, replay: _Replay, *, pickled_here: bool,
+              random_after: tuple[Any, ...] | None = None) -> None:
     if not all(_weakable(o) for o in replay.paths.values()):
         return
     result = _reference(obj, replay)
     if result() is None and obj is not None:
         return
     info = _Result(key, graph, pickled_here, result, [weakref.ref(o) for o in replay.roots],
-                   {p: weakref.ref(o) for p, o in replay.paths.items()})
+                   {p: weakref.ref(o) for p, o in replay.paths.items()}, random_after)
     for member in [obj, *replay.roots]:
         if _weakable(member):
             _results[member] = info
@@ -205,7 +223,8 @@ def result_key(obj: Any) -> str | None:
         # Collected between the steps, they were promoted and counted toward the next full collection
         # of the whole heap (0.2 s in a kernel with torch and transformers imported), for garbage.
         with rebuild.gc_paused():
-            packed = rebuild.pack((result, replay.roots), self_key=info.key, substitutes=replay.paths)
+            packed = rebuild.pack((result, replay.roots, info.random_after), self_key=info.key,
+                                  substitutes=replay.paths)
             if packed.own:
                 return None  # a storage is not, or no longer, the entry's bytes
             if info.expected is None:
@@ -297,8 +316,19 @@ def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
         reuse, _verified.mapped = _verified.mapped, None
     label = ck.label
     replay = _Replay.of(ck.references) if ck.references else _NO_REPLAY
+    before = _random_state()
     try:
         client, reply = _lookup(ck.key)
+        drawn = reply["entries"][0]["meta"].get("random") if reply["status"] == "hit" else None
+        if isinstance(drawn, list):  # Note [Random loads]: the result depends on these generators' state
+            _release_hit(client, reply)
+            ck = _under_random_state(ck, _only(before, drawn))
+            client, reply = _lookup(ck.key)
+            if reply["status"] == "load":
+                _tell_once(label, f"overmind: {label} draws random numbers while it loads, so it is cached for "
+                                  f"the state of the {' and '.join(drawn)} generator it starts from, and this "
+                                  "kernel's is another one: seed it (torch.manual_seed) before the load to share "
+                                  "one entry across restarts")
     except DaemonError as exc:
         _fall_back(label, "daemon", str(exc))
         return fn(*args, **kwargs)
@@ -322,16 +352,127 @@ def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
         _abandon(client, ck.key)
         _fall_back(label, "changed", f"{changed} changed while it was loading; the result is not cached")
         return obj
-    _publish(client, ck, obj, replay)
+    after = _random_state()
+    drawn = _drawn(before, after)
+    if drawn and not ck.meta.get("random"):  # it drew random numbers: Note [Random loads]
+        keyed = _mark_random(client, ck, _only(before, drawn), drawn)
+        if keyed is None:
+            return obj
+        ck = keyed
+    _publish(client, ck, obj, replay, _only(after, drawn) if drawn else None)
     return obj
 
 
-def _publish(client: Client, ck: keys.CallKey, obj: Any, replay: _Replay) -> None:
-    """Make `obj` the entry of `ck` before the call returns (Note [Atomic miss] in publishing.py)."""
+# Note [Random loads]
+# A hit must leave the process as the plain load would (docs/design.md, invariant 2), random numbers
+# included. Some loads draw from the global generators: one that initialises weights the checkpoint lacks
+# (a classification head on a causal-LM checkpoint) gets them from the caller's seed, and PEFT draws for
+# the LoRA layers it then overwrites; either leaves the generators advanced. Such a result is cached
+# under a key that also holds the generators' state before the call (torch's, numpy's and Python's global
+# ones, the CUDA ones where CUDA is up), with the state after the call in its graph, which a hit puts back.
+# Only the generators the load drew from count (Python's own is seeded anew in every process). The
+# call's own key then holds a marker (an entry without bytes, `meta["random"]` naming those generators)
+# that sends the next lookup to the key of their current state. So two kernels with different seeds get their own weights, a
+# restarted kernel that runs the same cells from the same seed is a hit, and the next random number after a
+# hit is the one a plain run would draw. A full checkpoint's load draws nothing and is keyed as it is.
+
+def _under_random_state(ck: keys.CallKey, state: tuple[Any, ...]) -> keys.CallKey:
+    """The key of `ck` for the generators' `state` (Note [Random loads])."""
+    import dataclasses
+    import hashlib
+    import pickle
+
+    digest = hashlib.sha256(ck.key.encode() + pickle.dumps(state, protocol=4)).hexdigest()
+    return dataclasses.replace(ck, key=digest, meta=ck.meta | {"random": "state"})
+
+
+def _drawn(before: tuple[Any, ...], after: tuple[Any, ...]) -> list[str]:
+    """The generators a call drew from (one that the call imported first has no state to key by)."""
+    was = dict(before)
+    return [name for name, now in after if name in was and was[name] != now]
+
+
+def _mark_random(client: Client, ck: keys.CallKey, state: tuple[Any, ...], drawn: list[str]) -> keys.CallKey | None:
+    """Turn `ck` (whose load this connection holds) into a marker that sends lookups to the key of the
+    generators' state, and return that key if this connection may load it; None leaves the result
+    uncached (another kernel holds or loads that key, or the daemon went away)."""
+    from . import publishing
+
+    keyed = _under_random_state(ck, state)
+    try:
+        reply = client.request("lookup", key=keyed.key, wait=False, timeout=10)
+        if reply["status"] == "hit":
+            _release_hit(client, reply)
+        publishing.publish_marker(client, ck.key, ck.meta | {"random": drawn})
+    except (DaemonError, PublishError) as exc:
+        _abandon(client, ck.key)
+        _fall_back(ck.label, "publish", f"it was loaded normally but not cached: {exc}")
+        return None
+    return keyed if reply["status"] == "load" else None
+
+
+def _only(states: tuple[Any, ...], names: list[str]) -> tuple[Any, ...]:
+    """The states of the generators `names` (those a load drew from): the others, such as Python's
+    own generator that every process seeds anew, play no part in what it returns."""
+    return tuple((name, state) for name, state in states if name in names)
+
+
+def _release_hit(client: Client, reply: Response) -> None:
+    """A hit that this process will not map (a marker's) pinned its entries and sent their descriptors:
+    give both back now."""
+    reply.close()
+    for e in reply["entries"]:
+        _unpins.put((client, e["key"]))
+
+
+def _random_state() -> tuple[Any, ...]:
+    """The global random generators' states (of the libraries already imported), as comparable and
+    picklable values that `_set_random_state` puts back."""
+    import sys
+
+    states: list[Any] = []
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        states.append(("torch", torch.random.get_rng_state().numpy().tobytes()))
+        if torch.cuda.is_initialized():
+            states.append(("cuda", tuple(s.numpy().tobytes() for s in torch.cuda.get_rng_state_all())))
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        kind, keys_, pos, has_gauss, gauss = numpy.random.get_state()
+        states.append(("numpy", (kind, keys_.tobytes(), int(pos), int(has_gauss), float(gauss))))
+    random = sys.modules.get("random")
+    if random is not None:
+        states.append(("python", random.getstate()))
+    return tuple(states)
+
+
+def _set_random_state(states: tuple[Any, ...]) -> None:
+    import random
+    import sys
+
+    import torch
+
+    for name, state in states:
+        if name == "torch":
+            torch.random.set_rng_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+        elif name == "cuda":
+            torch.cuda.set_rng_state_all([torch.frombuffer(bytearray(s), dtype=torch.uint8) for s in state])
+        elif name == "numpy" and "numpy" in sys.modules:
+            import numpy
+
+            kind, keys_, pos, has_gauss, gauss = state
+            numpy.random.set_state((kind, numpy.frombuffer(keys_, dtype=numpy.uint32).copy(), pos, has_gauss, gauss))
+        elif name == "python":
+            random.setstate(state)
+
+
+def _publish(client: Client, ck: keys.CallKey, obj: Any, replay: _Replay, random_after: tuple[Any, ...] | None) -> None:
+    """Make `obj` the entry of `ck` before the call returns (Note [Atomic miss] in publishing.py), with
+    the generators' state after the call for a load that drew random numbers (Note [Random loads])."""
     from . import publishing, rebuild
 
     try:
-        packed = rebuild.pack((obj, replay.roots), substitutes=replay.paths)
+        packed = rebuild.pack((obj, replay.roots, random_after), substitutes=replay.paths)
     except PackError as exc:
         _abandon(client, ck.key)
         _fall_back(ck.label, "unpicklable", f"{exc}; it was loaded normally and will not be cached")
@@ -347,7 +488,7 @@ def _publish(client: Client, ck: keys.CallKey, obj: Any, replay: _Replay) -> Non
         _fall_back(ck.label, "publish", f"it was loaded normally but not cached: {type(exc).__name__}: {exc}")
         return
     _calls["miss"] += 1
-    _remember(obj, ck.key, packed.graph, replay, pickled_here=True)
+    _remember(obj, ck.key, packed.graph, replay, pickled_here=True, random_after=random_after)
 
 
 def _label(fn: Callable[..., Any]) -> str:
@@ -380,11 +521,13 @@ def _from_hit(client: Client, ck: keys.CallKey, reply: Response, replay: _Replay
             arenas[e["key"]] = rebuild.ArenaRef(e["key"], fds[at], e["arena_bytes"], e.get("pieces", []), sources)
             at += 1 + len(sources)
 
-        obj, _roots = rebuild.rebuild(graph, arenas, ck.key, on_unmap=unpin, populate=settings.populate,
-                                      arguments=replay.paths, reuse=reuse)
+        obj, _roots, random_after = rebuild.rebuild(graph, arenas, ck.key, on_unmap=unpin,
+                                                    populate=settings.populate, arguments=replay.paths, reuse=reuse)
     finally:
         close_fds(fds)
-    _remember(obj, ck.key, graph, replay, pickled_here=False)
+    _remember(obj, ck.key, graph, replay, pickled_here=False, random_after=random_after)
+    if random_after is not None:
+        _set_random_state(random_after)  # as the plain load leaves the generators (Note [Random loads])
     _calls["hit"] += 1
     return obj
 

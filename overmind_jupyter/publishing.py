@@ -42,7 +42,7 @@ from kernel_server.errors import DaemonError, RemoteError
 from . import mappings, rebuild
 from .errors import PublishError
 
-__all__ = ["publish"]
+__all__ = ["publish", "publish_marker"]
 
 _log = logging.getLogger(__name__)
 
@@ -112,6 +112,23 @@ def publish(client: Client, key: str, label: str, meta: dict[str, Any], packed: 
             for undo in forget:
                 undo()
         pin.release()
+
+
+def publish_marker(client: Client, key: str, meta: dict[str, Any]) -> None:
+    """Make `key` (whose load this connection holds) an entry without bytes, that only says what `meta`
+    says (a load whose result depends on the random generators: Note [Random loads] in loading.py)."""
+    try:
+        client.request("reserve", key=key, bytes=1, timeout=30)
+        graph, data = arena.ArenaWriter(1, name=f"overmind-marker:{key[:12]}"), arena.ArenaWriter(0)
+        try:
+            graph.view[:] = b"\0"
+            client.request("publish", key=key, fds=[graph.seal(), data.seal()], graph_bytes=1, arena_bytes=0,
+                           meta=meta, marker=True, timeout=30)
+        finally:
+            graph.close()
+            data.close()
+    except (DaemonError, OSError) as exc:
+        raise PublishError("publish", str(exc)) from exc
 
 
 def _plan(packed: rebuild.Packed) -> _Plan:

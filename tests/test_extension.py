@@ -110,6 +110,7 @@ FAMILIES = """
     import json, os, sys, torch
     import overmind_jupyter
     from overmind_jupyter import loading, rebuild
+    torch.manual_seed(0)  # a reproducible notebook: PEFT's loads draw random numbers (Note [Random loads])
     overmind_jupyter.enable()
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from diffusers import DiffusionPipeline

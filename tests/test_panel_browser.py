@@ -48,7 +48,8 @@ def test_panel_shows_a_model_loaded_in_a_kernel_and_evicts_it(overmind_home: Pat
     from playwright.sync_api import expect, sync_playwright
 
     ARTIFACTS.mkdir(exist_ok=True)
-    env = dict(os.environ, OVERMIND_HOME=str(overmind_home), OVERMIND_FAKE_GPUS="2x16")
+    # OVERMIND_COMPACT=0: the entry keeps referring to its checkpoint, so the panel shows that state
+    env = dict(os.environ, OVERMIND_HOME=str(overmind_home), OVERMIND_FAKE_GPUS="2x16", OVERMIND_COMPACT="0")
     lab = JupyterLab(tmp_path, env).start()
     kernel_pid = None
     kc = None
@@ -87,6 +88,7 @@ shared_client().request("units_acquire", units=2, devices=None, timeout_s=0, lab
                 expect(entry).to_contain_text("KiB")
                 expect(panel.get_by_test_id("overmind-kernels")).to_contain_text("kernel")
                 expect(entry).to_contain_text("1 hit")
+                expect(entry.get_by_test_id("overmind-pending")).to_contain_text("served from its checkpoint")
                 expect(panel.get_by_test_id("overmind-stats")).to_contain_text("1 / 1 (50% hits)")
                 devices = panel.get_by_test_id("overmind-device")
                 expect(devices).to_have_count(2)

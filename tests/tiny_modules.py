@@ -103,15 +103,19 @@ def hooked() -> nn.Module:
 
 
 def build(kind: str, seed: int = 0, **kwargs: object) -> nn.Module:
-    """The loader the tests cache: deterministic for (kind, seed, kwargs)."""
-    torch.manual_seed(seed)
-    return {"tied": TiedWeights, "noncontig": NonContiguous, "dtypes": Dtypes, "mlp": Mlp,
-            "unpicklable": Unpicklable, "ordered": OrderedState, "hooked": hooked}[kind](**kwargs)
+    """The loader the tests cache: deterministic for (kind, seed, kwargs), and like a full checkpoint's
+    load it leaves the global generator as it found it (loads that draw from it are keyed by its state:
+    Note [Random loads] in overmind_jupyter/loading.py, tested in test_never_stale.py)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return {"tied": TiedWeights, "noncontig": NonContiguous, "dtypes": Dtypes, "mlp": Mlp,
+                "unpicklable": Unpicklable, "ordered": OrderedState, "hooked": hooked}[kind](**kwargs)
 
 
 def wrap(inner: nn.Module, seed: int = 0) -> Wrapper:
-    torch.manual_seed(seed)
-    return Wrapper(inner)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return Wrapper(inner)
 
 
 def counted_build(kind: str, delay: float = 0.0, seed: int = 0) -> nn.Module:
@@ -129,7 +133,8 @@ def failing_build(kind: str) -> nn.Module:
 
 def attach(model: nn.Module, width: int = 4, seed: int = 0) -> nn.Module:
     """Loads more into `model` in place, as PeftModel.from_pretrained does with its base model."""
-    torch.manual_seed(seed)
-    model.extra = nn.Linear(width, width)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model.extra = nn.Linear(width, width)
     model.layers[0] = nn.Sequential(model.layers[0], nn.ReLU())
     return model.extra

@@ -1,0 +1,299 @@
+"""Never stale, by construction (Note [Never stale] in overmind_jupyter/keys.py): a key sees every change
+a load would see. Each case rewrites a real checkpoint the way people do (`cp -p`, `rsync -t`, `tar x`,
+a restore from backup, a retargeted HF-cache link) and checks the cached load against a plain load of
+the files as they are now.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import tiny_modules
+import torch
+from faults_helpers import wait_until
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from snippets import last_json, run_py
+
+from kernel_server import Client
+from overmind_jupyter import demo_models, loading
+
+IDS = torch.arange(10)[None]
+
+
+def outputs(model: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model(IDS).logits
+
+
+def plain_and_cached(path: Path | str, **kwargs: object) -> tuple[torch.nn.Module, torch.nn.Module]:
+    from transformers import AutoModelForCausalLM
+
+    kwargs.setdefault("dtype", torch.bfloat16)
+    plain = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    cached = loading.cached(AutoModelForCausalLM.from_pretrained, str(path), **kwargs)
+    return plain, cached
+
+
+def assert_like_plain(path: Path | str, **kwargs: object) -> None:
+    plain, cached = plain_and_cached(path, **kwargs)
+    assert torch.equal(outputs(cached), outputs(plain)), "the cached load differs from a plain load of the files now"
+    assert cached.config.to_dict() == plain.config.to_dict()
+
+
+def settled(home: Path) -> None:
+    """Wait until the daemon copied every entry out of its checkpoint files: from then on only the key
+    can tell a changed file from the old one."""
+    with Client(home, role="test") as client:
+        wait_until(lambda: all(e["pending"] is None for e in client.request("ls")["entries"]), 60, "compacted")
+
+
+def rewrite_keeping_times(file: Path, data: bytes) -> None:
+    """Rewrite `file` in place (same inode) and put its atime and mtime back, as `cp -p` or `rsync -t` do."""
+    st = file.stat()
+    with open(file, "r+b") as f:
+        f.write(data)
+        f.truncate()
+    os.utime(file, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def replace_keeping_times(file: Path, data: bytes) -> None:
+    """Replace `file` by a new one (another inode) with the same size and mtime, as `tar x` does."""
+    st = file.stat()
+    tmp = file.with_name(file.name + ".new")
+    tmp.write_bytes(data)
+    os.utime(tmp, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.replace(tmp, file)
+
+
+@pytest.fixture
+def two(tmp_path: Path) -> tuple[Path, Path]:
+    """Two tiny checkpoints of the same shapes (so of the same file sizes) and other weights."""
+    return (demo_models.build_llama(tmp_path / "a", "tiny", seed=1),
+            demo_models.build_llama(tmp_path / "b", "tiny", seed=2))
+
+
+# -- 1. files that change and keep their size and mtime ------------------------------------------------
+
+@pytest.mark.parametrize("change", [rewrite_keeping_times, replace_keeping_times],
+                         ids=["rewritten in place, mtime restored", "replaced by rename, same size and mtime"])
+def test_a_checkpoint_changed_with_its_size_and_mtime_kept(overmind_home: Path, two: tuple[Path, Path],
+                                                           change: Callable[[Path, bytes], None]) -> None:
+    a, b = two
+    assert_like_plain(a)
+    settled(overmind_home)
+    change(a / "model.safetensors", (b / "model.safetensors").read_bytes())
+    assert_like_plain(a)
+
+
+def test_only_config_json_changed(overmind_home: Path, two: tuple[Path, Path]) -> None:
+    a, _ = two
+    assert_like_plain(a)
+    settled(overmind_home)
+    config = a / "config.json"
+    text = config.read_text()
+    edited = text.replace('"rms_norm_eps": 1e-06', '"rms_norm_eps": 1e-01')
+    assert edited != text and len(edited) == len(text)
+    rewrite_keeping_times(config, edited.encode())
+    assert_like_plain(a)
+
+
+def test_a_symlinked_checkpoint_pointed_at_another_blob(overmind_home: Path, two: tuple[Path, Path],
+                                                        tmp_path: Path) -> None:
+    """As the HF cache lays a snapshot out: files are links to blobs."""
+    a, b = two
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    shutil.copy2(a / "model.safetensors", blobs / "one")
+    shutil.copy2(b / "model.safetensors", blobs / "two")
+    one = (blobs / "one").stat()
+    os.utime(blobs / "two", ns=(one.st_atime_ns, one.st_mtime_ns))  # same size, same mtime: only the link moved
+    snapshot = tmp_path / "snapshot"
+    shutil.copytree(a, snapshot)
+    (snapshot / "model.safetensors").unlink()
+    (snapshot / "model.safetensors").symlink_to("../blobs/one")
+    assert_like_plain(snapshot)
+    settled(overmind_home)
+    tmp = snapshot / "link.new"
+    tmp.symlink_to("../blobs/two")
+    os.replace(tmp, snapshot / "model.safetensors")
+    assert_like_plain(snapshot)
+
+
+def test_one_shard_of_a_sharded_checkpoint_replaced(overmind_home: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    paths = []
+    for seed in (1, 2):
+        built = demo_models.build_llama(tmp_path / f"whole{seed}", "tiny", seed=seed, num_hidden_layers=4)
+        model = AutoModelForCausalLM.from_pretrained(built, dtype=torch.bfloat16)
+        model.save_pretrained(tmp_path / f"sharded{seed}", max_shard_size="100KB")
+        paths.append(tmp_path / f"sharded{seed}")
+    shards = sorted(p.name for p in paths[0].glob("model-*.safetensors"))
+    assert len(shards) >= 3
+    assert_like_plain(paths[0])
+    settled(overmind_home)
+    middle = shards[len(shards) // 2]
+    rewrite_keeping_times(paths[0] / middle, (paths[1] / middle).read_bytes())
+    assert_like_plain(paths[0])
+
+
+# -- 2. config= ------------------------------------------------------------------------------------------
+
+def test_config_as_a_relative_directory_name_without_a_slash(overmind_home: Path, two: tuple[Path, Path],
+                                                             tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    a, _ = two
+    shutil.copytree(a, tmp_path / "cfgdir", ignore=shutil.ignore_patterns("*.safetensors"))
+    monkeypatch.chdir(tmp_path)
+    assert_like_plain(a, config="cfgdir")
+    config = tmp_path / "cfgdir" / "config.json"
+    rewrite_keeping_times(config, config.read_text().replace('"rms_norm_eps": 1e-06', '"rms_norm_eps": 1e-01').encode())
+    assert_like_plain(a, config="cfgdir")
+
+
+def test_a_config_object_is_keyed_by_its_whole_state(overmind_home: Path, two: tuple[Path, Path]) -> None:
+    """`attn_implementation="eager"` lives in a private field that `to_dict()` drops: the eager config
+    must not be served the sdpa model, whose `output_attentions=True` gives no attentions."""
+    from transformers import AutoConfig
+
+    a, _ = two
+    sdpa = AutoConfig.from_pretrained(a)
+    eager = AutoConfig.from_pretrained(a, attn_implementation="eager")
+    hits = loading.calls().get("hit", 0)
+    plain_and_cached(a, config=sdpa)
+    plain, cached = plain_and_cached(a, config=eager)
+    assert loading.calls().get("hit", 0) == hits, "two configs, two keys"
+    with torch.no_grad():
+        got = cached(IDS, output_attentions=True).attentions
+        want = plain(IDS, output_attentions=True).attentions
+    assert got and len(got) == len(want) and all(torch.equal(x, y) for x, y in zip(got, want))
+
+
+# -- 3. cached(fn): functions by what they do ------------------------------------------------------------
+
+def notebook_function(body: str) -> object:
+    """A function defined as a notebook cell defines it: `__main__.load`."""
+    namespace: dict[str, object] = {"__name__": "__main__", "tiny_modules": tiny_modules}
+    exec(compile(f"def load(width):\n    {body}\n", "<cell>", "exec"), namespace)  # noqa: S102 (a test cell)
+    return namespace["load"]
+
+
+def test_an_edited_notebook_function_is_a_miss(overmind_home: Path) -> None:
+    first = notebook_function("return tiny_modules.build('mlp', width=width, seed=1)")
+    edited = notebook_function("return tiny_modules.build('mlp', width=width, seed=2)")
+    assert first.__qualname__ == edited.__qualname__ == "load" and first.__module__ == "__main__"
+    hits = loading.calls().get("hit", 0)
+    loading.cached(first, 16)
+    got = loading.cached(edited, 16)
+    want = tiny_modules.build("mlp", width=16, seed=2)
+    assert all(torch.equal(x, y) for x, y in zip(got.state_dict().values(), want.state_dict().values()))
+    again = loading.cached(first, 16)
+    first_want = tiny_modules.build("mlp", width=16, seed=1)
+    assert all(torch.equal(x, y) for x, y in zip(again.state_dict().values(), first_want.state_dict().values()))
+    assert loading.calls().get("hit", 0) == hits + 1, "the unchanged function is a hit"
+
+
+def test_another_notebooks_function_of_the_same_name(overmind_home: Path) -> None:
+    """Two notebooks (processes), each with its own `load`: each gets its own result."""
+    tests = str(Path(__file__).resolve().parent)
+    env = dict(os.environ, PYTHONPATH=tests + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    code = """
+        import json, torch, tiny_modules
+        from overmind_jupyter import loading
+        SEED = {seed}
+        def load():
+            return tiny_modules.build("mlp", width=16, seed=SEED)
+        m = loading.cached(load)
+        print(json.dumps({{"sum": float(sum(p.double().sum() for p in m.parameters())), "calls": loading.calls()}}))
+    """
+    one = last_json(run_py(code.format(seed=1), env=env))
+    two = last_json(run_py(code.format(seed=2), env=env))
+    want = float(sum(p.double().sum() for p in tiny_modules.build("mlp", width=16, seed=2).parameters()))
+    assert one["calls"] == two["calls"] == {"miss": 1}, "a global the function reads is part of its key"
+    assert two["sum"] == want != one["sum"]
+
+
+# -- 4. random weights follow the caller's seed -------------------------------------------------------------
+
+RANDOM_HEAD = """
+    import json, sys, torch
+    from transformers import LlamaForSequenceClassification
+    from overmind_jupyter import loading
+    torch.manual_seed({seed})
+    load = LlamaForSequenceClassification.from_pretrained
+    m = loading.cached(load, {path!r}) if {cached} else load({path!r})
+    print(json.dumps({{"head": m.score.weight.float().sum().item(), "rand": torch.rand(3).tolist(),
+                       "fallbacks": [f["kind"] for f in loading.fallbacks()], "calls": loading.calls()}}))
+"""
+
+
+def test_a_head_the_checkpoint_lacks_follows_each_kernels_seed(overmind_home: Path, tiny_llama: Path) -> None:
+    """Two kernels with different seeds load a causal-LM checkpoint as a classifier (its head is
+    initialised randomly): each gets what a plain load gives for its seed, and its next random numbers
+    are a plain run's. A kernel restarted with the same seed is a hit with the same head and draws
+    (Note [Random loads])."""
+    def run(seed: int, cached: bool) -> dict:
+        return last_json(run_py(RANDOM_HEAD.format(seed=seed, path=str(tiny_llama), cached=cached)))
+
+    plain = {seed: run(seed, False) for seed in (1, 2)}
+    first = {seed: run(seed, True) for seed in (1, 2)}
+    again = run(1, True)
+    for seed in (1, 2):
+        assert (first[seed]["head"], first[seed]["rand"]) == (plain[seed]["head"], plain[seed]["rand"])
+        assert first[seed]["calls"] == {"miss": 1} and not first[seed]["fallbacks"]
+    assert plain[1]["head"] != plain[2]["head"]
+    assert again["calls"] == {"hit": 1}, "the same seed after a restart: a hit"
+    assert (again["head"], again["rand"]) == (plain[1]["head"], plain[1]["rand"]), "and the generator advanced as plain"
+
+
+# -- a property: whatever happens to the directory, a cached load is a plain load of it now -----------------
+
+MUTATIONS = st.lists(st.sampled_from(["rewrite", "replace", "config", "link", "touch", "nothing"]), min_size=1,
+                     max_size=3)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(steps=MUTATIONS, seeds=st.lists(st.integers(1, 3), min_size=3, max_size=3))
+def test_every_hit_equals_a_plain_load_of_the_directory_as_it_is_now(
+        overmind_home: Path, property_checkpoints: dict[str, Path], steps: list[str], seeds: list[int]) -> None:
+    directory = property_checkpoints["dir"]
+    for step, seed in zip(steps, seeds):
+        blob = property_checkpoints[f"blob{seed}"]
+        target = directory / "model.safetensors"
+        if step == "rewrite":  # in place, times restored
+            if target.is_symlink():
+                target.unlink()
+                shutil.copy2(blob, target)
+            rewrite_keeping_times(target, blob.read_bytes())
+        elif step == "replace":
+            replace_keeping_times(target, blob.read_bytes())
+        elif step == "config":
+            config = directory / "config.json"
+            data = json.loads(config.read_text())
+            data["rms_norm_eps"] = [1e-6, 1e-3, 1e-1][seed - 1]
+            st_ = config.stat()
+            config.write_text(json.dumps(data))
+            os.utime(config, ns=(st_.st_atime_ns, st_.st_mtime_ns))
+        elif step == "link":
+            tmp = directory / "link.new"
+            tmp.symlink_to(blob)
+            os.replace(tmp, target)
+        elif step == "touch":
+            st_ = target.stat()
+            os.utime(target, ns=(st_.st_atime_ns, st_.st_mtime_ns))
+        assert_like_plain(directory)
+
+
+@pytest.fixture(scope="module")
+def property_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("property")
+    out = {"dir": Path(shutil.copytree(demo_models.build_llama(root / "seed1", "tiny", seed=1), root / "dir"))}
+    for seed in (1, 2, 3):
+        built = demo_models.build_llama(root / f"seed{seed}", "tiny", seed=seed)
+        out[f"blob{seed}"] = Path(shutil.copy2(built / "model.safetensors", root / f"blob{seed}"))
+    return out
