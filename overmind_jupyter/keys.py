@@ -326,7 +326,7 @@ class _Canonical:
                     continue  # a builtin, or an attribute name that is no global
                 x = fn.__globals__[g]
                 read[g] = self._global(f"{fn.__qualname__}: global {g}", x, depth)
-            closure = [self.value(f"{fn.__qualname__}: closure {v}", c.cell_contents, depth + 1)
+            closure = [self._global(f"{fn.__qualname__}: closure {v}", _contents(c), depth)
                        for v, c in zip(code.co_freevars, fn.__closure__ or ())]
             out = {
                 "qualname": f"{fn.__module__}.{fn.__qualname__}",
@@ -336,26 +336,39 @@ class _Canonical:
                 "closure": closure,
                 "globals": read,
             }
-            module = sys.modules.get(fn.__module__)
-            file = getattr(module, "__file__", None) if fn.__module__ != "__main__" else None
-            if isinstance(file, str) and os.path.isfile(file):
+            file = _module_file(fn.__module__)
+            if file is not None:
                 out["file"] = _identity(os.stat(file))
             return out
         finally:
             self._functions.discard(id(fn))
 
     def _global(self, name: str, x: Any, depth: int) -> Any:
+        """A global a function reads. Functions and classes of a module with a file are keyed by name
+        and that file's identity (a library's code is its version); those of the notebook itself
+        (`__main__`, no file) by their code."""
         if isinstance(x, types.ModuleType):
             return {"module": x.__name__}
-        if isinstance(x, type):
-            return {"class": f"{x.__module__}.{x.__qualname__}"}
-        if isinstance(x, types.FunctionType):
-            return {"function": self.function(name, x, depth + 1)}
-        if isinstance(x, (types.BuiltinFunctionType, types.MethodType)) or callable(x) and hasattr(x, "__self__"):
+        if isinstance(x, (types.FunctionType, type)):
+            file = _module_file(x.__module__)
+            if file is not None:
+                return {"name": f"{x.__module__}.{x.__qualname__}", "file": _identity(os.stat(file))}
+            if isinstance(x, types.FunctionType):
+                return {"function": self.function(name, x, depth + 1)}
+            if id(x) in self._functions:  # a method's `__class__` cell: the class being keyed
+                return {"recursive": x.__qualname__}
+            self._functions.add(id(x))
+            try:
+                methods = {k: self.function(f"{name}.{k}", f, depth + 1) for k, f in sorted(vars(x).items())
+                           if isinstance(f, types.FunctionType)}
+            finally:
+                self._functions.discard(id(x))
+            return {"class": f"{x.__module__}.{x.__qualname__}", "bases": [_qualname_of(b) for b in x.__mro__[1:]],
+                    "methods": methods}
+        if callable(x) and hasattr(x, "__qualname__"):  # builtins, bound methods, functools wrappers
             owner = getattr(x, "__self__", None)
-            return {"callable": f"{_qualname(owner) if owner is not None else ''}.{getattr(x, '__qualname__', '')}"}
-        if callable(getattr(x, "__wrapped__", None)) and hasattr(x, "__qualname__"):
-            return {"callable": f"{getattr(x, '__module__', '')}.{x.__qualname__}"}  # functools wrappers
+            where = _qualname(owner) if owner is not None and not isinstance(owner, types.ModuleType) else ""
+            return {"callable": f"{where}{getattr(x, '__module__', '')}.{x.__qualname__}"}
         return self.value(name, x, depth + 1)
 
     def _container(self, name: str, v: Any, depth: int) -> Any:
@@ -448,6 +461,25 @@ def _hub_commit(repo_id: str, arguments: dict[str, Any]) -> dict[str, Any]:
     if not snapshot.is_dir():
         raise Uncacheable(f"{repo_id}@{commit[:8]} has no snapshot in {cache_dir}")
     return {"commit": commit, "files": fingerprint(str(snapshot))}
+
+
+def _module_file(module: str) -> str | None:
+    """The source file of an imported module, if it has one (a notebook's `__main__` has none)."""
+    if module == "__main__":
+        return None
+    file = getattr(sys.modules.get(module), "__file__", None)
+    return file if isinstance(file, str) and os.path.isfile(file) else None
+
+
+def _contents(cell: types.CellType) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # a cell not filled yet (a function defined before the name it closes over)
+        return None
+
+
+def _qualname_of(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _global_names(code: types.CodeType) -> set[str]:

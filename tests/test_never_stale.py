@@ -198,6 +198,18 @@ def test_an_edited_notebook_function_is_a_miss(overmind_home: Path) -> None:
     assert loading.calls().get("hit", 0) == hits + 1, "the unchanged function is a hit"
 
 
+def test_a_notebook_class_edited_under_its_function_is_a_miss(overmind_home: Path) -> None:
+    """The function is unchanged; the notebook class it builds was redefined: another key."""
+    namespace: dict[str, object] = {"__name__": "__main__", "torch": torch}
+    cell = ("class Net(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+            "        torch.manual_seed(0)\n        self.layer = torch.nn.Linear({n}, {n})\n"
+            "def load():\n    with torch.random.fork_rng(devices=[]):\n        return Net()\n")
+    exec(compile(cell.format(n=3), "<cell>", "exec"), namespace)  # noqa: S102 (a test cell)
+    assert loading.cached(namespace["load"]).layer.in_features == 3
+    exec(compile(cell.format(n=5), "<cell>", "exec"), namespace)  # noqa: S102
+    assert loading.cached(namespace["load"]).layer.in_features == 5
+
+
 def test_another_notebooks_function_of_the_same_name(overmind_home: Path) -> None:
     """Two notebooks (processes), each with its own `load`: each gets its own result."""
     tests = str(Path(__file__).resolve().parent)
