@@ -521,8 +521,12 @@ def _from_hit(client: Client, ck: keys.CallKey, reply: Response, replay: _Replay
             arenas[e["key"]] = rebuild.ArenaRef(e["key"], fds[at], e["arena_bytes"], e.get("pieces", []), sources)
             at += 1 + len(sources)
 
-        obj, _roots, random_after = rebuild.rebuild(graph, arenas, ck.key, on_unmap=unpin,
-                                                    populate=settings.populate, arguments=replay.paths, reuse=reuse)
+        rebuilt = rebuild.rebuild(graph, arenas, ck.key, on_unmap=unpin, populate=settings.populate,
+                                  arguments=replay.paths, reuse=reuse)
+        if not (isinstance(rebuilt, tuple) and len(rebuilt) == 3 and isinstance(rebuilt[1], list)
+                and (rebuilt[2] is None or isinstance(rebuilt[2], tuple))):
+            raise CorruptEntry(f"the entry holds a {type(rebuilt).__name__}, not (result, arguments, random state)")
+        obj, _roots, random_after = rebuilt
     finally:
         close_fds(fds)
     _remember(obj, ck.key, graph, replay, pickled_here=False, random_after=random_after)

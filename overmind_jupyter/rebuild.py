@@ -41,7 +41,7 @@ __all__ = ["ArenaRef", "Packed", "SourceRef", "entry_of", "pack", "rebuild", "sk
 
 entry_of = mappings.entry_of
 
-_FORMAT = 3  # bump when the storage or tensor references change
+_FORMAT = 4  # bump when the storage or tensor references, or what a graph holds, change
 
 
 @dataclass

@@ -325,6 +325,29 @@ def test_corrupt_entry_is_evicted_and_the_call_loads_plainly(overmind_home: Path
     assert all(e["key"] != key or e["graph_bytes"] != 32 for e in client.request("ls")["entries"])
 
 
+@pytest.mark.parametrize("content", [42, ("one",), (1, 2, 3), ([], [], "not a state")])
+def test_a_graph_of_the_wrong_shape_is_a_corrupt_entry(overmind_home: Path, content: object) -> None:
+    """Whatever an entry's graph unpickles to, a shape other than (result, arguments, random state) is a
+    corrupt entry: evicted, and the call loads plainly, never another exception."""
+    import pickle
+
+    from kernel_server import arena
+    from overmind_jupyter import keys
+
+    key = keys.make_key(tiny_modules.build, ("tied",), {}).key
+    client = loading.shared_client()
+    assert client.request("lookup", key=key, wait=False)["status"] == "load"
+    body = bytes([rebuild._FORMAT]) + pickle.dumps(content)
+    graph, data = arena.ArenaWriter(len(body)), arena.ArenaWriter(0)
+    graph.view[:] = body
+    client.request("reserve", key=key, bytes=len(body))
+    client.request("publish", key=key, fds=[graph.seal(), data.seal()], graph_bytes=len(body), arena_bytes=0)
+    with pytest.warns(FallbackWarning, match="evicted"):
+        model = loading.cached(tiny_modules.build, "tied")
+    assert isinstance(model, tiny_modules.TiedWeights)
+    assert loading.fallbacks()[-1]["kind"] == "corrupt"
+
+
 def test_daemon_killed_mid_load_falls_back_and_next_call_starts_a_new_daemon(overmind_home: Path) -> None:
     client = loading.shared_client()
     old_pid = client.daemon_pid
