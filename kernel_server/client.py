@@ -22,6 +22,7 @@ from typing import Any
 from . import lifecycle
 from .errors import (
     BudgetExceeded,
+    DaemonHung,
     DaemonLost,
     DaemonUnavailable,
     PeerRefused,
@@ -33,7 +34,16 @@ from .errors import (
 from .protocol import PROTOCOL_VERSION, Frame, FrameKind
 from .transport import close_fds, recv_frame, send_frame
 
-__all__ = ["Client", "Response", "existing_shared_client", "reset_shared_client", "shared_client"]
+__all__ = ["ANSWER_TIMEOUT", "Client", "Response", "existing_shared_client", "reset_shared_client", "shared_client"]
+
+# Note [Two kinds of waiting]
+# Waiting for another kernel's load of the same model is long (bounded by the caller's timeout, and
+# listed by status as a waiter); waiting for the daemon to answer anything is short: a daemon that does
+# not answer within ANSWER_TIMEOUT seconds (stopped by SIGSTOP, stuck) is given up (DaemonHung), the
+# load runs plainly, and the next call connects anew. `wait_alive` tells the two apart by pinging the
+# daemon on the same connection while a reply is outstanding: a live daemon answers pings while it
+# holds a lookup for another kernel's load.
+ANSWER_TIMEOUT = 3.0
 
 _ERRORS: dict[str, type[RemoteError]] = {"budget_exceeded": BudgetExceeded}
 
@@ -89,7 +99,13 @@ class Client:
         self._pusher = threading.Thread(target=self._push_loop, name="overmind-push", daemon=True)
         self._pusher.start()
         try:
-            hello = self.request("hello", protocol=PROTOCOL_VERSION, role=role, label=label, pid=os.getpid())
+            hello = self.request("hello", protocol=PROTOCOL_VERSION, role=role, label=label, pid=os.getpid(),
+                                 timeout=ANSWER_TIMEOUT)
+        except WaitTimeout:
+            self.close()
+            raise DaemonHung(f"the daemon at {self.home} accepted the connection but did not answer within "
+                             f"{ANSWER_TIMEOUT:.0f} s (stopped, or stuck: see {lifecycle.log_path(self.home)}); "
+                             "loads run plainly until it answers") from None
         except RemoteError as exc:
             self.close()
             if exc.code == "protocol_mismatch":
@@ -137,6 +153,28 @@ class Client:
         """Send a request and wait for its reply. Raises RemoteError (or a subclass) on an error reply."""
         request_id, fut = self.submit(op, fds=fds, **fields)
         return self.wait(request_id, fut, timeout)
+
+    def wait_alive(self, request_id: int, fut: Future[Frame], timeout: float | None) -> Response:
+        """Wait up to `timeout` for a reply that may take long (a lookup that waits for another kernel's
+        load), as long as the daemon keeps answering pings; see Note [Two kinds of waiting]."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        slice_ = ANSWER_TIMEOUT / 3
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            try:
+                return _response(fut.result(slice_ if left is None else max(0.0, min(slice_, left))))
+            except FutureTimeout:
+                pass
+            if left is not None and left <= slice_:
+                return self.wait(request_id, fut, 0)  # the caller's own timeout: cancels and raises
+            try:
+                self.request("ping", timeout=ANSWER_TIMEOUT - slice_)
+            except WaitTimeout:
+                with self._lock:
+                    self._pending.pop(request_id, None)
+                self.close()
+                raise DaemonHung(f"the daemon at {self.home} (pid {self.daemon_pid}) did not answer within "
+                                 f"{ANSWER_TIMEOUT:.0f} s; this load runs plainly, and the next one asks again") from None
 
     def wait(self, request_id: int, fut: Future[Frame], timeout: float | None) -> Response:
         try:

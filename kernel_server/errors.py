@@ -5,8 +5,10 @@ from __future__ import annotations
 __all__ = [
     "BudgetExceeded",
     "DaemonError",
+    "DaemonHung",
     "DaemonLost",
     "DaemonUnavailable",
+    "DaemonUntrusted",
     "PeerRefused",
     "ProtocolError",
     "ProtocolMismatch",
@@ -26,6 +28,14 @@ class StateDirError(DaemonError):
 
 class DaemonUnavailable(DaemonError):
     """No daemon answers and none could be started, or the daemon went away mid-call."""
+
+
+class DaemonHung(DaemonUnavailable):
+    """The daemon holds its socket but answers nothing (stopped, or stuck): the load does not wait."""
+
+
+class DaemonUntrusted(DaemonError):
+    """The socket is served or owned by another user: the client sends and reads nothing there."""
 
 
 class DaemonLost(DaemonUnavailable):

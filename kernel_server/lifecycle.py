@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import itertools
 import os
 import re
 import socket
@@ -17,9 +18,11 @@ import sys
 import time
 from pathlib import Path
 
-from .errors import DaemonUnavailable, StateDirError
+from .errors import DaemonUnavailable, DaemonUntrusted, StateDirError
+from .transport import peer_credentials
 
 __all__ = [
+    "check_ancestors",
     "default_budget",
     "lock_path",
     "log_path",
@@ -79,6 +82,30 @@ def check_state_dir(path: Path) -> None:
             f"state directory {path} has mode {stat.S_IMODE(st.st_mode):o}: other users could reach the "
             f"daemon's socket. Run `chmod 700 {path}`"
         )
+    check_ancestors(path)
+
+
+def check_ancestors(path: Path) -> None:
+    """No directory above the state directory may be writable by another user, unless it is sticky
+    (as /tmp is) and the directory under it is ours: otherwise that user could replace the state
+    directory by one of their own, with a socket of theirs in it (docs/design.md, invariant 4)."""
+    me = os.getuid()
+    chain = [Path(os.path.realpath(path))]
+    chain += list(chain[0].parents)
+    for child, parent in itertools.pairwise(chain):
+        st = os.stat(parent)
+        others = st.st_mode & 0o022 or st.st_uid not in (me, 0) and st.st_mode & 0o200
+        if not others:
+            continue
+        if st.st_mode & stat.S_ISVTX and os.lstat(child).st_uid == me:
+            continue  # a sticky directory: only its owner, root and we may rename what is ours
+        who = "other users" if st.st_mode & 0o022 else f"uid {st.st_uid}"
+        raise StateDirError(
+            f"directory {parent}, above the state directory {path}, is writable by {who} (mode "
+            f"{stat.S_IMODE(st.st_mode):o}): they could replace {child} with a directory of their own and "
+            "serve your kernels. Set OVERMIND_HOME to a directory under one only you can write, such as "
+            "~/.cache/overmind"
+        )
 
 
 def socket_path(home: Path) -> Path:
@@ -123,14 +150,33 @@ def _physical_memory() -> int:
 
 
 def try_connect(home: Path) -> socket.socket | None:
+    """A connection to the daemon of `home`, or None when none serves there. Before anything is sent
+    or read, the daemon is checked as it checks its clients: the process at the other end and the
+    socket file both belong to this user (DaemonUntrusted otherwise)."""
+    path = socket_path(home)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.connect(str(socket_path(home)))
+        sock.connect(str(path))
     except OSError as exc:
         sock.close()
         if exc.errno in (errno.ENOENT, errno.ECONNREFUSED, errno.EAGAIN):
             return None
-        raise DaemonUnavailable(f"cannot connect to the daemon at {socket_path(home)}: {exc}") from exc
+        raise DaemonUnavailable(f"cannot connect to the daemon at {path}: {exc}") from exc
+    try:
+        _, uid, _ = peer_credentials(sock)
+        owner = os.lstat(path).st_uid
+    except OSError as exc:
+        sock.close()
+        raise DaemonUnavailable(f"cannot check the daemon at {path}: {exc}") from exc
+    me = os.getuid()
+    if uid != me or owner != me:
+        sock.close()
+        who = uid if uid != me else owner
+        raise DaemonUntrusted(
+            f"the daemon socket {path} is {'served' if uid != me else 'owned'} by uid {who}, not by you "
+            f"(uid {me}): another user may have put it in {home}. Nothing was sent to it; set OVERMIND_HOME "
+            "to a directory of your own (mode 0700), or remove that socket"
+        )
     return sock
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kernel_server import arena
-from kernel_server.client import Client, Response, existing_shared_client, shared_client
+from kernel_server.client import ANSWER_TIMEOUT, Client, Response, existing_shared_client, shared_client
 from kernel_server.errors import DaemonError, DaemonLost
 from kernel_server.transport import close_fds
 
@@ -400,7 +400,7 @@ def _mark_random(client: Client, ck: keys.CallKey, state: tuple[Any, ...], drawn
 
     keyed = _under_random_state(ck, state)
     try:
-        reply = client.request("lookup", key=keyed.key, wait=False, timeout=10)
+        reply = client.request("lookup", key=keyed.key, wait=False, timeout=ANSWER_TIMEOUT)
         if reply["status"] == "hit":
             _release_hit(client, reply)
         publishing.publish_marker(client, ck.key, ck.meta | {"random": drawn})
@@ -538,14 +538,14 @@ def _from_hit(client: Client, ck: keys.CallKey, reply: Response, replay: _Replay
 
 def _abandon(client: Client, key: str) -> None:
     try:
-        client.request("abandon", key=key, timeout=10)
+        client.request("abandon", key=key, timeout=ANSWER_TIMEOUT)
     except DaemonError:
         pass
 
 
 def _evict_quietly(client: Client, key: str) -> None:
     try:
-        client.request("evict", key=key, timeout=10)
+        client.request("evict", key=key, timeout=ANSWER_TIMEOUT)
     except DaemonError:
         pass
 
@@ -557,12 +557,15 @@ def _lookup(key: str) -> tuple[Client, Response]:
     (the daemon was killed since the last request, or while we waited for another kernel's load), ask
     once more: the shared client starts the next daemon, and the load is cached there instead of
     falling back. A daemon lost twice in a row is a fallback."""
-    try:
-        client = shared_client()
-        return client, client.request("lookup", key=key, wait=True, timeout=settings.wait_timeout)
-    except DaemonLost:
-        client = shared_client()
-        return client, client.request("lookup", key=key, wait=True, timeout=settings.wait_timeout)
+    for attempt in (1, 2):
+        try:
+            client = shared_client()
+            # a long wait for another kernel's load, a short one for the daemon (Note [Two kinds of waiting])
+            return client, client.wait_alive(*client.submit("lookup", key=key, wait=True), settings.wait_timeout)
+        except DaemonLost:
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
 
 
 def _weakable(obj: Any) -> bool:

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from kernel_server import arena
-from kernel_server.client import Client
+from kernel_server.client import ANSWER_TIMEOUT, Client
 from kernel_server.errors import DaemonError, RemoteError
 
 from . import mappings, rebuild
@@ -82,7 +82,8 @@ def publish(client: Client, key: str, label: str, meta: dict[str, Any], packed: 
             for src in plan.sources:
                 stack.callback(os.close, src.fd)
             try:
-                client.request("reserve", key=key, bytes=packed.arena_bytes + len(packed.graph), timeout=30)
+                client.request("reserve", key=key, bytes=packed.arena_bytes + len(packed.graph),
+                               timeout=ANSWER_TIMEOUT)
                 data = stack.enter_context(contextlib.closing(_new_arena(packed.arena_bytes, key, client.home, backing)))
                 private = arena.map_private(data.fd, packed.arena_bytes) if packed.arena_bytes else None
                 if private is not None:
@@ -96,7 +97,7 @@ def publish(client: Client, key: str, label: str, meta: dict[str, Any], packed: 
                     graph_bytes=len(packed.graph), arena_bytes=packed.arena_bytes, meta=meta, deps=packed.deps,
                     sources=[{"path": s.path, **s.identity} for s in plan.sources],
                     pieces=[[own.offset, own.nbytes, i, at] for i, s in enumerate(plan.sources) for own, at in s.pieces],
-                    pin=True, timeout=30)
+                    pin=True, timeout=ANSWER_TIMEOUT)
                 published = True
             except (DaemonError, OSError) as exc:
                 _abandon(client, key)
@@ -118,12 +119,12 @@ def publish_marker(client: Client, key: str, meta: dict[str, Any]) -> None:
     """Make `key` (whose load this connection holds) an entry without bytes, that only says what `meta`
     says (a load whose result depends on the random generators: Note [Random loads] in loading.py)."""
     try:
-        client.request("reserve", key=key, bytes=1, timeout=30)
+        client.request("reserve", key=key, bytes=1, timeout=ANSWER_TIMEOUT)
         graph, data = arena.ArenaWriter(1, name=f"overmind-marker:{key[:12]}"), arena.ArenaWriter(0)
         try:
             graph.view[:] = b"\0"
             client.request("publish", key=key, fds=[graph.seal(), data.seal()], graph_bytes=1, arena_bytes=0,
-                           meta=meta, marker=True, timeout=30)
+                           meta=meta, marker=True, timeout=ANSWER_TIMEOUT)
         finally:
             graph.close()
             data.close()
@@ -275,6 +276,6 @@ def _new_arena(nbytes: int, key: str, home: str | os.PathLike[str], backing: str
 
 def _abandon(client: Client, key: str) -> None:
     try:
-        client.request("abandon", key=key, timeout=10)
+        client.request("abandon", key=key, timeout=ANSWER_TIMEOUT)
     except DaemonError:
         pass

@@ -587,7 +587,8 @@ def test_patched_from_pretrained_with_hostile_kwargs_behaves_as_plain(overmind_h
 
 def test_a_kernel_of_another_uid_gets_a_clean_refusal(daemon: Client, overmind_home: Path) -> None:
     """The kernel side of tests/test_daemon.py::test_client_of_another_uid_is_refused: our own `Client`, run
-    as nobody and pointed at this daemon's socket, raises PeerRefused with what to do."""
+    as nobody and pointed at this daemon's socket, refuses it before sending anything (the daemon is
+    another user's), with what to do; the daemon has refused nobody's connection too."""
     if os.getuid() != 0:
         pytest.skip("switching to another uid needs root")
     if not (shutil.which("setpriv") and os.path.exists("/usr/bin/python3")):
@@ -599,12 +600,12 @@ def test_a_kernel_of_another_uid_gets_a_clean_refusal(daemon: Client, overmind_h
 import json, sys
 sys.path.insert(0, {str(repo)!r})
 from kernel_server.client import Client
-from kernel_server.errors import PeerRefused, DaemonError
+from kernel_server.errors import DaemonUntrusted, DaemonError
 from pathlib import Path
 try:
     Client(Path({str(overmind_home)!r}), spawn=False)
     print(json.dumps({{"connected": True}}))
-except PeerRefused as exc:
+except DaemonUntrusted as exc:
     print(json.dumps({{"refused": str(exc)}}))
 except DaemonError as exc:
     print(json.dumps({{"other": f"{{type(exc).__name__}}: {{exc}}"}}))
@@ -616,7 +617,7 @@ except DaemonError as exc:
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert "refused" in out, out
-    assert "serves uid 0 only" in out["refused"] and "OVERMIND_HOME" in out["refused"]
+    assert "served by uid 0, not by you" in out["refused"] and "OVERMIND_HOME" in out["refused"]
     assert daemon.request("ping")["pong"]
     assert [k["pid"] for k in daemon.request("status")["kernels"]] == [os.getpid()], "nobody got in"
 
