@@ -47,11 +47,13 @@ import re
 import stat
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = [
     "PAGE",
     "ArenaWriter",
+    "SourceFile",
     "align",
     "arena_directory",
     "check_sealed",
@@ -113,6 +115,34 @@ def file_identity(st: os.stat_result) -> dict[str, int]:
     restored, has another ctime (which no user can set back), or another inode if it was replaced."""
     return {"dev": st.st_dev, "ino": st.st_ino, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
             "ctime_ns": st.st_ctime_ns}
+
+
+@dataclass(eq=False)
+class SourceFile:
+    """A checkpoint file that pieces of an entry still lie in (Note [Pending pieces] in store.py): a
+    read-only descriptor of it, owned by its holder, and the identity it had when the entry was made."""
+
+    fd: int
+    identity: dict[str, int]
+    path: str = ""
+
+    def intact(self) -> bool:
+        """Whether the file is still that version: a file changed in any way is not."""
+        try:
+            return file_identity(os.fstat(self.fd)) == self.identity
+        except OSError:
+            return False
+
+    def dup(self) -> SourceFile:
+        return SourceFile(os.dup(self.fd), dict(self.identity), self.path)
+
+    def describe(self) -> dict[str, object]:
+        return {"path": self.path, **self.identity}
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def align(n: int, to: int = PAGE) -> int:

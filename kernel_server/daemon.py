@@ -30,7 +30,7 @@ from .errors import DaemonError, ProtocolError, RemoteError
 from .ledger import Ledger
 from .lifecycle import DaemonLock, default_budget, socket_path
 from .protocol import PROTOCOL_VERSION, FrameKind
-from .store import LookupResult, Source, Store
+from .store import LookupResult, Store
 from .transport import close_fds, peer_credentials, recv_frame, send_frame
 
 __all__ = ["Daemon", "run"]
@@ -404,7 +404,7 @@ def _key(req: dict[str, Any]) -> str:
     return key
 
 
-def _source(fd: int, raw: Any) -> Source:
+def _source(fd: int, raw: Any) -> arena.SourceFile:
     """A source file a publish names, checked against what the descriptor is (Note [Pending pieces])."""
     if not isinstance(raw, dict) or not isinstance(raw.get("path"), str):
         raise TypeError("each source needs a 'path' and its identity")
@@ -416,14 +416,14 @@ def _source(fd: int, raw: Any) -> Source:
     identity = arena.file_identity(st)
     if {k: raw.get(k) for k in identity} != identity:
         raise ValueError(f"source {raw['path']} is not the file announced (it changed, or another was sent)")
-    return Source(fd, identity, raw["path"][:4096])
+    return arena.SourceFile(fd, identity, raw["path"][:4096])
 
 
-def _check_pieces(pieces: Any, arena_bytes: int, sources: list[Source]) -> None:
-    if not isinstance(pieces, list):
-        raise TypeError("'pieces' must be a list")
+def _check_pieces(pieces: Any, arena_bytes: int, sources: list[arena.SourceFile]) -> None:
+    if not isinstance(pieces, list) or not all(isinstance(p, list) for p in pieces):
+        raise TypeError("'pieces' must be a list of lists")
     end = 0
-    for piece in sorted(p for p in pieces if isinstance(p, list)):
+    for piece in sorted(pieces):
         if (len(piece) != 4 or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in piece)
                 or piece[2] >= len(sources)):
             raise ValueError(f"bad piece {piece!r}: [arena offset, bytes, source index, file offset]")
@@ -431,8 +431,6 @@ def _check_pieces(pieces: Any, arena_bytes: int, sources: list[Source]) -> None:
         if offset < end or offset + nbytes > arena_bytes or file_offset + nbytes > sources[source].identity["size"]:
             raise ValueError(f"piece {piece!r} overlaps another or lies outside its arena or file")
         end = offset + nbytes
-    if len(pieces) != sum(isinstance(p, list) for p in pieces):
-        raise ValueError("each piece must be a list")
 
 
 def _lookup_reply(key: str, result: LookupResult) -> Reply:

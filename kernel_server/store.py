@@ -40,28 +40,10 @@ from typing import Any
 from . import arena
 from .errors import BudgetExceeded, RemoteError
 
-__all__ = ["CompactionJob", "Entry", "LookupResult", "Source", "Store"]
+__all__ = ["CompactionJob", "Entry", "LookupResult", "Store"]
 
 ConnId = int
 Notify = Callable[["LookupResult"], None]
-
-
-@dataclass
-class Source:
-    """A checkpoint file that pending pieces of an entry still lie in (Note [Pending pieces])."""
-
-    fd: int
-    identity: dict[str, int]
-    path: str
-
-    def intact(self) -> bool:
-        try:
-            return arena.file_identity(os.fstat(self.fd)) == self.identity
-        except OSError:
-            return False
-
-    def describe(self) -> dict[str, Any]:
-        return {"path": self.path, **self.identity}
 
 
 @dataclass
@@ -79,7 +61,7 @@ class Entry:
     last_used: float = field(default_factory=time.time)
     hits: int = 0
     pins: Counter[ConnId] = field(default_factory=Counter)
-    sources: list[Source] = field(default_factory=list)
+    sources: list[arena.SourceFile] = field(default_factory=list)
     pieces: list[list[int]] = field(default_factory=list)  # [arena offset, bytes, source index, file offset]
     compaction: dict[str, float] | None = None  # {"total", "done", "started"} while the compactor copies
     marker: bool = False  # no bytes: it tells the kernel where to look instead (its meta says why)
@@ -163,7 +145,7 @@ class CompactionJob:
     arena_bytes: int
     backing: str
     pieces: list[list[int]]
-    sources: list[Source]
+    sources: list[arena.SourceFile]
 
     def close(self) -> None:
         for fd in [self.arena_fd, *(s.fd for s in self.sources)]:
@@ -264,7 +246,7 @@ class Store:
 
     def publish(self, conn: ConnId, key: str, *, graph_fd: int, arena_fd: int, graph_bytes: int,
                 arena_bytes: int, backing: str, meta: dict[str, Any], deps: list[str],
-                sources: list[Source] | None = None, pieces: list[list[int]] | None = None,
+                sources: list[arena.SourceFile] | None = None, pieces: list[list[int]] | None = None,
                 pin: bool = False, marker: bool = False) -> list[tuple[Notify, LookupResult]]:
         """Turn a load into an entry. Takes ownership of every descriptor, also on error. `pin` pins
         the entry once for the publisher (whose model now lies in its arena). Returns the waiters to
@@ -318,7 +300,7 @@ class Store:
             entry.compaction = {"total": entry.pending_bytes, "done": 0, "started": time.time()}
             return CompactionJob(key, entry, os.dup(entry.arena_fd), entry.arena_bytes, entry.backing,
                                  [list(p) for p in entry.pieces],
-                                 [Source(os.dup(s.fd), dict(s.identity), s.path) for s in entry.sources])
+                                 [s.dup() for s in entry.sources])
 
     def compaction_progress(self, job: CompactionJob, done: int) -> None:
         with self._lock:

@@ -516,8 +516,8 @@ def _from_hit(client: Client, ck: keys.CallKey, reply: Response, replay: _Replay
         arenas = {}
         at = 1
         for e in entries:
-            sources = [rebuild.SourceRef(fd, {k: s[k] for k in ("dev", "ino", "size", "mtime_ns", "ctime_ns")},
-                                         s.get("path", "")) for s, fd in zip(e.get("sources", []), fds[at + 1:])]
+            sources = [arena.SourceFile(fd, {k: s[k] for k in ("dev", "ino", "size", "mtime_ns", "ctime_ns")},
+                                        s.get("path", "")) for s, fd in zip(e.get("sources", []), fds[at + 1:])]
             arenas[e["key"]] = rebuild.ArenaRef(e["key"], fds[at], e["arena_bytes"], e.get("pieces", []), sources)
             at += 1 + len(sources)
 

@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kernel_server import arena
+from kernel_server.arena import SourceFile
 
 __all__ = [
     "FileMapping",
     "Pin",
-    "SourceFile",
     "Span",
     "WrittenPages",
     "entry_of",
@@ -40,25 +40,6 @@ __all__ = [
     "register",
     "span_of",
 ]
-
-
-@dataclass(eq=False)
-class SourceFile:
-    """A checkpoint file an entry refers to, opened read-only, and the identity it had when cached."""
-
-    fd: int
-    identity: dict[str, int]
-
-    def intact(self) -> bool:
-        try:
-            return arena.file_identity(os.fstat(self.fd)) == self.identity
-        except OSError:
-            return False
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
 
 
 @dataclass(frozen=True)

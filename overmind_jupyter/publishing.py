@@ -247,7 +247,7 @@ def _remap(src: _Source, key: str, pin: mappings.Pin, by_storage: dict[int, list
         return
     m = arena.map_private(src.fd, src.identity["size"])
     mappings.register(m, key, pin, [(at, own.nbytes, own.offset) for own, at in src.pieces],
-                      source=mappings.SourceFile(os.dup(src.fd), src.identity))
+                      source=arena.SourceFile(os.dup(src.fd), src.identity, src.path))
     for own, at in src.pieces:
         storage = own.storage
         if storage is None:

@@ -23,7 +23,6 @@ import copyreg
 import gc
 import io
 import mmap
-import os
 import pickle
 import threading
 from collections.abc import Callable, Iterator
@@ -37,7 +36,7 @@ from kernel_server import arena
 from . import mappings
 from .errors import CorruptEntry, PackError
 
-__all__ = ["ArenaRef", "Packed", "SourceRef", "entry_of", "pack", "rebuild", "skeleton"]
+__all__ = ["ArenaRef", "Packed", "entry_of", "pack", "rebuild", "skeleton"]
 
 entry_of = mappings.entry_of
 
@@ -66,15 +65,6 @@ class Packed:
 
 
 @dataclass
-class SourceRef:
-    """A checkpoint file that pending pieces of an entry lie in: its descriptor and identity."""
-
-    fd: int
-    identity: dict[str, int]
-    path: str = ""
-
-
-@dataclass
 class ArenaRef:
     """One entry to map for a rebuild: its key, the arena's descriptor and size, and its pending
     pieces ([arena offset, bytes, source index, file offset]) with their source files."""
@@ -83,7 +73,7 @@ class ArenaRef:
     fd: int
     nbytes: int
     pieces: list[list[int]] = field(default_factory=list)
-    sources: list[SourceRef] = field(default_factory=list)
+    sources: list[arena.SourceFile] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.pieces = sorted(self.pieces)
@@ -432,9 +422,8 @@ class _Rebuild:
         else:
             src = ref.sources[source]
             m = arena.map_private(src.fd, src.identity["size"])
-            mine = mappings.SourceFile(os.dup(src.fd), src.identity)
             mappings.register(m, ref.key, pin, [(file_offset, nbytes, offset) for offset, nbytes, i, file_offset
-                                                in ref.pieces if i == source], source=mine)
+                                                in ref.pieces if i == source], source=src.dup())
         self.maps[(ref.key, source)] = m
         return m
 
@@ -549,12 +538,8 @@ def rebuild(graph: bytes, arenas: dict[str, ArenaRef], own_key: str, *,
     checkpoint file of a pending piece is no longer the one the entry was made from."""
     for ref in arenas.values():
         for src in ref.sources:
-            try:
-                now = arena.file_identity(os.fstat(src.fd))
-            except OSError as exc:
-                raise CorruptEntry(f"cannot read checkpoint file {src.path}: {exc}") from None
-            if now != src.identity:
-                raise CorruptEntry(f"checkpoint file {src.path} changed since it was cached")
+            if not src.intact():
+                raise CorruptEntry(f"checkpoint file {src.path} changed since it was cached, or cannot be read")
     state = _Rebuild(arenas, own_key, on_unmap, populate)
     state.arguments = arguments or {}
     state.reuse = reuse or {}
