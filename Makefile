@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup test demo demo-headless clean chromium
+.PHONY: setup lint test demo demo-headless clean chromium
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -24,7 +24,12 @@ chromium:
 
 setup: $(VENV)/.installed chromium
 
-test: setup
+# ruff's rules and mypy --strict are set in pyproject.toml; a finding fails the test command.
+lint: setup
+	$(PY) -m ruff check kernel_server overmind_jupyter tests benchmarks notebooks scripts
+	$(PY) -m mypy
+
+test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 demo: setup

@@ -360,7 +360,8 @@ def print_report(report: dict) -> None:
     for size, m in report["models"].items():
         rows = m["rows"]
         print(f"\n{size} model ({m['bytes']['bfloat16'] / 2**30:.2f} GiB bf16)")
-        print(f"{'case':22} {'call s':>8} {'call+fwd s':>11} {'x plain':>8} {'anon MiB':>9} {'% model':>8} {'ready s':>8}")
+        print(f"{'case':22} {'call s':>8} {'call+fwd s':>11} {'x plain':>8} {'anon MiB':>9} {'% model':>8} "
+              f"{'ready s':>8}")
         for name, r in rows.items():
             dtype = name.split()[-1]
             plain = rows[f"plain {dtype}"]

@@ -145,7 +145,8 @@ def measure(case: str, mode: str, paths: dict[str, str], env: dict[str, str], re
             run.update(restart=restarted - started, setup=set_up - restarted, ready=time.perf_counter() - started)
             runs.append(run)
         if cached:
-            status = execute(kc, "import overmind_jupyter, json; print(json.dumps(overmind_jupyter.loading.fallbacks()))")
+            status = execute(kc, "import overmind_jupyter, json; "
+                                 "print(json.dumps(overmind_jupyter.loading.fallbacks()))")
             runs[-1]["fallbacks"] = json.loads(status.strip().splitlines()[-1])
     finally:
         kc.stop_channels()
@@ -189,7 +190,8 @@ def main() -> None:
         if "overmind" not in runs_of:
             break
         med = {m: {f: statistics.median(r[f] for r in runs) for f in ("load", "cell")} for m, runs in runs_of.items()}
-        fb = " FALLBACKS: " + str(runs_of["overmind"][-1].get("fallbacks")) if runs_of["overmind"][-1].get("fallbacks") else ""
+        fallbacks = runs_of["overmind"][-1].get("fallbacks")
+        fb = f" FALLBACKS: {fallbacks}" if fallbacks else ""
         print(f"({case}) {CASES[case]['what']:22} {med['plain']['load']:12.3f} {med['overmind']['load']:11.3f} "
               f"{med['overmind']['load'] / med['plain']['load']:10.3f} {med['plain']['cell']:12.3f} "
               f"{med['overmind']['cell']:11.3f} {med['overmind']['cell'] / med['plain']['cell']:10.3f}{fb}")

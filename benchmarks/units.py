@@ -33,7 +33,7 @@ OUT = HERE / "out"
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
-from kernel_server import Client
+from kernel_server import Client  # noqa: E402 (after the repository is put on the path)
 
 # -- children -------------------------------------------------------------------------------------------
 

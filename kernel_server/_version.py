@@ -1,3 +1,1 @@
-from overmind_jupyter._version import __version__
-
-__all__ = ["__version__"]
+__version__ = "0.1.0"  # the same as overmind_jupyter's: tests/test_structure.py checks it

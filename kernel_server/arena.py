@@ -50,6 +50,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import settings
+
 __all__ = [
     "PAGE",
     "ArenaWriter",
@@ -93,9 +95,9 @@ def _filesystem_of(path: Path) -> str:
 def arena_directory(state_dir: str | os.PathLike[str]) -> Path:
     """Where "file" arenas live: OVERMIND_ARENA_DIR, else the state directory when it is on a disk
     filesystem, else ~/.cache/overmind/arenas (a state directory under $XDG_RUNTIME_DIR is a tmpfs)."""
-    env = os.environ.get("OVERMIND_ARENA_DIR")
-    if env:
-        return Path(env).expanduser()
+    configured = settings.get(settings.ARENA_DIR)
+    if configured:
+        return Path(configured)
     state = Path(os.path.realpath(state_dir))
     if _filesystem_of(state) not in _MEMORY_FILESYSTEMS:
         return state
@@ -311,7 +313,7 @@ def check_sealed(fd: int, nbytes: int) -> str:
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
     except OSError:
         seals = None  # not a memfd
-    if seals is None or seals & fcntl.F_SEAL_SEAL and not seals & fcntl.F_SEAL_WRITE:
+    if seals is None or (seals & fcntl.F_SEAL_SEAL and not seals & fcntl.F_SEAL_WRITE):
         # Not a memfd, or a file that can never be sealed: an O_TMPFILE file on a tmpfs (such as
         # $XDG_RUNTIME_DIR) is shmem too, born with F_SEAL_SEAL alone.
         if st.st_nlink != 0:

@@ -44,11 +44,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _start(args: argparse.Namespace) -> int:
-    home = lifecycle.state_dir()
     if args.foreground or args.daemonize:
         from .daemon import run
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+        logging.captureWarnings(True)  # a bad setting's SettingWarning goes to the log, once
+        home = lifecycle.state_dir()
         if args.foreground:
             return run(home)
         read_end, write_end = os.pipe()
@@ -58,6 +59,7 @@ def _start(args: argparse.Namespace) -> int:
             return 0 if ready else 1
         os.close(read_end)
         return run(home, ready_fd=write_end)
+    home = lifecycle.state_dir()
     with Client(home, role="cli") as client:
         print(f"daemon pid {client.daemon_pid} serves {home}")
     return 0
@@ -158,6 +160,12 @@ def _STATUS_TEXT(p: dict[str, Any]) -> str:
         + ", ".join(f"{k} {v}" for k, v in sorted(p["stats"].items())) + ")",
         f"kernels {len(p['kernels'])}: " + ", ".join(f"pid {k['pid']} ({k['role']})" for k in p["kernels"]),
     ]
+    fds = p.get("descriptors")
+    if fds:  # Note [Descriptor budget] in descriptors.py
+        lines.insert(2, f"fds    {fds.get('open') if fds.get('open') is not None else '?'} open of the limit "
+                        f"{fds['limit']}; entries hold {fds['entries']} of the {fds['cap']} kept for them")
+    if p.get("errors", {}).get("internal"):
+        lines.append(f"errors {p['errors']['internal']} internal (a bug: see the daemon log)")
     for dev in (p.get("units") or {}).get("devices", []):
         holders = ", ".join(f"pid {h.get('pid')} {h.get('units')}u{' busy' if h.get('busy') else ''}"
                             for h in dev.get("holders", []))

@@ -25,6 +25,8 @@ from .errors import (
     DaemonHung,
     DaemonLost,
     DaemonUnavailable,
+    DescriptorsExhausted,
+    DescriptorsLost,
     PeerRefused,
     ProtocolError,
     ProtocolMismatch,
@@ -45,7 +47,8 @@ __all__ = ["ANSWER_TIMEOUT", "Client", "Response", "existing_shared_client", "re
 # holds a lookup for another kernel's load.
 ANSWER_TIMEOUT = 3.0
 
-_ERRORS: dict[str, type[RemoteError]] = {"budget_exceeded": BudgetExceeded}
+_ERRORS: dict[str, type[RemoteError]] = {"budget_exceeded": BudgetExceeded,
+                                          "descriptors_exhausted": DescriptorsExhausted}
 
 
 @dataclass
@@ -174,7 +177,8 @@ class Client:
                     self._pending.pop(request_id, None)
                 self.close()
                 raise DaemonHung(f"the daemon at {self.home} (pid {self.daemon_pid}) did not answer within "
-                                 f"{ANSWER_TIMEOUT:.0f} s; this load runs plainly, and the next one asks again") from None
+                                 f"{ANSWER_TIMEOUT:.0f} s; this load runs plainly, and the next one asks again"
+                                 ) from None
 
     def wait(self, request_id: int, fut: Future[Frame], timeout: float | None) -> Response:
         try:
@@ -208,7 +212,7 @@ class Client:
         self._pushes.put(None)
         self._fail_pending(DaemonUnavailable("client closed"))
 
-    def __enter__(self) -> Client:  # noqa: PYI034 (Python 3.10 has no typing.Self)
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -220,7 +224,11 @@ class Client:
         failure: Exception = DaemonLost("the daemon closed the connection")
         try:
             while True:
-                frame = recv_frame(self._sock)
+                try:
+                    frame = recv_frame(self._sock)
+                except DescriptorsLost as exc:  # this process's table was full: that request fails alone
+                    self._descriptors_lost(exc)
+                    continue
                 if frame is None:
                     break
                 if frame.kind == FrameKind.PUSH:
@@ -245,6 +253,18 @@ class Client:
             self._failure = failure if not self._closed else self._failure
         self._fail_pending(failure)
         self._pushes.put(None)
+
+    def _descriptors_lost(self, exc: DescriptorsLost) -> None:
+        """A reply whose descriptors this process had no room for: give back what it granted (the pins
+        of a hit) and answer its request with an error instead."""
+        self._late_reply(Frame(FrameKind.REPLY, exc.payload))
+        request_id = exc.payload.get("id")
+        with self._lock:
+            fut = self._pending.pop(request_id, None) if isinstance(request_id, int) else None
+        if fut is not None:
+            message = f"{exc}; close models or files this process holds, or raise its limit (`ulimit -n`)"
+            fut.set_result(Frame(FrameKind.REPLY, {"id": request_id, "ok": False,
+                                                   "error": {"code": "descriptors_exhausted", "message": message}}))
 
     def _late_reply(self, frame: Frame) -> None:
         """A reply nobody waits for any more (its wait timed out): give back what it granted."""

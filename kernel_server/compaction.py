@@ -6,7 +6,9 @@ entry's own sealed arena, never a kernel's memory; it runs in the daemon, so it 
 that loaded the model. A kernel's first forward right after its load matters more than the entry
 being compact a moment earlier: the copy runs in one SCHED_IDLE thread and, before each chunk, waits
 (up to `patience` seconds) for a core of the machine to be idle, since a thread that touches fresh
-pages stalls its core whatever its scheduling class (Note [Filling an arena] in arena.py).
+pages stalls its core whatever its scheduling class (Note [Filling an arena] in arena.py). With the
+daemon out of descriptors, an entry is put back in the queue for later (Note [Descriptor budget] in
+descriptors.py); it stays servable from its files meanwhile.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from . import arena
+from . import arena, descriptors
 from .store import CompactionJob, Store
 
 __all__ = ["Compactor", "idle_cores"]
@@ -28,6 +30,7 @@ __all__ = ["Compactor", "idle_cores"]
 log = logging.getLogger(__name__)
 
 _CHUNK = 32 << 20
+_RETRY_AFTER = 5.0  # seconds before an entry the daemon had no descriptors to compact is tried again
 
 
 def _cpu_times() -> tuple[int, int]:
@@ -70,6 +73,7 @@ class Compactor:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._short_log = descriptors.Throttle()
 
     def submit(self, key: str) -> None:
         with self._lock:
@@ -95,15 +99,25 @@ class Compactor:
             key = self._queue.get()
             if key is None:
                 return
-            job = self.store.compaction_job(key)
+            try:
+                job = self.store.compaction_job(key)
+            except OSError as exc:
+                if not descriptors.exhausted(exc):
+                    raise
+                self._later(key, exc)
+                continue
             if job is None:
                 continue
+            retry: OSError | None = None
             try:
                 fd = self._compact(job)
             except InterruptedError:
                 fd = None
             except (OSError, ValueError) as exc:
-                log.warning("compacting %s failed (%s); it stays servable from its files", key[:12], exc)
+                if isinstance(exc, OSError) and descriptors.exhausted(exc):
+                    retry = exc
+                else:
+                    log.warning("compacting %s failed (%s); it stays servable from its files", key[:12], exc)
                 fd = None
             finally:
                 job.close()
@@ -111,6 +125,16 @@ class Compactor:
                 log.info("compacted %s", key[:12])
             elif fd is None:
                 self.store.compaction_finish(job, None)
+                if retry is not None:
+                    self._later(key, retry)
+
+    def _later(self, key: str, exc: OSError) -> None:
+        """Compact `key` again in a while: the daemon had no descriptor for it now."""
+        self._short_log.log(logging.INFO, "no descriptors free to compact %s (%s); trying again in %.0f s",
+                            key[:12], exc.strerror, _RETRY_AFTER)
+        timer = threading.Timer(_RETRY_AFTER, self.submit, (key,))
+        timer.daemon = True
+        timer.start()
 
     def _wait_for_an_idle_core(self) -> None:
         deadline = time.monotonic() + self.patience

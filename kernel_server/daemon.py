@@ -13,6 +13,7 @@ import fcntl
 import itertools
 import logging
 import os
+import select
 import signal
 import socket
 import stat
@@ -23,13 +24,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import arena
+from . import arena, descriptors, settings
 from ._version import __version__
 from .compaction import Compactor
-from .errors import DaemonError, ProtocolError, RemoteError
+from .errors import DaemonError, DescriptorsLost, ProtocolError, RemoteError
 from .ledger import Ledger
-from .lifecycle import DaemonLock, default_budget, socket_path
-from .protocol import PROTOCOL_VERSION, FrameKind
+from .lifecycle import DaemonLock, socket_path
+from .protocol import MAX_FDS, PROTOCOL_VERSION, FrameKind
 from .store import LookupResult, Store
 from .transport import close_fds, peer_credentials, recv_frame, send_frame
 
@@ -84,6 +85,7 @@ class Connection:
         return self.send(FrameKind.REPLY, {"id": request_id, "ok": True, **reply.payload}, reply.fds)
 
     def error(self, request_id: int | None, code: str, message: str) -> bool:
+        self.daemon.count_error(code)
         return self.send(FrameKind.REPLY, {"id": request_id, "ok": False,
                                            "error": {"code": code, "message": message}})
 
@@ -94,7 +96,7 @@ class Connection:
 class Daemon:
     def __init__(self, home: Path, budget: int | None = None) -> None:
         self.home = home
-        self.store = Store(default_budget() if budget is None else budget)
+        self.store = Store(settings.get(settings.BUDGET) if budget is None else budget)
         self.started = time.time()
         self._conns: dict[int, Connection] = {}
         self._conn_ids = itertools.count(1)
@@ -102,8 +104,8 @@ class Daemon:
         self._stopping = threading.Event()
         self._listener: socket.socket | None = None
         self.ledger = Ledger.from_env(self.kernel_of)
-        compact = os.environ.get("OVERMIND_COMPACT", "1").strip().lower() not in ("0", "false", "no", "off")
-        self.compactor = Compactor(self.store, lambda: arena.arena_directory(self.home), enabled=compact)
+        self.compactor = Compactor(self.store, lambda: arena.arena_directory(self.home),
+                                   enabled=settings.get(settings.COMPACT))
         # Every operation a client may ask for. Anything else gets an "unknown_op" error reply.
         self.handlers: dict[str, Callable[[Connection, dict[str, Any], list[int]], Reply | None]] = {
             "hello": self.op_hello,
@@ -127,25 +129,55 @@ class Daemon:
             "units_state": self.ledger.op_state,
         }
         self._fallbacks: collections.deque[dict[str, Any]] = collections.deque(maxlen=_MAX_FALLBACKS)
+        self.errors = collections.Counter[str]()  # error replies by code, for status ("internal" is a bug)
+        self._short_log = descriptors.Throttle()  # out of descriptors: one line every few seconds at most
 
     # -- serving ------------------------------------------------------------------------------
 
     def serve(self, listener: socket.socket) -> None:
         self._listener = listener
-        log.info("daemon %s (protocol %d) serving at %s, budget %d bytes",
-                 __version__, PROTOCOL_VERSION, listener.getsockname(), self.store.budget)
+        d = self.store.descriptors
+        log.info("daemon %s (protocol %d) serving at %s, budget %d bytes, descriptor limit %d (entries may "
+                 "hold %d)", __version__, PROTOCOL_VERSION, listener.getsockname(), self.store.budget, d.limit, d.cap)
         while not self._stopping.is_set():
             try:
                 sock, _ = listener.accept()
-            except OSError:
+            except OSError as exc:
                 if self._stopping.is_set():
                     break
+                if descriptors.exhausted(exc):
+                    self._accept_later(listener, exc)
+                    continue
                 log.exception("accept failed")
                 time.sleep(0.1)
                 continue
             threading.Thread(target=self._serve_connection, args=(sock,), daemon=True,
                              name="overmind-conn").start()
         self._close_all()
+
+    def _accept_later(self, listener: socket.socket, exc: OSError) -> None:
+        """The descriptor table is full. Linux takes a new connection's descriptor before it waits for
+        one, so accept fails at once whether or not anyone connects: wait until a connection does (poll
+        takes no descriptor), then make room for it by evicting unpinned entries; it waits in the
+        listen backlog meanwhile and is accepted on the next try (Note [Descriptor budget])."""
+        poller = select.poll()
+        try:
+            poller.register(listener, select.POLLIN)
+            if not poller.poll(1000):
+                return
+        except (OSError, ValueError):  # the listener was closed meanwhile: the daemon is stopping
+            return
+        evicted = self.store.shed(descriptors.SHED)
+        self.store.count("accept_deferred")
+        self._short_log.log(logging.WARNING, "out of file descriptors (%s, limit %d): a new connection waits; "
+                            "evicted %d unpinned entries to make room", exc.strerror, self.store.descriptors.limit,
+                            len(evicted))
+        if not evicted:
+            time.sleep(0.05)  # everything pinned: try again shortly, without spinning
+
+    def count_error(self, code: str) -> None:
+        with self._lock:
+            self.errors[code] += 1
 
     def stop(self) -> None:
         if self._stopping.is_set():
@@ -169,11 +201,13 @@ class Daemon:
             return
         with self._lock:
             self._conns[conn.id] = conn
+            self.store.descriptors.connections = len(self._conns)
         try:
             self._read_loop(conn)
         finally:
             with self._lock:
                 self._conns.pop(conn.id, None)
+                self.store.descriptors.connections = len(self._conns)
             with conn._send_lock:
                 conn.alive = False
             self._release(conn)
@@ -186,6 +220,9 @@ class Daemon:
         while not self._stopping.is_set():
             try:
                 frame = recv_frame(conn.sock)
+            except DescriptorsLost as exc:
+                self._answer_lost_descriptors(conn, exc)
+                continue
             except ProtocolError as exc:
                 conn.error(None, "bad_frame", str(exc))
                 if exc.fatal:
@@ -229,6 +266,20 @@ class Daemon:
                            f"{type(exc).__name__}: {exc} (see the daemon log)")
             finally:
                 close_fds(frame.fds)
+
+    def _answer_lost_descriptors(self, conn: Connection, exc: DescriptorsLost) -> None:
+        """A request whose descriptors the kernel could not hand us (our table was full): answer it
+        as a shortage; the connection and what it holds stay (Note [Descriptor budget])."""
+        request_id = exc.payload.get("id")
+        self.store.count("descriptors_short")
+        evicted = self.store.shed(descriptors.SHED)  # room for the next try
+        self._short_log.log(logging.WARNING, "out of file descriptors (limit %d): %s; answered descriptors_exhausted "
+                            "and evicted %d unpinned entries", self.store.descriptors.limit, exc, len(evicted))
+        conn.error(request_id if isinstance(request_id, int) and not isinstance(request_id, bool) else None,
+                   "descriptors_exhausted",
+                   f"the daemon ran out of file descriptors (its limit is {self.store.descriptors.limit}) "
+                   f"when this request's descriptors arrived, and they were lost; this load runs plainly. "
+                   f"If it happens again, {descriptors.ADVICE}")
 
     def _release(self, conn: Connection) -> None:
         for notify, result in self.store.release_connection(conn.id):
@@ -274,14 +325,17 @@ class Daemon:
     def op_status(self, conn: Connection, req: dict[str, Any], fds: list[int]) -> Reply:
         close_fds(fds)
         snap = self.store.snapshot(self.kernel_of)
+        snap["descriptors"]["open"] = descriptors.open_descriptors()
         with self._lock:
             kernels = [c.describe() for c in self._conns.values() if c.greeted]
+            errors = dict(self.errors)
         return Reply({
             "daemon": {"pid": os.getpid(), "version": __version__, "protocol": PROTOCOL_VERSION,
                        "home": str(self.home), "started": self.started},
             "kernels": kernels,
             "fallbacks": list(self._fallbacks),
             "units": self.ledger.snapshot(),
+            "errors": errors,
             **snap,
         })
 
@@ -295,7 +349,10 @@ class Daemon:
         request_id = req["id"]
 
         def notify(result: LookupResult) -> None:
-            conn.reply(request_id, _lookup_reply(key, result))
+            if result.error is not None:  # a waiter's hit that could not be sent
+                conn.error(request_id, result.error.code, str(result.error))
+            else:
+                conn.reply(request_id, _lookup_reply(key, result))
 
         result = self.store.lookup(conn.id, conn.pid, key, wait=bool(req.get("wait", True)),
                                    request_id=request_id, notify=notify)
@@ -312,11 +369,16 @@ class Daemon:
         return Reply({"cancelled": False})
 
     def op_reserve(self, conn: Connection, req: dict[str, Any], fds: list[int]) -> Reply:
+        """`bytes` of the budget for the load of `key`, and the `descriptors` its publish will bring
+        (graph, arena and one per source: 2 unless said; Note [Descriptor budget] in descriptors.py)."""
         close_fds(fds)
-        nbytes = req.get("bytes")
+        nbytes, nfds = req.get("bytes"), req.get("descriptors", 2)
         if not isinstance(nbytes, int) or nbytes < 0:
             raise RemoteError("bad_request", "reserve needs a non-negative integer 'bytes'")
-        evicted = self.store.reserve(conn.id, _key(req), nbytes)
+        if not isinstance(nfds, int) or isinstance(nfds, bool) or not 2 <= nfds <= MAX_FDS:
+            raise RemoteError("bad_request", f"reserve's 'descriptors' is an integer from 2 to {MAX_FDS}: the "
+                                             "graph, the arena and one per source file")
+        evicted = self.store.reserve(conn.id, _key(req), nbytes, nfds)
         return Reply({"evicted": evicted})
 
     def op_publish(self, conn: Connection, req: dict[str, Any], fds: list[int]) -> Reply:
@@ -455,6 +517,7 @@ def run(home: Path, budget: int | None = None, ready_fd: int | None = None) -> i
             os.close(ready_fd)
             ready_fd = None
 
+    descriptors.raise_limit()  # Note [Descriptor budget]
     lock = DaemonLock(home)
     if not lock.acquire():
         log.info("a daemon (pid %s) already serves %s", lock.holder_pid(), home)

@@ -9,6 +9,8 @@ __all__ = [
     "DaemonLost",
     "DaemonUnavailable",
     "DaemonUntrusted",
+    "DescriptorsExhausted",
+    "DescriptorsLost",
     "PeerRefused",
     "ProtocolError",
     "ProtocolMismatch",
@@ -51,6 +53,16 @@ class ProtocolError(DaemonError):
         self.fatal = fatal
 
 
+class DescriptorsLost(ProtocolError):
+    """A frame arrived whole, but the kernel could not give this process the descriptors attached to
+    it: its descriptor table was full (EMFILE; Note [Descriptor budget] in descriptors.py). Not fatal:
+    `payload` is the frame's payload, so that its request can be answered."""
+
+    def __init__(self, message: str, payload: dict[str, object]) -> None:
+        super().__init__(message)
+        self.payload = payload
+
+
 class ProtocolMismatch(DaemonError):
     """The daemon and this client speak different protocol versions."""
 
@@ -69,6 +81,11 @@ class RemoteError(DaemonError):
 
 class BudgetExceeded(RemoteError):
     """The store cannot make room for an entry within its byte budget."""
+
+
+class DescriptorsExhausted(RemoteError):
+    """The daemon has no file descriptor to spare for an entry or a reply (Note [Descriptor budget] in
+    descriptors.py); the load runs plainly. Its code is "descriptors_exhausted"."""
 
 
 class WaitTimeout(DaemonError):

@@ -45,9 +45,6 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
-import math
-import os
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -55,57 +52,23 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from . import settings
 from .errors import RemoteError
+from .settings import GiB
 from .transport import close_fds
 
 if TYPE_CHECKING:
     from .daemon import Connection, Reply
 
-__all__ = ["GiB", "Ledger", "parse_fake_gpus"]
+__all__ = ["GiB", "Ledger"]
 
 log = logging.getLogger("kernel_server")
 
-GiB = 1 << 30
 ConnId = int
 Effect = Callable[[], Any]
 
-_MAX_DEVICES = 64
+_MAX_DEVICES = settings.MAX_FAKE_GPUS
 _MAX_UNITS = 1 << 20
-
-
-# -- configuration -----------------------------------------------------------------------------------
-
-def parse_fake_gpus(text: str) -> list[float]:
-    """Read OVERMIND_FAKE_GPUS: "2x16" is two devices of 16 GiB; "24" one of 24 GiB; "1x80,2x16" three.
-
-    Args:
-        text: the variable's value.
-
-    Returns:
-        The memory of each simulated device, in GiB.
-    """
-    sizes: list[float] = []
-    for part in text.replace(" ", "").split(","):
-        m = re.fullmatch(r"(?:(\d+)[xX*])?(\d+(?:\.\d+)?)(?:[gG](?:i?[bB])?)?", part)
-        if not m or (m.group(1) is not None and int(m.group(1)) == 0) or float(m.group(2)) <= 0:
-            raise ValueError(f"OVERMIND_FAKE_GPUS={text!r} is not a device list: write COUNTxGiB, as in "
-                             "'2x16' (two devices of 16 GiB), or several joined by commas, as in '1x80,2x16'")
-        sizes += [float(m.group(2))] * int(m.group(1) or 1)
-    if len(sizes) > _MAX_DEVICES:
-        raise ValueError(f"OVERMIND_FAKE_GPUS={text!r} asks for {len(sizes)} devices; at most {_MAX_DEVICES}")
-    return sizes
-
-
-def _parse_reserve(text: str | None) -> float:
-    if text is None or not text.strip():
-        return 1.0
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0 or math.isinf(value):
-        raise ValueError(f"OVERMIND_GPU_RESERVE={text!r} is not a number of GiB: write e.g. 1 or 0.5")
-    return value
 
 
 # -- records ------------------------------------------------------------------------------------------
@@ -194,7 +157,7 @@ class Ledger:
         self._reaper: threading.Thread | None = None
         self.stats: collections.Counter[str] = collections.Counter()
         if fake_gpus:
-            for i, gib in enumerate(parse_fake_gpus(fake_gpus)):
+            for i, gib in enumerate(settings.parse_fake_gpus(fake_gpus)):
                 total = int(gib * GiB)
                 self._devices[f"sim:{i}"] = Device(f"sim:{i}", f"cuda:{i}", "simulated", total,
                                                    self._capacity(total), True)
@@ -204,9 +167,9 @@ class Ledger:
         """The daemon's ledger, configured by OVERMIND_FAKE_GPUS and OVERMIND_GPU_RESERVE. A bad value does
         not stop the daemon: every units operation then answers an error that names it."""
         try:
-            return cls(kernels, fake_gpus=os.environ.get("OVERMIND_FAKE_GPUS") or None,
-                       reserve_gib=_parse_reserve(os.environ.get("OVERMIND_GPU_RESERVE")))
-        except ValueError as exc:
+            return cls(kernels, fake_gpus=settings.FAKE_GPUS.read() or None,
+                       reserve_gib=settings.GPU_RESERVE.read())
+        except settings.SettingError as exc:
             log.error("units ledger disabled: %s", exc)
             ledger = cls(kernels)
             ledger.config_error = f"{exc}; fix it and restart the daemon with `overmind-daemon stop`"

@@ -10,7 +10,6 @@ import errno
 import fcntl
 import itertools
 import os
-import re
 import socket
 import stat
 import subprocess
@@ -18,15 +17,14 @@ import sys
 import time
 from pathlib import Path
 
+from . import settings
 from .errors import DaemonUnavailable, DaemonUntrusted, StateDirError
 from .transport import peer_credentials
 
 __all__ = [
     "check_ancestors",
-    "default_budget",
     "lock_path",
     "log_path",
-    "parse_bytes",
     "socket_path",
     "spawn_daemon",
     "state_dir",
@@ -42,9 +40,9 @@ def state_dir(create: bool = True) -> Path:
     """The per-user state directory: OVERMIND_HOME, else $XDG_RUNTIME_DIR/overmind, else
     ~/.cache/overmind. Created with mode 0700; refused when it is a symlink, another user's, or open
     to others."""
-    env = os.environ.get("OVERMIND_HOME")
-    if env:
-        path = Path(env).expanduser()
+    home = settings.get(settings.HOME)
+    if home:
+        path = Path(home)
     elif os.environ.get("XDG_RUNTIME_DIR") and Path(os.environ["XDG_RUNTIME_DIR"]).is_dir():
         path = Path(os.environ["XDG_RUNTIME_DIR"]) / "overmind"
     else:
@@ -94,7 +92,7 @@ def check_ancestors(path: Path) -> None:
     chain += list(chain[0].parents)
     for child, parent in itertools.pairwise(chain):
         st = os.stat(parent)
-        others = st.st_mode & 0o022 or st.st_uid not in (me, 0) and st.st_mode & 0o200
+        others = st.st_mode & 0o022 or (st.st_uid not in (me, 0) and st.st_mode & 0o200)
         if not others:
             continue
         if st.st_mode & stat.S_ISVTX and os.lstat(child).st_uid == me:
@@ -124,29 +122,6 @@ def lock_path(home: Path) -> Path:
 
 def log_path(home: Path) -> Path:
     return home / "daemon.log"
-
-
-def parse_bytes(text: str) -> int:
-    """'4096', '512M', '40G', '1.5T' or '50%' (of physical memory) to bytes."""
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([kmgtKMGT%]?)i?[bB]?\s*", text)
-    if not m:
-        raise ValueError(f"cannot read {text!r} as a size: write bytes, or a number with K, M, G, T or %")
-    value, unit = float(m.group(1)), m.group(2).upper()
-    if unit == "%":
-        return int(_physical_memory() * value / 100)
-    return int(value * 1024 ** " KMGT".index(unit or " "))
-
-
-def default_budget() -> int:
-    """OVERMIND_BUDGET, else half of physical memory."""
-    env = os.environ.get("OVERMIND_BUDGET")
-    if env:
-        return parse_bytes(env)
-    return _physical_memory() // 2
-
-
-def _physical_memory() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def try_connect(home: Path) -> socket.socket | None:

@@ -28,6 +28,10 @@ A frame is a fixed 12-byte header followed by a JSON payload::
   "lookup" answered "hit" attaches the graph, then for each listed entry its arena followed by its
   sources' descriptors (see Note [Pending pieces] in store.py). A "publish" with "marker" true makes an
   entry without bytes that status and "ls" do not list (Note [Random loads] in overmind_jupyter/loading.py).
+- The "reserve" before a "publish" MAY say how many descriptors it will attach ("descriptors"; 2 when
+  absent). A receiver whose descriptor table is full gets a frame whole but without its descriptors
+  (MSG_CTRUNC, the header announcing at most MAX_FDS): that request alone fails, with the error
+  "descriptors_exhausted", and the connection stays (Note [Descriptor budget] in descriptors.py).
 
 The protocol version is independent of the package version; bump it on any change to this format or to
 the meaning of an existing operation.

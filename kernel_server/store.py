@@ -18,7 +18,8 @@ own, reading only the files, and swaps it in; hits after that map the arena alon
 `budget`. A loader reserves before it allocates its arena; the reservation becomes the entry when it
 publishes, and dies with the load. Room is made by evicting least-recently-used entries that no
 connection pins; evicting an entry also evicts the entries built on top of it (its dependents), and an
-entry whose dependent is pinned counts as pinned.
+entry whose dependent is pinned counts as pinned. Descriptors are accounted the same way, against a cap
+the descriptor limit sets (Note [Descriptor budget] in descriptors.py).
 
 # Note [Single flight]
 The first connection that misses a key becomes its loader; later lookups of that key wait and are
@@ -37,8 +38,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import arena
-from .errors import BudgetExceeded, RemoteError
+from . import arena, descriptors
+from .errors import BudgetExceeded, DescriptorsExhausted, RemoteError
 
 __all__ = ["CompactionJob", "Entry", "LookupResult", "Store"]
 
@@ -73,6 +74,11 @@ class Entry:
     @property
     def pending_bytes(self) -> int:
         return sum(p[1] for p in self.pieces)
+
+    @property
+    def nfds(self) -> int:
+        """How many descriptors this entry holds: graph, arena, source files (Note [Descriptor budget])."""
+        return 2 + len(self.sources)
 
     def intact(self) -> bool:
         return all(s.intact() for s in self.sources)
@@ -120,6 +126,7 @@ class _Load:
     owner_pid: int
     started: float = field(default_factory=time.time)
     reserved: int = 0
+    nfds: int = 0  # descriptors reserved for the entry (Note [Descriptor budget])
     waiters: deque[_Waiter] = field(default_factory=deque)
 
 
@@ -127,12 +134,13 @@ class _Load:
 class LookupResult:
     """What a lookup decided. `status` is "hit" (entries listed, the first is the key's own, each
     pinned once for the connection, descriptors duplicated for sending), "load" (the caller is now
-    the loader), "busy" (another connection loads it and the caller did not want to wait) or
-    "cancelled"."""
+    the loader), "busy" (another connection loads it and the caller did not want to wait),
+    "cancelled", or "error" (a waiter's hit that could not be answered: `error` says why)."""
 
     status: str
     entries: list[Entry] = field(default_factory=list)
     fds: list[int] = field(default_factory=list)
+    error: RemoteError | None = None
 
 
 @dataclass
@@ -159,6 +167,8 @@ class Store:
         self._entries: dict[str, Entry] = {}
         self._loads: dict[str, _Load] = {}
         self.stats = Counter[str]()
+        # The daemon keeps its count of connections current (Note [Descriptor budget]).
+        self.descriptors = descriptors.DescriptorBudget.of_process()
 
     # -- reads ---------------------------------------------------------------------------------
 
@@ -169,6 +179,14 @@ class Store:
     @property
     def reserved(self) -> int:
         return sum(load.reserved for load in self._loads.values())
+
+    @property
+    def fds_held(self) -> int:
+        return sum(e.nfds for e in self._entries.values())
+
+    @property
+    def fds_reserved(self) -> int:
+        return sum(load.nfds for load in self._loads.values())
 
     def snapshot(self, kernels: Callable[[ConnId], dict[str, Any]]) -> dict[str, Any]:
         with self._lock:
@@ -184,6 +202,9 @@ class Store:
                     for load in self._loads.values()
                 ],
                 "stats": dict(self.stats),
+                "descriptors": {"limit": self.descriptors.limit, "cap": self.descriptors.cap,
+                                "entries": self.fds_held, "reserved": self.fds_reserved,
+                                "connections": self.descriptors.connections},
             }
 
     # -- lookups and loads ---------------------------------------------------------------------
@@ -196,8 +217,9 @@ class Store:
             if entry is not None and not self._intact(entry):
                 entry = None
             if entry is not None:
+                result = self._hit(conn, entry)  # DescriptorsExhausted: answered as an error, nothing pinned
                 self.stats["hits"] += int(not entry.marker)
-                return self._hit(conn, entry)
+                return result
             load = self._loads.get(key)
             if load is None:
                 self.stats["misses"] += 1
@@ -220,8 +242,9 @@ class Store:
                         return True
         return False
 
-    def reserve(self, conn: ConnId, key: str, nbytes: int) -> list[str]:
-        """Reserve room for the load of `key` owned by `conn`; returns the keys evicted to make it."""
+    def reserve(self, conn: ConnId, key: str, nbytes: int, nfds: int = 2) -> list[str]:
+        """Reserve room for the load of `key` owned by `conn`: `nbytes` of the budget and the `nfds`
+        descriptors its entry will hold (Note [Descriptor budget]); returns the keys evicted to make it."""
         with self._lock:
             load = self._owned_load(conn, key)
             if nbytes > self.budget:
@@ -231,17 +254,20 @@ class Store:
                     "raise OVERMIND_BUDGET (bytes, or a suffix like 40G) and restart the daemon "
                     "with `overmind-daemon stop`",
                 )
-            need = nbytes - load.reserved
-            evicted = self._make_room(need)
+            need, need_fds = nbytes - load.reserved, nfds - load.nfds
+            evicted = self._make_room(need, need_fds)
+            if not self._fits_fds(need_fds):
+                raise self._refuse_for_descriptors(nfds)
             if self.used + self.reserved + need > self.budget:
-                pinned = sum(e.nbytes for e in self._entries.values() if self._pinned(e))
+                held = self._held_by_pins()
+                pinned = sum(e.nbytes for e in self._entries.values() if e.key in held)
                 raise BudgetExceeded(
                     "budget_exceeded",
                     f"no room for {_gib(nbytes)}: {_gib(pinned)} of the {_gib(self.budget)} budget is held "
                     "by entries that kernels use now and {} is reserved by other loads; free models in "
                     "other kernels, `%overmind evict`, or raise OVERMIND_BUDGET".format(_gib(self.reserved)),
                 )
-            load.reserved = nbytes
+            load.reserved, load.nfds = nbytes, nfds
             return evicted
 
     def publish(self, conn: ConnId, key: str, *, graph_fd: int, arena_fd: int, graph_bytes: int,
@@ -260,6 +286,11 @@ class Store:
                         "not_reserved",
                         f"publish of {graph_bytes + arena_bytes} bytes exceeds the {load.reserved} reserved",
                     )
+                extra_fds = 2 + len(sources) - load.nfds  # more than reserved: a client that did not say
+                if extra_fds > 0:
+                    self._make_room(0, extra_fds)
+                    if not self._fits_fds(extra_fds):
+                        raise self._refuse_for_descriptors(2 + len(sources))
                 missing = [d for d in deps if d not in self._entries]
                 if missing:
                     raise RemoteError("missing_dependency", f"entries {missing} were evicted meanwhile")
@@ -272,8 +303,11 @@ class Store:
                 self.stats["published"] += 1
                 answers = []
                 for waiter in load.waiters:
-                    self.stats["hits"] += int(not marker)
-                    answers.append((waiter.notify, self._hit(waiter.conn, entry)))
+                    try:
+                        answers.append((waiter.notify, self._hit(waiter.conn, entry)))
+                        self.stats["hits"] += int(not marker)
+                    except DescriptorsExhausted as exc:
+                        answers.append((waiter.notify, LookupResult("error", error=exc)))
                 return answers
         except BaseException:
             for fd in (graph_fd, arena_fd, *(s.fd for s in sources)):
@@ -292,15 +326,17 @@ class Store:
 
     def compaction_job(self, key: str) -> CompactionJob | None:
         """Start compacting `key`: its pieces and descriptors of its own; None when there is nothing
-        (left) to do or the entry went stale."""
+        (left) to do or the entry went stale. Raises OSError (EMFILE: try later) with nothing changed."""
         with self._lock:
             entry = self._entries.get(key)
             if entry is None or not entry.pieces or entry.compaction is not None or not self._intact(entry):
                 return None
+            fds = _dup_all([entry.arena_fd, *(s.fd for s in entry.sources)])
             entry.compaction = {"total": entry.pending_bytes, "done": 0, "started": time.time()}
-            return CompactionJob(key, entry, os.dup(entry.arena_fd), entry.arena_bytes, entry.backing,
-                                 [list(p) for p in entry.pieces],
-                                 [s.dup() for s in entry.sources])
+            sources = [arena.SourceFile(fd, dict(s.identity), s.path)
+                       for s, fd in zip(entry.sources, fds[1:], strict=True)]
+            return CompactionJob(key, entry, fds[0], entry.arena_bytes, entry.backing,
+                                 [list(p) for p in entry.pieces], sources)
 
     def compaction_progress(self, job: CompactionJob, done: int) -> None:
         with self._lock:
@@ -351,6 +387,17 @@ class Store:
             self.stats["evicted"] += len(evicted)
             return evicted
 
+    def count(self, stat: str) -> None:
+        """Count an event of the daemon's in `stats` (shown by status)."""
+        with self._lock:
+            self.stats[stat] += 1
+
+    def shed(self, fds: int) -> list[str]:
+        """Evict least-recently-used unpinned entries until they gave back `fds` descriptors (or none
+        is left to evict): room for a connection or a reply when the descriptor table is full."""
+        with self._lock:
+            return self._shed(fds)
+
     def release_connection(self, conn: ConnId) -> list[tuple[Notify, LookupResult]]:
         with self._lock:
             for entry in self._entries.values():
@@ -376,16 +423,38 @@ class Store:
         return load
 
     def _hit(self, conn: ConnId, entry: Entry) -> LookupResult:
-        chain = self._with_deps(entry)
+        """Pin `entry` and what it builds on for `conn`, with duplicates of their descriptors to send.
+        Raises DescriptorsExhausted, with nothing pinned or left open, when none can be had."""
+        chain = self._with_deps(entry)  # the entry first, then the entries it builds on
+        for e in chain:
+            e.pins[conn] += 1  # first, so that shedding for the duplicates passes the chain over
+        try:
+            fds = self._dup_for_sending(_sent_with_hit(chain))
+        except DescriptorsExhausted:
+            for e in chain:
+                e.pins[conn] -= 1
+                if not e.pins[conn]:
+                    del e.pins[conn]
+            raise
         now = time.time()
-        fds = [os.dup(entry.graph_fd)]
         for e in chain:
             e.last_used = now
-            e.pins[conn] += 1
-            fds.append(os.dup(e.arena_fd))
-            fds += [os.dup(s.fd) for s in e.sources]
         entry.hits += int(not entry.marker)
         return LookupResult("hit", chain, fds)
+
+    def _dup_for_sending(self, fds: list[int]) -> list[int]:
+        """Duplicates of `fds`; with the table full, shed unpinned entries and try once more, then
+        raise DescriptorsExhausted (Note [Descriptor budget])."""
+        for attempt in (1, 2):
+            try:
+                return _dup_all(fds)
+            except OSError as exc:
+                if not descriptors.exhausted(exc):
+                    raise
+                if attempt == 1:
+                    self._shed(len(fds))
+        self.stats["descriptors_short"] += 1
+        raise self._short_of_descriptors("sending a hit")
 
     def _with_deps(self, entry: Entry) -> list[Entry]:
         seen: dict[str, Entry] = {}
@@ -417,21 +486,59 @@ class Store:
             self._drop(key)
         return not stale
 
-    def _pinned(self, entry: Entry) -> bool:
-        if entry.pins:
-            return True
-        return any(self._entries[k].pins for k in self._dependents(entry.key))
+    def _held_by_pins(self) -> set[str]:
+        """Keys eviction passes over: pinned entries and every entry they build on."""
+        held: set[str] = set()
+        stack = [e for e in self._entries.values() if e.pins]
+        while stack:
+            e = stack.pop()
+            if e.key not in held:
+                held.add(e.key)
+                stack += [self._entries[d] for d in e.deps if d in self._entries]
+        return held
 
-    def _make_room(self, need: int) -> list[str]:
+    def _fits_fds(self, need_fds: int) -> bool:
+        return self.fds_held + self.fds_reserved + need_fds <= self.descriptors.cap
+
+    def _make_room(self, need: int, need_fds: int = 0) -> list[str]:
+        """Evict until `need` more bytes and `need_fds` more descriptors fit, or nothing is left to evict."""
+        return self._evict_until(
+            lambda: self.used + self.reserved + need <= self.budget and self._fits_fds(need_fds))
+
+    def _shed(self, fds: int) -> list[str]:
+        target = self.fds_held - fds
+        return self._evict_until(lambda: self.fds_held <= target)
+
+    def _evict_until(self, done: Callable[[], bool]) -> list[str]:
+        """Evict least-recently-used unpinned entries (dependents with them) until `done()`."""
+        held = self._held_by_pins()
         evicted: list[str] = []
-        while self.used + self.reserved + need > self.budget:
-            candidates = [e for e in self._entries.values() if not self._pinned(e)]
-            if not candidates:
+        for victim in sorted((e for e in self._entries.values() if e.key not in held), key=lambda e: e.last_used):
+            if done():
                 break
-            victim = min(candidates, key=lambda e: e.last_used)
-            evicted += self._drop(victim.key)
+            if victim.key in self._entries:  # not gone with an entry it builds on
+                evicted += self._drop(victim.key)
         self.stats["evicted"] += len(evicted)
         return evicted
+
+    def _refuse_for_descriptors(self, fds: int) -> DescriptorsExhausted:
+        self.stats["descriptors_refused"] += 1
+        d, held = self.descriptors, self._held_by_pins()
+        pinned = sum(e.nfds for e in self._entries.values() if e.key in held)
+        return DescriptorsExhausted(
+            "descriptors_exhausted",
+            f"the daemon has no file descriptors left for a new entry (it needs {fds}): its limit of {d.limit} "
+            f"leaves {d.cap} for entries, the rest being kept for connections and its own use, and entries that "
+            f"kernels use now hold {pinned} of them, loads in flight {self.fds_reserved}. To cache more, "
+            f"{descriptors.ADVICE}",
+        )
+
+    def _short_of_descriptors(self, doing: str) -> DescriptorsExhausted:
+        return DescriptorsExhausted(
+            "descriptors_exhausted",
+            f"the daemon ran out of file descriptors (its limit is {self.descriptors.limit}) while {doing}; "
+            f"this load runs plainly. If it happens again, {descriptors.ADVICE}",
+        )
 
     def _drop(self, key: str) -> list[str]:
         dropped = []
@@ -451,6 +558,24 @@ class Store:
         heir = load.waiters.popleft()
         self._loads[load.key] = _Load(load.key, heir.conn, heir.pid, waiters=load.waiters)
         return [(heir.notify, LookupResult("load"))]
+
+
+def _sent_with_hit(chain: list[Entry]) -> list[int]:
+    """What a hit of `chain[0]` sends (protocol.py): its graph, then each entry's arena and sources."""
+    return [chain[0].graph_fd, *(fd for e in chain for fd in (e.arena_fd, *(s.fd for s in e.sources)))]
+
+
+def _dup_all(fds: list[int]) -> list[int]:
+    """Duplicates of every one of `fds`, or OSError with none of them left open."""
+    out: list[int] = []
+    try:
+        for fd in fds:
+            out.append(os.dup(fd))
+    except BaseException:
+        for fd in out:
+            os.close(fd)
+        raise
+    return out
 
 
 def _gib(n: int) -> str:

@@ -8,7 +8,7 @@ import struct
 from collections.abc import Sequence
 from typing import Any
 
-from .errors import ProtocolError
+from .errors import DescriptorsLost, ProtocolError
 from .protocol import HEADER, MAX_FDS, Frame, FrameKind, decode_header, decode_payload, encode, frame_kind
 
 __all__ = ["close_fds", "peer_credentials", "recv_frame", "send_frame"]
@@ -42,41 +42,52 @@ def send_frame(sock: socket.socket, kind: FrameKind, payload: dict[str, Any], fd
         sock.sendall(data)
 
 
-def _recv_exact(sock: socket.socket, n: int, fds: list[int], *, first: bool) -> bytes | None:
+def _recv_exact(sock: socket.socket, n: int, fds: list[int], *, first: bool) -> tuple[bytes | None, bool]:
+    """`n` bytes (None at a clean end of stream), and whether descriptors attached to them were cut
+    off (MSG_CTRUNC)."""
     buf = bytearray()
+    truncated = False
     while len(buf) < n:
         if first and not buf:
             # The sender attaches descriptors to the header's first byte, so they arrive here.
             chunk, got, flags, _ = socket.recv_fds(sock, n, MAX_FDS)
             fds.extend(got)
-            if flags & socket.MSG_CTRUNC:
-                raise ProtocolError(f"more than {MAX_FDS} descriptors attached to one frame", fatal=True)
+            truncated = bool(flags & socket.MSG_CTRUNC)
         else:
             chunk = sock.recv(n - len(buf))
         if not chunk:
             if buf:
                 raise ProtocolError(f"connection closed inside a frame ({len(buf)} of {n} bytes)", fatal=True)
-            return None
+            return None, truncated
         buf += chunk
-    return bytes(buf)
+    return bytes(buf), truncated
 
 
 def recv_frame(sock: socket.socket) -> Frame | None:
     """Read one frame; None at a clean end of stream.
 
     Raises ProtocolError for a frame that cannot be accepted; descriptors that came with it are closed
-    first. When the error is not fatal, the stream is positioned at the next frame.
+    first. When the error is not fatal, the stream is positioned at the next frame. DescriptorsLost is
+    a whole frame whose descriptors this process had no room for (Note [Descriptor budget] in
+    descriptors.py).
     """
     fds: list[int] = []
     try:
-        raw = _recv_exact(sock, HEADER.size, fds, first=True)
+        raw, truncated = _recv_exact(sock, HEADER.size, fds, first=True)
         if raw is None:
             return None
         version, kind, nfds, length = decode_header(raw)
-        body = _recv_exact(sock, length, fds, first=False) if length else b""
+        # Cut off with the buffer full, or announcing more than it may: the sender broke the protocol.
+        # Cut off short of MAX_FDS: the kernel had no descriptor to give us, and the bytes are all there.
+        if truncated and (nfds > MAX_FDS or len(fds) >= MAX_FDS):
+            raise ProtocolError(f"more than {MAX_FDS} descriptors attached to one frame", fatal=True)
+        body, _ = _recv_exact(sock, length, fds, first=False) if length else (b"", False)
         if body is None:
             raise ProtocolError("connection closed inside a frame", fatal=True)
         checked_kind = frame_kind(kind)
+        if truncated:
+            raise DescriptorsLost(f"{nfds - len(fds)} of the {nfds} descriptors attached to a frame were lost: "
+                                  "this process has no descriptor free (EMFILE)", decode_payload(body))
         if nfds != len(fds):
             raise ProtocolError(f"header announces {nfds} descriptors, {len(fds)} arrived")
         return Frame(checked_kind, decode_payload(body), fds, version)

@@ -2,7 +2,7 @@
 
 `%load_ext overmind_jupyter` then `%overmind on` routes `from_pretrained` through a per-user daemon
 that keeps loaded weights in shared memory. Importing this package is cheap: it imports neither torch,
-transformers, diffusers, peft nor IPython (DESIGN.md invariant 8); everything heavy loads on use.
+transformers, diffusers, peft nor IPython (docs/design.md invariant 8); everything heavy loads on use.
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ __all__ = [
 ]
 
 _WHERE = {
-    **dict.fromkeys(["enable", "disable", "is_enabled", "status", "evict", "load_ipython_extension",
-                     "unload_ipython_extension"], ".extension"),
+    **dict.fromkeys(["enable", "disable", "is_enabled", "status", "evict"], ".api"),
+    **dict.fromkeys(["load_ipython_extension", "unload_ipython_extension"], ".extension"),
     "cached": ".loading",
     "preload": ".preloading",
 }
 _SUBMODULES = ("adapters", "units", "widgets", "warm", "loading", "rebuild", "keys", "demo_models", "extension",
-               "config", "patching", "targets")
+               "api", "config", "patching", "targets")
 
 __getattr__, __dir__ = lazy_attributes(__name__, _WHERE, __all__, _SUBMODULES)
 

@@ -1,64 +1,81 @@
-"""The `Overmind` configurable: IPython config (`c.Overmind.enabled = True`) with an env override each."""
+"""The `Overmind` configurable: `c.Overmind.<name>` in IPython config for each setting a kernel reads or
+hands to the daemon it starts. Every trait is made from its declaration in kernel_server/settings.py.
+
+traitlets' order holds: the command line over the config file over the environment, which gives each
+trait its default. A bad value, from any of them, is reported once and replaced by the default (Note
+[Bad settings] in kernel_server/settings.py): `%load_ext` never fails on one.
+"""
 
 from __future__ import annotations
 
 import os
 from typing import Any
 
-from traitlets import Bool, Enum, Float, Unicode
+from traitlets import TraitType
 from traitlets.config import Configurable
+
+from kernel_server import settings as declared
+from kernel_server.settings import Setting, SettingError
 
 __all__ = ["Overmind"]
 
-# trait name -> environment variable that overrides it
-ENV = {
-    "enabled": "OVERMIND_ENABLED",
-    "home": "OVERMIND_HOME",
-    "budget": "OVERMIND_BUDGET",
-    "wait_timeout": "OVERMIND_WAIT_TIMEOUT",
-    "arena": "OVERMIND_ARENA",
-    "populate": "OVERMIND_POPULATE",
-}
+
+class _Declared(TraitType[Any, Any]):
+    """A trait whose default comes from the environment and whose values go through the setting's kind."""
+
+    def __init__(self, setting: Setting) -> None:
+        super().__init__(help=f"{setting.help[0].upper()}{setting.help[1:]} (environment: {setting.env}).",
+                         config=True)
+        self.setting = setting
+        self.info_text = f"like {setting.example}"
+
+    def default(self, obj: Any = None) -> Any:
+        return declared.get(self.setting)
+
+    def validate(self, obj: Any, value: Any) -> Any:
+        try:
+            return self.setting.parse(value, source=f"c.Overmind.{self.setting.name}")
+        except SettingError as exc:
+            declared.report(exc, self.setting)
+            return declared.get(self.setting)
 
 
 class Overmind(Configurable):
-    """Settings of the overmind_jupyter extension. Each has an environment override (see `ENV`)."""
+    """Settings of the overmind_jupyter extension (README, "Settings")."""
 
-    enabled = Bool(False, help="Turn the cache on as soon as the extension loads (OVERMIND_ENABLED=1).").tag(config=True)
-    home = Unicode("", help="The daemon's state directory; default $XDG_RUNTIME_DIR/overmind or "
-                             "~/.cache/overmind (OVERMIND_HOME).").tag(config=True)
-    budget = Unicode("", help="Bytes the store may hold, e.g. '40G' or '50%' of RAM; read by the daemon "
-                               "when it starts (OVERMIND_BUDGET).").tag(config=True)
-    wait_timeout = Float(600.0, help="Seconds to wait for another kernel's load of the same model before "
-                                     "loading plainly (OVERMIND_WAIT_TIMEOUT).").tag(config=True)
-    arena = Enum(["auto", "memfd", "file"], "auto",
-                 help="Backing of new cache entries: a file on disk (page cache), a memfd (shmem), or auto: "
-                      "the file where OVERMIND_ARENA_DIR or the state directory is on a disk filesystem "
-                      "(OVERMIND_ARENA).").tag(config=True)
-    populate = Bool(True, help="Map a hit's pages ahead of the first forward, in the background "
-                               "(OVERMIND_POPULATE=0 to turn off).").tag(config=True)
+    enabled = _Declared(declared.ENABLED)
+    home = _Declared(declared.HOME)
+    budget = _Declared(declared.BUDGET)
+    wait_timeout = _Declared(declared.WAIT_TIMEOUT)
+    arena = _Declared(declared.ARENA)
+    arena_dir = _Declared(declared.ARENA_DIR)
+    populate = _Declared(declared.POPULATE)
+    compact = _Declared(declared.COMPACT)
+    fake_gpus = _Declared(declared.FAKE_GPUS)
+    gpu_reserve = _Declared(declared.GPU_RESERVE)
+    units_timeout = _Declared(declared.UNITS_TIMEOUT)
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        for name, var in ENV.items():
-            if var in os.environ:
-                raw = os.environ[var]
-                trait = self.traits()[name]
-                value: Any = raw
-                if isinstance(trait, Bool):
-                    value = raw.strip().lower() not in ("", "0", "false", "no", "off")
-                elif isinstance(trait, Float):
-                    value = float(raw)
-                setattr(self, name, value)
+        for name in self.trait_names(config=True):
+            getattr(self, name)  # every bad value is reported now, when the extension loads, not later
 
     def apply(self) -> None:
-        """Hand the settings to the cached call and to the daemon this kernel may start."""
+        """Hand the settings to the cached call, and write each that config changed into this process's
+        environment, where the daemon and preload workers this kernel starts, and the units calls, read it."""
         from .loading import settings
 
         settings.wait_timeout = self.wait_timeout
         settings.backing = self.arena
         settings.populate = self.populate
-        if self.home:
-            os.environ["OVERMIND_HOME"] = self.home
-        if self.budget:
-            os.environ["OVERMIND_BUDGET"] = self.budget
+        for setting in declared.SETTINGS:
+            if setting.read_by != "server":
+                value = getattr(self, setting.name)
+                if value != declared.get(setting):
+                    os.environ[setting.env] = _text(value)
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    return str(value)

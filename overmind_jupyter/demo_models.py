@@ -52,7 +52,9 @@ def build_llama(path: str | os.PathLike[str], size: str = "tiny", *, dtype: str 
     return path
 
 
-_WORDS = ["the", "a", "an", "model", "adapter", "kernel", "restart", "load", "cache", "weights", "shared", "memory", "fast", "slow", "gpu", "cpu", "jupyter", "notebook", "lora", "base", "token", "layer", "attention", "hello", "world", "french", "german", "english"]
+_WORDS = ["the", "a", "an", "model", "adapter", "kernel", "restart", "load", "cache", "weights", "shared", "memory",
+          "fast", "slow", "gpu", "cpu", "jupyter", "notebook", "lora", "base", "token", "layer", "attention", "hello",
+          "world", "french", "german", "english"]
 
 
 def build_tokenizer(path: str | os.PathLike[str], *, vocab_size: int = 256) -> Path:
@@ -121,11 +123,12 @@ def build_sd_pipeline(path: str | os.PathLike[str], *, width: int = 8, seed: int
     pipe = StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet,
                                    scheduler=scheduler, safety_checker=None, feature_extractor=None,
                                    requires_safety_checker=False)
-    pipe.save_pretrained(path)
+    pipe.save_pretrained(path)  # type: ignore[attr-defined]  # diffusers' lazy modules hide it from mypy
     return path
 
 
-def build_lora_adapters(base: str | os.PathLike[str], path: str | os.PathLike[str], names: tuple[str, ...] = ("fr", "de"),
+def build_lora_adapters(base: str | os.PathLike[str], path: str | os.PathLike[str],
+                        names: tuple[str, ...] = ("fr", "de"),
                         *, rank: int = 4, seed: int = 0) -> dict[str, Path]:
     """Save LoRA adapters with random (non-zero) weights for the causal LM at `base`, one directory per
     adapter name under `path`; returns {name: directory}."""
@@ -141,5 +144,5 @@ def build_lora_adapters(base: str | os.PathLike[str], path: str | os.PathLike[st
         torch.manual_seed(seed + i)
         model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
         config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", init_lora_weights=False)
-        get_peft_model(model, config).save_pretrained(out[name])
+        get_peft_model(model, config).save_pretrained(str(out[name]))
     return out

@@ -23,6 +23,7 @@ __all__ = [
     "OvermindWarning",
     "PackError",
     "PeerRefused",
+    "PreloadError",
     "ProtocolMismatch",
     "PublishError",
     "RemoteError",
@@ -55,6 +56,10 @@ class PublishError(OvermindError):
 
 class CorruptEntry(OvermindError):
     """A cache entry could not be rebuilt; it is evicted and the call runs as a plain load."""
+
+
+class PreloadError(OvermindError):
+    """A preload worker failed; the message holds the end of its log."""
 
 
 class OvermindWarning(UserWarning):

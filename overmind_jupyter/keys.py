@@ -45,7 +45,7 @@ from typing import Any
 
 from .errors import Uncacheable
 
-__all__ = ["CallKey", "changed_since", "fingerprint", "make_key", "owner_name", "register_reference"]
+__all__ = ["CallKey", "Resolve", "changed_since", "fingerprint", "make_key", "owner_name"]
 
 _KEY_FORMAT = 2  # bump on any change to what a key holds: old entries then simply miss
 _SOURCE_PARAMS = ("pretrained_model_name_or_path", "model_id", "pretrained_model_link_or_path", "repo_id")
@@ -57,14 +57,9 @@ _MAX_STRING = 64 * 1024
 _MAX_FILES = 100_000
 _OPAQUE_STRINGS = ("cache_dir", "offload_folder", "local_dir")  # where to look, not what is read
 
-# Object types whose instances may stand for a cached entry: a callable returns (entry key, label)
-# for an object or None. Installed by loading.py (a model rebuilt from an entry, see Note [References]).
-_reference_resolvers: list[Callable[[Any], tuple[str, str] | None]] = []
-
-
-def register_reference(resolver: Callable[[Any], tuple[str, str] | None]) -> None:
-    if resolver not in _reference_resolvers:
-        _reference_resolvers.append(resolver)
+# The entry an argument stands for (a model rebuilt from an entry, unchanged since: Note [References]
+# in loading.py), or None: the caller of `make_key` knows its results, this module does not.
+Resolve = Callable[[Any], "str | None"]
 
 
 @dataclass
@@ -72,9 +67,7 @@ class CallKey:
     key: str
     label: str
     meta: dict[str, Any]
-    deps: list[str] = field(default_factory=list)
     references: dict[str, Any] = field(default_factory=dict, repr=False)  # argument name -> cached result
-    document: dict[str, Any] = field(default_factory=dict, repr=False)
     # what the call reads, as (label, how to read its fingerprint again, the fingerprint in the key)
     sources: list[tuple[str, Callable[[], Any], Any]] = field(default_factory=list, repr=False)
 
@@ -109,20 +102,20 @@ def owner_name(fn: Callable[..., Any]) -> tuple[str, str, str]:
 
 
 def make_key(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], *,
-             cwd: str | None = None, signature_of: Callable[..., Any] | None = None) -> CallKey:
-    """The key of `fn(*args, **kwargs)` called from `cwd` (default: this process's). Raises
-    Uncacheable, naming the argument, when the call has no canonical form."""
+             resolve: Resolve | None = None) -> CallKey:
+    """The key of `fn(*args, **kwargs)` called from this process's working directory; `resolve` names
+    the entry an argument stands for. Raises Uncacheable, naming the argument, when the call has no
+    canonical form."""
     while isinstance(fn, functools.partial):  # partial(f, a, k=1)(b) is the call f(a, b, k=1)
         args, kwargs = (*fn.args, *args), {**fn.keywords, **kwargs}
         fn = fn.func
     _check_named(fn)
     qualified, short, package = owner_name(fn)
-    cwd = cwd or os.getcwd()
-    arguments = _bind(signature_of or fn, args, kwargs)
+    arguments = _bind(fn, args, kwargs)
     owner = getattr(fn, "__self__", None)
     if owner is not None and not isinstance(owner, type):
         arguments["self"] = owner  # a method of a loaded object (load_adapter): the object is an input
-    canon = _Canonical(cwd)
+    canon = _Canonical(os.getcwd(), resolve)
     doc_args = {}
     for name in sorted(arguments):
         if name in _SOURCE_PARAMS:
@@ -147,7 +140,7 @@ def make_key(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
         "source": canon.source_label,
         "dtype": _dtype_label(arguments).removeprefix(", dtype=") or None,
     }
-    return CallKey(key, meta["label"], meta, canon.deps, canon.references, document, canon.sources)
+    return CallKey(key, str(meta["label"]), meta, canon.references, canon.sources)
 
 
 def _check_named(fn: Callable[..., Any]) -> None:
@@ -237,9 +230,9 @@ def _dtype_label(arguments: dict[str, Any]) -> str:
 
 
 class _Canonical:
-    def __init__(self, cwd: str) -> None:
+    def __init__(self, cwd: str, resolve: Resolve | None) -> None:
         self.cwd = cwd
-        self.deps: list[str] = []
+        self.resolve = resolve
         self.references: dict[str, Any] = {}
         self.source_label: str | None = None
         self.sources: list[tuple[str, Callable[[], Any], Any]] = []
@@ -278,7 +271,7 @@ class _Canonical:
         if self._values > _MAX_VALUES:
             raise Uncacheable(f"the arguments hold more than {_MAX_VALUES} values (at {name}); at most that "
                               "many can be keyed")
-        if v is None or isinstance(v, bool) or isinstance(v, int) and type(v) is int:
+        if v is None or isinstance(v, bool) or (isinstance(v, int) and type(v) is int):
             return v
         if isinstance(v, float):
             if not math.isfinite(v):
@@ -327,7 +320,7 @@ class _Canonical:
                 x = fn.__globals__[g]
                 read[g] = self._global(f"{fn.__qualname__}: global {g}", x, depth)
             closure = [self._global(f"{fn.__qualname__}: closure {v}", _contents(c), depth)
-                       for v, c in zip(code.co_freevars, fn.__closure__ or ())]
+                       for v, c in zip(code.co_freevars, fn.__closure__ or (), strict=True)]
             out = {
                 "qualname": f"{fn.__module__}.{fn.__qualname__}",
                 "code": _code_digest(code),
@@ -385,15 +378,11 @@ class _Canonical:
                     raise Uncacheable(f"argument {name} has a key of type {type(k).__name__}")
                 items.append([str(k), self.value(f"{name}[{k!r}]", x, depth + 1)])
             return {"dict": sorted(items, key=lambda kv: kv[0])}
-        for resolve in _reference_resolvers:
-            found = resolve(v)
-            if found is not None:
-                key, _label = found
-                if key not in self.deps:
-                    self.deps.append(key)
-                if depth == 0:
-                    self.references[name] = v
-                return {"entry": key}
+        key = self.resolve(v) if self.resolve is not None else None
+        if key is not None:
+            if depth == 0:
+                self.references[name] = v
+            return {"entry": key}
         if isinstance(v, (set, frozenset)):
             if len(v) > _MAX_ITEMS:
                 raise Uncacheable(f"argument {name} has {len(v)} items; at most {_MAX_ITEMS} can be keyed")
@@ -454,8 +443,9 @@ def _hub_commit(repo_id: str, arguments: dict[str, Any]) -> dict[str, Any]:
             commit = (folder / "refs" / revision).read_text().strip()
         except OSError:
             raise Uncacheable(
-                f"{repo_id}@{revision} is not in the local Hugging Face cache yet; this first load goes "
-                "the plain way, and the next one is cached"
+                f"{repo_id!r} is no directory here ({os.getcwd()}) and {repo_id}@{revision} is not in the "
+                "local Hugging Face cache yet: if it is a hub model, this first load downloads it the plain "
+                "way and the next one is cached; if it is a local path, check its spelling"
             ) from None
     snapshot = folder / "snapshots" / commit
     if not snapshot.is_dir():
@@ -499,5 +489,6 @@ def _code_digest(code: types.CodeType) -> str:
                  (code.co_argcount, code.co_posonlyargcount, code.co_kwonlyargcount, code.co_flags)):
         h.update(repr(part).encode())
     for const in code.co_consts:
-        h.update(_code_digest(const).encode() if isinstance(const, types.CodeType) else repr((type(const), const)).encode())
+        text = _code_digest(const) if isinstance(const, types.CodeType) else repr((type(const), const))
+        h.update(text.encode())
     return h.hexdigest()

@@ -14,17 +14,19 @@ from __future__ import annotations
 import collections
 import os
 import queue
+import sys
 import threading
 import time
 import warnings
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kernel_server import arena
+from kernel_server import settings as declared
 from kernel_server.client import ANSWER_TIMEOUT, Client, Response, existing_shared_client, shared_client
-from kernel_server.errors import DaemonError, DaemonLost
+from kernel_server.errors import DaemonError, DaemonLost, RemoteError
 from kernel_server.transport import close_fds
 
 from . import keys
@@ -45,11 +47,12 @@ __all__ = [
 
 @dataclass
 class Settings:
-    """How the cached call behaves; `overmind_jupyter.config` fills it from traitlets and the env."""
+    """How the cached call behaves: from the environment (kernel_server/settings.py), then from
+    `overmind_jupyter.config` when the extension loads."""
 
-    wait_timeout: float = float(os.environ.get("OVERMIND_WAIT_TIMEOUT", "600"))
-    backing: str = os.environ.get("OVERMIND_ARENA", "auto")
-    populate: bool = os.environ.get("OVERMIND_POPULATE", "1") != "0"
+    wait_timeout: float = field(default_factory=lambda: declared.get(declared.WAIT_TIMEOUT))
+    backing: str = field(default_factory=lambda: declared.get(declared.ARENA))
+    populate: bool = field(default_factory=lambda: declared.get(declared.POPULATE))
 
 
 settings = Settings()
@@ -85,7 +88,7 @@ def _fall_back(label: str, kind: str, reason: str, *, plain: bool = True) -> Non
     _warned.add(kind)
     message = f"overmind: {label} loads without the cache: {reason}"
     if threading.current_thread() is threading.main_thread():
-        warnings.warn(message, FallbackWarning, stacklevel=4)
+        warnings.warn(message, FallbackWarning, stacklevel=_user_frame())
     else:  # a load in a thread of the user's: warn in the main thread, at its next load or cell
         _deferred_warnings.append(message)
 
@@ -96,12 +99,30 @@ def _tell_once(topic: str, message: str) -> None:
         return
     _told.add(("notice", topic))
     if threading.current_thread() is threading.main_thread():
-        warnings.warn(message, OvermindWarning, stacklevel=4)
+        warnings.warn(message, OvermindWarning, stacklevel=_user_frame())
     else:
         _deferred_warnings.append(message)
 
 
 _told: set[tuple[str, str]] = set()
+
+# Where the code of the loaders lives: a warning names the first frame outside them, the user's cell.
+_LIBRARIES = tuple(os.path.dirname(os.path.dirname(__file__)) + os.sep + name + os.sep
+                   for name in ("overmind_jupyter", "kernel_server"))
+_LIBRARY_NAMES = ("transformers", "diffusers", "peft", "torch", "huggingface_hub", "accelerate",
+                  "sentence_transformers")
+
+
+def _user_frame() -> int:
+    """The `stacklevel` of `warnings.warn`, called by the function calling this, that names the first
+    frame outside overmind and the loading libraries: the line of the user's that loaded."""
+    frame = sys._getframe(2)
+    level = 2
+    while frame.f_back is not None and (frame.f_code.co_filename.startswith(_LIBRARIES) or any(
+            f"{os.sep}{name}{os.sep}" in frame.f_code.co_filename for name in _LIBRARY_NAMES)):
+        frame = frame.f_back
+        level += 1
+    return level
 
 
 def clear_fallbacks() -> None:
@@ -173,7 +194,7 @@ class _Result:
         result = self.result()
         roots = [r() for r in self.roots]
         paths = {p: r() for p, r in self.paths.items()}
-        if result is None and self.roots == [] or any(o is None for o in [*roots, *paths.values()]):
+        if (result is None and self.roots == []) or any(o is None for o in [*roots, *paths.values()]):
             return None
         return result, _Replay(roots, paths)
 
@@ -205,9 +226,10 @@ def _remember(obj: Any, key: str, graph: bytes, replay: _Replay, *, pickled_here
             _results[member] = info
 
 
-def result_key(obj: Any) -> str | None:
+def result_key(obj: Any, mapped: dict[tuple[str, int, int, str], Any] | None = None) -> str | None:
     """The entry `obj` belongs to (it was rebuilt from it, published as it, or changed by the call it
-    holds), if it is unchanged since; else None. See Note [References]."""
+    holds), if it is unchanged since; else None. See Note [References]. `mapped` receives its storages
+    that lie in the entry's mappings, for the rebuild of the call it is passed to, to reuse."""
     from . import rebuild
 
     try:
@@ -239,14 +261,9 @@ def result_key(obj: Any) -> str | None:
         return None
     if packed.graph != info.expected:
         return None
-    reuse = getattr(_verified, "mapped", None)
-    if reuse is not None:
-        reuse.update(packed.mapped)
+    if mapped is not None:
+        mapped.update(packed.mapped)
     return info.key
-
-
-# The storages of the references the current call's key found unchanged, for its rebuild to reuse.
-_verified = threading.local()
 
 
 # Note [References]
@@ -261,12 +278,33 @@ _verified = threading.local()
 # the rebuild takes its strings from the graph: see `rebuild._new`; a pickle made in another process
 # differs in memo layout and in the order of its sets); for a miss this process published, the graph
 # it pickled from this very object.
-keys.register_reference(lambda obj: (k, "") if (k := result_key(obj)) is not None else None)
 
 
 # -- unpinning, off the finalizer's thread -------------------------------------------------------------
 
 _unpins: queue.SimpleQueue[tuple[Client, str]] = queue.SimpleQueue()
+_unpinner: threading.Thread | None = None
+_unpinner_lock = threading.Lock()
+
+
+def _unpin(client: Client, key: str) -> None:
+    """Unpin `key` for `client` soon, from a thread of ours: this runs in finalizers, which must not
+    wait for the daemon. The thread starts with the first unpin, never at import."""
+    global _unpinner
+    _unpins.put((client, key))
+    if _unpinner is None:
+        with _unpinner_lock:
+            if _unpinner is None:
+                _unpinner = threading.Thread(target=_unpin_loop, name="overmind-unpin", daemon=True)
+                _unpinner.start()
+
+
+def _forget_unpinner() -> None:
+    global _unpinner
+    _unpinner = None  # a forked child (a warm kernel) has none of its parent's threads
+
+
+os.register_at_fork(after_in_child=_forget_unpinner)
 
 
 def _unpin_loop() -> None:
@@ -278,9 +316,6 @@ def _unpin_loop() -> None:
             client.request("unpin", key=key, timeout=10)
         except DaemonError:
             pass
-
-
-threading.Thread(target=_unpin_loop, name="overmind-unpin", daemon=True).start()
 
 
 # -- the cached call -------------------------------------------------------------------------------------
@@ -296,24 +331,21 @@ def cached(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         What `fn` returns: rebuilt from the daemon's shared memory on a hit, or loaded and then
         published for the next kernel on a miss.
     """
-    return _cached_call(fn, args, kwargs, signature_of=None)
+    return _cached_call(fn, args, kwargs)
 
 
-def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], *,
-                 signature_of: Callable[..., Any] | None) -> Any:
+def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     flush_warnings()
     label = _label(fn)
-    _verified.mapped = {}
+    reuse: dict[tuple[str, int, int, str], Any] = {}  # storages of the references found unchanged (Note [References])
     try:
-        ck = keys.make_key(fn, args, kwargs, signature_of=signature_of)
+        ck = keys.make_key(fn, args, kwargs, resolve=lambda obj: result_key(obj, reuse))
     except Uncacheable as exc:
         _fall_back(label, "uncacheable", str(exc))
         return fn(*args, **kwargs)
     except Exception as exc:  # noqa: BLE001 (a bug in keying must not break a load: never worse)
         _fall_back(label, "key_error", f"{type(exc).__name__}: {exc}")
         return fn(*args, **kwargs)
-    finally:
-        reuse, _verified.mapped = _verified.mapped, None
     label = ck.label
     replay = _Replay.of(ck.references) if ck.references else _NO_REPLAY
     before = _random_state()
@@ -330,7 +362,8 @@ def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
                                   "kernel's is another one: seed it (torch.manual_seed) before the load to share "
                                   "one entry across restarts")
     except DaemonError as exc:
-        _fall_back(label, "daemon", str(exc))
+        full = isinstance(exc, RemoteError) and exc.code == "descriptors_exhausted"  # Note [Descriptor budget]
+        _fall_back(label, "descriptors" if full else "daemon", str(exc))
         return fn(*args, **kwargs)
     if reply["status"] == "hit":
         try:
@@ -372,9 +405,10 @@ def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
 # ones, the CUDA ones where CUDA is up), with the state after the call in its graph, which a hit puts back.
 # Only the generators the load drew from count (Python's own is seeded anew in every process). The
 # call's own key then holds a marker (an entry without bytes, `meta["random"]` naming those generators)
-# that sends the next lookup to the key of their current state. So two kernels with different seeds get their own weights, a
-# restarted kernel that runs the same cells from the same seed is a hit, and the next random number after a
-# hit is the one a plain run would draw. A full checkpoint's load draws nothing and is keyed as it is.
+# that sends the next lookup to the key of their current state. So two kernels with different seeds get
+# their own weights, a restarted kernel that runs the same cells from the same seed is a hit, and the next
+# random number after a hit is the one a plain run would draw. A full checkpoint's load draws nothing and
+# is keyed as it is.
 
 def _under_random_state(ck: keys.CallKey, state: tuple[Any, ...]) -> keys.CallKey:
     """The key of `ck` for the generators' `state` (Note [Random loads])."""
@@ -422,7 +456,7 @@ def _release_hit(client: Client, reply: Response) -> None:
     give both back now."""
     reply.close()
     for e in reply["entries"]:
-        _unpins.put((client, e["key"]))
+        _unpin(client, e["key"])
 
 
 def _random_state() -> tuple[Any, ...]:
@@ -479,7 +513,7 @@ def _publish(client: Client, ck: keys.CallKey, obj: Any, replay: _Replay, random
         return
     try:
         publishing.publish(client, ck.key, ck.label, ck.meta, packed, backing=settings.backing,
-                           unpin=lambda key: _unpins.put((client, key)))
+                           unpin=lambda key: _unpin(client, key))
     except PublishError as exc:
         _fall_back(ck.label, exc.kind, str(exc))
         return
@@ -504,7 +538,7 @@ def _from_hit(client: Client, ck: keys.CallKey, reply: Response, replay: _Replay
     reply.fds = []
 
     def unpin(key: str) -> None:
-        _unpins.put((client, key))
+        _unpin(client, key)
 
     try:
         expected = 1 + sum(1 + len(e.get("sources", [])) for e in entries)
@@ -517,7 +551,8 @@ def _from_hit(client: Client, ck: keys.CallKey, reply: Response, replay: _Replay
         at = 1
         for e in entries:
             sources = [arena.SourceFile(fd, {k: s[k] for k in ("dev", "ino", "size", "mtime_ns", "ctime_ns")},
-                                        s.get("path", "")) for s, fd in zip(e.get("sources", []), fds[at + 1:])]
+                                        s.get("path", ""))
+                       for s, fd in zip(e.get("sources", []), fds[at + 1:], strict=False)]
             arenas[e["key"]] = rebuild.ArenaRef(e["key"], fds[at], e["arena_bytes"], e.get("pieces", []), sources)
             at += 1 + len(sources)
 
@@ -582,11 +617,11 @@ def patched_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
     """What a patched `from_pretrained` does: the cached call on CPU, then the placement the caller
     asked for with `device_map` (see Note [Devices])."""
     try:
-        cpu_kwargs, device = _split_placement(kwargs)
+        cpu_kwargs, device = split_placement(kwargs)
     except Uncacheable as exc:
         _fall_back(_label(fn), "uncacheable", str(exc))
         return fn(*args, **kwargs)
-    obj = _cached_call(fn, args, cpu_kwargs, signature_of=None)
+    obj = _cached_call(fn, args, cpu_kwargs)
     if device is not None:
         obj = _place(obj, device)
     return obj
@@ -598,7 +633,7 @@ def patched_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
 # after the rebuild, so it lands where it would have landed without overmind. A device map that spreads
 # a model over several devices is loaded plainly, and status says so.
 
-def _split_placement(kwargs: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+def split_placement(kwargs: dict[str, Any]) -> tuple[dict[str, Any], Any]:
     if kwargs.get("device_map") is None:
         return kwargs, None
     import torch

@@ -1,7 +1,8 @@
-"""`%overmind`: a thin line magic over the functions of extension.py."""
+"""`%overmind`: a thin line magic over the functions of api.py."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -25,36 +26,40 @@ class OvermindMagics(Magics):
                    "units: GPU units; adapters VAR: the adapter panel of the model in VAR")
     @argument("target", nargs="?", help="the KEY (or a unique prefix) for evict; the variable for adapters")
     @argument("--all", action="store_true", help="evict every entry")
-    @argument("--json", action="store_true", help="status or units as a dict")
+    @argument("--json", action="store_true", help="print status or units as JSON")
     @argument("--tokenizer", metavar="TOKVAR",
               help="adapters: the variable holding the tokenizer of the prompt box")
     @line_magic
     def overmind(self, line: str) -> Any:
         """Control the overmind cache of from_pretrained (see `%overmind?`)."""
         args = parse_argstring(self.overmind, line)
-        from . import extension
+        from . import api
 
         try:
             if args.command == "on":
                 self.session.enable()
+                state = api.status()
+                where = (f"daemon pid {state['daemon']['daemon']['pid']} at {state['home']}" if state.get("daemon")
+                         else f"no daemon yet: {state.get('daemon_error', '')}")
+                print(f"overmind on: from_pretrained of transformers, diffusers and peft goes through the cache "
+                      f"({where}); %overmind status shows it")
                 return None
             if args.command == "off":
-                extension.disable()
+                api.disable()
+                print("overmind off: every loader is as it was")
                 return None
             if args.command == "status":
                 if not args.json and _shows_widgets(self.shell):
                     from . import widgets
 
                     return _display(widgets.status_panel())
-                state = extension.status()
-                if args.json:
-                    return state
-                print(extension.format_status(state))
+                state = api.status()
+                print(json.dumps(state, indent=1, default=str) if args.json else api.format_status(state))
                 return None
             if args.command == "evict":
                 if args.all == bool(args.target):
                     raise UsageError("%overmind evict takes a KEY or --all")
-                evicted = extension.evict(None if args.all else args.target)
+                evicted = api.evict(None if args.all else args.target)
                 print(f"evicted {len(evicted)} entr{'y' if len(evicted) == 1 else 'ies'}")
                 return None
             if args.command == "units":
@@ -65,13 +70,9 @@ class OvermindMagics(Magics):
 
                     return _display(widgets.units_bar())
                 state = units.state()
-                if args.json:
-                    return state
-                print(units.format_state(state))
+                print(json.dumps(state, indent=1, default=str) if args.json else units.format_state(state))
                 return None
-            if args.command == "adapters":
-                return self._adapters(args)
-            raise UsageError(f"%overmind {args.command} is not available yet in this version")
+            return self._adapters(args)  # the last of the choices argparse allows
         except (DaemonError, OvermindError, RemoteError) as exc:
             raise UsageError(str(exc)) from exc
 
@@ -85,9 +86,14 @@ class OvermindMagics(Magics):
                              "%overmind adapters model")
         model = self._variable(args.target)
         tokenizer = self._variable(args.tokenizer) if args.tokenizer else None
+        if not isinstance(model, adapters.AdapterGate) and not hasattr(model, "peft_config"):
+            raise UsageError(f"{args.target} holds an object of type {type(model).__name__}, not a PEFT model or "
+                             "an adapter gate: "
+                             "%overmind adapters takes the variable of a model loaded with PeftModel.from_pretrained")
         gate = model if isinstance(model, adapters.AdapterGate) else adapters.gate(model)
         if args.json:
-            return gate.state()
+            print(json.dumps(gate.state(), indent=1, default=str))
+            return None
         if _shows_widgets(self.shell):
             from . import widgets
 
@@ -102,7 +108,7 @@ class OvermindMagics(Magics):
 
     def _variable(self, name: str) -> Any:
         try:
-            return self.shell.user_ns[name]
+            return self.shell.user_ns[name]  # type: ignore[union-attr]  # a magic runs in a shell
         except KeyError:
             raise UsageError(f"no variable named {name!r} in this kernel") from None
 

@@ -9,13 +9,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .errors import OvermindError
+from .errors import PreloadError
 
-__all__ = ["Preload", "preload"]
-
-
-class PreloadError(OvermindError):
-    """A preload worker failed; the message holds the end of its log."""
+__all__ = ["Preload", "PreloadError", "preload"]
 
 
 class Preload:
@@ -60,7 +56,7 @@ def preload(owner: Any, *args: Any, **kwargs: Any) -> Preload:
 
     from kernel_server import lifecycle
 
-    fn = owner.from_pretrained if isinstance(owner, type) else owner
+    fn = getattr(owner, "from_pretrained") if isinstance(owner, type) else owner  # noqa: B009 (any class)
     label = f"{getattr(owner, '__name__', type(owner).__name__)}({', '.join(map(repr, args))[:80]})"
     # Two pickles: where to import from, then the job, whose loader may live in a module found only
     # through this kernel's sys.path (a directory the notebook appended, say).
@@ -69,7 +65,7 @@ def preload(owner: Any, *args: Any, **kwargs: Any) -> Preload:
     home = lifecycle.state_dir()
     log = home / f"preload-{os.getpid()}-{time.monotonic_ns()}.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "kernel_server.worker"], stdin=subprocess.PIPE,
+        proc = subprocess.Popen([sys.executable, "-m", "overmind_jupyter.worker"], stdin=subprocess.PIPE,
                                 stdout=out, stderr=out, start_new_session=True, env=dict(os.environ))
     assert proc.stdin is not None
     proc.stdin.write(job)

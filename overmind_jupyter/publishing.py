@@ -50,6 +50,8 @@ _WRITERS = min(2, os.cpu_count() or 1)
 _MAX_SOURCES = 32  # more files than this are copied instead (a reply's descriptors are limited)
 _CHUNK = 64 << 20
 _PROGRESS_BYTES = 256 << 20  # copies at least this large show a progress bar
+# The fallback kind of a publish the daemon refused, by its error code (any other failure: "publish").
+_REFUSALS = {"budget_exceeded": "budget", "descriptors_exhausted": "descriptors"}
 
 
 @dataclass
@@ -82,8 +84,10 @@ def publish(client: Client, key: str, label: str, meta: dict[str, Any], packed: 
             for src in plan.sources:
                 stack.callback(os.close, src.fd)
             try:
+                # The descriptors the entry will hold: graph, arena, one per source (Note [Descriptor
+                # budget] in kernel_server/descriptors.py).
                 client.request("reserve", key=key, bytes=packed.arena_bytes + len(packed.graph),
-                               timeout=ANSWER_TIMEOUT)
+                               descriptors=2 + len(plan.sources), timeout=ANSWER_TIMEOUT)
                 data = stack.enter_context(contextlib.closing(_new_arena(packed.arena_bytes, key, client.home, backing)))
                 private = arena.map_private(data.fd, packed.arena_bytes) if packed.arena_bytes else None
                 if private is not None:
@@ -101,7 +105,7 @@ def publish(client: Client, key: str, label: str, meta: dict[str, Any], packed: 
                 published = True
             except (DaemonError, OSError) as exc:
                 _abandon(client, key)
-                kind = "budget" if isinstance(exc, RemoteError) and exc.code == "budget_exceeded" else "publish"
+                kind = _REFUSALS.get(exc.code, "publish") if isinstance(exc, RemoteError) else "publish"
                 raise PublishError(kind, f"it was loaded normally but not cached: {exc}") from exc
             for src in plan.sources:
                 try:

@@ -119,7 +119,8 @@ class _Placer:
     def tensor(self, t: torch.Tensor) -> Any:
         self.tensors.append(t)
         kind = type(t)
-        if (t.layout is torch.strided and not t.is_meta and t.dtype in _PLAIN_DTYPES and not t.is_conj() and not t.is_neg()
+        if (t.layout is torch.strided and not t.is_meta and t.dtype in _PLAIN_DTYPES
+                and not t.is_conj() and not t.is_neg()
                 and (kind is torch.nn.Parameter or not (t.requires_grad or t._backward_hooks or vars(t)))):
             # Note [Plain tensors]
             placed = self.place(t.untyped_storage())

@@ -30,27 +30,26 @@ class Target:
 
     module: str
     owner: str
-    family: str
     method: str = "from_pretrained"
     subclasses_of: str | None = None
 
 
 TARGETS: tuple[Target, ...] = (
-    Target("transformers.modeling_utils", "PreTrainedModel", "transformers"),
-    Target("transformers.models.auto.auto_factory", "_BaseAutoModelClass", "transformers"),
+    Target("transformers.modeling_utils", "PreTrainedModel"),
+    Target("transformers.models.auto.auto_factory", "_BaseAutoModelClass"),
     # Each Auto model class carries its own copy of the method (transformers' auto_class_update).
-    Target("transformers.models.auto.modeling_auto", "*", "transformers", subclasses_of="_BaseAutoModelClass"),
-    Target("transformers.tokenization_utils_base", "PreTrainedTokenizerBase", "transformers"),
-    Target("transformers.models.auto.tokenization_auto", "AutoTokenizer", "transformers"),
-    Target("transformers.processing_utils", "ProcessorMixin", "transformers"),
-    Target("transformers.models.auto.processing_auto", "AutoProcessor", "transformers"),
-    Target("diffusers.pipelines.pipeline_utils", "DiffusionPipeline", "diffusers"),
-    Target("diffusers.models.modeling_utils", "ModelMixin", "diffusers"),
-    Target("diffusers.schedulers.scheduling_utils", "SchedulerMixin", "diffusers"),
-    Target("peft.peft_model", "PeftModel", "peft"),
+    Target("transformers.models.auto.modeling_auto", "*", subclasses_of="_BaseAutoModelClass"),
+    Target("transformers.tokenization_utils_base", "PreTrainedTokenizerBase"),
+    Target("transformers.models.auto.tokenization_auto", "AutoTokenizer"),
+    Target("transformers.processing_utils", "ProcessorMixin"),
+    Target("transformers.models.auto.processing_auto", "AutoProcessor"),
+    Target("diffusers.pipelines.pipeline_utils", "DiffusionPipeline"),
+    Target("diffusers.models.modeling_utils", "ModelMixin"),
+    Target("diffusers.schedulers.scheduling_utils", "SchedulerMixin"),
+    Target("peft.peft_model", "PeftModel"),
     # A method of a loaded model that loads more into it: cached when the model is a cached result,
     # and replayed onto the caller's model on a hit (see Note [Argument replay] in rebuild.py).
-    Target("peft.peft_model", "PeftModel", "peft", method="load_adapter"),
+    Target("peft.peft_model", "PeftModel", method="load_adapter"),
 )
 _BY_MODULE: dict[str, list[Target]] = {}
 for _t in TARGETS:
@@ -135,7 +134,8 @@ class _PatchingLoader(importlib.abc.Loader):
         self.loader = loader
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return self.loader.create_module(spec)
+        module: ModuleType | None = self.loader.create_module(spec)
+        return module
 
     def exec_module(self, module: ModuleType) -> None:
         self.loader.exec_module(module)

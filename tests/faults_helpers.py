@@ -44,8 +44,8 @@ def digest(model: nn.Module) -> str:
     bytes, and which tensors share a storage (tied weights stay tied)."""
     h = hashlib.sha256()
     first_name: dict[tuple[int, str], str] = {}
-    for name, t in model.state_dict(keep_vars=True).items():
-        t = t.detach()
+    for name, kept in model.state_dict(keep_vars=True).items():
+        t = kept.detach()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|{t.stride()}|{t.storage_offset()}|{t.device}".encode())
         if t.device.type == "meta":
             continue

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["USER_THREAD", "execute", "execute_all", "kernel", "kernel_env"]
+__all__ = ["USER_THREAD", "execute", "execute_all", "kernel", "kernel_env", "magic_json"]
 
 # A cell that leaves a thread of the user's running, as a data loader or a progress monitor would.
 USER_THREAD = """
@@ -60,3 +60,15 @@ def execute_all(kc: Any, code: str, timeout: float = 300) -> list[tuple[str, str
             raise AssertionError("\n".join(content["traceback"]))
         elif kind == "status" and content["execution_state"] == "idle":
             return out
+
+
+def magic_json(shell: Any, line: str) -> Any:
+    """What `%overmind LINE --json` prints, read back (the magic prints JSON; it returns nothing)."""
+    import contextlib
+    import io
+    import json
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert shell.run_line_magic("overmind", f"{line} --json") is None
+    return json.loads(out.getvalue())

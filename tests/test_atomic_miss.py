@@ -304,7 +304,7 @@ def test_status_widget_and_cli_show_the_copy_left_with_its_model_percent_and_tim
     from transformers import AutoModelForCausalLM
 
     import overmind_jupyter
-    from overmind_jupyter.extension import format_status
+    from overmind_jupyter.api import format_status
     from overmind_jupyter.widgets.cache import cache_view
 
     path = demo_models.build_llama(tmp_path / "m", "tiny", hidden_size=512, intermediate_size=1536,

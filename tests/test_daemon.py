@@ -72,7 +72,8 @@ def test_client_starts_one_detached_daemon_and_cli_stops_it(overmind_home: Path)
     assert "serving at" in (overmind_home / "daemon.log").read_text()
     for c in clients:
         c.close()
-    cli = subprocess.run([sys.executable, "-m", "kernel_server", "stop"], capture_output=True, text=True, timeout=30, check=False)
+    cli = subprocess.run([sys.executable, "-m", "kernel_server", "stop"], capture_output=True, text=True, timeout=30,
+                         check=False)
     assert cli.returncode == 0, cli.stderr
     assert f"stopped daemon pid {pid}" in cli.stdout
     assert lifecycle.process_gone(pid)
@@ -89,7 +90,8 @@ def test_cli_status_ls_evict_json(daemon: Client, overmind_home: Path) -> None:
     assert doc["running"] and doc["used"] == 2 * PAGE + 16 and doc["daemon"]["pid"] == daemon.daemon_pid
     listing = json.loads(run_py("from kernel_server.cli import main; main(['ls', '--json'])", env=env).stdout)
     assert [e["key"] for e in listing["entries"]] == ["k" * 64]
-    text = subprocess.run([sys.executable, "-m", "kernel_server", "ls"], capture_output=True, text=True, check=True).stdout
+    text = subprocess.run([sys.executable, "-m", "kernel_server", "ls"], capture_output=True, text=True,
+                          check=True).stdout
     assert "kkkkkkkkkkkkkkkk" in text and "8.0 KiB" in text
     out = subprocess.run([sys.executable, "-m", "kernel_server", "evict", "kkkk", "--json"], capture_output=True,
                          text=True, check=True)

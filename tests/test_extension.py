@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from kernels import magic_json
 from snippets import last_json, run_py
 
 from overmind_jupyter import demo_models
@@ -90,7 +91,8 @@ def test_libraries_imported_after_on_are_patched(overmind_home: Path) -> None:
         import peft, diffusers
         print(json.dumps({
             "peft": hasattr(peft.PeftModel.__dict__["from_pretrained"].__func__, "__overmind_original__"),
-            "pipeline": hasattr(diffusers.DiffusionPipeline.__dict__["from_pretrained"].__func__, "__overmind_original__"),
+            "pipeline": hasattr(diffusers.DiffusionPipeline.__dict__["from_pretrained"].__func__,
+                                "__overmind_original__"),
         }))
     """))
     assert out == {"peft": True, "pipeline": True}
@@ -221,7 +223,7 @@ def test_an_exception_in_the_original_load_propagates_and_leaves_nothing(shell, 
     shell.run_line_magic("overmind", "on")
     with pytest.raises(type(plain.value)):
         AutoModelForCausalLM.from_pretrained(str(missing))
-    state = shell.run_line_magic("overmind", "status --json")
+    state = magic_json(shell, "status")
     assert state["daemon"]["entries"] == [] and state["daemon"]["loading"] == []
 
 
@@ -235,7 +237,7 @@ def test_uncacheable_argument_loads_plainly_and_status_says_why(shell, tiny_llam
     with pytest.warns(FallbackWarning, match="no canonical form"):
         model = type(plain).from_pretrained(None, config=plain.config, state_dict=plain.state_dict())
     assert model is not None
-    state = shell.run_line_magic("overmind", "status --json")
+    state = magic_json(shell, "status")
     assert any("state_dict" in f["reason"] for f in state["fallbacks"])
     assert any("state_dict" in f["reason"] for f in state["daemon"]["fallbacks"]), "the daemon heard of it too"
 
@@ -249,7 +251,7 @@ def test_cpu_device_maps_share_the_cpu_entry(shell, tiny_llama: Path, overmind_h
     for device_map in ("cpu", {"": "cpu"}, "auto"):
         model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), device_map=device_map)
         assert next(model.parameters()).device.type == "cpu"
-    state = shell.run_line_magic("overmind", "status --json")
+    state = magic_json(shell, "status")
     assert len(state["daemon"]["entries"]) == 1 and state["daemon"]["stats"]["hits"] == 3
 
 
@@ -272,7 +274,7 @@ def test_units_magic_shows_simulated_devices(overmind_home: Path, monkeypatch: p
     ip.run_line_magic("load_ext", "overmind_jupyter")
     try:
         ip.run_line_magic("overmind", "on")
-        state = ip.run_line_magic("overmind", "units --json")
+        state = magic_json(ip, "units")
         assert [d["capacity"] for d in state["devices"]] == [3, 3] and state["simulated"]
         cli = subprocess.run([sys.executable, "-m", "kernel_server", "status"], capture_output=True, text=True,
                              check=True)
@@ -298,18 +300,19 @@ def test_preload_warms_the_cache_from_a_worker(overmind_home: Path, tiny_llama: 
     assert rebuild.entry_of(next(model.parameters()).data_ptr()) is not None
 
 
-def test_config_and_env_override(overmind_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_config_overrides_the_environment_which_gives_the_defaults(overmind_home: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     from traitlets.config import Config
 
     from overmind_jupyter.config import Overmind
 
+    monkeypatch.setenv("OVERMIND_ENABLED", "0")
+    monkeypatch.setenv("OVERMIND_WAIT_TIMEOUT", "7")
+    assert not Overmind().enabled and Overmind().wait_timeout == 7.0
     cfg = Config()
     cfg.Overmind.enabled = True
     cfg.Overmind.wait_timeout = 5.0
     assert Overmind(config=cfg).enabled and Overmind(config=cfg).wait_timeout == 5.0
-    monkeypatch.setenv("OVERMIND_ENABLED", "0")
-    monkeypatch.setenv("OVERMIND_WAIT_TIMEOUT", "7")
-    assert not Overmind(config=cfg).enabled and Overmind(config=cfg).wait_timeout == 7.0
 
 
 def test_kernel_restart_gives_a_hit_with_equal_outputs(overmind_home: Path, tiny_llama: Path) -> None:

@@ -16,7 +16,8 @@ import pytest
 from kernel_server import Client
 
 
-def test_four_kernels_load_at_random_through_a_full_budget(overmind_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_four_kernels_load_at_random_through_a_full_budget(overmind_home: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     refs = faults_load.references()
     budget = faults_load.budget_for(refs)
     assert budget < sum(r["entry_bytes"] for r in refs.values()), "the budget must not hold every model"

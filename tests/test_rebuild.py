@@ -137,12 +137,12 @@ def test_a_file_arena_is_filled_from_several_threads(tmp_path: Path) -> None:
     torch.manual_seed(0)
     sources = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in (5 * arena.PAGE + 17, 1, 3 * arena.PAGE)]
     offsets = [0, 6 * arena.PAGE, 7 * arena.PAGE]
-    pieces = [(off, t.data_ptr(), t.numel()) for off, t in zip(offsets, sources)]
+    pieces = [(off, t.data_ptr(), t.numel()) for off, t in zip(offsets, sources, strict=False)]
     writer = arena.ArenaWriter(10 * arena.PAGE, backing="file", directory=tmp_path)
     try:
         writer.copy_from(pieces, threads=3, chunk=2 * arena.PAGE)
         fd = writer.seal()
-        for off, t in zip(offsets, sources):
+        for off, t in zip(offsets, sources, strict=False):
             assert os.pread(fd, t.numel(), off) == t.numpy().tobytes()
         assert os.pread(fd, arena.PAGE - 17, 5 * arena.PAGE + 17) == bytes(arena.PAGE - 17), "gaps stay zero"
     finally:
@@ -162,7 +162,8 @@ def test_a_file_arena_is_filled_from_several_threads(tmp_path: Path) -> None:
     finally:
         writer.close()
 
-    writer, memfd = arena.ArenaWriter(10 * arena.PAGE, backing="file", directory=tmp_path), arena.ArenaWriter(arena.PAGE)
+    writer = arena.ArenaWriter(10 * arena.PAGE, backing="file", directory=tmp_path)
+    memfd = arena.ArenaWriter(arena.PAGE)
     try:
         with pytest.raises(ValueError, match="outside the arena"):
             writer.copy_from([(9 * arena.PAGE, sources[0].data_ptr(), 2 * arena.PAGE)])

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 # The fixtures of pytest-jupyter for this module only (its autouse fixtures then touch no other test).
-from pytest_jupyter.jupyter_server import *
+from pytest_jupyter.jupyter_server import *  # noqa: F403
 
 import overmind_jupyter
 from kernel_server import Client, arena

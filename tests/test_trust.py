@@ -32,7 +32,7 @@ def plain_and_cached(**kwargs: object) -> tuple[torch.nn.Module, list[dict]]:
 
 
 def same(a: torch.nn.Module, b: torch.nn.Module) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=False))
 
 
 @pytest.fixture
@@ -73,7 +73,8 @@ def nobody_daemon() -> Iterator[tuple[Path, subprocess.Popen[bytes]]]:
         pytest.skip("needs setpriv and a system python3 to run a process as nobody")
     home = Path(tempfile.mkdtemp(prefix="om-nobody-", dir="/tmp"))
     shutil.chown(home, "nobody", "nogroup")
-    code = f"import sys; sys.path.insert(0, {str(REPO)!r}); from kernel_server.cli import main; main(['start', '--foreground'])"
+    code = (f"import sys; sys.path.insert(0, {str(REPO)!r}); from kernel_server.cli import main; "
+            "main(['start', '--foreground'])")
     env = {"OVERMIND_HOME": str(home), "PATH": os.environ.get("PATH", "/usr/bin")}
     proc = subprocess.Popen(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "/usr/bin/python3",
                              "-c", code], env=env, cwd="/", stderr=subprocess.PIPE)

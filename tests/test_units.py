@@ -27,7 +27,8 @@ from snippets import run_py, start_py
 
 from kernel_server import Client
 from kernel_server.errors import RemoteError
-from kernel_server.ledger import GiB, Ledger, parse_fake_gpus
+from kernel_server.ledger import Ledger
+from kernel_server.settings import GiB, parse_fake_gpus
 from overmind_jupyter import loading, rebuild, units
 from overmind_jupyter.units.transfer import to_device
 
@@ -145,7 +146,7 @@ def test_bad_requests_get_error_replies(fake_gpus: Callable[..., Client]) -> Non
         with pytest.raises(RemoteError) as info:
             client.request("units_acquire", **fields)
         assert info.value.code == code, (fields, info.value)
-    with pytest.raises(RemoteError, match="largest of cuda:0, cuda:1 has 4 units.*OVERMIND_GPU_RESERVE"):
+    with pytest.raises(RemoteError, match=r"largest of cuda:0, cuda:1 has 4 units.*OVERMIND_GPU_RESERVE"):
         client.request("units_acquire", units=5)
     for op, fields, code in [("units_release", {"holding": "x"}, "bad_request"),
                              ("units_release", {"holding": 99}, "no_holding"),
@@ -168,7 +169,7 @@ def test_real_devices_are_recorded_from_the_first_report(overmind_home: Path,
     monkeypatch.setenv("OVERMIND_GPU_RESERVE", "1")
     a, b = Client(overmind_home), Client(overmind_home)
     try:
-        with pytest.raises(RemoteError, match="knows no GPU.*OVERMIND_FAKE_GPUS") as info:
+        with pytest.raises(RemoteError, match=r"knows no GPU.*OVERMIND_FAKE_GPUS") as info:
             a.request("units_acquire", units=1)
         assert info.value.code == "no_device"
         gpu = {"id": "GPU-aaaa", "name": "cuda:0", "total_bytes": 80 * GiB + 5, "model": "H100"}
@@ -526,11 +527,11 @@ def test_first_device_that_fits_or_the_one_named(fake_gpus: Callable[..., Client
     assert [sum(h["units"] for h in d["holders"]) for d in client.request("units_state")["devices"]] == [8, 6]
     with pytest.raises(units.NoDeviceError, match="no device 'cuda:5' here; this kernel sees cuda:0, cuda:1"):
         units.place(linear(), device="cuda:5")
-    with pytest.raises(units.ModelTooLargeError, match="9 units requested.*8 units"):
+    with pytest.raises(units.ModelTooLargeError, match=r"9 units requested.*8 units"):
         units.place(linear(), units=9)
     with pytest.raises(units.UnitsError, match=r"units.release\(model\)"):
         units.place(linear(), device="cpu")
-    with pytest.raises(units.UnitsError, match="torch.nn.Module"):
+    with pytest.raises(units.UnitsError, match=r"torch\.nn\.Module"):
         units.place("not a model")
 
 

@@ -84,7 +84,8 @@ import json as _json, os as _os, sys as _sys, random as _random
 _info = {"pid": _os.getpid(), "ppid": _os.getppid(), "cwd": _os.getcwd(), "torch_preloaded": "torch" in _sys.modules,
          "leaked": "leaked" in globals(), "wave": "wave" in _sys.modules, "random": _random.random()}
 import torch as _torch, transformers.modeling_utils, warm_probe as _probe
-_info.update(path=_sys.path, argv=_sys.argv, orig_argv=_sys.orig_argv, env=dict(_os.environ), seed=_torch.initial_seed(),
+_info.update(path=_sys.path, argv=_sys.argv, orig_argv=_sys.orig_argv, env=dict(_os.environ),
+             seed=_torch.initial_seed(),
              probe_in_spare=_probe.IMPORTED_IN != _os.getpid(), probe_saw=_probe.SAW)
 print(_json.dumps(_info))
 """

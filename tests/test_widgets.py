@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kernels import magic_json
 from snippets import run_py
 
 from kernel_server import Client
@@ -360,14 +361,17 @@ def test_magic_in_a_terminal_prints_text(sim_daemon: Client, peft_model: Any,
     try:
         assert shell.run_line_magic("overmind", "status") is None
         assert "daemon pid" in capsys.readouterr().out
-        assert isinstance(shell.run_line_magic("overmind", "status --json"), dict)
+        assert magic_json(shell, "status")["enabled"] is False
         assert shell.run_line_magic("overmind", "units") is None
         assert "simulated" in capsys.readouterr().out
         shell.user_ns["m"] = peft_model
         assert shell.run_line_magic("overmind", "adapters m") is None
         out = capsys.readouterr().out
         assert "<AdapterGate routed default='fr'" in out and "(default)" in out
-        assert shell.run_line_magic("overmind", "adapters m --json")["default"] == "fr"
+        assert magic_json(shell, "adapters m")["default"] == "fr"
+        shell.user_ns["three"] = 3
+        with pytest.raises(UsageError, match="three holds an object of type int, not a PEFT model"):
+            shell.run_line_magic("overmind", "adapters three")
         with pytest.raises(UsageError, match="no variable named 'nope'"):
             shell.run_line_magic("overmind", "adapters nope")
         with pytest.raises(UsageError, match="takes the variable"):

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kernel_server.settings import GiB
+
 __all__ = ["panel_state", "units_view"]
 
 _TOTAL = ("capacity", "total", "units", "total_units")
@@ -93,7 +95,7 @@ def units_view(raw: Any) -> dict[str, Any] | None:
     waiters = ledger.get("waiters")
     return {
         "simulated": simulated or any(d["simulated"] for d in out),
-        "unit_bytes": ledger.get("unit_bytes", 1 << 30),
+        "unit_bytes": ledger.get("unit_bytes", GiB),
         "error": ledger.get("config_error") or None,
         "waiting": len(waiters) if isinstance(waiters, list) else 0,
         "devices": out,

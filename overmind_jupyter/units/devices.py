@@ -9,11 +9,11 @@ that simulates devices overrides what the kernel reports (see kernel_server/ledg
 from __future__ import annotations
 
 import math
-import os
 from pathlib import PurePath
 from typing import Any
 
-from kernel_server.ledger import GiB, parse_fake_gpus
+from kernel_server import settings
+from kernel_server.settings import GiB
 
 from ._errors import UnitsError
 
@@ -22,12 +22,12 @@ __all__ = ["GiB", "local_devices", "model_bytes", "model_label", "units_for"]
 
 def local_devices() -> list[dict[str, Any]]:
     """The devices of this process, as `units_register` takes them."""
-    spec = os.environ.get("OVERMIND_FAKE_GPUS")
+    try:
+        spec = settings.FAKE_GPUS.read()
+    except settings.SettingError as exc:
+        raise UnitsError(str(exc)) from None
     if spec:
-        try:
-            sizes = parse_fake_gpus(spec)
-        except ValueError as exc:
-            raise UnitsError(str(exc)) from None
+        sizes = settings.parse_fake_gpus(spec)
         return [{"id": f"sim:{i}", "name": f"cuda:{i}", "total_bytes": int(gib * GiB), "model": "simulated",
                  "simulated": True} for i, gib in enumerate(sizes)]
     import torch

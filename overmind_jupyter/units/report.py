@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kernel_server.settings import GiB
+
 from .residency import instance
 
 __all__ = ["format_state", "state"]
@@ -27,7 +29,7 @@ def format_state(state: dict[str, Any]) -> str:
     Args:
         state: what `state()` returned.
     """
-    gib = state.get("unit_bytes", 1 << 30) / (1 << 30)
+    gib = state.get("unit_bytes", GiB) / GiB
     head = f"GPU units (1 unit = {gib:g} GiB; {state.get('reserve_gib', 1):g} GiB of each device reserved)"
     if state.get("simulated"):
         head += f" - simulated devices (OVERMIND_FAKE_GPUS={state.get('fake_gpus')})"
@@ -39,7 +41,7 @@ def format_state(state: dict[str, Any]) -> str:
     for dev in state.get("devices", []):
         name = dev.get("here") or dev["name"]
         kind = "simulated" if dev["simulated"] else dev.get("model", "")
-        size = dev["total_bytes"] / (1 << 30)
+        size = dev["total_bytes"] / GiB
         lines.append(f"{name:<8} {kind} {size:.1f} GiB  capacity {dev['capacity']}  used {dev['used']}  "
                      f"free {dev['free']}")
         if not dev["holders"]:

@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kernel_server import settings
 from kernel_server.client import Client, shared_client
 from kernel_server.errors import DaemonError, RemoteError
 
@@ -50,7 +51,6 @@ __all__ = ["Residency", "instance"]
 
 log = logging.getLogger("overmind")
 
-_DEFAULT_TIMEOUT = float(os.environ.get("OVERMIND_UNITS_TIMEOUT", "600"))
 _GRACE = 30.0  # seconds past the daemon's own timeout before the client stops waiting for its answer
 _ERRORS: dict[str, type[UnitsError]] = {"units_timeout": UnitsTimeout, "units_too_large": ModelTooLargeError,
                                         "no_device": NoDeviceError, "unknown_device": NoDeviceError}
@@ -85,7 +85,7 @@ class Placement:
         # is where it was, without units, until it is placed again or released
         self.placed = time.time()
         self.lock = threading.Lock()
-        self.finalizer: weakref.finalize | None = None
+        self.finalizer: weakref.finalize[Any, Any] | None = None
 
     @property
     def live(self) -> bool:
@@ -292,7 +292,7 @@ class Residency:
 
     def _acquire(self, client: Client, candidates: list[Device], units: int, timeout: float | None,
                  label: str) -> dict[str, Any]:
-        timeout = _DEFAULT_TIMEOUT if timeout is None else timeout
+        timeout = settings.get(settings.UNITS_TIMEOUT) if timeout is None else timeout
         daemon_timeout = None if timeout == float("inf") else max(0.0, float(timeout))
         try:
             request_id, fut = client.submit("units_acquire", units=units, devices=[d.id for d in candidates],

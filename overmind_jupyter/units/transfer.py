@@ -41,7 +41,7 @@ class _Slot:
     @classmethod
     def of(cls, t: torch.Tensor, host: torch.Tensor | None) -> _Slot:
         return cls(host, t.untyped_storage().data_ptr(), t.dtype, tuple(t.shape), t.stride(),
-                   t.storage_offset(), t._version)
+                   int(t.storage_offset()), t._version)
 
     def unchanged(self, t: torch.Tensor) -> bool:
         return (t._version == self.version and t.untyped_storage().data_ptr() == self.ptr

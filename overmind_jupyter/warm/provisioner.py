@@ -22,8 +22,10 @@ import time
 from typing import Any
 
 from jupyter_client.connect import KernelConnectionInfo
-from jupyter_client.provisioning import LocalProvisioner
+from jupyter_client.provisioning.local_provisioner import LocalProvisioner
 from traitlets import Bool, Float, List, Unicode, default
+
+from kernel_server import settings
 
 from . import spares
 from .spares import ForkedKernel, SpareKey, SpareUnavailable
@@ -117,7 +119,7 @@ class WarmProvisioner(LocalProvisioner):
 
     @default("enabled")
     def _enabled_default(self) -> bool:
-        return os.environ.get("OVERMIND_WARM", "1").strip().lower() not in ("0", "false", "no", "off")
+        return bool(settings.get(settings.WARM))
 
     async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> KernelConnectionInfo:
         """Fork the kernel from the spare; start it plainly when no spare can serve."""
@@ -171,7 +173,7 @@ class WarmProvisioner(LocalProvisioner):
         kernel = ForkedKernel(spare, pid, pidfd)
         for name, pipe in stdio.keep.items():
             setattr(kernel, name, pipe)
-        self.process = kernel
+        self.process = kernel  # type: ignore[assignment]  # it has the methods of Popen that LocalProvisioner uses
         self.pid = self.pgid = pid
         self.cwd = cwd
         self.log.info("Kernel %s forked from spare %d as %d", self.kernel_id, spare.pid, pid)

@@ -79,7 +79,7 @@ def expand_preload(names: list[str] | tuple[str, ...]) -> list[str]:
     return out
 
 
-class PreloadError(Exception):
+class ImportRefused(Exception):
     """A preloaded module failed to import, or left the process unsafe to fork; names the module."""
 
     def __init__(self, module: str, message: str) -> None:
@@ -111,7 +111,7 @@ def _import(name: str) -> None:
 
 
 def preload(names: list[str]) -> list[str]:
-    """Import the kernel machinery and `names`; raise `PreloadError` naming the module that failed or
+    """Import the kernel machinery and `names`; raise `ImportRefused` naming the module that failed or
     that made forking unsafe. Returns the modules imported.
 
     Note [Fork safety]: a process may be forked only while it has one thread and has not initialised a
@@ -131,21 +131,21 @@ def preload(names: list[str]) -> list[str]:
         try:
             _import(name)
         except BaseException as exc:  # reported; the server then starts plain kernels
-            raise PreloadError(name, f"import failed: {type(exc).__name__}: {exc}") from exc
+            raise ImportRefused(name, f"import failed: {type(exc).__name__}: {exc}") from exc
         _check_fork_safe(name)
         done.append(name)
     return done
 
 
 def _check_fork_safe(name: str) -> None:
-    """Raise `PreloadError` naming `name` if this process is no longer safe to fork (Note [Fork safety])."""
+    """Raise `ImportRefused` naming `name` if this process is no longer safe to fork (Note [Fork safety])."""
     threads = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
     if threads:
-        raise PreloadError(name, f"importing it started threads {threads}, which forked kernels would "
+        raise ImportRefused(name, f"importing it started threads {threads}, which forked kernels would "
                                  "not have (see Note [Fork safety]); remove it from the preload list")
     devices = _cuda_device_fds()
     if devices:
-        raise PreloadError(name, f"importing it opened {devices}: a GPU driver initialised before fork is "
+        raise ImportRefused(name, f"importing it opened {devices}: a GPU driver initialised before fork is "
                                  "unusable in the forked kernels; remove it from the preload list")
 
 
@@ -328,7 +328,7 @@ def become_kernel(plan: dict[str, Any], cwd_entry: bool) -> None:
     `python -m module` sets them, and fresh random seeds.
     """
     os.setsid()
-    for target, fd in zip((0, 1, 2), plan["fds"]):
+    for target, fd in zip((0, 1, 2), plan["fds"], strict=True):
         if fd != target:
             os.dup2(fd, target)
     for fd in plan["fds"]:
@@ -352,12 +352,12 @@ def become_kernel(plan: dict[str, Any], cwd_entry: bool) -> None:
         try:
             from ipykernel import parentpoller
 
-            parentpoller.ParentPollerUnix = ServerPoller  # type: ignore[misc]
+            parentpoller.ParentPollerUnix = ServerPoller  # type: ignore[misc, assignment]
         except ImportError:
             pass
     kernelapp = sys.modules.get("ipykernel.kernelapp")
     if kernelapp is not None:  # imported by a preloaded module: give it this kernel's view
-        kernelapp.ParentPollerUnix = ServerPoller
+        setattr(kernelapp, "ParentPollerUnix", ServerPoller)  # noqa: B010 (a module mypy does not know)
         traits = kernelapp.IPKernelApp.class_traits()
         traits["parent_handle"].default_value = int(env.get("JPY_PARENT_PID") or 0)
         traits["interrupt"].default_value = int(env.get("JPY_INTERRUPT_EVENT") or 0)
@@ -385,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     env_before = dict(os.environ)
     try:
         modules = preload([m for m in args.preload.split(",") if m])
-    except PreloadError as exc:
+    except ImportRefused as exc:
         _send(sock, {"kind": "failed", "version": PROTOCOL, "error": str(exc), "module": exc.module,
                      "trace": traceback.format_exc(limit=-3)})
         return 3
@@ -441,7 +441,7 @@ def _close_written_files() -> None:
     import io
     import stat
 
-    def order(f: io.IOBase) -> int:
+    def order(f: Any) -> int:
         if isinstance(f, io.TextIOBase):
             return 0
         if isinstance(f, (io.BufferedWriter, io.BufferedRandom, io.BufferedReader)):
@@ -461,7 +461,7 @@ def _close_written_files() -> None:
     for obj in sorted(files, key=order):
         try:
             obj.close()
-        except Exception:  # noqa: BLE001, S112 - as in IOBase.__del__, a failing close is ignored
+        except Exception:  # noqa: BLE001 - as in IOBase.__del__, a failing close is ignored
             continue
 
 
@@ -488,7 +488,7 @@ def fast_exit(code: int) -> None:
         try:
             if stream is not None:
                 stream.flush()
-        except Exception:  # noqa: BLE001, S112
+        except Exception:  # noqa: BLE001
             continue
     os._exit(code)
 

@@ -22,7 +22,7 @@ __all__ = ["CacheTable", "cache_view", "fetch_status", "open_gates"]
 def fetch_status() -> dict[str, Any]:
     """The feed of the cache table: `overmind_jupyter.status()` (never starts a daemon), and the adapter
     gates open in this kernel."""
-    from ..extension import status
+    from ..api import status
 
     snapshot = status()
     snapshot["gates"] = open_gates()
@@ -275,7 +275,7 @@ export default {
         label = next((e["label"] for e in self.entries if e["key"] == key), key[:12])
 
         def act() -> None:
-            from ..extension import evict
+            from ..api import evict
 
             started = time.monotonic()
             try:

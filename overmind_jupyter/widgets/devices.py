@@ -12,6 +12,8 @@ from typing import Any
 
 import traitlets
 
+from kernel_server.settings import GiB
+
 from .live import CSS, JS_HELPERS, LiveView, with_text
 
 __all__ = ["UnitsBar", "fetch_units", "units_view"]
@@ -86,7 +88,7 @@ def units_view(raw: dict[str, Any] | None, my_conn: int | None = None) -> dict[s
         "devices": devices,
         "simulated": bool(raw.get("simulated")) or any(d["simulated"] for d in devices),
         "fake_gpus": str(raw.get("fake_gpus") or ""),
-        "unit_bytes": int(raw.get("unit_bytes") or 1 << 30),
+        "unit_bytes": int(raw.get("unit_bytes") or GiB),
         "reserve_gib": float(raw.get("reserve_gib") or 0.0),
         "problem": str(raw.get("config_error") or ""),
         "waiters": waiters,
@@ -108,7 +110,7 @@ class UnitsBar(LiveView):
     devices = traitlets.List(traitlets.Dict()).tag(sync=True)
     simulated = traitlets.Bool(False).tag(sync=True)
     fake_gpus = traitlets.Unicode("").tag(sync=True)
-    unit_bytes = traitlets.Int(1 << 30).tag(sync=True)
+    unit_bytes = traitlets.Int(GiB).tag(sync=True)
     reserve_gib = traitlets.Float(0.0).tag(sync=True)
     problem = traitlets.Unicode("").tag(sync=True)
     waiters = traitlets.List(traitlets.Dict()).tag(sync=True)

@@ -11,6 +11,7 @@ The panel is stock ipywidgets controls around two drawn parts:
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -299,7 +300,8 @@ class AdapterPanel(LivePanel):
         self._busy.add("generate")
         self.generate_button.disabled = True
         poller().kick()
-        return [run_action(f"generate-{n}", lambda n=n: self._generate_one(run, prompt, n, limit)) for n in names]
+        return [run_action(f"generate-{n}", functools.partial(self._generate_one, run, prompt, n, limit))
+                for n in names]
 
     def _generate_one(self, run: int, prompt: str, name: str, limit: int) -> None:
         started = time.perf_counter()

@@ -68,7 +68,7 @@ class _Shown:
             self.views = max(0, self.views - 1)
 
 
-class LiveView(anywidget.AnyWidget):  # type: ignore[misc]
+class LiveView(anywidget.AnyWidget):
     """A custom-drawn widget updated from a feed. Subclasses set `_esm`, `_css` and their traits.
 
     Frontend messages: `{"event": "view", "shown": bool}` from every view as it appears and goes; any other

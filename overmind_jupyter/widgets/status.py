@@ -42,7 +42,7 @@ class StatusPanel(LivePanel):
             self.units.update(snapshot["daemon"].get("units"))
 
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
-        from ..extension import format_status
+        from ..api import format_status
 
         text = format_status(self._last) if self._last else "overmind status (a widget: run in JupyterLab)"
         return with_text(super()._repr_mimebundle_(**kwargs), text)

@@ -1,11 +1,11 @@
 """The loader worker behind `overmind_jupyter.preload`: a fresh process of the kernel's interpreter
 that runs one cached load and publishes it, so that the kernel's own call later is a hit (or waits for
-this load: see Note [Single flight] in store.py).
+this load: see Note [Single flight] in kernel_server/store.py).
 
-    python -m kernel_server.worker < job
+    python -m overmind_jupyter.worker < job
 
 The job is two pickles (the kernel's cwd and sys.path, then the load) written by the kernel that started
-this worker (the user's own process, DESIGN.md invariant 4); it never comes through the daemon. This
+this worker (the user's own process, docs/design.md invariant 4); it never comes through the daemon. This
 module imports torch only inside `main`.
 """
 
@@ -16,7 +16,7 @@ import sys
 
 
 def main() -> int:
-    import dill  # type: ignore[import-untyped]
+    import dill
 
     where = dill.load(sys.stdin.buffer)  # first where the kernel imports from, so that the job unpickles
     os.chdir(where["cwd"])
@@ -27,7 +27,7 @@ def main() -> int:
     from overmind_jupyter import loading
 
     shared_client(role="worker", label=f"preload for pid {job['parent']}")
-    kwargs, _device = loading._split_placement(job["kwargs"])  # the cache holds CPU bytes
+    kwargs, _device = loading.split_placement(job["kwargs"])  # the cache holds CPU bytes
     loading.cached(job["fn"], *job["args"], **kwargs)  # published before it returns
     for fallback in loading.fallbacks():
         print(f"overmind preload: {fallback['call']}: {fallback['reason']}", file=sys.stderr)

@@ -1,0 +1,122 @@
+"""The public functions: turning the cache on and off in any Python process, and asking it what it holds.
+
+`enable()` patches the loaders of targets.py and starts the daemon; `disable()` restores every original.
+The IPython side (the magic, the event callback) is overmind_jupyter/extension.py's.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Any
+
+from .errors import DaemonError, FallbackWarning
+
+__all__ = ["disable", "enable", "evict", "format_status", "is_enabled", "status"]
+
+_lock = threading.Lock()
+_enabled = False
+
+
+def enable(config: Any = None) -> None:
+    """Route `from_pretrained` of transformers, diffusers and peft through the cache, and start the
+    daemon if none runs. Libraries imported later are patched when they are imported.
+
+    Args:
+        config: an `overmind_jupyter.config.Overmind` (default: one read from the environment).
+    """
+    global _enabled
+    from . import loading, targets
+    from .config import Overmind
+
+    (config or Overmind()).apply()
+    with _lock:
+        targets.install(loading.patched_call)
+        _enabled = True
+    try:
+        from kernel_server.client import shared_client
+
+        shared_client()
+    except DaemonError as exc:
+        warnings.warn(f"overmind: no daemon could be started ({exc}); loads run plainly until one can",
+                      FallbackWarning, stacklevel=2)
+
+
+def disable() -> None:
+    """Restore every patched loader exactly (identity of the original descriptors)."""
+    global _enabled
+    from . import targets
+
+    with _lock:
+        _enabled = False
+        errors = targets.uninstall()
+    if errors:
+        raise errors[0]
+
+
+def is_enabled() -> bool:
+    return _enabled
+
+
+def status() -> dict[str, Any]:
+    """The cache as this kernel sees it: the daemon's entries (with what is left to copy of each, see
+    Note [Pending pieces] in kernel_server/store.py), budget and kernels, this process's fallbacks,
+    and what is patched."""
+    from kernel_server import lifecycle
+    from kernel_server.client import shared_client
+
+    from . import loading, patching
+
+    out: dict[str, Any] = {
+        "enabled": _enabled,
+        "patched": patching.patched(),
+        "fallbacks": loading.fallbacks(),
+    }
+    try:
+        out["home"] = str(lifecycle.state_dir(create=False))
+        reply = shared_client(spawn=False).request("status", timeout=10)
+        out["daemon"] = {k: v for k, v in reply.payload.items() if k not in ("id", "ok")}
+    except (DaemonError, OSError) as exc:
+        out["daemon"] = None
+        out["daemon_error"] = str(exc)
+    return out
+
+
+def evict(key: str | None = None) -> list[str]:
+    """Evict the entry `key` (or a unique prefix of it), or every entry when `key` is None. Kernels
+    that use an evicted model keep it; the memory goes with the last of them. Returns evicted keys."""
+    from kernel_server.client import shared_client
+
+    client = shared_client(spawn=False)
+    reply = client.request("evict", all=True) if key is None else client.request("evict", key=key)
+    return list(reply["evicted"])
+
+
+def _patched_text(s: dict[str, Any]) -> str:
+    if s["patched"]:
+        return f"{len(s['patched'])} loaders patched"
+    if s["enabled"]:  # nothing imported yet: the import hook patches each library when it is imported
+        return "transformers, diffusers and peft are patched when they are imported"
+    return "nothing patched"
+
+
+def format_status(s: dict[str, Any]) -> str:
+    """`status()` as text, for terminals."""
+    from kernel_server.cli import human_bytes, pending_text
+
+    lines = [f"overmind {'on' if s['enabled'] else 'off'}; " + _patched_text(s)]
+    d = s.get("daemon")
+    if d is None:
+        lines.append(f"daemon: not running ({s.get('daemon_error', '')})")
+    else:
+        lines.append(f"daemon pid {d['daemon']['pid']} at {d['daemon']['home']}: {human_bytes(d['used'])} of "
+                     f"{human_bytes(d['budget'])} in {len(d['entries'])} entries; "
+                     + ", ".join(f"{k} {v}" for k, v in sorted(d['stats'].items())))
+        for e in d["entries"]:
+            users = ", ".join(str(k["pid"]) for k in e["pinned_by"]) or "-"
+            lines.append(f"  {e['key'][:12]}  {e['meta'].get('label', '')}  {human_bytes(e['bytes'])}  "
+                         f"hits {e['hits']}  used by {users}"
+                         + (f"  {pending_text(e['pending'])}" if e.get("pending") else ""))
+    for f in s["fallbacks"][-10:]:
+        lines.append(f"fallback: {f['call']}: {f['reason']}")
+    return "\n".join(lines)
