@@ -1,6 +1,6 @@
 """The per-user daemon that keeps loaded models in shared memory, and its client library.
 
-Importing this package imports neither torch nor IPython (DESIGN.md invariant 8).
+Importing this package imports neither torch nor IPython (docs/design.md invariant 8).
 """
 
 from __future__ import annotations

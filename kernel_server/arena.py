@@ -4,7 +4,7 @@
 An arena is written once, by pwrite (or through a shared mapping that the writer drops) before it
 is sealed (F_SEAL_WRITE refuses every later shared writable mapping and write()). Readers map it MAP_PRIVATE:
 a page a reader writes to (`add_`, `load_state_dict`, an optimizer step) is copied into that process
-alone, so no in-place write is ever seen by another kernel or by a later hit (DESIGN.md invariant 3).
+alone, so no in-place write is ever seen by another kernel or by a later hit (docs/design.md invariant 3).
 Never MAP_POPULATE a private mapping: the kernel write-faults every page of a writable private
 mapping and so copies all of it. Populate with MADV_POPULATE_READ instead, which maps the shared
 pages read-only.

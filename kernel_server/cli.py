@@ -15,6 +15,7 @@ from typing import Any
 from . import lifecycle
 from .client import Client
 from .errors import DaemonError, RemoteError
+from .operations import Op
 
 __all__ = ["human_bytes", "main", "pending_text"]
 
@@ -80,7 +81,7 @@ def _stop(args: argparse.Namespace) -> int:
         return 0
     with Client(home, spawn=False, role="cli") as client:
         pid = client.daemon_pid
-        client.request("shutdown")
+        client.request(Op.SHUTDOWN)
     deadline = time.monotonic() + args.timeout
     while time.monotonic() < deadline:
         if lifecycle.process_gone(pid):
@@ -122,7 +123,7 @@ def _evict(args: argparse.Namespace) -> int:
         return 0
     with Client(home, spawn=False, role="cli") as client:
         try:
-            reply = client.request("evict", all=True) if args.all else client.request("evict", key=args.key)
+            reply = client.request(Op.EVICT, all=True) if args.all else client.request(Op.EVICT, key=args.key)
         except RemoteError as exc:
             print(f"overmind-daemon: {exc}", file=sys.stderr)
             return 1
@@ -188,7 +189,9 @@ def _entries_text(entries: list[dict[str, Any]]) -> str:
                      ",".join(str(k["pid"]) for k in e["pinned_by"]) or "-",
                      pending_text(e["pending"]) if e.get("pending") else "ready"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
 
 
-_COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {"start": _start, "stop": _stop, "status": _read("status"), "ls": _read("ls"), "evict": _evict}
+_COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "start": _start, "stop": _stop, "status": _read("status"), "ls": _read("ls"), "evict": _evict,
+}

@@ -1,6 +1,6 @@
 """The client side of the daemon's protocol: one connection, many threads.
 
-A `Client` owns one connection (its lease, DESIGN.md invariant 5), a reader thread that routes each
+A `Client` owns one connection (its lease, docs/design.md invariant 5), a reader thread that routes each
 reply to the request that awaits it, and a thread that runs push handlers. It imports nothing heavy.
 """
 
@@ -21,11 +21,9 @@ from typing import Any
 
 from . import lifecycle
 from .errors import (
-    BudgetExceeded,
     DaemonHung,
     DaemonLost,
     DaemonUnavailable,
-    DescriptorsExhausted,
     DescriptorsLost,
     PeerRefused,
     ProtocolError,
@@ -33,6 +31,7 @@ from .errors import (
     RemoteError,
     WaitTimeout,
 )
+from .operations import Op, error_for
 from .protocol import PROTOCOL_VERSION, Frame, FrameKind
 from .transport import close_fds, recv_frame, send_frame
 
@@ -47,8 +46,6 @@ __all__ = ["ANSWER_TIMEOUT", "Client", "Response", "existing_shared_client", "re
 # holds a lookup for another kernel's load.
 ANSWER_TIMEOUT = 3.0
 
-_ERRORS: dict[str, type[RemoteError]] = {"budget_exceeded": BudgetExceeded,
-                                          "descriptors_exhausted": DescriptorsExhausted}
 
 
 @dataclass
@@ -102,7 +99,7 @@ class Client:
         self._pusher = threading.Thread(target=self._push_loop, name="overmind-push", daemon=True)
         self._pusher.start()
         try:
-            hello = self.request("hello", protocol=PROTOCOL_VERSION, role=role, label=label, pid=os.getpid(),
+            hello = self.request(Op.HELLO, protocol=PROTOCOL_VERSION, role=role, label=label, pid=os.getpid(),
                                  timeout=ANSWER_TIMEOUT)
         except WaitTimeout:
             self.close()
@@ -171,7 +168,7 @@ class Client:
             if left is not None and left <= slice_:
                 return self.wait(request_id, fut, 0)  # the caller's own timeout: cancels and raises
             try:
-                self.request("ping", timeout=ANSWER_TIMEOUT - slice_)
+                self.request(Op.PING, timeout=ANSWER_TIMEOUT - slice_)
             except WaitTimeout:
                 with self._lock:
                     self._pending.pop(request_id, None)
@@ -186,7 +183,7 @@ class Client:
         except FutureTimeout:
             with self._lock:
                 self._pending.pop(request_id, None)
-            self._fire_and_forget("cancel", request=request_id)
+            self._fire_and_forget(Op.CANCEL, request=request_id)
             raise WaitTimeout(f"no answer from the daemon within {timeout} s") from None
         return _response(frame)
 
@@ -272,9 +269,9 @@ class Client:
         payload = frame.payload
         if payload.get("status") == "hit":
             for entry in payload.get("entries", []):
-                self._fire_and_forget("unpin", key=entry["key"])
+                self._fire_and_forget(Op.UNPIN, key=entry["key"])
         elif payload.get("status") == "load":
-            self._fire_and_forget("abandon", key=payload.get("key", ""))
+            self._fire_and_forget(Op.ABANDON, key=payload.get("key", ""))
 
     def _fire_and_forget(self, op: str, **fields: Any) -> None:
         try:
@@ -310,7 +307,7 @@ def _response(frame: Frame) -> Response:
     close_fds(frame.fds)
     error = payload.get("error") or {}
     code = str(error.get("code", "error"))
-    raise _ERRORS.get(code, RemoteError)(code, str(error.get("message", "the daemon refused the request")))
+    raise error_for(code, str(error.get("message", "the daemon refused the request")))
 
 
 _shared: Client | None = None

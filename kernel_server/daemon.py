@@ -1,26 +1,24 @@
-"""The per-user daemon: accepts kernels on a Unix socket and serves the store.
+"""The per-user daemon: accepts kernels on a Unix socket and serves the store and the units ledger.
 
-One thread accepts; each connection gets a reader thread that decodes frames and calls the handler its
-"op" names in `Daemon.handlers` (the whole list of what a client may ask). A handler returns a reply
-payload, or None when it will answer later (a lookup that waits for another kernel's load). The daemon
-never imports torch and never unpickles anything: it keeps descriptors and JSON.
+One thread accepts; each connection gets a reader thread that decodes frames and dispatches each request
+to the handler of its operation (operations.Op: the whole list of what a client may ask). The store's
+handlers are in store_service.py, the ledger's in units_service.py, the daemon's own here; all have the
+shape `(peer, request) -> Reply | None` (None: the answer comes later), and the dispatcher closes the
+descriptors a handler did not take. The daemon never imports torch and never unpickles anything: it
+keeps descriptors and JSON.
 """
 
 from __future__ import annotations
 
 import collections
-import fcntl
 import itertools
 import logging
 import os
 import select
 import signal
 import socket
-import stat
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +28,12 @@ from .compaction import Compactor
 from .errors import DaemonError, DescriptorsLost, ProtocolError, RemoteError
 from .ledger import Ledger
 from .lifecycle import DaemonLock, socket_path
-from .protocol import MAX_FDS, PROTOCOL_VERSION, FrameKind
-from .store import LookupResult, Store
+from .operations import TAKES_DESCRIPTORS, Handler, Op, Peer, Reply, Request
+from .protocol import PROTOCOL_VERSION, FrameKind
+from .store import Store
+from .store_service import StoreService
 from .transport import close_fds, peer_credentials, recv_frame, send_frame
+from .units_service import UnitsService
 
 __all__ = ["Daemon", "run"]
 
@@ -40,12 +41,6 @@ log = logging.getLogger("kernel_server")
 
 _MAX_META = 16 * 1024  # bytes of JSON an entry's description may take
 _MAX_FALLBACKS = 100
-
-
-@dataclass
-class Reply:
-    payload: dict[str, Any]
-    fds: list[int] = field(default_factory=list)  # closed by the daemon once sent
 
 
 class Connection:
@@ -106,27 +101,12 @@ class Daemon:
         self.ledger = Ledger.from_env(self.kernel_of)
         self.compactor = Compactor(self.store, lambda: arena.arena_directory(self.home),
                                    enabled=settings.get(settings.COMPACT))
-        # Every operation a client may ask for. Anything else gets an "unknown_op" error reply.
-        self.handlers: dict[str, Callable[[Connection, dict[str, Any], list[int]], Reply | None]] = {
-            "hello": self.op_hello,
-            "ping": self.op_ping,
-            "status": self.op_status,
-            "ls": self.op_ls,
-            "lookup": self.op_lookup,
-            "cancel": self.op_cancel,
-            "reserve": self.op_reserve,
-            "publish": self.op_publish,
-            "abandon": self.op_abandon,
-            "unpin": self.op_unpin,
-            "evict": self.op_evict,
-            "fallback": self.op_fallback,
-            "shutdown": self.op_shutdown,
-            "units_register": self.ledger.op_register,
-            "units_acquire": self.ledger.op_acquire,
-            "units_release": self.ledger.op_release,
-            "units_touch": self.ledger.op_touch,
-            "units_cancel": self.ledger.op_cancel,
-            "units_state": self.ledger.op_state,
+        # The handler of every operation (operations.Op); a test checks none is missing.
+        self.handlers: dict[Op, Handler] = {
+            Op.HELLO: self.hello, Op.PING: self.ping, Op.STATUS: self.status, Op.FALLBACK: self.fallback,
+            Op.SHUTDOWN: self.shutdown,
+            **StoreService(self.store, self.compactor, self.kernel_of).handlers(),
+            **UnitsService(self.ledger).handlers(),
         }
         self._fallbacks: collections.deque[dict[str, Any]] = collections.deque(maxlen=_MAX_FALLBACKS)
         self.errors = collections.Counter[str]()  # error replies by code, for status ("internal" is a bug)
@@ -244,15 +224,15 @@ class Daemon:
                     raise RemoteError("bad_frame", f"clients send requests, not {frame.kind.name.lower()}s")
                 if not isinstance(request_id, int) or isinstance(request_id, bool):
                     raise RemoteError("bad_frame", "a request needs an integer 'id'")
-                op = frame.payload.get("op")
-                handler = self.handlers.get(op) if isinstance(op, str) else None
-                if handler is None:
-                    raise RemoteError("unknown_op", f"unknown operation {op!r}; this daemon knows "
-                                                    f"{sorted(self.handlers)}")
-                if not conn.greeted and op != "hello":
+                request = Request(_op(frame.payload.get("op")), request_id, frame.payload)
+                if not conn.greeted and request.op is not Op.HELLO:
                     raise RemoteError("no_hello", "the first request must be 'hello'")
-                fds, frame.fds = frame.fds, []  # the handler owns them now
-                reply = handler(conn, frame.payload, fds)
+                if request.op in TAKES_DESCRIPTORS:
+                    request.descriptors, frame.fds = frame.fds, []
+                try:
+                    reply = self.handlers[request.op](conn, request)
+                finally:
+                    close_fds(request.descriptors)  # what the handler did not take
                 if reply is not None:
                     conn.reply(request_id, reply)
             except RemoteError as exc:
@@ -303,8 +283,7 @@ class Daemon:
 
     # -- handlers -----------------------------------------------------------------------------
 
-    def op_hello(self, conn: Connection, req: dict[str, Any], fds: list[int]) -> Reply:
-        close_fds(fds)
+    def hello(self, conn: Peer, req: Request) -> Reply:
         version = req.get("protocol")
         if version != PROTOCOL_VERSION:
             raise RemoteError(
@@ -312,18 +291,17 @@ class Daemon:
                 f"daemon at {self.home} speaks protocol {PROTOCOL_VERSION}, this client {version}: "
                 "run `overmind-daemon stop` and let the client start a new one",
             )
+        assert isinstance(conn, Connection)  # the daemon's own handler: it names the connection
         conn.role = str(req.get("role", "kernel"))[:32]
         conn.label = str(req.get("label", ""))[:200]
         conn.greeted = True
         return Reply({"protocol": PROTOCOL_VERSION, "version": __version__, "pid": os.getpid(),
                       "home": str(self.home), "budget": self.store.budget, "conn": conn.id})
 
-    def op_ping(self, conn: Connection, req: dict[str, Any], fds: list[int]) -> Reply:
-        close_fds(fds)
+    def ping(self, conn: Peer, req: Request) -> Reply:
         return Reply({"pong": time.time()})
 
-    def op_status(self, conn: Connection, req: dict[str, Any], fds: list[int]) -> Reply:
-        close_fds(fds)
+    def status(self, conn: Peer, req: Request) -> Reply:
         snap = self.store.snapshot(self.kernel_of)
         snap["descriptors"]["open"] = descriptors.open_descriptors()
         with self._lock:
@@ -339,171 +317,24 @@ class Daemon:
             **snap,
         })
 
-    def op_ls(self, conn: Connection, req: dict[str, Any], fds: list[int]) -> Reply:
-        close_fds(fds)
-        return Reply({"entries": self.store.snapshot(self.kernel_of)["entries"]})
-
-    def op_lookup(self, conn: Connection, req: dict[str, Any], fds: list[int]) -> Reply | None:
-        close_fds(fds)
-        key = _key(req)
-        request_id = req["id"]
-
-        def notify(result: LookupResult) -> None:
-            if result.error is not None:  # a waiter's hit that could not be sent
-                conn.error(request_id, result.error.code, str(result.error))
-            else:
-                conn.reply(request_id, _lookup_reply(key, result))
-
-        result = self.store.lookup(conn.id, conn.pid, key, wait=bool(req.get("wait", True)),
-                                   request_id=request_id, notify=notify)
-        return None if result is None else _lookup_reply(key, result)
-
-    def op_cancel(self, conn: Connection, req: dict[str, Any], fds: list[int]) -> Reply:
-        close_fds(fds)
-        target = req.get("request")
-        if not isinstance(target, int):
-            raise RemoteError("bad_request", "cancel needs the integer 'request' to cancel")
-        if self.store.cancel_wait(conn.id, target):
-            conn.reply(target, Reply({"status": "cancelled"}))
-            return Reply({"cancelled": True})
-        return Reply({"cancelled": False})
-
-    def op_reserve(self, conn: Connection, req: dict[str, Any], fds: list[int]) -> Reply:
-        """`bytes` of the budget for the load of `key`, and the `descriptors` its publish will bring
-        (graph, arena and one per source: 2 unless said; Note [Descriptor budget] in descriptors.py)."""
-        close_fds(fds)
-        nbytes, nfds = req.get("bytes"), req.get("descriptors", 2)
-        if not isinstance(nbytes, int) or nbytes < 0:
-            raise RemoteError("bad_request", "reserve needs a non-negative integer 'bytes'")
-        if not isinstance(nfds, int) or isinstance(nfds, bool) or not 2 <= nfds <= MAX_FDS:
-            raise RemoteError("bad_request", f"reserve's 'descriptors' is an integer from 2 to {MAX_FDS}: the "
-                                             "graph, the arena and one per source file")
-        evicted = self.store.reserve(conn.id, _key(req), nbytes, nfds)
-        return Reply({"evicted": evicted})
-
-    def op_publish(self, conn: Connection, req: dict[str, Any], fds: list[int]) -> Reply:
-        """Descriptors: the graph, the arena, then one per source file of `sources` (Note [Pending
-        pieces] in store.py). `pieces`: [arena offset, bytes, source index, file offset] each."""
-        try:
-            key = _key(req)
-            raw_sources, pieces = req.get("sources", []), req.get("pieces", [])
-            if not isinstance(raw_sources, list) or len(fds) != 2 + len(raw_sources):
-                raise RemoteError("bad_request", "publish carries 2 descriptors (graph, arena) and one per source, "
-                                                 f"not {len(fds)} for {len(raw_sources)} sources")
-            graph_bytes, arena_bytes = req.get("graph_bytes"), req.get("arena_bytes")
-            if not (isinstance(graph_bytes, int) and isinstance(arena_bytes, int)) or min(graph_bytes, arena_bytes) < 0:
-                raise RemoteError("bad_request", "publish needs integer 'graph_bytes' and 'arena_bytes'")
-            meta, deps = req.get("meta", {}), req.get("deps", [])
-            if not isinstance(meta, dict) or len(str(meta)) > _MAX_META:
-                raise RemoteError("bad_request", f"'meta' must be an object of at most {_MAX_META} bytes")
-            if not isinstance(deps, list) or not all(isinstance(d, str) for d in deps):
-                raise RemoteError("bad_request", "'deps' must be a list of keys")
-            try:
-                arena.check_sealed(fds[0], graph_bytes)
-                backing = arena.check_sealed(fds[1], arena_bytes)
-                sources = [_source(fd, raw) for fd, raw in zip(fds[2:], raw_sources)]
-                _check_pieces(pieces, arena_bytes, sources)
-            except (ValueError, TypeError, OSError) as exc:
-                raise RemoteError("bad_arena", f"refused arena: {exc}") from None
-        except BaseException:
-            close_fds(fds)
-            raise
-        answers = self.store.publish(conn.id, key, graph_fd=fds[0], arena_fd=fds[1], graph_bytes=graph_bytes,
-                                     arena_bytes=arena_bytes, backing=backing, meta=meta, deps=deps,
-                                     sources=sources, pieces=pieces, pin=bool(req.get("pin")),
-                                     marker=bool(req.get("marker")))
-        for notify, result in answers:
-            notify(result)
-        if pieces:
-            self.compactor.submit(key)
-        return Reply({"published": key, "served_waiters": len(answers)})
-
-    def op_abandon(self, conn: Connection, req: dict[str, Any], fds: list[int]) -> Reply:
-        close_fds(fds)
-        answers = self.store.abandon(conn.id, _key(req))
-        for notify, result in answers:
-            notify(result)
-        return Reply({})
-
-    def op_unpin(self, conn: Connection, req: dict[str, Any], fds: list[int]) -> Reply:
-        close_fds(fds)
-        count = req.get("count", 1)
-        if not isinstance(count, int) or count < 1:
-            raise RemoteError("bad_request", "'count' must be a positive integer")
-        self.store.unpin(conn.id, _key(req), count)
-        return Reply({})
-
-    def op_evict(self, conn: Connection, req: dict[str, Any], fds: list[int]) -> Reply:
-        close_fds(fds)
-        if req.get("all"):
-            return Reply({"evicted": self.store.evict(None)})
-        key = _key(req)
-        matches = [e["key"] for e in self.store.snapshot(self.kernel_of)["entries"] if e["key"].startswith(key)]
-        if len(matches) > 1:
-            raise RemoteError("ambiguous_key", f"{key!r} matches {len(matches)} entries; give more of the key")
-        evicted = self.store.evict(matches[0]) if matches else []
-        if not evicted:
-            raise RemoteError("no_entry", f"no entry {key!r}; `overmind-daemon ls` lists the keys")
-        return Reply({"evicted": evicted})
-
-    def op_fallback(self, conn: Connection, req: dict[str, Any], fds: list[int]) -> Reply:
+    def fallback(self, conn: Peer, req: Request) -> Reply:
         """A kernel reports a call that went the plain way, for `status` and the side panel."""
-        close_fds(fds)
         fields = {name: str(req.get(name, ""))[:500] for name in ("call", "kind", "reason")}
-        self._fallbacks.append({"time": time.time(), "pid": conn.pid, "label": conn.label, **fields})
+        label = self.kernel_of(conn.id)["label"]
+        self._fallbacks.append({"time": time.time(), "pid": conn.pid, "label": label, **fields})
         return Reply({})
 
-    def op_shutdown(self, conn: Connection, req: dict[str, Any], fds: list[int]) -> Reply:
-        close_fds(fds)
+    def shutdown(self, conn: Peer, req: Request) -> Reply:
         threading.Timer(0.05, self.stop).start()
         return Reply({"stopping": os.getpid()})
 
 
-def _key(req: dict[str, Any]) -> str:
-    key = req.get("key")
-    if not isinstance(key, str) or not 0 < len(key) <= 256:
-        raise RemoteError("bad_request", "'key' must be a non-empty string of at most 256 characters")
-    return key
-
-
-def _source(fd: int, raw: Any) -> arena.SourceFile:
-    """A source file a publish names, checked against what the descriptor is (Note [Pending pieces])."""
-    if not isinstance(raw, dict) or not isinstance(raw.get("path"), str):
-        raise TypeError("each source needs a 'path' and its identity")
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        raise ValueError(f"source {raw['path']} is not a regular file")
-    if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDONLY:
-        raise ValueError(f"source {raw['path']} must be passed read-only")
-    identity = arena.file_identity(st)
-    if {k: raw.get(k) for k in identity} != identity:
-        raise ValueError(f"source {raw['path']} is not the file announced (it changed, or another was sent)")
-    return arena.SourceFile(fd, identity, raw["path"][:4096])
-
-
-def _check_pieces(pieces: Any, arena_bytes: int, sources: list[arena.SourceFile]) -> None:
-    if not isinstance(pieces, list) or not all(isinstance(p, list) for p in pieces):
-        raise TypeError("'pieces' must be a list of lists")
-    end = 0
-    for piece in sorted(pieces):
-        if (len(piece) != 4 or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in piece)
-                or piece[2] >= len(sources)):
-            raise ValueError(f"bad piece {piece!r}: [arena offset, bytes, source index, file offset]")
-        offset, nbytes, source, file_offset = piece
-        if offset < end or offset + nbytes > arena_bytes or file_offset + nbytes > sources[source].identity["size"]:
-            raise ValueError(f"piece {piece!r} overlaps another or lies outside its arena or file")
-        end = offset + nbytes
-
-
-def _lookup_reply(key: str, result: LookupResult) -> Reply:
-    if result.status != "hit":
-        return Reply({"status": result.status, "key": key})
-    return Reply({
-        "status": "hit",
-        "key": key,
-        "entries": [{"key": e.key, "arena_bytes": e.arena_bytes, "graph_bytes": e.graph_bytes, "meta": e.meta,
-                     "sources": [s.describe() for s in e.sources], "pieces": e.pieces} for e in result.entries],
-    }, result.fds)
+def _op(name: Any) -> Op:
+    try:
+        return Op(name)
+    except ValueError:
+        raise RemoteError("unknown_op", f"unknown operation {name!r}; this daemon knows "
+                                        f"{sorted(op.value for op in Op)}") from None
 
 
 def run(home: Path, budget: int | None = None, ready_fd: int | None = None) -> int:

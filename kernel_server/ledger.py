@@ -3,7 +3,7 @@
 Every kernel of the user asks the daemon for units before it moves a model to a GPU, and keeps them
 until the daemon asks for them back (lazy release). The daemon never imports torch nor touches CUDA:
 kernels report the devices they see (`units_register`), or `OVERMIND_FAKE_GPUS` in the daemon's
-environment defines simulated ones (DESIGN.md section 4).
+environment defines simulated ones (README, "GPU units").
 
 Operations (JSON requests, see kernel_server/protocol.py; all ids are integers):
 
@@ -27,7 +27,7 @@ For every device, the units of its holdings never exceed its capacity: a holding
 `_grant`, which runs only when the device's free units cover the request. Capacity is the device's
 memory in whole GiB minus a reserve (OVERMIND_GPU_RESERVE, GiB, default 1, for the CUDA context and
 activations), and is fixed by the first report of a device, so it never shrinks under its holdings.
-Holdings and waiters belong to the connection that took them and die with it (DESIGN.md invariant 5).
+Holdings and waiters belong to the connection that took them and die with it (docs/design.md invariant 5).
 
 # Note [Units fairness]
 Waiting acquires are served in arrival order. One that cannot be served holds back every later one on
@@ -50,25 +50,21 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import settings
 from .errors import RemoteError
 from .settings import GiB
-from .transport import close_fds
 
-if TYPE_CHECKING:
-    from .daemon import Connection, Reply
-
-__all__ = ["GiB", "Ledger"]
+__all__ = ["MAX_DEVICES", "MAX_UNITS", "Ledger"]
 
 log = logging.getLogger("kernel_server")
 
 ConnId = int
 Effect = Callable[[], Any]
 
-_MAX_DEVICES = settings.MAX_FAKE_GPUS
-_MAX_UNITS = 1 << 20
+MAX_DEVICES = settings.MAX_FAKE_GPUS
+MAX_UNITS = 1 << 20
 
 
 # -- records ------------------------------------------------------------------------------------------
@@ -193,8 +189,8 @@ class Ledger:
             for spec in devices:
                 dev = self._devices.get(spec["id"])
                 if dev is None:
-                    if len(self._devices) >= _MAX_DEVICES:
-                        raise RemoteError("bad_request", f"the ledger holds at most {_MAX_DEVICES} devices")
+                    if len(self._devices) >= MAX_DEVICES:
+                        raise RemoteError("bad_request", f"the ledger holds at most {MAX_DEVICES} devices")
                     total = spec["total_bytes"]
                     dev = self._devices[spec["id"]] = Device(spec["id"], spec["name"], spec["model"], total,
                                                              self._capacity(total), spec["simulated"])
@@ -280,7 +276,7 @@ class Ledger:
         return waiter is not None or revoked is not None, revoked
 
     def release_connection(self, conn: ConnId) -> None:
-        """Drop every holding and waiter of a connection that went away (DESIGN.md invariant 5)."""
+        """Drop every holding and waiter of a connection that went away (docs/design.md invariant 5)."""
         with self._cond:
             self._waiters = collections.deque(w for w in self._waiters if w.conn != conn)
             dropped = 0
@@ -454,76 +450,8 @@ class Ledger:
                 effects = self._expire()
             _run(effects)
 
-    # -- the daemon's handlers ----------------------------------------------------------------
-    # Each is `(conn, request, fds) -> Reply | None`, listed in `Daemon.handlers`.
-
-    def op_register(self, conn: Connection, req: dict[str, Any], fds: list[int]) -> Reply:
-        close_fds(fds)
-        self._check_config()
-        raw = req.get("devices", [])
-        if not isinstance(raw, list) or len(raw) > _MAX_DEVICES:
-            raise RemoteError("bad_request", f"'devices' must be a list of at most {_MAX_DEVICES} devices")
-        devices = [_device_spec(d) for d in raw]
-        views = self.register(devices)
-        return _reply({"devices": views, "simulated": self.simulated, "unit_bytes": GiB,
-                       "reserve_gib": self.reserve_gib, "fake_gpus": self.fake_spec})
-
-    def op_acquire(self, conn: Connection, req: dict[str, Any], fds: list[int]) -> None:
-        close_fds(fds)
-        self._check_config()
-        request_id = req["id"]
-        units = req.get("units")
-        if not isinstance(units, int) or isinstance(units, bool) or not 1 <= units <= _MAX_UNITS:
-            raise RemoteError("bad_request",
-                              f"'units' must be an integer from 1 to {_MAX_UNITS}, not {units!r}")
-        devices = req.get("devices")
-        if devices is not None and (not isinstance(devices, list) or not devices
-                                    or len(devices) > _MAX_DEVICES
-                                    or not all(isinstance(d, str) for d in devices)):
-            raise RemoteError("bad_request",
-                              "'devices' must be null (any device) or a non-empty list of device ids")
-        timeout = req.get("timeout_s")
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                    or not 0 <= timeout < 1e9):
-            raise RemoteError("bad_request", f"'timeout_s' must be null (wait forever) or seconds >= 0, "
-                                             f"not {timeout!r}")
-
-        def answer(result: dict[str, Any] | RemoteError) -> None:
-            if isinstance(result, RemoteError):
-                conn.error(request_id, result.code, str(result))
-            else:
-                conn.reply(request_id, _reply(result))
-
-        self.acquire(conn.id, conn.pid, request_id, units=units, devices=devices,
-                     timeout=None if timeout is None else float(timeout),
-                     label=str(req.get("label", ""))[:200], busy=bool(req.get("busy", False)), answer=answer,
-                     push=conn.push)
-
-    def op_release(self, conn: Connection, req: dict[str, Any], fds: list[int]) -> Reply:
-        close_fds(fds)
-        return _reply({"released": self.release(conn.id, _holding_id(req))})
-
-    def op_touch(self, conn: Connection, req: dict[str, Any], fds: list[int]) -> Reply:
-        close_fds(fds)
-        busy = req.get("busy")
-        if not isinstance(busy, bool):
-            raise RemoteError("bad_request", "'busy' must be true or false")
-        self.touch(conn.id, _holding_id(req), busy)
-        return _reply({})
-
-    def op_cancel(self, conn: Connection, req: dict[str, Any], fds: list[int]) -> Reply:
-        close_fds(fds)
-        target = req.get("request")
-        if not isinstance(target, int) or isinstance(target, bool):
-            raise RemoteError("bad_request", "units_cancel needs the integer 'request' to cancel")
-        cancelled, revoked = self.cancel(conn.id, target)
-        return _reply({"cancelled": cancelled, "revoked": revoked})
-
-    def op_state(self, conn: Connection, req: dict[str, Any], fds: list[int]) -> Reply:
-        close_fds(fds)
-        return _reply(self.snapshot())
-
-    def _check_config(self) -> None:
+    def check_config(self) -> None:
+        """Raise the configuration error (a bad OVERMIND_FAKE_GPUS, say) for every units request."""
         if self.config_error is not None:
             raise RemoteError("bad_config", self.config_error)
 
@@ -536,27 +464,3 @@ def _run(effects: list[Effect]) -> None:
             log.exception("units: answering a request failed")
 
 
-def _reply(payload: dict[str, Any]) -> Reply:
-    from .daemon import Reply  # daemon.py imports this module; it is loaded by the time a handler runs
-
-    return Reply(payload)
-
-
-def _holding_id(req: dict[str, Any]) -> int:
-    holding = req.get("holding")
-    if not isinstance(holding, int) or isinstance(holding, bool):
-        raise RemoteError("bad_request", "'holding' must be the integer id an acquire returned")
-    return holding
-
-
-def _device_spec(raw: Any) -> dict[str, Any]:
-    if not isinstance(raw, dict):
-        raise RemoteError("bad_request", "each device must be an object {id, name, total_bytes, model}")
-    dev_id, name, total = raw.get("id"), raw.get("name", ""), raw.get("total_bytes")
-    if not isinstance(dev_id, str) or not 0 < len(dev_id) <= 128:
-        raise RemoteError("bad_request",
-                          "a device's 'id' must be a non-empty string of at most 128 characters")
-    if not isinstance(total, int) or isinstance(total, bool) or not 0 <= total < 1 << 60:
-        raise RemoteError("bad_request", f"device {dev_id!r}: 'total_bytes' must be a non-negative integer")
-    return {"id": dev_id, "name": str(name)[:64] or dev_id, "model": str(raw.get("model", ""))[:128],
-            "total_bytes": total, "simulated": bool(raw.get("simulated", False))}

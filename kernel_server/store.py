@@ -25,7 +25,7 @@ the descriptor limit sets (Note [Descriptor budget] in descriptors.py).
 The first connection that misses a key becomes its loader; later lookups of that key wait and are
 answered with the entry when the loader publishes. If the loader abandons the load or disconnects, the
 oldest waiter becomes the loader instead. Pins, reservations, loads and waits all belong to the
-connection that took them (DESIGN.md invariant 5) and `release_connection` drops them.
+connection that took them (docs/design.md invariant 5) and `release_connection` drops them.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Lazy attributes for the packages of overmind_jupyter, so that importing them stays cheap
-(DESIGN.md invariant 8): a name is imported from its module on first access, then kept."""
+(docs/design.md invariant 8): a name is imported from its module on first access, then kept."""
 
 from __future__ import annotations
 

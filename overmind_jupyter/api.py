@@ -10,6 +10,8 @@ import threading
 import warnings
 from typing import Any
 
+from kernel_server.operations import Op
+
 from .errors import DaemonError, FallbackWarning
 
 __all__ = ["disable", "enable", "evict", "format_status", "is_enabled", "status"]
@@ -74,7 +76,7 @@ def status() -> dict[str, Any]:
     }
     try:
         out["home"] = str(lifecycle.state_dir(create=False))
-        reply = shared_client(spawn=False).request("status", timeout=10)
+        reply = shared_client(spawn=False).request(Op.STATUS, timeout=10)
         out["daemon"] = {k: v for k, v in reply.payload.items() if k not in ("id", "ok")}
     except (DaemonError, OSError) as exc:
         out["daemon"] = None
@@ -88,7 +90,7 @@ def evict(key: str | None = None) -> list[str]:
     from kernel_server.client import shared_client
 
     client = shared_client(spawn=False)
-    reply = client.request("evict", all=True) if key is None else client.request("evict", key=key)
+    reply = client.request(Op.EVICT, all=True) if key is None else client.request(Op.EVICT, key=key)
     return list(reply["evicted"])
 
 

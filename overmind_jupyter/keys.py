@@ -1,7 +1,7 @@
 """Cache keys: the real class, the canonical arguments, and a fingerprint of what the call reads.
 
 # Note [Never stale]
-A key is the SHA-256 of a JSON document holding (DESIGN.md invariant 2):
+A key is the SHA-256 of a JSON document holding (docs/design.md invariant 2):
 - the callable: `module.qualname` of the class a classmethod was called on, with the method's name; a
   plain function (a notebook's `load`) by what it does: its code (bytecode, constants, names, nested
   code), its defaults, the values of its closure and of the globals it reads (functions among them by

@@ -5,7 +5,7 @@ A miss is published inside the call, before it returns (Note [Atomic miss] in pu
 # Note [Never worse]
 Every failure on the cache path (no key, no daemon, a daemon that dies mid-call, a full budget, an
 unpicklable result, a corrupt entry) ends in the original call, and is recorded with its reason in
-`fallbacks()` and warned once per reason (DESIGN.md invariant 1). An exception raised by the original
+`fallbacks()` and warned once per reason (docs/design.md invariant 1). An exception raised by the original
 call itself propagates unchanged, and its load is abandoned so that no entry is left.
 """
 
@@ -27,6 +27,7 @@ from kernel_server import arena
 from kernel_server import settings as declared
 from kernel_server.client import ANSWER_TIMEOUT, Client, Response, existing_shared_client, shared_client
 from kernel_server.errors import DaemonError, DaemonLost, RemoteError
+from kernel_server.operations import Op
 from kernel_server.transport import close_fds
 
 from . import keys
@@ -146,7 +147,7 @@ def _report(label: str, kind: str, reason: str) -> None:
     if client is None or kind == "daemon":
         return
     try:
-        client.submit("fallback", call=label, kind=kind, reason=reason)
+        client.submit(Op.FALLBACK, call=label, kind=kind, reason=reason)
     except DaemonError:
         pass
 
@@ -313,7 +314,7 @@ def _unpin_loop() -> None:
         if client.closed:
             continue
         try:
-            client.request("unpin", key=key, timeout=10)
+            client.request(Op.UNPIN, key=key, timeout=10)
         except DaemonError:
             pass
 
@@ -434,7 +435,7 @@ def _mark_random(client: Client, ck: keys.CallKey, state: tuple[Any, ...], drawn
 
     keyed = _under_random_state(ck, state)
     try:
-        reply = client.request("lookup", key=keyed.key, wait=False, timeout=ANSWER_TIMEOUT)
+        reply = client.request(Op.LOOKUP, key=keyed.key, wait=False, timeout=ANSWER_TIMEOUT)
         if reply["status"] == "hit":
             _release_hit(client, reply)
         publishing.publish_marker(client, ck.key, ck.meta | {"random": drawn})
@@ -573,14 +574,14 @@ def _from_hit(client: Client, ck: keys.CallKey, reply: Response, replay: _Replay
 
 def _abandon(client: Client, key: str) -> None:
     try:
-        client.request("abandon", key=key, timeout=ANSWER_TIMEOUT)
+        client.request(Op.ABANDON, key=key, timeout=ANSWER_TIMEOUT)
     except DaemonError:
         pass
 
 
 def _evict_quietly(client: Client, key: str) -> None:
     try:
-        client.request("evict", key=key, timeout=ANSWER_TIMEOUT)
+        client.request(Op.EVICT, key=key, timeout=ANSWER_TIMEOUT)
     except DaemonError:
         pass
 
@@ -596,7 +597,7 @@ def _lookup(key: str) -> tuple[Client, Response]:
         try:
             client = shared_client()
             # a long wait for another kernel's load, a short one for the daemon (Note [Two kinds of waiting])
-            return client, client.wait_alive(*client.submit("lookup", key=key, wait=True), settings.wait_timeout)
+            return client, client.wait_alive(*client.submit(Op.LOOKUP, key=key, wait=True), settings.wait_timeout)
         except DaemonLost:
             if attempt == 2:
                 raise

@@ -1,11 +1,19 @@
 """A reversible patch engine: it remembers the original of every attribute it replaces.
 
 # Note [Reversible patches]
-Each patch is recorded once as (owner, name) -> the original descriptor as the owner held it, and
+Each patch is recorded once as (owner, name, layer), and the attribute's original as (owner, name) -> the
+descriptor as the owner held it before any patch, and
 whether the owner defined it itself (restore by setting it back) or inherited it (restore by deleting
 ours, so the inherited one shows through again). The first original wins: patching a patched
 attribute again is a no-op, which makes `%reload_ext` idempotent. `unpatch_all` restores in reverse
-order and keeps going past a failure (DESIGN.md invariant 6).
+order and keeps going past a failure (docs/design.md invariant 6).
+
+# Note [Patch layers]
+Two parts of the package may need the same attribute: `%overmind on` caches `PeftModel.load_adapter`,
+and an adapter gate makes the same method wait for the requests in flight. Each patch has a `layer`
+(0 by default); the patches of one attribute stack by layer, the higher one outside, whatever order
+they were made in, and each is removed on its own: the layers above it are made again, by their own
+`make`, over what is left below. An owner may be a class or a module (for a module-level function).
 """
 
 from __future__ import annotations
@@ -16,70 +24,115 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["get_original", "is_patched", "patch", "patched", "unpatch", "unpatch_all"]
+__all__ = ["is_patched", "patch", "patched", "unpatch", "unpatch_all"]
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Record:
-    owner: type
+    owner: Any
     name: str
-    original: Any
-    local: bool
+    layer: int
+    make: Callable[[Any], Any]
     replacement: Any
 
 
+@dataclass(frozen=True)
+class _Base:
+    original: Any
+    local: bool
+
+
 _lock = threading.RLock()
-_records: dict[tuple[type, str], _Record] = {}
+_records: dict[tuple[Any, str, int], _Record] = {}  # in the order the patches were made
+_bases: dict[tuple[Any, str], _Base] = {}  # the attribute before any layer
 
 
-def patch(owner: type, name: str, make: Callable[[Any], Any]) -> bool:
-    """Replace `owner.name` by `make(original_descriptor)`; False if it is patched already."""
+def _stack(owner: Any, name: str) -> list[_Record]:
+    return sorted((r for r in _records.values() if r.owner is owner and r.name == name), key=lambda r: r.layer)
+
+
+def _rebuild(owner: Any, name: str, above: int) -> None:
+    """Make again every layer of `owner.name` higher than `above`, over what lies below it, and set the top."""
+    base = _bases[(owner, name)]
+    current = base.original
+    for record in _stack(owner, name):
+        if record.layer > above:
+            record.replacement = record.make(current)
+        current = record.replacement
+    setattr(owner, name, current)
+
+
+def patch(owner: Any, name: str, make: Callable[[Any], Any], *, layer: int = 0) -> bool:
+    """Replace `owner.name` by `make(what it wraps)`; False if this layer of it is patched already.
+
+    `layer` (see Note [Patch layers]): a higher layer wraps the lower ones of the same attribute.
+    """
     with _lock:
-        if (owner, name) in _records:
+        if (owner, name, layer) in _records:
             return False
-        local = name in owner.__dict__
-        original = owner.__dict__[name] if local else inspect.getattr_static(owner, name)
-        replacement = make(original)
-        setattr(owner, name, replacement)
-        _records[(owner, name)] = _Record(owner, name, original, local, replacement)
+        key = (owner, name)
+        if key not in _bases:
+            local = name in owner.__dict__
+            original = owner.__dict__[name] if local else inspect.getattr_static(owner, name)
+            _bases[key] = _Base(original, local)
+        try:
+            below = [r for r in _stack(owner, name) if r.layer < layer]
+            wrapped = below[-1].replacement if below else _bases[key].original
+            _records[(owner, name, layer)] = _Record(owner, name, layer, make, make(wrapped))
+            _rebuild(owner, name, layer)
+        except BaseException:
+            failed = _records.pop((owner, name, layer), None)
+            _settle(owner, name, layer, failed.replacement if failed is not None else None)
+            raise
         return True
 
 
-def unpatch(owner: type, name: str) -> None:
+def _settle(owner: Any, name: str, layer: int, top: Any) -> None:
+    """After the record of `layer` left: make the layers above it again, or put back the original (`top`: what
+    the record had set, the last layer)."""
+    if _stack(owner, name):
+        _rebuild(owner, name, layer)
+        return
+    base = _bases.pop((owner, name), None)
+    if base is None:
+        return
+    if base.local:
+        setattr(owner, name, base.original)
+    elif top is not None and owner.__dict__.get(name) is top:
+        delattr(owner, name)
+
+
+def unpatch(owner: Any, name: str, *, layer: int = 0) -> None:
     with _lock:
-        record = _records.pop((owner, name), None)
-        if record is None:
-            return
-        if record.local:
-            setattr(owner, name, record.original)
-        elif owner.__dict__.get(name) is record.replacement:
-            delattr(owner, name)
+        record = _records.pop((owner, name, layer), None)
+        if record is not None:
+            _settle(owner, name, layer, record.replacement)
 
 
 def unpatch_all() -> list[BaseException]:
     """Restore every patch, newest first; returns the errors met (each restore is still tried)."""
     errors: list[BaseException] = []
     with _lock:
-        for owner, name in reversed(list(_records)):
+        for owner, name, layer in reversed(list(_records)):
             try:
-                unpatch(owner, name)
+                unpatch(owner, name, layer=layer)
             except BaseException as exc:  # noqa: BLE001 (keep restoring the others; reported at the end)
                 errors.append(exc)
     return errors
 
 
-def is_patched(owner: type, name: str) -> bool:
-    return (owner, name) in _records
+def is_patched(owner: Any, name: str, *, layer: int = 0) -> bool:
+    return (owner, name, layer) in _records
 
 
-def get_original(owner: type, name: str) -> Any:
-    """The descriptor `owner.name` had before it was patched."""
-    record = _records.get((owner, name))
-    if record is None:
-        raise KeyError(f"{owner.__qualname__}.{name} is not patched")
-    return record.original
+def _label(owner: Any) -> str:
+    if inspect.ismodule(owner):
+        return owner.__name__
+    return f"{owner.__module__}.{owner.__qualname__}"
 
 
 def patched() -> list[str]:
     with _lock:
-        return [f"{r.owner.__module__}.{r.owner.__qualname__}.{r.name}" for r in _records.values()]
+        return [
+            f"{_label(r.owner)}.{r.name}" + (f" (layer {r.layer})" if r.layer else "") for r in _records.values()
+        ]

@@ -38,6 +38,7 @@ import torch
 from kernel_server import arena
 from kernel_server.client import ANSWER_TIMEOUT, Client
 from kernel_server.errors import DaemonError, RemoteError
+from kernel_server.operations import Op
 
 from . import mappings, rebuild
 from .errors import PublishError
@@ -59,12 +60,12 @@ class _Source:
     path: str
     fd: int
     identity: dict[str, int]
-    pieces: list[tuple[rebuild._Own, int]] = field(default_factory=list)  # (storage, file offset)
+    pieces: list[tuple[rebuild.Own, int]] = field(default_factory=list)  # (storage, file offset)
 
 
 @dataclass
 class _Plan:
-    copies: list[rebuild._Own]
+    copies: list[rebuild.Own]
     sources: list[_Source]
 
 
@@ -86,9 +87,10 @@ def publish(client: Client, key: str, label: str, meta: dict[str, Any], packed: 
             try:
                 # The descriptors the entry will hold: graph, arena, one per source (Note [Descriptor
                 # budget] in kernel_server/descriptors.py).
-                client.request("reserve", key=key, bytes=packed.arena_bytes + len(packed.graph),
+                client.request(Op.RESERVE, key=key, bytes=packed.arena_bytes + len(packed.graph),
                                descriptors=2 + len(plan.sources), timeout=ANSWER_TIMEOUT)
-                data = stack.enter_context(contextlib.closing(_new_arena(packed.arena_bytes, key, client.home, backing)))
+                new = _new_arena(packed.arena_bytes, key, client.home, backing)
+                data = stack.enter_context(contextlib.closing(new))
                 private = arena.map_private(data.fd, packed.arena_bytes) if packed.arena_bytes else None
                 if private is not None:
                     forget.append(mappings.register(private, key, pin))
@@ -100,7 +102,8 @@ def publish(client: Client, key: str, label: str, meta: dict[str, Any], packed: 
                     "publish", key=key, fds=[graph.seal(), data.seal(), *(s.fd for s in plan.sources)],
                     graph_bytes=len(packed.graph), arena_bytes=packed.arena_bytes, meta=meta, deps=packed.deps,
                     sources=[{"path": s.path, **s.identity} for s in plan.sources],
-                    pieces=[[own.offset, own.nbytes, i, at] for i, s in enumerate(plan.sources) for own, at in s.pieces],
+                    pieces=[[own.offset, own.nbytes, i, at]
+                            for i, s in enumerate(plan.sources) for own, at in s.pieces],
                     pin=True, timeout=ANSWER_TIMEOUT)
                 published = True
             except (DaemonError, OSError) as exc:
@@ -123,11 +126,11 @@ def publish_marker(client: Client, key: str, meta: dict[str, Any]) -> None:
     """Make `key` (whose load this connection holds) an entry without bytes, that only says what `meta`
     says (a load whose result depends on the random generators: Note [Random loads] in loading.py)."""
     try:
-        client.request("reserve", key=key, bytes=1, timeout=ANSWER_TIMEOUT)
+        client.request(Op.RESERVE, key=key, bytes=1, timeout=ANSWER_TIMEOUT)
         graph, data = arena.ArenaWriter(1, name=f"overmind-marker:{key[:12]}"), arena.ArenaWriter(0)
         try:
             graph.view[:] = b"\0"
-            client.request("publish", key=key, fds=[graph.seal(), data.seal()], graph_bytes=1, arena_bytes=0,
+            client.request(Op.PUBLISH, key=key, fds=[graph.seal(), data.seal()], graph_bytes=1, arena_bytes=0,
                            meta=meta, marker=True, timeout=ANSWER_TIMEOUT)
         finally:
             graph.close()
@@ -142,7 +145,7 @@ def _plan(packed: rebuild.Packed) -> _Plan:
     maps = mappings.ProcessMaps()
     written = mappings.WrittenPages()
     sources: dict[tuple[int, int], _Source | None] = {}
-    copies: list[rebuild._Own] = []
+    copies: list[rebuild.Own] = []
     for own in packed.own:
         storage = own.storage
         assert storage is not None
@@ -151,9 +154,9 @@ def _plan(packed: rebuild.Packed) -> _Plan:
             address = storage.data_ptr()
             fm = mappings.file_mapping_of(maps, written, address, own.nbytes)
             if fm is not None:
-                src = sources.get((fm.dev, fm.ino), 0)
-                if src == 0:
-                    src = sources[(fm.dev, fm.ino)] = _open_source(fm, len(sources))
+                if (fm.dev, fm.ino) not in sources:
+                    sources[(fm.dev, fm.ino)] = _open_source(fm, len(sources))
+                src = sources[(fm.dev, fm.ino)]
                 at = fm.offset + address - fm.start
                 if src is not None and at + own.nbytes <= src.identity["size"]:
                     found = src
@@ -193,12 +196,12 @@ def _move(tensors: list[torch.Tensor], storage: torch.UntypedStorage) -> None:
             t.set_(typed, t.storage_offset(), t.size(), t.stride())
 
 
-def _fill(writer: arena.ArenaWriter, copies: list[rebuild._Own], private: Any, label: str,
+def _fill(writer: arena.ArenaWriter, copies: list[rebuild.Own], private: Any, label: str,
           by_storage: dict[int, list[torch.Tensor]]) -> None:
     """Copy `copies` into the arena; each CPU storage's tensors move onto `private` (the arena's
     private mapping) as soon as its bytes are there, and its own memory is freed."""
 
-    def move(own: rebuild._Own) -> None:
+    def move(own: rebuild.Own) -> None:
         storage = own.storage
         if private is None or storage is None or storage.device.type != "cpu" or not own.nbytes:
             return
@@ -212,13 +215,13 @@ def _fill(writer: arena.ArenaWriter, copies: list[rebuild._Own], private: Any, l
     total = sum(own.nbytes for own in copies)
     with _progress(total, label) as advance:
         if writer.backing == "file":
-            writer.copy_from([(own.offset, address, own.nbytes) for own, address in zip(cpu, addresses)],
+            writer.copy_from([(own.offset, address, own.nbytes) for own, address in zip(cpu, addresses, strict=True)],
                              threads=_WRITERS, done=lambda i: move(cpu[i]), progress=advance)
         else:
             for own in cpu:
                 assert own.storage is not None
                 src = torch.empty(0, dtype=torch.uint8).set_(own.storage)
-                writer.write(own.offset, memoryview(src.numpy()))
+                writer.write(own.offset, memoryview(src.numpy()))  # type: ignore[arg-type]  # numpy arrays are buffers
                 del src
                 advance(own.nbytes)
                 move(own)
@@ -226,7 +229,8 @@ def _fill(writer: arena.ArenaWriter, copies: list[rebuild._Own], private: Any, l
             assert own.storage is not None
             src = torch.empty(0, dtype=torch.uint8, device=own.storage.device).set_(own.storage)
             for start in range(0, own.nbytes, _CHUNK):
-                writer.write(own.offset + start, memoryview(src[start:start + _CHUNK].cpu().numpy()))
+                chunk = src[start:start + _CHUNK].cpu().numpy()
+                writer.write(own.offset + start, memoryview(chunk))  # type: ignore[arg-type]  # a buffer
                 advance(min(_CHUNK, own.nbytes - start))
             del src
 
@@ -280,6 +284,6 @@ def _new_arena(nbytes: int, key: str, home: str | os.PathLike[str], backing: str
 
 def _abandon(client: Client, key: str) -> None:
     try:
-        client.request("abandon", key=key, timeout=ANSWER_TIMEOUT)
+        client.request(Op.ABANDON, key=key, timeout=ANSWER_TIMEOUT)
     except DaemonError:
         pass

@@ -44,7 +44,7 @@ _FORMAT = 4  # bump when the storage or tensor references, or what a graph holds
 
 
 @dataclass
-class _Own:
+class Own:
     storage: torch.UntypedStorage | None  # dropped once its bytes are in the arena (publishing.py)
     offset: int
     nbytes: int
@@ -55,7 +55,7 @@ class Packed:
     """The result of `pack`: the graph, the storages to copy, and the entries referenced."""
 
     graph: bytes
-    own: list[_Own]
+    own: list[Own]
     deps: list[str]
     arena_bytes: int
     tensors: list[torch.Tensor] = field(repr=False)  # the plain tensors and parameters of the graph
@@ -102,7 +102,7 @@ class _Placer:
         self.intact: dict[int, bool] = {}  # id(source file) -> whether it is unchanged
         self.mapped: dict[tuple[str, int, int, str], torch.UntypedStorage] = {}
         self.offset = 0
-        self.own: list[_Own] = []
+        self.own: list[Own] = []
         self.seen: dict[int, tuple[Any, ...]] = {}
         self.deps: list[str] = []
         self.tensors: list[torch.Tensor] = []
@@ -155,7 +155,7 @@ class _Placer:
                 return ("ref", key, offset, nbytes, device)
         offset = self.offset
         self.offset = arena.align(offset + nbytes)
-        self.own.append(_Own(untyped, offset, nbytes))
+        self.own.append(Own(untyped, offset, nbytes))
         return ("own", None, offset, nbytes, device)
 
     def _trusted(self, span: mappings.Span, address: int, nbytes: int) -> bool:

@@ -85,14 +85,12 @@ def _cached_loader(original: Any) -> Any:
         def loader(cls: type, *args: Any, **kwargs: Any) -> Any:
             return _through_cache(original.__get__(None, cls), args, kwargs)
 
-        loader.__overmind_original__ = original  # type: ignore[attr-defined]
         return classmethod(loader)
 
     @functools.wraps(original)
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         return _through_cache(original.__get__(self, type(self)), args, kwargs)
 
-    method.__overmind_original__ = original  # type: ignore[attr-defined]
     return method
 
 

@@ -59,7 +59,9 @@ def test_on_off_restores_every_descriptor_and_reload_is_idempotent(shell, overmi
     assert "peft.peft_model.PeftModel" in changed and "diffusers.pipelines.pipeline_utils.DiffusionPipeline" in changed
     import peft
 
-    assert hasattr(peft.PeftModel.load_adapter, "__overmind_original__")
+    from overmind_jupyter import patching
+
+    assert patching.is_patched(peft.PeftModel, "load_adapter")
     assert during["transformers.models.llama.modeling_llama.LlamaForCausalLM"] is None, "inherited, not copied"
     wrapper = transformers.AutoModelForCausalLM.from_pretrained
     assert wrapper.__name__ == "from_pretrained" and wrapper.__doc__ == before[
@@ -86,13 +88,13 @@ def test_libraries_imported_after_on_are_patched(overmind_home: Path) -> None:
     out = last_json(run_py("""
         import json, sys
         import overmind_jupyter
+        from overmind_jupyter import patching
         overmind_jupyter.enable()
         assert "peft" not in sys.modules and "diffusers" not in sys.modules
         import peft, diffusers
         print(json.dumps({
-            "peft": hasattr(peft.PeftModel.__dict__["from_pretrained"].__func__, "__overmind_original__"),
-            "pipeline": hasattr(diffusers.DiffusionPipeline.__dict__["from_pretrained"].__func__,
-                                "__overmind_original__"),
+            "peft": patching.is_patched(peft.PeftModel, "from_pretrained"),
+            "pipeline": patching.is_patched(diffusers.DiffusionPipeline, "from_pretrained"),
         }))
     """))
     assert out == {"peft": True, "pipeline": True}

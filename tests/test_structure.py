@@ -179,3 +179,32 @@ def test_the_versions_agree() -> None:
 
     package_json = json.loads((REPO / "labextension" / "package.json").read_text())
     assert overmind_jupyter.__version__ == kernel_server.__version__ == package_json["version"]
+
+
+def test_every_operation_has_one_handler_and_the_protocol_names_it(tmp_path: Path) -> None:
+    from kernel_server import protocol
+    from kernel_server.daemon import Daemon
+    from kernel_server.operations import Op
+
+    daemon = Daemon(tmp_path, budget=1 << 20)
+    try:
+        assert set(daemon.handlers) == set(Op)
+    finally:
+        daemon.compactor.stop()
+    listed = protocol.__doc__ or ""
+    assert [op.value for op in Op if op.value not in listed] == [], "protocol.py's docstring lists every operation"
+
+
+def test_the_code_cites_the_project_s_own_design_document() -> None:
+    """Comments cite docs/design.md (the repository's), and only invariants it has."""
+    import re
+
+    numbered = set(re.findall(r"^(\d+)\. \*\*", (REPO / "docs" / "design.md").read_text(), re.MULTILINE))
+    wrong = []
+    for package in PACKAGES:
+        for path in sorted((REPO / package).rglob("*.py")):
+            text = path.read_text()
+            wrong += [f"{path.relative_to(REPO)}: {m.group(0)}" for m in re.finditer(r"(?<!docs/)DESIGN\.md", text)]
+            wrong += [f"{path.relative_to(REPO)}: invariant {n} (docs/design.md has {sorted(numbered)})"
+                      for n in re.findall(r"design\.md,? invariant (\d+)", text) if n not in numbered]
+    assert not wrong, "\n".join(wrong)

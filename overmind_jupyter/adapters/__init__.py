@@ -13,7 +13,7 @@ with g.exclusive():                              # structural changes
 g.state()                                        # mode, active set, in-flight and queued per adapter
 ```
 
-Importing this package imports neither torch nor PEFT (DESIGN.md invariant 8): the names below load on first
+Importing this package imports neither torch nor PEFT (docs/design.md invariant 8): the names below load on first
 use.
 """
 
@@ -25,6 +25,7 @@ from .._lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from ._errors import (
+        AdapterChangedError,
         AdapterError,
         AdapterExistsError,
         AdapterWarning,
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BASE",
+    "AdapterChangedError",
     "AdapterError",
     "AdapterExistsError",
     "AdapterGate",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from overmind_jupyter.errors import OvermindError, OvermindWarning
 
 __all__ = [
+    "AdapterChangedError",
     "AdapterError",
     "AdapterExistsError",
     "AdapterWarning",
@@ -50,6 +51,13 @@ class GateClosedError(AdapterError, RuntimeError):
 
 class GateDeadlockError(AdapterError, RuntimeError):
     """An exclusive operation was started from inside a request of the same gate, which would wait forever."""
+
+
+class AdapterChangedError(AdapterError, RuntimeError):
+    """The model's adapter layers changed while a request ran, by a change made without `gate.exclusive()`
+    (a layer's `enable_adapters`, `merge`, `set_adapter`, ... called by hand): the request failed instead of
+    giving an answer computed with some other adapter. Submit it again; make such changes inside
+    `with gate.exclusive():`."""
 
 
 class AdapterWarning(OvermindWarning):

@@ -4,22 +4,25 @@
 
 `gate.submit(...)` promises the result `gate.generate(...)` gives for the same request alone: the request's
 own prompt (as given, with its own padding) followed by its new tokens, as long as a solo run would make them.
-To keep that promise the engine only coalesces greedy requests (`do_sample` off, one beam, one sequence per
-prompt) whose options other than `max_new_tokens` are equal; any other request runs alone, in the worker, in
-turn.
+To keep that promise the engine coalesces only greedy requests whose generation settings a left-padded batch
+honours for every row (Note [Settings in a batch] in batchable.py says which, and how the length settings are
+mapped onto each row); any other request runs alone, in the worker, in turn. Which, is the engine's decision,
+from the settings `generate` would use (the model's generation config with the request's arguments).
 
 - Prompts of different lengths are padded on the left with the pad token, and the attention mask is zero
   there; transformers derives the positions from the mask, so every row sees the positions it sees alone.
-- A batch runs to the largest `max_new_tokens` among its requests; a request's tokens are cut at its own
-  `max_new_tokens`. Greedy decoding is causal, so the cut is what a shorter run makes.
+- A batch runs to the largest number of new tokens among its requests; a request's tokens are cut at its own.
+  Greedy decoding is causal, so the cut is what a shorter run makes.
 - A row that produced an end-of-sequence token gets the pad token afterwards, in a batch as alone; a request's
   tokens stop where its last row finished, as `generate` stops alone.
 
-What is equal, measured in fp32 on CPU (tests/adapters/test_batching.py): the generated token ids are equal
-(`torch.equal`) to solo runs. The logits are not bit-equal and cannot be in general: MKL's sgemm picks its
-kernel by the number of rows, so one row alone and the same row among others differ by about 1e-7 (and a
-decode step of one row takes a matrix-vector path). A greedy token changes only when two logits tie within
-that; for bf16 the rounding of PEFT's mixed path makes differences larger (DESIGN.md section 5).
+What is equal, measured in fp32 on CPU (tests/adapters/test_adapter_batching.py and
+test_adapter_generation_settings.py): the generated token ids are equal (`torch.equal`) to solo runs. The
+logits are not bit-equal and cannot be in general: MKL's sgemm picks its kernel by the number of rows, so one
+row alone and the same row among others differ by about 1e-7 (and a decode step of one row takes a
+matrix-vector path). A greedy token changes only when two logits tie within that; for bf16 the rounding of
+PEFT's mixed path makes differences larger (measured). That is also why requests that ask for scores
+or logits run alone.
 """
 
 from __future__ import annotations
@@ -33,16 +36,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ._errors import GateClosedError
+from .batchable import Plan, batch_options, plan
+from .inputs import GateSurface, rows_of
 
 if TYPE_CHECKING:
     import torch
 
-    from .gating import AdapterGate
-
 __all__ = ["BatchingEngine"]
-
-# Generation options a coalesced batch can honour for every row as a solo run would.
-_BATCHABLE = frozenset({"max_new_tokens", "do_sample", "pad_token_id", "eos_token_id", "use_cache"})
 
 
 @dataclass(eq=False)
@@ -55,30 +55,14 @@ class _Request:
     since: float
     input_ids: torch.Tensor | None = None
     attention_mask: torch.Tensor | None = None
-    max_new_tokens: int = 0
+    plan: Plan | None = None
     signature: tuple[Any, ...] | None = None  # None: runs alone
+    alone: str = ""  # why it runs alone
     keys: frozenset[str] = field(default_factory=frozenset)
 
     @property
     def rows(self) -> int:
         return len(self.names)
-
-
-def _as_list(value: Any) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, (list, tuple)):
-        return [int(v) for v in value]
-    if hasattr(value, "tolist"):
-        listed = value.tolist()
-        return [int(v) for v in (listed if isinstance(listed, list) else [listed])]
-    return [int(value)]
-
-
-def _eos_ids(options: dict[str, Any], config: Any) -> list[int]:
-    return _as_list(
-        options["eos_token_id"] if "eos_token_id" in options else getattr(config, "eos_token_id", None)
-    )
 
 
 class BatchingEngine:
@@ -88,7 +72,8 @@ class BatchingEngine:
 
     Args:
         gate (`AdapterGate`):
-            The gate whose model runs the batches (each batch is one routed request of the gate).
+            The gate whose model runs the batches (each batch is one routed request of the gate); the engine
+            uses its public surface only (`inputs.GateSurface`).
         window_s (`float`):
             A batch closes once no request arrived for this long (each arrival extends the window) ...
         max_window_s (`float`):
@@ -103,7 +88,7 @@ class BatchingEngine:
 
     def __init__(
         self,
-        gate: AdapterGate,
+        gate: GateSurface,
         *,
         window_s: float,
         max_window_s: float,
@@ -126,74 +111,69 @@ class BatchingEngine:
         self._largest = 0
         self._most_adapters = 0
         self._alone = 0
+        self._alone_why: Counter[str] = Counter()
         self._max_queue: dict[str, float] = {}
 
     # -- submitting ------------------------------------------------------------------------------------------
 
     def _prepare(self, request: _Request) -> None:
-        """Decide whether the request can be coalesced, and normalise its inputs if so."""
+        """Decide whether the request can be coalesced, and how (Note [Settings in a batch] in batchable.py)."""
         import torch
 
         gate = self._gate
-        request.keys = frozenset(gate._key(n) for n in request.names)
+        request.keys = frozenset(gate.admission_key(n) for n in request.names)
         kwargs = dict(request.kwargs)
         input_ids = kwargs.pop("input_ids", None)
         args = request.args
         if input_ids is None and args:
             input_ids, args = args[0], args[1:]
         mask = kwargs.pop("attention_mask", None)
-        config = getattr(gate._host.target, "generation_config", None)
-        do_sample = kwargs.get("do_sample", getattr(config, "do_sample", False))
-        greedy = (
-            not do_sample
-            and getattr(config, "num_beams", 1) in (1, None)
-            and getattr(config, "num_return_sequences", 1) in (1, None)
-        )
+        if args:
+            request.alone = "positional arguments"
+            return
+        if len(request.keys) != 1:
+            request.alone = "rows of switched and routed adapters"
+            return
         if (
-            args
-            or not set(kwargs) <= _BATCHABLE
-            or not greedy
-            or len(request.keys) != 1
-            or not isinstance(input_ids, torch.Tensor)
+            not isinstance(input_ids, torch.Tensor)
             or input_ids.dim() != 2
             or input_ids.dtype not in (torch.long, torch.int)
+            or input_ids.shape[1] == 0
             or (mask is not None and (not isinstance(mask, torch.Tensor) or mask.shape != input_ids.shape))
-            or input_ids.shape[0] > self.max_batch
-            or len(set(request.names)) > self.max_adapters
         ):
+            request.alone = "inputs other than a 2-D tensor of token ids (and a mask of its shape)"
             return
-        try:
-            pad = self._pad_id(kwargs)
-            eos = _eos_ids(kwargs, config)
-        except (TypeError, ValueError):
-            return  # odd token ids: let generate itself judge them, alone
+        if input_ids.shape[0] > self.max_batch or len(set(request.names)) > self.max_adapters:
+            request.alone = "more rows or adapters than one batch holds"
+            return
+        decided = plan(gate.generation_config, kwargs, input_ids)
+        if isinstance(decided, str):
+            request.alone = decided
+            return
         if mask is None:
-            # What generate infers for a prompt without a mask.
+            if decided.pad is not None and bool((input_ids == decided.pad).any()):
+                # generate would infer a mask from the pad token: let it, alone
+                request.alone = "no attention_mask, and the prompt holds the pad token"
+                return
             mask = torch.ones_like(input_ids)
-            if pad is not None and pad not in eos and bool((input_ids == pad).any()):
-                mask = input_ids.ne(pad).long()
-        max_new = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
-        if max_new is None:
-            max_new = max(0, int(getattr(config, "max_length", 20) or 20) - input_ids.shape[1])
+        elif not bool(mask.bool().any(dim=1).all()):
+            request.alone = "a row whose attention mask is all zeros"
+            return
         request.input_ids = input_ids
         request.attention_mask = mask.to(input_ids.device)
-        request.max_new_tokens = int(max_new)
-        options = tuple(sorted((k, repr(v)) for k, v in kwargs.items() if k != "max_new_tokens"))
-        request.signature = (str(input_ids.device), input_ids.dtype, next(iter(request.keys)), options)
-
-    def _pad_id(self, kwargs: dict[str, Any]) -> int | None:
-        config = getattr(self._gate._host.target, "generation_config", None)
-        for candidate in (kwargs.get("pad_token_id"), getattr(config, "pad_token_id", None)):
-            if candidate is not None:
-                return int(candidate)
-        return None
+        request.plan = decided
+        request.signature = (
+            str(input_ids.device),
+            input_ids.dtype,
+            mask.dtype,
+            next(iter(request.keys)),
+            decided.signature,
+        )
 
     def submit(self, args: tuple[Any, ...], kwargs: dict[str, Any], adapter: Any) -> Future[Any]:
         """Queue one request; see `AdapterGate.submit`."""
-        from .gating import _rows_of
-
-        rows = _rows_of(args, kwargs)
-        names = self._gate._names(adapter, rows)
+        rows = rows_of(args, kwargs)
+        names = self._gate.resolve(adapter, rows)
         if len(names) == 1 and rows is not None:
             names = names * rows
         request = _Request(args, kwargs, adapter, names, Future(), time.monotonic())
@@ -311,7 +291,7 @@ class BatchingEngine:
             for request in batch:
                 self._run_alone(request)
             return
-        for request, output in zip(batch, outputs):
+        for request, output in zip(batch, outputs, strict=True):
             request.future.set_result(output)
 
     def _run_alone(self, request: _Request) -> None:
@@ -325,35 +305,36 @@ class BatchingEngine:
             request.future.set_result(result)
         with self._cond:
             self._alone += 1
+            self._alone_why[request.alone or "no other request to share a batch with"] += 1
 
     def _generate(self, batch: Sequence[_Request]) -> list[torch.Tensor]:
         """Run `batch` as one left-padded mixed batch and cut each request's result out of it."""
         import torch
 
         first = batch[0]
-        options = {k: v for k, v in first.kwargs.items() if k not in ("input_ids", "attention_mask")}
-        pad = self._pad_id(options)
-        fill = pad if pad is not None else 0
+        assert first.plan is not None
+        fill = first.plan.pad if first.plan.pad is not None else 0
         width = max(r.input_ids.shape[1] for r in batch)  # type: ignore[union-attr]
-        max_new = max(r.max_new_tokens for r in batch)
-        ids, masks, names = [], [], []
+        max_new = max(r.plan.max_new_tokens for r in batch)  # type: ignore[union-attr]
+        ids: list[torch.Tensor] = []
+        masks: list[torch.Tensor] = []
+        names: list[str] = []
         for r in batch:
             assert r.input_ids is not None and r.attention_mask is not None
             short = width - r.input_ids.shape[1]
             ids.append(torch.nn.functional.pad(r.input_ids, (short, 0), value=fill))
             masks.append(torch.nn.functional.pad(r.attention_mask, (short, 0), value=0))
             names.extend(r.names)
-        options["max_new_tokens"] = max_new
+        options = batch_options(first.kwargs, first.plan, width, max_new)
         out = self._gate.generate(
             input_ids=torch.cat(ids), attention_mask=torch.cat(masks), adapter=names, **options
         )
-        config = getattr(self._gate._host.target, "generation_config", None)
-        eos = _eos_ids(options, config)
+        eos = list(first.plan.eos)
         results = []
         start = 0
         for r in batch:
-            assert r.input_ids is not None
-            new = out[start : start + r.rows, width : width + r.max_new_tokens]
+            assert r.input_ids is not None and r.plan is not None
+            new = out[start : start + r.rows, width : width + r.plan.max_new_tokens]
             start += r.rows
             length = new.shape[1]
             if eos and length:
@@ -397,6 +378,7 @@ class BatchingEngine:
                 "largest_batch_rows": self._largest,
                 "most_adapters": self._most_adapters,
                 "alone": self._alone,
+                "alone_why": dict(sorted(self._alone_why.items())),
                 "max_queue_s": dict(sorted(self._max_queue.items())),
                 "window_s": self.window_s,
                 "max_window_s": self.max_window_s,

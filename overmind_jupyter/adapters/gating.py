@@ -3,8 +3,12 @@
 A request names its adapter per call (`adapter="fr"`) or per row (`adapter=["fr", "de", "__base__"]`). Rows of
 routable adapters run routed (see Note [Adapter routing]); the others run switched, one adapter at a time,
 under the keyed admission of switching.py (see Note [Keyed admission]). Structural changes go through
-`gate.exclusive()` or the gate methods built on it. `gate.submit(...)` hands a request to the batching engine
-(batching.py), which coalesces concurrent requests into mixed batches.
+`gate.exclusive()` or the gate methods built on it; PEFT's own calls that change the layers take it by
+themselves, and other changes behind the gate are detected (guarding.py). `gate.submit(...)` hands a request to
+the batching engine (batching.py), which coalesces concurrent requests into mixed batches.
+
+Imports run one way: gating imports batching and splitting, which see the gate only through
+`inputs.GateSurface` (its public `resolve`, `admission_key`, `run`, `generate`, `generation_config`).
 """
 
 from __future__ import annotations
@@ -15,9 +19,12 @@ import warnings
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
+from . import guarding
 from ._errors import (
+    AdapterChangedError,
     AdapterError,
     AdapterWarning,
     GateClosedError,
@@ -26,7 +33,8 @@ from ._errors import (
     UnknownAdapterError,
 )
 from .host import AdapterHost
-from .routing import BASE, Router, blockers, route
+from .inputs import rows_of
+from .routing import BASE, Router, blockers, expect, route
 from .switching import ROUTED, KeyedSemaphore
 
 if TYPE_CHECKING:
@@ -39,6 +47,8 @@ __all__ = ["AdapterGate", "gate"]
 _MODES = ("auto", "routed", "switched")
 _REGISTRY: dict[int, weakref.ref[AdapterGate]] = {}
 _REGISTRY_LOCK = threading.Lock()
+# The gates (by id) whose own switching runs in this context: their model changes need no exclusive side.
+_SWITCHING: ContextVar[frozenset[int]] = ContextVar("overmind_adapter_switching", default=frozenset())
 
 
 def gate(model: nn.Module, **options: Any) -> AdapterGate:
@@ -162,17 +172,22 @@ class AdapterGate:
         self._per: dict[str, str] = {}
         self._merge_on_switch = False
         self._routed_active: tuple[str, ...] = ()
+        self._stale = False  # a change behind the gate was seen: re-read the model before the next request
+        self._changes_seen = 0
+        self._known: dict[int, tuple[Any, ...]] = {}  # the layers' state the gate last set (after each switch)
         self._resync(initial=True)
         active = [a for a in self._initial.active if a in self._adapters]
         chosen = default if default is not None else (active[0] if active else BASE)
         self._default = self._check_name(chosen)
+        guarding.guard(self, self._host.model, self._host.kind, self._host.target, self._host.layers())
 
     # -- what the gate knows ---------------------------------------------------------------------------------
 
     @property
     def model(self) -> nn.Module:
         """The model this gate serves (as given to it)."""
-        return self._host.model
+        model: nn.Module = self._host.model
+        return model
 
     @property
     def closed(self) -> bool:
@@ -198,6 +213,7 @@ class AdapterGate:
     def _resync(self, initial: bool = False) -> None:
         """Re-read the model after a structural change: adapters, hooks, what can be routed."""
         host = self._host
+        host.watch()
         self._adapters = frozenset(host.adapters())
         if self._mode == "switched":
             whole: str | None = "mode='switched' was asked for"
@@ -217,9 +233,12 @@ class AdapterGate:
                 stacklevel=4,
             )
         self._whole, self._per = whole, per
+        self._stale = False
         self._merge_on_switch = bool(host.merged())
         self._routed_active = host.active()
         self._router.sync()
+        if not initial:
+            guarding.guard(self, host.model, host.kind, host.target, host.layers())
         if not initial and self._default != BASE and self._default not in self._adapters:
             warnings.warn(
                 f"the default adapter {self._default!r} is gone; requests that name no adapter now get the "
@@ -237,8 +256,19 @@ class AdapterGate:
             raise UnknownAdapterError(f"no adapter named {name!r}; available: {available}, and {BASE!r}")
         return name
 
-    def _names(self, adapter: str | Sequence[str] | None, rows: int | None) -> tuple[str, ...]:
-        """One name for every row (a 1-tuple), or one name per row."""
+    def resolve(self, adapter: str | Sequence[str] | None, rows: int | None) -> tuple[str, ...]:
+        """The adapter names of a request: one name for every row (a 1-tuple), or one name per row.
+
+        Args:
+            adapter (`str`, `list[str]` or `None`):
+                As `generate` takes it; `None` is `gate.default`.
+            rows (`int`, *optional*):
+                The request's number of rows, checked against a per-row list.
+
+        Raises:
+            `UnknownAdapterError` for a name the model does not carry, `ValueError` for a list of the wrong
+            length.
+        """
         if adapter is None:
             return (self._default,)
         if isinstance(adapter, str):
@@ -252,15 +282,52 @@ class AdapterGate:
             raise ValueError("adapter= is an empty list")
         return names
 
-    def _key(self, name: str) -> str:
+    def admission_key(self, name: str) -> str:
+        """What a row of adapter `name` waits for: `"<routed>"` (shared by every routed row) or the adapter the
+        model must be switched to (see Note [Keyed admission])."""
         if self._whole is not None or name in self._per:
             return name
         return ROUTED
+
+    @property
+    def generation_config(self) -> Any:
+        """The generation config of the module requests run on (what `generate` starts from)."""
+        return getattr(self._host.target, "generation_config", None)
+
+    def changing_here(self) -> bool:
+        """Whether the current thread may change the model's adapter layers at once: inside this gate's
+        exclusive side, or inside its own switching (see Note [Changes behind the gate] in guarding.py)."""
+        return self._sem.exclusive_here() or id(self) in _SWITCHING.get()
 
     # -- switched mode ---------------------------------------------------------------------------------------
 
     def _switch(self, previous: str | None, key: str) -> None:
         """Set the model to `key`, with no request in flight. See Note [Keyed admission]."""
+        token = _SWITCHING.set(_SWITCHING.get() | {id(self)})
+        try:
+            self._apply(key)
+        finally:
+            _SWITCHING.reset(token)
+        # Every request of this key is admitted with, and must end with, this state (Note [Changes behind the
+        # gate] in guarding.py). After an exclusive section the key is forgotten, so this runs again. A state that
+        # is not what the key needs was changed behind the gate during the switch: no request may take it.
+        state = self._host.layer_state()
+        self._known = state if self._conforms(key, state) else {}
+
+    def _conforms(self, key: str, state: dict[int, tuple[Any, ...]]) -> bool:
+        """Whether the layers' state is one that requests of `key` are right with."""
+        for disabled, merged, active in state.values():
+            if key == ROUTED:
+                if disabled or merged:
+                    return False
+            elif key == BASE:
+                if not disabled:
+                    return False
+            elif disabled or active not in ((key,), ()) or any(m != key for m in merged):
+                return False  # (a wrapper that does not hold the adapter is left with none active)
+        return True
+
+    def _apply(self, key: str) -> None:
         host = self._host
         if key == ROUTED:
             # The routed path reads no active adapter, but disabled layers compute the base model and wrappers
@@ -306,7 +373,9 @@ class AdapterGate:
         """Hold the model for one request whose rows all have the same key; yields the key.
 
         The key is computed before the wait; if an exclusive section changed what can be routed meanwhile (a
-        merge, say), the request lets go and queues again under its new key.
+        merge, say), the request lets go and queues again under its new key. The layers' state must be the one
+        the gate set (Note [Changes behind the gate] in guarding.py): a change found at admission makes the gate
+        re-read the model first; one made while the request runs fails the request.
         """
         self._ensure_open()
         if self._host.target.training:
@@ -315,22 +384,74 @@ class AdapterGate:
                 "serving it through the gate"
             )
         labels = tuple(sorted(set(names)))
+        nested = self._sem.held_here()
+        tries = 0
         while True:
-            keys = {self._key(n) for n in names}
+            if self._stale and not nested:
+                with self.exclusive():  # re-read the model after a change made behind the gate
+                    pass
+            keys = {self.admission_key(n) for n in names}
             if len(keys) != 1:
                 raise _Resplit
             key = keys.pop()
             with contextlib.ExitStack() as held:
                 held.enter_context(self._sem.hold(key, labels))
-                if {self._key(n) for n in names} != {key}:
+                if {self.admission_key(n) for n in names} != {key}:
                     continue
                 self._recheck(names)
+                known = self._known
+                now = self._host.layer_state()
+                if now != known:
+                    what = self._host.describe_change(known, now)
+                    self._changed_behind(what)
+                    tries += 1
+                    if nested or tries > 3:
+                        raise AdapterChangedError(
+                            f"the model's adapter layers were changed without gate.exclusive() ({what}), and keep "
+                            "changing: the request did not run. Make such changes inside `with gate.exclusive():`"
+                        )
+                    continue
                 if key == ROUTED:
                     held.enter_context(route(names))
-                yield key
+                held.enter_context(expect(known))
+                try:
+                    yield key
+                except Exception as e:
+                    self._check_unchanged(known, e)
+                    raise
+                self._check_unchanged(known, None)
                 return
 
-    def _call(self, kind: str, names: tuple[str, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _changed_behind(self, what: str) -> None:
+        first = not self._stale
+        self._stale = True
+        self._changes_seen += 1
+        if first:
+            warnings.warn(
+                f"the model's adapter layers were changed without gate.exclusive() ({what}); requests in flight "
+                "fail with AdapterChangedError, and the gate re-reads the model before the next one",
+                AdapterWarning,
+                stacklevel=6,
+            )
+
+    def _check_unchanged(self, known: dict[int, tuple[Any, ...]], error: Exception | None) -> None:
+        after = self._host.layer_state()
+        if after == known and not isinstance(error, AdapterChangedError):
+            return
+        what = self._host.describe_change(known, after) if after != known else str(error)
+        self._changed_behind(what)
+        if isinstance(error, AdapterChangedError):
+            return
+        raise AdapterChangedError(
+            f"the model's adapter layers changed while this request ran ({what}): a change made without "
+            "gate.exclusive() in another thread; the request failed instead of answering with other adapter "
+            "layers. Submit it again, and make such changes inside `with gate.exclusive():`"
+        ) from error
+
+    def run(self, kind: str, names: tuple[str, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run one request whose adapter names are resolved (`resolve`): `"generate"` or `"forward"`, under
+        admission; a request whose rows need different keys runs in parts (splitting.py).
+        """
         import torch
 
         try:
@@ -344,8 +465,8 @@ class AdapterGate:
         return run_split(self, kind, names, args, kwargs)
 
     def _run(self, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any], adapter: Any) -> Any:
-        names = self._names(adapter, _rows_of(args, kwargs))
-        return self._call(kind, names, args, kwargs)
+        names = self.resolve(adapter, rows_of(args, kwargs))
+        return self.run(kind, names, args, kwargs)
 
     def generate(self, *args: Any, adapter: str | Sequence[str] | None = None, **kwargs: Any) -> Any:
         """`model.generate(...)` with the given adapter, safe to call from many threads at once.
@@ -379,7 +500,7 @@ class AdapterGate:
             adapter (`str`, *optional*):
                 The adapter for every row of every call in the block; defaults to `gate.default`.
         """
-        names = self._names(adapter, None)
+        names = self.resolve(adapter, None)
         with self._admitted(names):
             yield self._host.model
 
@@ -402,9 +523,14 @@ class AdapterGate:
     def exclusive(self) -> Iterator[nn.Module]:
         """Hold the model alone: waits for requests in flight, holds new ones, yields the model.
 
-        Structural changes (`load_adapter`, `delete_adapter`, `add_weighted_adapter`, merge and unmerge,
-        hot-swap) made by hand must run inside. On exit, even by an exception, the gate re-reads the model
-        (adapters, hooks on new layers, what can be routed) and lets the held requests in.
+        Changes by hand must run inside: weights or `scaling` written directly, modules replaced or added,
+        flags set without PEFT's methods. PEFT's calls that change which adapter layers apply
+        (`disable_adapter()`, `set_adapter`, `merge_adapter`, `load_adapter`, `delete_adapter`,
+        `add_weighted_adapter`, hot-swap, the layers' `enable_adapters`, `merge`, ...) take this section by
+        themselves while the gate is open (Note [Changes behind the gate] in guarding.py), and run as they are
+        inside it. On exit, even by an exception, the gate re-reads the model (adapters, hooks on new layers,
+        what can be routed) and lets the held requests in. A request of this gate made inside the block, in the
+        same thread, raises `GateDeadlockError`.
         """
         self._ensure_open()
         with self._sem.exclusive() as outermost:
@@ -530,10 +656,10 @@ class AdapterGate:
 
                 self._engine = BatchingEngine(
                     self,
-                    window_s=self._options["window_s"],
-                    max_window_s=self._options["max_window_s"],
-                    max_batch=self._options["max_batch"],
-                    max_adapters=self._options["max_adapters_per_batch"],
+                    window_s=float(self._options["window_s"]),  # type: ignore[arg-type]  # numbers, checked in __init__
+                    max_window_s=float(self._options["max_window_s"]),  # type: ignore[arg-type]
+                    max_batch=int(self._options["max_batch"]),  # type: ignore[arg-type]
+                    max_adapters=int(self._options["max_adapters_per_batch"]),  # type: ignore[arg-type]
                 )
             engine = self._engine
         return engine.submit(args, kwargs, adapter)
@@ -548,19 +674,18 @@ class AdapterGate:
             (adapter to `"routed"` or `"switched"`), `blockers` (why PEFT refuses routing), `active`
             (adapters in flight when routed, the switched adapter otherwise), `in_flight`, `queued`,
             `max_wait_s` and `oldest_wait_s` per adapter, `exclusive`, `switches`, `max_wait_bound_s`,
-            `hooks`, `engine`, `closed`.
+            `hooks`, `engine`, `changes_behind` (changes of the layers made without the exclusive side, seen by
+            requests), `closed`.
         """
         sem = self._sem.state()
-        routing = {a: ("switched" if self._key(a) != ROUTED else "routed") for a in sorted(self._adapters)}
-        routing[BASE] = "switched" if self._key(BASE) != ROUTED else "routed"
+        routing = {a: ("switched" if self.admission_key(a) != ROUTED else "routed") for a in sorted(self._adapters)}
+        routing[BASE] = "switched" if self.admission_key(BASE) != ROUTED else "routed"
         if self._whole is not None:
             blocked: dict[str, str] = {"*": self._whole}
         else:
             blocked = dict(sorted(self._per.items()))
-        if sem["applied"] == ROUTED or sem["applied"] is None:
-            active = sorted(sem["in_flight"])  # type: ignore[arg-type]
-        else:
-            active = [sem["applied"]]
+        routed = sem["applied"] == ROUTED or sem["applied"] is None
+        active = sorted(sem["in_flight"]) if routed else [sem["applied"]]  # type: ignore[call-overload]
         engine = self._engine
         return {
             "mode": self.mode,
@@ -579,6 +704,7 @@ class AdapterGate:
             "max_wait_bound_s": self._sem.max_wait_s,
             "hooks": len(self._router),
             "engine": engine.state() if engine is not None else None,
+            "changes_behind": self._changes_seen,
             "closed": self._closed,
         }
 
@@ -606,8 +732,9 @@ class AdapterGate:
                 self._sem.close()
                 self._finalizer.detach()
         _unregister(id(self._host.model), self)
+        guarding.release(self)
 
-    def __enter__(self) -> AdapterGate:  # noqa: PYI034 -- typing.Self needs Python 3.11
+    def __enter__(self) -> AdapterGate:  # typing.Self needs Python 3.11
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -620,11 +747,3 @@ class AdapterGate:
 
 class _Resplit(Exception):
     """A request's rows need more than one key: it runs in parts (splitting.py)."""
-
-
-def _rows_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
-    for value in (kwargs.get("input_ids"), kwargs.get("inputs_embeds"), args[0] if args else None):
-        shape = getattr(value, "shape", None)
-        if shape:
-            return int(shape[0])
-    return None

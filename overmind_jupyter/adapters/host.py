@@ -29,7 +29,7 @@ from ._errors import (
 from .routing import BASE
 
 if TYPE_CHECKING:
-    from torch import nn
+    pass
 
 __all__ = ["AdapterHost", "HostState"]
 
@@ -52,7 +52,7 @@ class AdapterHost:
             with injected tuner layers.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: Any) -> None:  # a PeftModel or a transformers model: attributes by name
         from peft import PeftModel
         from peft.tuners.tuners_utils import BaseTunerLayer
 
@@ -66,7 +66,7 @@ class AdapterHost:
                     "DoRA, IA3, ...)"
                 )
             self.kind = "peft"
-            self.target: nn.Module = model.get_base_model()
+            self.target: Any = model.get_base_model()
         elif getattr(model, "_hf_peft_config_loaded", False):
             self.kind = "transformers"
             self.target = model
@@ -81,15 +81,19 @@ class AdapterHost:
             )
         if not self.adapters():
             raise NoAdaptersError(f"{type(model).__name__} has tuner layers but no adapter left in them")
+        self._watched: list[Any] = []
+        self.watch()
 
     # -- reading ---------------------------------------------------------------------------------------------
 
-    def tuner_layers(self) -> list[nn.Module]:
+    def tuner_layers(self) -> list[Any]:
         from peft.tuners.tuners_utils import BaseTunerLayer
 
         return [m for m in self.target.modules() if isinstance(m, BaseTunerLayer)]
 
-    def _switchable(self) -> list[nn.Module]:
+    def layers(self) -> list[Any]:
+        """The tuner layers and auxiliary wrappers (`modules_to_save`): every module whose state decides which
+        adapter applies."""
         from peft.tuners.tuners_utils import BaseTunerLayer
         from peft.utils.other import AuxiliaryTrainingWrapper
 
@@ -119,6 +123,38 @@ class AdapterHost:
         for layer in self.tuner_layers():
             names.update(layer.merged_adapters)
         return tuple(sorted(names))
+
+    def watch(self) -> None:
+        """Read the layers again (after a structural change): `layer_state()` reads these."""
+        self._watched = self.layers()
+
+    def layer_state(self) -> dict[int, tuple[Any, ...]]:
+        """What decides which adapter layers apply, per tuner layer and auxiliary wrapper (by `id`, in module
+        order, as of the last `watch()`): whether it is disabled, and its merged and active adapters. The gate
+        records it after each switch and compares it before, during and after every request (Note [Changes
+        behind the gate] in guarding.py). About 1 us a layer."""
+        return {
+            id(module): (
+                bool(module.disable_adapters),
+                tuple(getattr(module, "merged_adapters", ())),
+                tuple(module.active_adapters),
+            )
+            for module in self._watched
+        }
+
+    def describe_change(self, before: dict[int, tuple[Any, ...]], after: dict[int, tuple[Any, ...]]) -> str:
+        """What differs between two `layer_state()`s, in words (the first layer that changed)."""
+        if not before:
+            return "the layers were not as the gate set them, right after it switched them"
+        names = {id(m): n for n, m in self.target.named_modules()}
+        if list(before) != list(after):
+            return "the gate's record of the layers is out of date"
+        fields = ("disabled", "merged adapters", "active adapters")
+        for key, old in before.items():
+            for field, was, now in zip(fields, old, after[key], strict=True):
+                if was != now:
+                    return f"{names.get(key, '?')}: {field} {was} -> {now}"
+        return "no change"
 
     def snapshot(self) -> HostState:
         return HostState(self.active(), self.enabled(), self.merged())
@@ -150,7 +186,7 @@ class AdapterHost:
 
     def set_enabled(self, enabled: bool) -> None:
         """Enable or disable every tuner layer (disabled layers compute the base model)."""
-        for module in self._switchable():
+        for module in self.layers():
             module.enable_adapters(enabled)
 
     def merge(self, names: Sequence[str]) -> None:
@@ -290,7 +326,7 @@ class AdapterHost:
         self.add_lora(name, config)
         try:
             with torch.no_grad():
-                for key, module in self.target.named_modules():
+                for module in self.target.modules():
                     if not isinstance(module, LoraLayer) or name not in (
                         set(module.lora_A) | set(module.lora_embedding_A)
                     ):
@@ -302,16 +338,19 @@ class AdapterHost:
                         target_a, target_b = module.lora_A[name].weight, module.lora_B[name].weight
                     target_a.zero_()
                     target_b.zero_()
-                    a_parts, b_parts = [], []
+                    a_parts: list[torch.Tensor] = []
+                    b_parts: list[torch.Tensor] = []
+                    down: Any
+                    up: Any
                     for adapter, weight in weights.items():
                         if adapter in module.lora_A:
-                            a, b = module.lora_A[adapter].weight, module.lora_B[adapter].weight
+                            down, up = module.lora_A[adapter].weight, module.lora_B[adapter].weight
                         elif adapter in module.lora_embedding_A:
-                            a, b = module.lora_embedding_A[adapter], module.lora_embedding_B[adapter]
+                            down, up = module.lora_embedding_A[adapter], module.lora_embedding_B[adapter]
                         else:
                             continue
-                        a_parts.append(a * (float(weight) * float(module.scaling[adapter])))
-                        b_parts.append(b)
+                        a_parts.append(down * (float(weight) * float(module.scaling[adapter])))
+                        b_parts.append(up)
                     cat_a, cat_b = torch.cat(a_parts, dim=0), torch.cat(b_parts, dim=1)
                     target_a[: cat_a.shape[0], :] = cat_a.to(target_a.dtype)
                     target_b[:, : cat_b.shape[1]] = cat_b.to(target_b.dtype)

@@ -3,8 +3,8 @@
 # Note [Adapter routing]
 
 PEFT's `set_adapter` is global state, and PEFT's per-call `adapter_names` registers hooks on the shared model
-for the length of one call: two threads serving two adapters corrupt each other either way (DESIGN.md section
-1). The gate routes instead (DESIGN.md invariant 7):
+for the length of one call: two threads serving two adapters corrupt each other either way (measured). The
+gate routes instead (docs/design.md invariant 7):
 
 - Each routable layer (a LoRA layer with a mixed-batch path, or an auxiliary wrapper such as
   `modules_to_save`) gets ONE forward pre-hook, `_inject_adapter_names`, when the gate is created or when a
@@ -18,7 +18,9 @@ for the length of one call: two threads serving two adapters corrupt each other 
   base layer only. That path reads neither the active adapter nor any other mutable state of the layer, so
   requests run truly in parallel; the weights are only read.
 - Outside a request the hooks do nothing (`_ROUTE` is `None`): a direct call of the model behaves as without
-  us.
+  us. Inside one (routed or switched), each hook first checks that its layer is still disabled, merged and
+  set to the adapters the request was admitted with (`expect`), and fails the request otherwise (Note
+  [Changes behind the gate] in guarding.py).
 - When the hidden batch is a multiple of the request's rows (beam search, `num_return_sequences`), the names
   are repeated row by row, as transformers repeats the inputs (`repeat_interleave`).
 
@@ -33,17 +35,23 @@ from collections.abc import Iterator, Sequence
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
+from ._errors import AdapterChangedError
+from .inputs import rows_of
+
 if TYPE_CHECKING:
     from torch import nn
     from torch.utils.hooks import RemovableHandle
 
-__all__ = ["BASE", "Router", "blockers", "current_route", "route"]
+__all__ = ["BASE", "Router", "blockers", "current_route", "expect", "route"]
 
 #: The row name that means "no adapter": the base model. It is PEFT's own placeholder.
 BASE = "__base__"
 
 # See Note [Adapter routing].
 _ROUTE: ContextVar[tuple[str, ...] | None] = ContextVar("overmind_adapter_route", default=None)
+# The layers' state the running request was admitted with (`AdapterHost.layer_state`); see Note [Changes behind
+# the gate] in guarding.py.
+_EXPECTED: ContextVar[dict[int, tuple[Any, ...]] | None] = ContextVar("overmind_adapter_expected", default=None)
 
 
 @contextlib.contextmanager
@@ -61,27 +69,27 @@ def route(names: Sequence[str]) -> Iterator[None]:
         _ROUTE.reset(token)
 
 
+@contextlib.contextmanager
+def expect(state: dict[int, tuple[Any, ...]]) -> Iterator[None]:
+    """Make every hooked layer called in this context check that its disabled flag, merged and active adapters
+    are still those of `state` (`AdapterHost.layer_state()`), and raise `AdapterChangedError` if not."""
+    token = _EXPECTED.set(state)
+    try:
+        yield
+    finally:
+        _EXPECTED.reset(token)
+
+
 def current_route() -> tuple[str, ...] | None:
     """The adapter names routed in the current context, or `None` outside a request."""
     return _ROUTE.get()
 
 
-def _rows_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
-    x = args[0] if args else next(iter(kwargs.values()), None)
-    shape = getattr(x, "shape", None)
-    if not shape:
-        return None
-    return int(shape[0])
-
-
-def _inject_adapter_names(
-    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    """The one pre-forward hook of a routable layer. See Note [Adapter routing]."""
+def _names_for(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str] | None:
     names = _ROUTE.get()
     if names is None:
         return None
-    rows = _rows_of(args, kwargs)
+    rows = rows_of(args, kwargs)
     if rows is not None and rows != len(names):
         if len(names) == 1:
             names = names * rows
@@ -93,7 +101,48 @@ def _inject_adapter_names(
                 f"the request routes {len(names)} rows, but {type(module).__name__} was called with {rows}: "
                 "pass one adapter name per input row"
             )
-    return args, {**kwargs, "adapter_names": list(names)}
+    return list(names)
+
+
+def _check(module: Any) -> None:
+    """Raise if the layer's state is not the one the running request was admitted with."""
+    expected = _EXPECTED.get()
+    if expected is None:
+        return
+    state = expected.get(id(module))
+    if state is None:
+        return
+    disabled, merged, active = state[:3]
+    now = (bool(module.disable_adapters), tuple(getattr(module, "merged_adapters", ())), tuple(module.active_adapters))
+    if now == (disabled, merged, active):
+        return
+    what = (
+        "disabled" if now[0] and not disabled else
+        "enabled" if disabled and not now[0] else
+        f"merged ({', '.join(now[1]) or 'none'})" if now[1] != merged else
+        f"set to adapters {list(now[2])}"
+    )  # fmt: skip
+    raise AdapterChangedError(
+        f"a {type(module).__name__} layer was {what} while a request of the gate ran: the model's adapters were "
+        "changed without gate.exclusive() (see AdapterChangedError); this request failed instead of answering "
+        "with other adapter layers"
+    )
+
+
+def _inject_adapter_names(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """The one pre-forward hook of a routable layer. See Note [Adapter routing].
+
+    Inside a request it also checks the layer's state against the state the request was admitted with: a layer
+    disabled, merged or switched behind the gate would compute another adapter (Note [Changes behind the gate]
+    in guarding.py).
+    """
+    _check(module)
+    names = _names_for(module, args, kwargs)
+    if names is None:
+        return None
+    return args, {**kwargs, "adapter_names": names}
 
 
 def _is_routable_layer(module: nn.Module) -> bool:

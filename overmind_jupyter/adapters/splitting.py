@@ -13,12 +13,11 @@ switched adapter. Each part holds the model only for itself, so other requests m
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ._errors import AdapterError
-
-if TYPE_CHECKING:
-    from .gating import AdapterGate
+from .batchable import merged
+from .inputs import GateSurface, pad_id
 
 __all__ = ["run_split"]
 
@@ -31,23 +30,19 @@ def _take(value: Any, index: Any, rows: int) -> Any:
     return value
 
 
-def _pad_id(gate: AdapterGate, kwargs: dict[str, Any]) -> int:
-    config = getattr(gate._host.target, "generation_config", None)
-    for candidate in (
-        kwargs.get("pad_token_id"),
-        getattr(config, "pad_token_id", None),
-        kwargs.get("eos_token_id"),
-        getattr(config, "eos_token_id", None),
-    ):
-        if isinstance(candidate, (list, tuple)):
-            candidate = candidate[0] if candidate else None
-        if candidate is not None:
-            return int(candidate)
-    return 0
+def _fill(gate: GateSurface, kwargs: dict[str, Any]) -> int:
+    """What `generate` writes after a row's end, for these settings (0 where it would write nothing)."""
+    options = {k: v for k, v in kwargs.items() if k not in ("input_ids", "attention_mask")}
+    try:
+        settings, _ = merged(gate.generation_config, options)
+        pad = pad_id(settings)
+    except Exception:  # noqa: BLE001 -- the parts ran, so generate took the settings; fall back on the model's
+        pad = pad_id(gate.generation_config)
+    return pad if pad is not None else 0
 
 
 def run_split(
-    gate: AdapterGate, kind: str, names: tuple[str, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+    gate: GateSurface, kind: str, names: tuple[str, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
     """Run a per-row request one key at a time and put the rows back in order; see the module docstring."""
     import torch
@@ -60,14 +55,14 @@ def run_split(
         )
     groups: dict[str, list[int]] = {}
     for i, name in enumerate(names):
-        groups.setdefault(gate._key(name), []).append(i)
+        groups.setdefault(gate.admission_key(name), []).append(i)
     parts: list[tuple[list[int], Any]] = []
     for indices in groups.values():
         index = torch.tensor(indices, dtype=torch.long)
         part_args = tuple(_take(a, index, rows) for a in args)
         part_kwargs = {k: _take(v, index, rows) for k, v in kwargs.items()}
         part_names = tuple(names[i] for i in indices)
-        parts.append((indices, gate._call(kind, part_names, part_args, part_kwargs)))
+        parts.append((indices, gate.run(kind, part_names, part_args, part_kwargs)))
 
     if kind == "generate":
         if not all(isinstance(out, torch.Tensor) for _, out in parts):
@@ -77,10 +72,10 @@ def run_split(
             )
         length = max(out.shape[1] for _, out in parts)
         first = parts[0][1]
-        merged = torch.full((rows, length), _pad_id(gate, kwargs), dtype=first.dtype, device=first.device)
+        together = torch.full((rows, length), _fill(gate, kwargs), dtype=first.dtype, device=first.device)
         for indices, out in parts:
-            merged[torch.tensor(indices, dtype=torch.long, device=out.device), : out.shape[1]] = out
-        return merged
+            together[torch.tensor(indices, dtype=torch.long, device=out.device), : out.shape[1]] = out
+        return together
 
     first = parts[0][1]
     fields = first.keys() if hasattr(first, "keys") else None

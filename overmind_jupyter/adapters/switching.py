@@ -15,7 +15,8 @@ condition:
   the model drains and that waiter goes next. No key starves: a waiter waits at most about `max_wait_s` plus
   the longest request already running.
 - The exclusive side (structural changes) waits for the holders to drain and holds every newcomer meanwhile.
-  It is reentrant in its thread, and refuses to start inside a request of the same gate, which would deadlock.
+  It is reentrant in its thread, and refuses to start inside a request of the same gate, which would deadlock;
+  a request from inside an exclusive section of its own thread is refused for the same reason.
 
 Every wait ends in `finally`, so an exception (in a switch, in a request, in an exclusive body) leaves the
 counts right and wakes the waiters.
@@ -129,6 +130,13 @@ class KeyedSemaphore:
                 raise GateClosedError(
                     "the adapter gate is closed; create a new one with adapters.gate(model)"
                 )
+            if self._exclusive_owner == threading.get_ident():
+                raise GateDeadlockError(
+                    "a request of the gate was made inside an exclusive section of the same thread (`with "
+                    "gate.exclusive():`, or a change the gate makes exclusive such as `with "
+                    "peft_model.disable_adapter():`), and would wait for that section to end: make the request "
+                    "after the block, or call the model directly inside it"
+                )
             self._waiters.append(w)
             try:
                 while True:
@@ -235,6 +243,10 @@ class KeyedSemaphore:
                     self._exclusive_owner = None
                     self._applied = None
                 self._cond.notify_all()
+
+    def exclusive_here(self) -> bool:
+        """Whether the current thread holds the exclusive side (it may change the model)."""
+        return self._exclusive_owner == threading.get_ident()
 
     def held_here(self) -> bool:
         """Whether the current context (thread, task) holds a ticket of this semaphore."""

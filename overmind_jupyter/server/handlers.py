@@ -25,6 +25,7 @@ from kernel_server.errors import (
     StateDirError,
     WaitTimeout,
 )
+from kernel_server.operations import Op
 
 from .link import DaemonDown, DaemonLink
 from .state import panel_state
@@ -79,7 +80,7 @@ class StateHandler(_OvermindHandler):
         link = self.link
 
         def read() -> dict[str, Any]:
-            status = link.request("status").payload
+            status = link.request(Op.STATUS).payload
             return panel_state(status, own_conn=link.conn_id)
 
         state = await self.call_daemon(read)
@@ -110,7 +111,7 @@ class EvictHandler(_OvermindHandler):
                              "reason": "bad_request"})
             return
         link = self.link
-        reply = await self.call_daemon(lambda: link.request("evict", **fields).payload)
+        reply = await self.call_daemon(lambda: link.request(Op.EVICT, **fields).payload)
         if reply is not None:
             self.log.info("overmind: evicted %s from the panel", reply.get("evicted"))
             self.reply(200, {"evicted": reply.get("evicted", [])})

@@ -8,7 +8,7 @@ Kernels start the daemon (`%overmind on`, `cached(...)`); until then the panel s
 
 The connection is opened on the first request, kept (one hello per server, not one per poll), opened
 again when the daemon went away or OVERMIND_HOME changed, and closed with `close()`. It holds no lease:
-no pins, no units, no in-flight loads (DESIGN.md invariant 5), so it never keeps anything alive.
+no pins, no units, no in-flight loads (docs/design.md invariant 5), so it never keeps anything alive.
 Every method blocks on the socket: the handlers call them in an executor, off the event loop.
 """
 

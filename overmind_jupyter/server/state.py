@@ -16,8 +16,8 @@ The reply of `GET {base_url}overmind/state` (all sizes in bytes, times in second
                                         "holders": [{"label", "kernel", "pid", "units", "busy"}]}]}
     }
 
-`units` is null while the daemon has no units ledger; its numbers count units of `unit_bytes` (1 GiB,
-DESIGN.md section 1); `total` is what the ledger may hand out (the device's memory less its reserve).
+`units` is null while the daemon has no units ledger; its numbers count units of `unit_bytes` (1 GiB);
+`total` is what the ledger may hand out (the device's memory less its reserve).
 The ledger's snapshot (kernel_server/ledger.py) is read tolerantly (a list of devices or a mapping keyed
 by device, a few spellings of its counts), so that the panel shows what an older or newer daemon reports.
 """

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from kernel_server import settings
 from kernel_server.client import Client, shared_client
 from kernel_server.errors import DaemonError, RemoteError
+from kernel_server.operations import Op
 
 from ._errors import (
     ModelBusyError,
@@ -155,7 +156,7 @@ class Residency:
     def state(self) -> dict[str, Any]:
         client, devices = self._bind()
         try:
-            snap = dict(client.request("units_state", timeout=30).payload)
+            snap = dict(client.request(Op.UNITS_STATE, timeout=30).payload)
         except RemoteError as exc:
             raise _units_error(exc) from None
         except DaemonError as exc:
@@ -203,7 +204,7 @@ class Residency:
 
     def _register(self, client: Client) -> list[Device]:
         try:
-            reply = client.request("units_register", devices=local_devices(), timeout=30)
+            reply = client.request(Op.UNITS_REGISTER, devices=local_devices(), timeout=30)
         except RemoteError as exc:
             raise _units_error(exc) from None
         except DaemonError as exc:
@@ -295,7 +296,7 @@ class Residency:
         timeout = settings.get(settings.UNITS_TIMEOUT) if timeout is None else timeout
         daemon_timeout = None if timeout == float("inf") else max(0.0, float(timeout))
         try:
-            request_id, fut = client.submit("units_acquire", units=units, devices=[d.id for d in candidates],
+            request_id, fut = client.submit(Op.UNITS_ACQUIRE, units=units, devices=[d.id for d in candidates],
                                             timeout_s=daemon_timeout, label=label, busy=True)
         except DaemonError as exc:
             raise UnitsError(f"cannot ask the daemon for units: {exc}") from exc
@@ -315,14 +316,14 @@ class Residency:
     @staticmethod
     def _cancel(client: Client, request_id: int) -> None:
         try:
-            client.submit("units_cancel", request=request_id)
+            client.submit(Op.UNITS_CANCEL, request=request_id)
         except DaemonError:
             pass  # the connection is gone, and its units with it
 
     @staticmethod
     def _give_back(client: Client, holding: int) -> None:
         try:
-            client.request("units_release", holding=holding, timeout=30)
+            client.request(Op.UNITS_RELEASE, holding=holding, timeout=30)
         except DaemonError:
             pass  # released already (no_holding), or gone with the connection
 
@@ -332,9 +333,9 @@ class Residency:
         (what `state()` shows, whom it asks) agrees once a `using` block has begun."""
         try:
             if busy:
-                placement.client.request("units_touch", holding=placement.holding, busy=True, timeout=30)
+                placement.client.request(Op.UNITS_TOUCH, holding=placement.holding, busy=True, timeout=30)
             else:
-                placement.client.submit("units_touch", holding=placement.holding, busy=False)
+                placement.client.submit(Op.UNITS_TOUCH, holding=placement.holding, busy=False)
         except DaemonError:
             pass  # no_holding (released meanwhile), or the connection is gone: the next _bind orphans it
 
@@ -442,9 +443,8 @@ def _current_cuda_device() -> int:
 
 
 def _units_error(exc: RemoteError) -> UnitsError:
-    if exc.code == "unknown_op":
-        return UnitsError("the running overmind daemon predates GPU units: run `overmind-daemon stop` and let "
-                          "the kernel start a new one")
+    """The units error of a ledger's error code (kernel_server/operations.py lists the codes; a daemon of
+    another protocol version is refused at hello, so every code here is the ledger's own)."""
     return _ERRORS.get(exc.code, UnitsError)(str(exc))
 
 

@@ -9,7 +9,7 @@ group, shutdown, cleanup. The launch asks this kernelspec's spare (`spares.py`) 
 argv, environment and working directory the plain launch would have used, and keeps a `ForkedKernel`
 where `LocalProvisioner` keeps its `Popen`. When no spare can serve (it failed to import, the argv is not
 `python -m module ...`, `OVERMIND_WARM=0`), the kernel starts plainly, and the log says why
-(DESIGN.md invariant 1: never worse than without us).
+(docs/design.md invariant 1: never worse than without us).
 """
 
 from __future__ import annotations

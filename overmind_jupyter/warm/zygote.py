@@ -117,7 +117,7 @@ def preload(names: list[str]) -> list[str]:
     Note [Fork safety]: a process may be forked only while it has one thread and has not initialised a
     device driver: a Python thread started at import does not exist in the forked kernels (its module then
     silently misbehaves), and a CUDA context does not survive fork. Torch is safe to fork after import and
-    before its first operation (DESIGN.md section 5: after any operation the children hung), so this
+    before its first operation (measured here: after any operation the forked children hung), so this
     process runs none. Each module is checked right after its import, so the error names the culprit.
     """
     for name in KERNEL_MACHINERY:

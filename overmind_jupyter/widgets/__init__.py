@@ -10,7 +10,7 @@ widgets.adapter_panel(model, tok)      # `%overmind adapters model --tokenizer t
 
 Each widget updates itself from the daemon and from the gate on one background thread of the kernel
 (see Note [Widget polling] in polling.py), never blocks the kernel, and stops with `widget.close()`.
-Importing this package imports neither ipywidgets nor anywidget (DESIGN.md invariant 8); they load with the
+Importing this package imports neither ipywidgets nor anywidget (docs/design.md invariant 8); they load with the
 first widget.
 """
 

@@ -50,7 +50,7 @@ def test_engine_results_equal_solo_runs(peft_model: Any) -> None:
         for w in workers:
             w.join()
         engine = g.state()["engine"]
-    for i, (expected, got) in enumerate(zip(solo, results)):
+    for i, (expected, got) in enumerate(zip(solo, results, strict=True)):
         assert torch.equal(got, expected), i
     assert engine["batches"] >= 1 and engine["largest_batch_rows"] > 1
     assert engine["largest_batch_rows"] <= 64 and engine["most_adapters"] <= 4
@@ -67,7 +67,7 @@ def test_caps_on_rows_and_adapters(peft_model: Any) -> None:
         solo = [
             g.generate(input_ids=p, adapter=CHOICES[i % 4], max_new_tokens=2) for i, p in enumerate(prompts)
         ]
-    assert all(torch.equal(a, b) for a, b in zip(got, solo))
+    assert all(torch.equal(a, b) for a, b in zip(got, solo, strict=True))
     assert engine["largest_batch_rows"] <= 5 and engine["most_adapters"] <= 2
     assert engine["batches"] >= 3
 
@@ -83,8 +83,8 @@ def test_end_of_sequence_stops_rows_as_alone() -> None:
         solo = [g.generate(input_ids=p, adapter=CHOICES[i % 4], **options) for i, p in enumerate(prompts)]
         futures = [g.submit(input_ids=p, adapter=CHOICES[i % 4], **options) for i, p in enumerate(prompts)]
         got = [f.result(timeout=60) for f in futures]
-    assert any(s.shape[1] < p.shape[1] + 6 for s, p in zip(solo, prompts)), "no row stopped early"
-    for expected, result in zip(solo, got):
+    assert any(s.shape[1] < p.shape[1] + 6 for s, p in zip(solo, prompts, strict=True)), "no row stopped early"
+    for expected, result in zip(solo, got, strict=True):
         assert torch.equal(result, expected)
 
 
@@ -129,7 +129,7 @@ def test_cancelled_and_failed_requests(peft_model: Any) -> None:
             bad.result(timeout=60)
         with pytest.raises(TypeError):
             odd.result(timeout=60)
-        for p, f in zip(prompts[2:], good):
+        for p, f in zip(prompts[2:], good, strict=True):
             assert torch.equal(f.result(timeout=60), g.generate(input_ids=p, adapter="es", max_new_tokens=2))
         assert g.state()["in_flight"] == {}
 

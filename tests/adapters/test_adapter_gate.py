@@ -154,7 +154,7 @@ def test_state_is_plain_json(peft_model: Any) -> None:
 
 def test_training_mode_is_refused(peft_model: Any) -> None:
     peft_model.train()
-    with adapters.gate(peft_model) as g, pytest.raises(adapters.AdapterError, match="model.eval"):
+    with adapters.gate(peft_model) as g, pytest.raises(adapters.AdapterError, match=r"model\.eval"):
         g(input_ids=torch.randint(2, 128, (1, 3)), adapter="fr")
 
 
