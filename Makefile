@@ -32,6 +32,14 @@ lint: setup
 test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# The libraries' own tests (peft, transformers, diffusers; from their sdists at the installed versions) with
+# the cache on, against their outcomes without it (tests/conformance/expected.json): fails on a regression.
+# After a library upgrade:  $(PY) tests/conformance/run.py record  and commit expected.json.
+.PHONY: conformance
+conformance: setup
+	$(PY) tests/conformance/fetch.py
+	$(PY) tests/conformance/run.py check
+
 demo: setup
 	$(PY) scripts/demo.py
 

@@ -10,6 +10,7 @@ import errno
 import fcntl
 import itertools
 import os
+import signal
 import socket
 import stat
 import subprocess
@@ -198,6 +199,34 @@ def process_gone(pid: int) -> bool:
             return f.read().rpartition(")")[2].split()[0] == "Z"
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return True
+
+
+def daemon_pid(home: Path) -> int | None:
+    """The pid the daemon of `home` wrote into its lock file (it may have exited since)."""
+    try:
+        text = lock_path(home).read_text().strip()
+        return int(text) if text else None
+    except (OSError, ValueError):
+        return None
+
+
+def kill_daemon(home: Path, grace: float = 5.0) -> None:
+    """Stop the daemon of `home` by the pid in its lock file: SIGTERM, then SIGKILL after `grace`
+    seconds; returns once it is gone. For tests and tools that started one; users run
+    `overmind-daemon stop`, which asks it over the socket."""
+    pid = daemon_pid(home)
+    if pid is None:
+        return
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            if process_gone(pid):
+                return
+            time.sleep(0.01)
 
 
 def tail(path: Path, lines: int = 20) -> str:

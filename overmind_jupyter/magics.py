@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -49,13 +50,7 @@ class OvermindMagics(Magics):
                 print("overmind off: every loader is as it was")
                 return None
             if args.command == "status":
-                if not args.json and _shows_widgets(self.shell):
-                    from . import widgets
-
-                    return _display(widgets.status_panel())
-                state = api.status()
-                print(json.dumps(state, indent=1, default=str) if args.json else api.format_status(state))
-                return None
+                return self._show(args.json, "status_panel", api.status, api.format_status)
             if args.command == "evict":
                 if args.all == bool(args.target):
                     raise UsageError("%overmind evict takes a KEY or --all")
@@ -65,16 +60,22 @@ class OvermindMagics(Magics):
             if args.command == "units":
                 from . import units
 
-                if not args.json and _shows_widgets(self.shell):
-                    from . import widgets
-
-                    return _display(widgets.units_bar())
-                state = units.state()
-                print(json.dumps(state, indent=1, default=str) if args.json else units.format_state(state))
-                return None
+                return self._show(args.json, "units_bar", units.state, units.format_state)
             return self._adapters(args)  # the last of the choices argparse allows
         except (DaemonError, OvermindError, RemoteError) as exc:
             raise UsageError(str(exc)) from exc
+
+    def _show(self, as_json: bool, widget: str, state: Callable[[], dict[str, Any]],
+              text: Callable[[dict[str, Any]], str]) -> None:
+        """The live widget `widget` of overmind_jupyter.widgets in a notebook; else the state as text,
+        or as JSON."""
+        if not as_json and _shows_widgets(self.shell):
+            from . import widgets
+
+            return _display(getattr(widgets, widget)())
+        now = state()
+        print(json.dumps(now, indent=1, default=str) if as_json else text(now))
+        return None
 
     def _adapters(self, args: Any) -> Any:
         """`%overmind adapters VAR [--tokenizer TOKVAR]`: the adapter panel in a notebook, the gate's state

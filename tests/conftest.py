@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -42,31 +40,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-def _daemon_pid(home: Path) -> int | None:
-    try:
-        text = (home / "daemon.lock").read_text().strip()
-        return int(text) if text else None
-    except (OSError, ValueError):
-        return None
-
-
 def stop_daemon(home: Path) -> None:
     """Stop the daemon of `home` by its pid (graceful first), and wait until it is gone."""
-    pid = _daemon_pid(home)
-    if pid is None:
-        return
-    from kernel_server.lifecycle import process_gone
+    from kernel_server.lifecycle import kill_daemon
 
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            if process_gone(pid):
-                return
-            time.sleep(0.01)
+    kill_daemon(home)
 
 
 @pytest.fixture

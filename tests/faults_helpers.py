@@ -160,10 +160,14 @@ def kill_daemon(home: Path) -> int:
     return pid
 
 
-def wait_until(condition: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> float:
-    start = time.monotonic()
-    while not condition():
-        if time.monotonic() - start > timeout:
+def wait_until(condition: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
+    """Poll `condition` until it returns something true, and return that; AssertionError naming `what`
+    after `timeout` seconds. The one waiting helper of the suite."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
             raise AssertionError(f"not within {timeout} s: {what}")
         time.sleep(0.002)
-    return time.monotonic() - start

@@ -15,24 +15,11 @@ from pathlib import Path
 
 import pytest
 from browser_lab import ARTIFACTS, JupyterLab, chromium, closing_browser, launch
+from kernels import execute
 
 pytestmark = pytest.mark.browser
 
 TIMEOUT_MS = 90_000
-
-
-def execute(kc, code: str, timeout: float = 180) -> str:  # type: ignore[no-untyped-def]
-    """Run `code` in the kernel; its stdout, or an AssertionError with the traceback."""
-    out: list[str] = []
-
-    def output(msg) -> None:  # type: ignore[no-untyped-def]
-        if msg["msg_type"] == "stream" and msg["content"]["name"] == "stdout":
-            out.append(msg["content"]["text"])
-
-    reply = kc.execute_interactive(code, timeout=timeout, output_hook=output)
-    if reply["content"]["status"] != "ok":
-        raise AssertionError("\n".join(reply["content"].get("traceback", [])))
-    return "".join(out)
 
 
 def _kill(pid: int) -> None:

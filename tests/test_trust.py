@@ -123,10 +123,10 @@ def test_a_stopped_daemon_costs_a_load_3_s_at_most_and_caching_resumes(overmind_
     import signal
     import sys
 
-    from conftest import _daemon_pid
+    from kernel_server.lifecycle import daemon_pid
 
     loading.cached(tiny_modules.build, "mlp", 6, width=16)  # a daemon, and this process's connection to it
-    pid = _daemon_pid(overmind_home)
+    pid = daemon_pid(overmind_home)
     assert pid is not None
     os.kill(pid, signal.SIGSTOP)
     try:

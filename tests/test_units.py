@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import tiny_modules
 import torch
+from faults_helpers import wait_until
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
@@ -95,15 +96,6 @@ def peers() -> Iterator[Callable[..., Peer]]:
 
 def holders(client: Client, device: int = 0) -> list[dict[str, Any]]:
     return client.request("units_state")["devices"][device]["holders"]
-
-
-def wait_until(condition: Callable[[], bool], timeout: float = 5.0) -> float:
-    start = time.monotonic()
-    while not condition():
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"not within {timeout} s")
-        time.sleep(0.005)
-    return time.monotonic() - start
 
 
 def linear() -> torch.nn.Module:

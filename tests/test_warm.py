@@ -26,6 +26,7 @@ from typing import Any
 import psutil
 import pytest
 from conftest import stop_daemon
+from faults_helpers import wait_until as _wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
@@ -34,13 +35,7 @@ WARM, LIGHT, PLAIN = "om-warm-test", "om-warm-light", "python3"
 
 
 def wait_until(condition: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+    return _wait_until(condition, timeout, what)  # kernels and servers take longer than daemons
 
 
 def gone(pid: int) -> bool:
