@@ -19,6 +19,14 @@ their total PSS, plain against overmind.
     .venv/bin/python benchmarks/load.py --models 0.1b --repeat 3
     .venv/bin/python benchmarks/load.py --arena-study   # memfd vs file, populate on/off (hits)
     .venv/bin/python benchmarks/load.py --keys          # what computing a key costs (Note [Never stale])
+    .venv/bin/python benchmarks/load.py --hit-calls --models 0.1b   # only the hit call, 30 fresh processes
+
+--hit-calls times only the first `from_pretrained` hit of a fresh process (after `enable()`, as in a
+kernel that ran `%load_ext overmind_jupyter`; torch, transformers and the Llama modeling module imported
+first), --calls processes per variant, median and p90, in four variants: the package's bytecode present
+or not (a copy of overmind_jupyter and kernel_server compiled with compileall, or one never compiled, run
+with PYTHONDONTWRITEBYTECODE=1, as on machines that set it), each alone and with a CPU-bound process
+running beside it. It also reports call + first forward.
 """
 
 from __future__ import annotations
@@ -59,6 +67,9 @@ def pss_of(pid: int) -> int:
 # -- the child: one measured load ------------------------------------------------------------------
 
 def child(spec: dict) -> None:
+    if spec["case"] == "hitcall":
+        hit_call_child(spec)
+        return
     import torch
     import transformers  # noqa: F401
     from transformers import LlamaForCausalLM
@@ -115,6 +126,102 @@ def child(spec: dict) -> None:
         model(x)
     result["second"] = time.perf_counter() - t3  # the model's steady forward: no load left in it
     print(json.dumps(result), flush=True)
+
+
+def hit_call_child(spec: dict) -> None:
+    """Only the first hit of a fresh process, through the patched loader, as in a kernel."""
+    sys.path.insert(0, spec["src"])  # this variant's copy of the package (with bytecode or without)
+    import torch
+    import transformers  # noqa: F401
+    from transformers import LlamaForCausalLM
+    from transformers.models.llama import modeling_llama  # noqa: F401
+
+    import overmind_jupyter
+    from overmind_jupyter import loading
+
+    if not overmind_jupyter.__file__.startswith(spec["src"]):
+        raise RuntimeError(f"imported {overmind_jupyter.__file__}, not the copy under {spec['src']}")
+    overmind_jupyter.enable()
+    torch.manual_seed(0)
+    x = torch.randint(0, 32000, (1, 16))
+    dtype = getattr(torch, spec["dtype"])
+    t0 = time.perf_counter()
+    model = LlamaForCausalLM.from_pretrained(spec["model"], dtype=dtype)
+    t1 = time.perf_counter()
+    with torch.inference_mode():
+        logits = model(x).logits
+    t2 = time.perf_counter()
+    if loading.calls() != {"hit": 1}:
+        raise RuntimeError(f"the hit call was not a hit: {loading.calls()} {loading.fallbacks()}")
+    print(json.dumps({"call": t1 - t0, "first": t2 - t0, "checksum": float(logits.double().sum())}), flush=True)
+
+
+def package_copy(root: Path, bytecode: bool) -> Path:
+    """A copy of overmind_jupyter and kernel_server under `root`, compiled or never compiled."""
+    import compileall
+    import shutil
+
+    for name in ("overmind_jupyter", "kernel_server"):
+        shutil.copytree(REPO / name, root / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        if bytecode:
+            compileall.compile_dir(root / name, quiet=1)
+    return root
+
+
+def cpu_hog() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def hit_call_study(paths: dict[str, Path], env: dict[str, str], calls: int, variants: list[str]) -> dict:
+    """--hit-calls: see the module's docstring."""
+    report: dict = {}
+    work = Path(tempfile.mkdtemp(prefix="om-bench-src-"))
+    sources = {True: package_copy(work / "bytecode", True), False: package_copy(work / "source", False)}
+    for size, path in paths.items():
+        spec = {"case": "miss", "model": str(path), "dtype": "bfloat16"}
+        daemon(env, "evict", "--all")
+        run_child(spec, env)
+        wait_compacted(env)
+        rows = {}
+        for variant in variants:
+            bytecode, load = variant.startswith("bytecode"), variant.endswith("+cpu")
+            e = dict(env)
+            if bytecode:
+                e.pop("PYTHONDONTWRITEBYTECODE", None)
+            else:
+                e["PYTHONDONTWRITEBYTECODE"] = "1"
+            hog = cpu_hog() if load else None
+            try:
+                runs = [run_child(spec | {"case": "hitcall", "src": str(sources[bytecode])}, e) for _ in range(calls)]
+            finally:
+                if hog is not None:
+                    hog.kill()
+                    hog.wait()
+            ms = [r["call"] * 1000 for r in runs]
+            first = [r["first"] for r in runs]
+            rows[variant] = {"calls": len(runs), "median_ms": statistics.median(ms), "p90_ms": percentile(ms, 0.9),
+                             "max_ms": max(ms), "first_median_s": statistics.median(first),
+                             "first_p90_s": percentile(first, 0.9), "call_ms": ms}
+        report[size] = rows
+    return report
+
+
+def print_hit_calls(report: dict) -> None:
+    for size, rows in report.items():
+        print(f"\n{size} model, bf16: the first from_pretrained hit of a fresh process")
+        print(f"{'variant':22} {'calls':>5} {'median ms':>10} {'p90 ms':>8} {'max ms':>8} "
+              f"{'call+fwd s (median/p90)':>24}")
+        for name, r in rows.items():
+            print(f"{name:22} {r['calls']:5d} {r['median_ms']:10.2f} {r['p90_ms']:8.2f} {r['max_ms']:8.2f} "
+                  f"{r['first_median_s']:12.3f} / {r['first_p90_s']:.3f}")
+
+
+HIT_VARIANTS = ["bytecode", "bytecode+cpu", "no-bytecode", "no-bytecode+cpu"]
 
 
 # -- the parent -----------------------------------------------------------------------------------
@@ -241,6 +348,12 @@ def main() -> None:
     parser.add_argument("--arena-study", action="store_true", help="compare arena backings on 1.1B bf16 hits")
     parser.add_argument("--no-pss", action="store_true")
     parser.add_argument("--keys", action="store_true", help="only the cost of computing keys")
+    parser.add_argument("--hit-calls", action="store_true",
+                        help="only the first hit call of fresh processes: median and p90, with and without "
+                             "bytecode, with and without a CPU-bound process beside it")
+    parser.add_argument("--calls", type=int, default=30, help="--hit-calls: processes per variant")
+    parser.add_argument("--variants", default=",".join(HIT_VARIANTS),
+                        help=f"--hit-calls: which of {','.join(HIT_VARIANTS)}")
     args = parser.parse_args()
     if args.child:
         child(json.loads(args.child))
@@ -260,7 +373,9 @@ def main() -> None:
     report: dict = {"models": {}, "cpu_count": os.cpu_count()}
     try:
         daemon(env, "start")  # a miss is measured against a running daemon, not its start
-        if args.arena_study:
+        if args.hit_calls:
+            report["hit_calls"] = hit_call_study(paths, env, args.calls, args.variants.split(","))
+        elif args.arena_study:
             report["arena_study"] = arena_study(paths["1.1b"], env, args.repeat)
         else:
             for size, path in paths.items():
@@ -271,7 +386,11 @@ def main() -> None:
                                                                 "model": size}
     finally:
         daemon(env, "stop")
-    (OUT / ("load_arena.json" if args.arena_study else "load.json")).write_text(json.dumps(report, indent=2))
+    name = "load_hits.json" if args.hit_calls else "load_arena.json" if args.arena_study else "load.json"
+    (OUT / name).write_text(json.dumps(report, indent=2))
+    if args.hit_calls:
+        print_hit_calls(report["hit_calls"])
+        return
     print_report(report)
 
 

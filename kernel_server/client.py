@@ -1,14 +1,17 @@
 """The client side of the daemon's protocol: one connection, many threads.
 
-A `Client` owns one connection (its lease, docs/design.md invariant 5), a reader thread that routes each
-reply to the request that awaits it, and a thread that runs push handlers. It imports nothing heavy.
+A `Client` owns one connection (its lease, docs/design.md invariant 5). A request's reply is read by the
+thread that waits for it, or by a reader thread once one is needed (Note [Who reads the socket]); push
+handlers run on a thread of their own, started with the first handler. It imports nothing heavy.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import queue
+import select
 import socket
 import threading
 import time
@@ -45,6 +48,25 @@ __all__ = ["ANSWER_TIMEOUT", "Client", "Response", "existing_shared_client", "re
 # daemon on the same connection while a reply is outstanding: a live daemon answers pings while it
 # holds a lookup for another kernel's load.
 ANSWER_TIMEOUT = 3.0
+_TURN = 0.002  # see Note [Who reads the socket]
+
+# Note [Who reads the socket]
+# A hit is one round trip, and a handoff between threads can wait a scheduler slice (milliseconds on a
+# loaded machine), so a reply is read by the thread that waits for it: `_result` takes `_read_lock`
+# (whoever holds it is the only one reading the socket) and reads frames until its own reply came,
+# dispatching every other frame it meets as the reader thread would (replies to their futures, late
+# replies given back, pushes to the push thread, a refusal or the end of the stream failing every
+# request). The reader thread starts only when someone must wait without reading: a push handler is
+# registered (pushes come unasked), a wait turns long (`wait_alive` past its first slice: a lookup
+# that waits for another kernel's load), or a wait timed out (its late reply must give back its pins
+# soon). Once started it holds the lock for the connection's life, and
+# every wait is on a future again. Between requests with no reader thread, `closed` reads what is
+# already there (without blocking), so a daemon gone since the last call is noticed as before. Frames
+# are read whole: a poll decides that one has begun arriving, and the daemon writes a frame at once.
+# While another thread reads, a waiting thread waits on its future in slices of _TURN seconds, and
+# reads itself once the other one is done (its reply may come after the other's).
+# A thread must not wait for a reply while it reads the socket (a finalizer that requests: none does;
+# unpins go through loading's unpin thread); such a wait would end in its timeout.
 
 
 
@@ -90,14 +112,19 @@ class Client:
         self._pending: dict[int, Future[Frame]] = {}
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
+        self._read_lock = threading.Lock()  # held by whoever reads the socket (Note [Who reads the socket])
+        self._reading: int | None = None  # the thread that holds it
+        self._threads_lock = threading.Lock()
+        self._poller = select.poll()
+        self._poller.register(sock.fileno(), select.POLLIN)
         self._closed = False
+        self._ended = False  # the stream ended (EOF, an error, a refusal): nothing more to read
+        self._refusal: Exception | None = None
         self._failure: Exception | None = None
         self._push_handlers: dict[str, list[Callable[[dict[str, Any]], None]]] = {}
         self._pushes: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
-        self._reader = threading.Thread(target=self._read_loop, name="overmind-client", daemon=True)
-        self._reader.start()
-        self._pusher = threading.Thread(target=self._push_loop, name="overmind-push", daemon=True)
-        self._pusher.start()
+        self._reader: threading.Thread | None = None
+        self._pusher: threading.Thread | None = None
         try:
             hello = self.request(Op.HELLO, protocol=PROTOCOL_VERSION, role=role, label=label, pid=os.getpid(),
                                  timeout=ANSWER_TIMEOUT)
@@ -122,6 +149,8 @@ class Client:
 
     @property
     def closed(self) -> bool:
+        if not (self._closed or self._failure is not None or self._reader is not None):
+            self._read_waiting()  # a daemon gone since the last request (Note [Who reads the socket])
         return self._closed or self._failure is not None
 
     def submit(self, op: str, *, fds: Sequence[int] = (), **fields: Any) -> tuple[int, Future[Frame]]:
@@ -142,7 +171,7 @@ class Client:
         except OSError as exc:
             with self._lock:
                 self._pending.pop(request_id, None)
-            self._reader.join(1.0)  # it may hold the daemon's reason for closing (a refusal)
+            self._read_to_end(1.0)  # the daemon's reason for closing (a refusal) may be there
             if isinstance(self._failure, PeerRefused):
                 raise self._failure from exc
             raise DaemonLost(f"the daemon went away: {exc}") from exc
@@ -162,9 +191,10 @@ class Client:
         while True:
             left = None if deadline is None else deadline - time.monotonic()
             try:
-                return _response(fut.result(slice_ if left is None else max(0.0, min(slice_, left))))
+                return _response(self._result(fut, slice_ if left is None else max(0.0, min(slice_, left))))
             except FutureTimeout:
                 pass
+            self._start_reader()  # a long wait: on a future (Note [Who reads the socket])
             if left is not None and left <= slice_:
                 return self.wait(request_id, fut, 0)  # the caller's own timeout: cancels and raises
             try:
@@ -179,19 +209,54 @@ class Client:
 
     def wait(self, request_id: int, fut: Future[Frame], timeout: float | None) -> Response:
         try:
-            frame = fut.result(timeout)
+            frame = self._result(fut, timeout)
         except FutureTimeout:
             with self._lock:
                 self._pending.pop(request_id, None)
             self._fire_and_forget(Op.CANCEL, request=request_id)
+            if not self._closed:
+                self._start_reader()  # its late reply gives back what it granted, soon
             raise WaitTimeout(f"no answer from the daemon within {timeout} s") from None
         return _response(frame)
+
+    def _result(self, fut: Future[Frame], timeout: float | None) -> Frame:
+        """The reply frame of `fut`, read by this thread if no other one reads (Note [Who reads the
+        socket]); raises FutureTimeout after `timeout` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if fut.done():
+                return fut.result()
+            if self._reader is None and self._read_lock.acquire(blocking=False):
+                try:
+                    self._reading = threading.get_ident()
+                    self._read_until(fut.done, deadline)
+                finally:
+                    self._reading = None
+                    self._read_lock.release()
+                if fut.done():
+                    return fut.result()
+                raise FutureTimeout()
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if self._reader is not None or self._reading == threading.get_ident():
+                return fut.result(left)
+            # Another thread reads: it routes our reply to `fut`, and stops at its own; then we read.
+            if left == 0.0:
+                raise FutureTimeout()
+            try:
+                return fut.result(_TURN if left is None else min(_TURN, left))
+            except FutureTimeout:
+                pass
 
     # -- pushes -------------------------------------------------------------------------------
 
     def on_push(self, op: str, handler: Callable[[dict[str, Any]], None]) -> Callable[[], None]:
         """Call `handler(payload)` (on a helper thread) for each push `op`; returns the undo."""
         self._push_handlers.setdefault(op, []).append(handler)
+        with self._threads_lock:
+            if self._pusher is None:
+                self._pusher = threading.Thread(target=self._push_loop, name="overmind-push", daemon=True)
+                self._pusher.start()
+        self._start_reader()  # pushes come unasked: someone must read them
         return lambda: self._push_handlers.get(op, []).remove(handler)
 
     # -- lifetime -----------------------------------------------------------------------------
@@ -217,39 +282,101 @@ class Client:
 
     # -- threads ------------------------------------------------------------------------------
 
+    def _start_reader(self) -> None:
+        if self._reader is not None:
+            return
+        with self._threads_lock:
+            if self._reader is None:
+                reader = threading.Thread(target=self._read_loop, name="overmind-client", daemon=True)
+                reader.start()
+                self._reader = reader
+
     def _read_loop(self) -> None:
-        failure: Exception = DaemonLost("the daemon closed the connection")
-        try:
-            while True:
+        with self._read_lock:
+            self._reading = threading.get_ident()
+            while not self._ended and self._read_one():
+                pass
+
+    def _read_until(self, done: Callable[[], bool], deadline: float | None) -> None:
+        """Read and dispatch frames until `done()`, the stream's end, or `deadline` (time.monotonic)
+        with no frame arriving; the caller holds `_read_lock`."""
+        while not done() and not self._ended:
+            if deadline is not None:
+                left = max(0.0, deadline - time.monotonic())
                 try:
-                    frame = recv_frame(self._sock)
-                except DescriptorsLost as exc:  # this process's table was full: that request fails alone
-                    self._descriptors_lost(exc)
-                    continue
-                if frame is None:
-                    break
-                if frame.kind == FrameKind.PUSH:
-                    close_fds(frame.fds)
+                    ready = self._poller.poll(math.ceil(left * 1000))
+                except OSError:
+                    ready = [(-1, 0)]  # the read below fails and ends the stream
+                if not ready:
+                    return
+            if not self._read_one():
+                return
+
+    def _read_waiting(self) -> None:
+        """Read the frames already there, if no one else reads (Note [Who reads the socket])."""
+        if self._read_lock.acquire(blocking=False):
+            try:
+                self._reading = threading.get_ident()
+                self._read_until(lambda: False, time.monotonic())
+            finally:
+                self._reading = None
+                self._read_lock.release()
+
+    def _read_to_end(self, timeout: float) -> None:
+        """After a failed send: read up to the stream's end, for `timeout` seconds at most."""
+        deadline = time.monotonic() + timeout
+        reader = self._reader
+        if reader is not None:
+            reader.join(timeout)
+            return
+        if self._reading == threading.get_ident():
+            return
+        if self._read_lock.acquire(timeout=timeout):
+            try:
+                self._reading = threading.get_ident()
+                self._read_until(lambda: self._ended, deadline)
+            finally:
+                self._reading = None
+                self._read_lock.release()
+
+    def _read_one(self) -> bool:
+        """Read one frame and route it; False once the stream ended. The caller holds `_read_lock`."""
+        try:
+            try:
+                frame = recv_frame(self._sock)
+            except DescriptorsLost as exc:  # this process's table was full: that request fails alone
+                self._descriptors_lost(exc)
+                return True
+            if frame is None:
+                return self._end(self._refusal or DaemonLost("the daemon closed the connection"))
+            if frame.kind == FrameKind.PUSH:
+                close_fds(frame.fds)
+                if self._pusher is not None:
                     self._pushes.put(frame.payload)
-                    continue
-                request_id = frame.payload.get("id")
-                with self._lock:
-                    fut = self._pending.pop(request_id, None) if isinstance(request_id, int) else None
-                if fut is not None:
-                    fut.set_result(frame)
-                elif request_id is None and not frame.payload.get("ok", True):
-                    error = frame.payload.get("error", {})
-                    failure = PeerRefused(error.get("message", "the daemon refused this connection"))
-                    if error.get("code") == "refused":
-                        break
-                else:
-                    self._late_reply(frame)
+                return True
+            request_id = frame.payload.get("id")
+            with self._lock:
+                fut = self._pending.pop(request_id, None) if isinstance(request_id, int) else None
+            if fut is not None:
+                fut.set_result(frame)
+            elif request_id is None and not frame.payload.get("ok", True):
+                error = frame.payload.get("error", {})
+                self._refusal = PeerRefused(error.get("message", "the daemon refused this connection"))
+                if error.get("code") == "refused":
+                    return self._end(self._refusal)
+            else:
+                self._late_reply(frame)
+            return True
         except (OSError, ProtocolError) as exc:
-            failure = DaemonLost(f"lost the daemon: {exc}")
+            return self._end(DaemonLost(f"lost the daemon: {exc}"))
+
+    def _end(self, failure: Exception) -> bool:
         with self._lock:
+            self._ended = True
             self._failure = failure if not self._closed else self._failure
         self._fail_pending(failure)
         self._pushes.put(None)
+        return False
 
     def _descriptors_lost(self, exc: DescriptorsLost) -> None:
         """A reply whose descriptors this process had no room for: give back what it granted (the pins

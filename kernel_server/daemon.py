@@ -41,6 +41,7 @@ log = logging.getLogger("kernel_server")
 
 _MAX_META = 16 * 1024  # bytes of JSON an entry's description may take
 _MAX_FALLBACKS = 100
+ORPHAN_SWEEP_S = 5.0  # how often the checkpoints entries were loaded from are looked at
 
 
 class Connection:
@@ -116,6 +117,7 @@ class Daemon:
 
     def serve(self, listener: socket.socket) -> None:
         self._listener = listener
+        threading.Thread(target=self._drop_orphans, name="overmind-orphans", daemon=True).start()
         d = self.store.descriptors
         log.info("daemon %s (protocol %d) serving at %s, budget %d bytes, descriptor limit %d (entries may "
                  "hold %d)", __version__, PROTOCOL_VERSION, listener.getsockname(), self.store.budget, d.limit, d.cap)
@@ -154,6 +156,13 @@ class Daemon:
                             len(evicted))
         if not evicted:
             time.sleep(0.05)  # everything pinned: try again shortly, without spinning
+
+    def _drop_orphans(self) -> None:
+        """Every few seconds, drop the entries whose checkpoints are gone (Note [Orphaned entries])."""
+        while not self._stopping.wait(ORPHAN_SWEEP_S):
+            dropped = self.store.drop_orphaned()
+            if dropped:
+                log.info("dropped %d entries whose checkpoint files are gone", len(dropped))
 
     def count_error(self, code: str) -> None:
         with self._lock:

@@ -29,7 +29,7 @@ class Op(str, enum.Enum):
     LOOKUP = "lookup"  # {key, wait} -> {status: hit|load|busy|cancelled, entries} + descriptors on a hit
     CANCEL = "cancel"  # {request} -> {cancelled}: stop waiting in a lookup
     RESERVE = "reserve"  # {key, bytes, descriptors?} -> {evicted}: room for the load this connection owns
-    PUBLISH = "publish"  # {key, graph_bytes, arena_bytes, meta, deps, sources, pieces, pin, marker} + descriptors
+    PUBLISH = "publish"  # {key, graph_bytes, arena_bytes, meta, deps, sources, pieces, pin, marker, watch} + fds
     ABANDON = "abandon"  # {key} -> {}: give up the load; the next waiter becomes the loader
     UNPIN = "unpin"  # {key, count?} -> {}
     EVICT = "evict"  # {key} or {all} -> {evicted}

@@ -28,6 +28,8 @@ A frame is a fixed 12-byte header followed by a JSON payload::
   "lookup" answered "hit" attaches the graph, then for each listed entry its arena followed by its
   sources' descriptors (see Note [Pending pieces] in store.py). A "publish" with "marker" true makes an
   entry without bytes that status and "ls" do not list (Note [Random loads] in overmind_jupyter/loading.py).
+  A "publish" MAY name the checkpoint paths its load read ("watch": [{path, dev, ino, ctime_ns}]); the daemon drops
+  the entry once one of them is gone or another file (Note [Orphaned entries] in store.py).
 - The "reserve" before a "publish" MAY say how many descriptors it will attach ("descriptors"; 2 when
   absent). A receiver whose descriptor table is full gets a frame whole but without its descriptors
   (MSG_CTRUNC, the header announcing at most MAX_FDS): that request alone fails, with the error

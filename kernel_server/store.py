@@ -21,6 +21,15 @@ connection pins; evicting an entry also evicts the entries built on top of it (i
 entry whose dependent is pinned counts as pinned. Descriptors are accounted the same way, against a cap
 the descriptor limit sets (Note [Descriptor budget] in descriptors.py).
 
+# Note [Orphaned entries]
+An entry's key names the checkpoint files it was loaded from, by their identity: once they are deleted
+or replaced, no lookup can reach the entry again (a checkpoint written anew has another key). So a
+publish names the checkpoint paths it read ("watch": path, device, inode, ctime), and the daemon drops
+the entries whose paths are gone or changed, every few seconds (`drop_orphaned`), instead of keeping
+them until the budget evicts them. The ctime counts because a file system may give a checkpoint
+written anew the inode of the one deleted before it, and any change the ctime shows (a directory's
+listing, a file's bytes) changes the key too. Kernels that use such a model keep their mappings.
+
 # Note [Single flight]
 The first connection that misses a key becomes its loader; later lookups of that key wait and are
 answered with the entry when the loader publishes. If the loader abandons the load or disconnects, the
@@ -66,6 +75,7 @@ class Entry:
     pieces: list[list[int]] = field(default_factory=list)  # [arena offset, bytes, source index, file offset]
     compaction: dict[str, float] | None = None  # {"total", "done", "started"} while the compactor copies
     marker: bool = False  # no bytes: it tells the kernel where to look instead (its meta says why)
+    watch: list[dict[str, Any]] = field(default_factory=list)  # checkpoints read: Note [Orphaned entries]
 
     @property
     def nbytes(self) -> int:
@@ -273,7 +283,8 @@ class Store:
     def publish(self, conn: ConnId, key: str, *, graph_fd: int, arena_fd: int, graph_bytes: int,
                 arena_bytes: int, backing: str, meta: dict[str, Any], deps: list[str],
                 sources: list[arena.SourceFile] | None = None, pieces: list[list[int]] | None = None,
-                pin: bool = False, marker: bool = False) -> list[tuple[Notify, LookupResult]]:
+                pin: bool = False, marker: bool = False,
+                watch: list[dict[str, Any]] | None = None) -> list[tuple[Notify, LookupResult]]:
         """Turn a load into an entry. Takes ownership of every descriptor, also on error. `pin` pins
         the entry once for the publisher (whose model now lies in its arena). Returns the waiters to
         answer (outside any lock)."""
@@ -295,7 +306,7 @@ class Store:
                 if missing:
                     raise RemoteError("missing_dependency", f"entries {missing} were evicted meanwhile")
                 entry = Entry(key, graph_fd, arena_fd, graph_bytes, arena_bytes, backing, meta, deps, load.owner_pid,
-                              sources=sources, pieces=pieces or [], marker=marker)
+                              sources=sources, pieces=pieces or [], marker=marker, watch=watch or [])
                 if pin:
                     entry.pins[conn] += 1
                 del self._loads[key]
@@ -362,6 +373,18 @@ class Store:
         for fd in [old, *(s.fd for s in sources)]:
             os.close(fd)
         return True
+
+    # -- orphans (Note [Orphaned entries]) -------------------------------------------------------
+
+    def drop_orphaned(self) -> list[str]:
+        """Drop the entries a checkpoint of which is gone or replaced (and what builds on them)."""
+        with self._lock:
+            watched = [(e.key, e.watch) for e in self._entries.values() if e.watch]
+        gone = [key for key, watch in watched if not all(_still_there(w) for w in watch)]
+        with self._lock:
+            dropped = [k for key in gone if key in self._entries for k in self._drop(key)]
+            self.stats["orphaned"] += len(dropped)
+        return dropped
 
     # -- pins and eviction ---------------------------------------------------------------------
 
@@ -576,6 +599,14 @@ def _dup_all(fds: list[int]) -> list[int]:
             os.close(fd)
         raise
     return out
+
+
+def _still_there(watched: dict[str, Any]) -> bool:
+    try:
+        st = os.stat(watched["path"])
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino, st.st_ctime_ns) == (watched["dev"], watched["ino"], watched["ctime_ns"])
 
 
 def _gib(n: int) -> str:

@@ -88,6 +88,7 @@ class StoreService:
             raise RemoteError("bad_request", f"'meta' must be an object of at most {MAX_META} bytes")
         if not isinstance(deps, list) or not all(isinstance(d, str) for d in deps):
             raise RemoteError("bad_request", "'deps' must be a list of keys")
+        watch = _watch(req.get("watch", []))
         try:
             arena.check_sealed(fds[0], graph_bytes)
             backing = arena.check_sealed(fds[1], arena_bytes)
@@ -99,7 +100,7 @@ class StoreService:
         answers = self.store.publish(conn.id, key, graph_fd=fds[0], arena_fd=fds[1], graph_bytes=graph_bytes,
                                      arena_bytes=arena_bytes, backing=backing, meta=meta, deps=deps,
                                      sources=sources, pieces=pieces, pin=bool(req.get("pin")),
-                                     marker=bool(req.get("marker")))
+                                     marker=bool(req.get("marker")), watch=watch)
         for notify, result in answers:
             notify(result)
         if pieces:
@@ -177,3 +178,18 @@ def _lookup_reply(key: str, result: LookupResult) -> Reply:
         "entries": [{"key": e.key, "arena_bytes": e.arena_bytes, "graph_bytes": e.graph_bytes, "meta": e.meta,
                      "sources": [s.describe() for s in e.sources], "pieces": e.pieces} for e in result.entries],
     }, result.fds)
+
+
+MAX_WATCHED = 64  # checkpoint paths a publish may name (Note [Orphaned entries] in store.py)
+
+
+def _watch(raw: Any) -> list[dict[str, Any]]:
+    def valid(w: Any) -> bool:
+        return (isinstance(w, dict) and isinstance(w.get("path"), str) and 0 < len(w["path"]) <= 4096
+                and all(isinstance(w.get(k), int) and not isinstance(w.get(k), bool)
+                        for k in ("dev", "ino", "ctime_ns")))
+
+    if not isinstance(raw, list) or len(raw) > MAX_WATCHED or not all(valid(w) for w in raw):
+        raise RemoteError("bad_request", f"'watch' must be a list of at most {MAX_WATCHED} "
+                                         "{path, dev, ino, ctime_ns} objects")
+    return [{"path": w["path"], "dev": w["dev"], "ino": w["ino"], "ctime_ns": w["ctime_ns"]} for w in raw]

@@ -35,6 +35,7 @@ def enable(config: Any = None) -> None:
     with _lock:
         targets.install(loading.patched_call)
         _enabled = True
+    loading.prepare()  # what a hit imports, if torch is imported (Note [Imports ahead of the hit])
     try:
         from kernel_server.client import shared_client
 

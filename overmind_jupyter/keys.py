@@ -26,6 +26,7 @@ then not published: it may hold the new bytes, and its key names the old ones.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import hashlib
@@ -216,6 +217,13 @@ def _identity(st: os.stat_result) -> list[int]:
 
 @functools.cache
 def _version(package: str) -> str | None:
+    """The installed version of `package`, once per process: the imported module's `__version__` (a
+    loader's library is imported by the time its call is keyed), else the distribution's metadata,
+    whose lookup scans every entry of sys.path (about a millisecond a package)."""
+    module = sys.modules.get(package)
+    version = getattr(module, "__version__", None) if module is not None else None
+    if isinstance(version, str):  # torch's is a TorchVersion, a str
+        return str(version)
     try:
         return metadata.version(package)
     except metadata.PackageNotFoundError:
@@ -402,6 +410,10 @@ class _Canonical:
             if hasattr(v, "__dict__"):
                 out["state"] = self.value(name, dict(vars(v)), depth + 1)
             return out
+        if dataclasses.is_dataclass(v) and not isinstance(v, type):
+            # A value object (PEFT's LoraRuntimeConfig inside a LoraConfig): its class and its whole state.
+            state = vars(v) if hasattr(v, "__dict__") else {f.name: getattr(v, f.name) for f in dataclasses.fields(v)}
+            return {"object": _qualname(v), "state": self.value(name, dict(state), depth + 1)}
         config = getattr(v, "config", None)
         if _is_scheduler(v) and isinstance(config, dict):
             return {"object": _qualname(v), "config": self.value(name, dict(config), depth + 1)}

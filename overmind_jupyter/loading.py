@@ -12,6 +12,8 @@ call itself propagates unchanged, and its load is abandoned so that no entry is 
 from __future__ import annotations
 
 import collections
+import contextlib
+import logging
 import os
 import queue
 import sys
@@ -19,7 +21,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -139,6 +141,28 @@ def flush_warnings() -> None:
         message = _deferred_warnings.popleft()
         category = FallbackWarning if "loads without the cache" in message else OvermindWarning
         warnings.warn(message, category, stacklevel=3)
+    prepare()
+
+
+# Note [Imports ahead of the hit]
+# A hit imports `rebuild` (and `mappings`): 1 ms with bytecode, 5-9 ms without (PYTHONDONTWRITEBYTECODE=1
+# and a checkout without __pycache__). `prepare` imports them as soon as torch is imported: at `enable()`
+# (api.py) and after each cell (flush_warnings, from the extension's post_run_cell), so the cell after
+# the one that imported transformers pays nothing. Never before torch is imported (docs/design.md,
+# invariant 8: nothing heavy at import, and `rebuild` imports torch).
+_prepared = False
+
+
+def prepare() -> None:
+    """Import what a hit imports, once torch is imported (Note [Imports ahead of the hit])."""
+    global _prepared
+    if _prepared or "torch" not in sys.modules:
+        return
+    _prepared = True
+    try:
+        from . import rebuild  # noqa: F401
+    except Exception:  # noqa: BLE001 (the hit imports it again, and falls back there: Note [Never worse])
+        pass
 
 
 def _report(label: str, kind: str, reason: str) -> None:
@@ -349,13 +373,12 @@ def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
         return fn(*args, **kwargs)
     label = ck.label
     replay = _Replay.of(ck.references) if ck.references else _NO_REPLAY
-    before = _random_state()
     try:
         client, reply = _lookup(ck.key)
         drawn = reply["entries"][0]["meta"].get("random") if reply["status"] == "hit" else None
         if isinstance(drawn, list):  # Note [Random loads]: the result depends on these generators' state
             _release_hit(client, reply)
-            ck = _under_random_state(ck, _only(before, drawn))
+            ck = _under_random_state(ck, _only(_random_state(), drawn))
             client, reply = _lookup(ck.key)
             if reply["status"] == "load":
                 _tell_once(label, f"overmind: {label} draws random numbers while it loads, so it is cached for "
@@ -376,11 +399,17 @@ def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
     if reply["status"] != "load":
         _fall_back(label, "daemon", f"unexpected lookup answer {reply['status']!r}")
         return fn(*args, **kwargs)
+    # The generators' state as the load starts: a plain hit needs none (nothing since the call began
+    # drew a random number), and reading them all costs a millisecond (Note [Random loads]).
+    before = _random_state()
     try:
-        obj = fn(*args, **kwargs)
+        with _load_log() as said:
+            obj = fn(*args, **kwargs)
     except BaseException:
         _abandon(client, ck.key)
         raise
+    if said:
+        ck.meta["log"] = said  # Note [What the load said]
     changed = keys.changed_since(ck)
     if changed is not None:  # the load may have read the new files: never publish them under the old key
         _abandon(client, ck.key)
@@ -395,6 +424,45 @@ def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
         ck = keyed
     _publish(client, ck, obj, replay, _only(after, drawn) if drawn else None)
     return obj
+
+
+# Note [What the load said]
+# A hit shows what the plain load would have logged: the libraries' warnings during the miss (transformers'
+# load report of weights newly initialized, a deprecated argument) are kept in the entry's meta, at most
+# _MAX_SAID bytes, and logged again, through the same loggers, on every hit. Only the loading thread's
+# records count: other threads' loads log for themselves.
+_LIBRARY_LOGGERS = ("transformers", "diffusers", "peft")
+_MAX_SAID = 8 * 1024
+
+
+class _Said(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.thread = threading.get_ident()
+        self.records: list[list[Any]] = []
+        self.size = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.thread != self.thread:
+            return
+        message = record.getMessage()[:_MAX_SAID // 2]
+        if self.size + len(message) <= _MAX_SAID:
+            self.records.append([record.name, record.levelno, message])
+            self.size += len(message)
+
+
+@contextlib.contextmanager
+def _load_log() -> Iterator[list[list[Any]]]:
+    """The library warnings logged by this thread inside the block: [logger, level, message] each."""
+    said = _Said()
+    loggers = [logging.getLogger(name) for name in _LIBRARY_LOGGERS]
+    for logger in loggers:
+        logger.addHandler(said)
+    try:
+        yield said.records
+    finally:
+        for logger in loggers:
+            logger.removeHandler(said)
 
 
 # Note [Random loads]
@@ -514,6 +582,7 @@ def _publish(client: Client, ck: keys.CallKey, obj: Any, replay: _Replay, random
         return
     try:
         publishing.publish(client, ck.key, ck.label, ck.meta, packed, backing=settings.backing,
+                           watch=[path for path, _, _ in ck.sources if os.path.isabs(path)],
                            unpin=lambda key: _unpin(client, key))
     except PublishError as exc:
         _fall_back(ck.label, exc.kind, str(exc))
@@ -566,6 +635,8 @@ def _from_hit(client: Client, ck: keys.CallKey, reply: Response, replay: _Replay
     finally:
         close_fds(fds)
     _remember(obj, ck.key, graph, replay, pickled_here=False, random_after=random_after)
+    for name, level, message in entries[0]["meta"].get("log") or ():
+        logging.getLogger(name).log(level, message)  # Note [What the load said]
     if random_after is not None:
         _set_random_state(random_after)  # as the plain load leaves the generators (Note [Random loads])
     _calls["hit"] += 1

@@ -29,7 +29,7 @@ import contextlib
 import logging
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,10 +70,11 @@ class _Plan:
 
 
 def publish(client: Client, key: str, label: str, meta: dict[str, Any], packed: rebuild.Packed, *,
-            backing: str, unpin: Callable[[str], None]) -> None:
+            backing: str, unpin: Callable[[str], None], watch: Sequence[str] = ()) -> None:
     """Make `packed` (the graph of a result just loaded) the entry `key`, moving the result's tensors
-    onto private mappings of it (Note [Atomic miss]). Raises PublishError (with a `kind` for
-    fallbacks): the result is then still correct, only not cached."""
+    onto private mappings of it (Note [Atomic miss]). `watch`: the checkpoint paths the load read, for
+    the daemon to drop the entry once they are gone (Note [Orphaned entries] in kernel_server/store.py).
+    Raises PublishError (with a `kind` for fallbacks): the result is then still correct, only not cached."""
     plan = _plan(packed)
     by_storage = _tensors_by_storage(packed)
     pin = mappings.Pin(key, unpin)
@@ -104,7 +105,7 @@ def publish(client: Client, key: str, label: str, meta: dict[str, Any], packed: 
                     sources=[{"path": s.path, **s.identity} for s in plan.sources],
                     pieces=[[own.offset, own.nbytes, i, at]
                             for i, s in enumerate(plan.sources) for own, at in s.pieces],
-                    pin=True, timeout=ANSWER_TIMEOUT)
+                    pin=True, watch=_identities(watch), timeout=ANSWER_TIMEOUT)
                 published = True
             except (DaemonError, OSError) as exc:
                 _abandon(client, key)
@@ -120,6 +121,17 @@ def publish(client: Client, key: str, label: str, meta: dict[str, Any], packed: 
             for undo in forget:
                 undo()
         pin.release()
+
+
+def _identities(paths: Sequence[str]) -> list[dict[str, Any]]:
+    out = []
+    for path in paths:
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        out.append({"path": path, "dev": st.st_dev, "ino": st.st_ino, "ctime_ns": st.st_ctime_ns})
+    return out
 
 
 def publish_marker(client: Client, key: str, meta: dict[str, Any]) -> None:

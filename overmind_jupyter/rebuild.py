@@ -16,6 +16,7 @@ dispatch table, looked up in C), so a 1.1B-parameter model's graph pickles in a 
 
 from __future__ import annotations
 
+import _thread
 import bisect
 import collections
 import contextlib
@@ -550,7 +551,15 @@ def rebuild(graph: bytes, arenas: dict[str, ArenaRef], own_key: str, *,
         for key in arenas:
             if key not in state.pins:
                 on_unmap(key)
-    if populate:
-        for m in state.maps.values():
-            arena.populate(mappings.address_of(m), len(m))
+    if populate and state.maps:
+        # One thread for all the mappings, started without waiting for it to run: threading's start()
+        # waits until the new thread is scheduled, a slice on a loaded machine, on the hit's path.
+        spans = [(mappings.address_of(m), len(m)) for m in state.maps.values()]
+        _thread.start_new_thread(_populate, (spans,))
     return obj
+
+
+def _populate(spans: list[tuple[int, int]]) -> None:
+    """Fault in the pages of a rebuild's mappings ahead of the first forward (arena.populate)."""
+    for address, nbytes in spans:
+        arena.populate(address, nbytes, background=False)

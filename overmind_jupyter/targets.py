@@ -77,9 +77,11 @@ def _through_cache(bound: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
         _inside.reset(token)
 
 
-def _cached_loader(original: Any) -> Any:
+def _cached_loader(original: Any, owner: type) -> Any:
     """A replacement with the original's name, docstring and signature, for a classmethod (called on a
-    class) or a plain function (a method called on a loaded object)."""
+    class) or a plain function (a method called on a loaded object of `owner`). A method called unbound
+    on an object of another class (PeftMixedModel.load_adapter calls `PeftModel.load_adapter(self, ...)`)
+    is not a target: it runs as it is, with no fallback to report."""
     if isinstance(original, classmethod):
         @functools.wraps(original.__func__)
         def loader(cls: type, *args: Any, **kwargs: Any) -> Any:
@@ -89,6 +91,8 @@ def _cached_loader(original: Any) -> Any:
 
     @functools.wraps(original)
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(self, owner):
+            return original(self, *args, **kwargs)
         return _through_cache(original.__get__(self, type(self)), args, kwargs)
 
     return method
@@ -107,7 +111,7 @@ def _patch_module(module: ModuleType) -> None:
     for target in _BY_MODULE.get(module.__name__, ()):
         for owner in _owners(module, target):
             if isinstance(owner.__dict__.get(target.method), (classmethod, FunctionType)):
-                patching.patch(owner, target.method, _cached_loader)
+                patching.patch(owner, target.method, functools.partial(_cached_loader, owner=owner))
 
 
 class _Finder(importlib.abc.MetaPathFinder):

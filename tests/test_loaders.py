@@ -1,0 +1,117 @@
+"""Ways notebooks load models that the libraries' own test suites showed going the plain way, or showing
+less on a hit than the plain load does (issue 24): each in fresh processes, as a kernel and the kernel
+after a restart."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from snippets import last_json, run_py
+
+from overmind_jupyter import demo_models
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("loaders")
+    llama = demo_models.build_llama(root / "llama", "tiny")
+    adapters = demo_models.build_lora_adapters(llama, root / "lora", ("fr", "de"))
+    return {"llama": str(llama), "fr": str(adapters["fr"]), "de": str(adapters["de"])}
+
+
+def twice(code: str, checkpoints: dict[str, str]) -> tuple[dict, dict, str, str]:
+    """`code` in a kernel, then in the kernel after a restart: their last JSON lines and their stderr.
+    transformers logs warnings, as it does for a user (the suite quiets it to errors)."""
+    env = dict(os.environ, PATHS=json.dumps(checkpoints), TRANSFORMERS_VERBOSITY="warning")
+    first, second = run_py(code, env=env, timeout=300), run_py(code, env=env, timeout=300)
+    return last_json(first), last_json(second), first.stderr, second.stderr
+
+
+PREAMBLE = """
+    import json, os, torch
+    import overmind_jupyter
+    from overmind_jupyter import loading
+    paths = json.loads(os.environ["PATHS"])
+    torch.manual_seed(0)  # PEFT's loads draw random numbers: a seeded notebook hits after a restart
+    overmind_jupyter.enable()
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    from peft import PeftConfig, PeftMixedModel, PeftModel
+"""
+
+
+def test_peft_from_pretrained_with_its_config_given_is_cached(overmind_home: Path, checkpoints: dict) -> None:
+    """PEFT keeps `target_modules` as a set and its LoraConfig holds a LoraRuntimeConfig dataclass: both
+    are keyed by value now (they were "no canonical form", 217 fallbacks in PEFT's suite)."""
+    miss, hit, _, _ = twice(PREAMBLE + """
+    base = AutoModelForCausalLM.from_pretrained(paths["llama"])
+    config = PeftConfig.from_pretrained(paths["fr"])
+    model = PeftModel.from_pretrained(base, paths["fr"], config=config)
+    ids = torch.tensor([[1, 5, 9, 3]])
+    with torch.no_grad():
+        out = model(ids).logits.double().sum().item()
+    print(json.dumps({"calls": loading.calls(), "fallbacks": loading.fallbacks(), "out": out,
+                      "set": isinstance(config.target_modules, set)}))
+    """, checkpoints)
+    assert miss["set"] and not miss["fallbacks"] and not hit["fallbacks"]
+    assert miss["calls"].get("miss") == 2 and hit["calls"].get("hit") == 2, (miss["calls"], hit["calls"])
+    assert hit["out"] == miss["out"]
+
+
+def test_peft_mixed_model_load_adapter_runs_as_it_is_without_a_fallback(overmind_home: Path,
+                                                                        checkpoints: dict) -> None:
+    """PeftMixedModel.load_adapter calls the patched PeftModel.load_adapter unbound, on a PeftMixedModel
+    (no target of ours): that runs as the library wrote it, and reports no fallback (was one per call)."""
+    out, _, _, _ = twice(PREAMBLE + """
+    base = AutoModelForCausalLM.from_pretrained(paths["llama"])
+    mixed = PeftMixedModel.from_pretrained(base, paths["fr"], adapter_name="fr")
+    mixed.load_adapter(paths["de"], adapter_name="de")
+    print(json.dumps({"fallbacks": loading.fallbacks(), "adapters": sorted(mixed.peft_config)}))
+    """, checkpoints)
+    assert out["fallbacks"] == [] and out["adapters"] == ["de", "fr"]
+
+
+def test_a_hit_logs_the_load_report_the_plain_load_logs(overmind_home: Path, checkpoints: dict) -> None:
+    """A classification head on a causal-LM checkpoint: transformers logs which weights were newly
+    initialized. The hit after a restart logs the same report (Note [What the load said] in loading.py)."""
+    miss, hit, miss_err, hit_err = twice(PREAMBLE + """
+    model = AutoModelForSequenceClassification.from_pretrained(paths["llama"], num_labels=3)
+    print(json.dumps({"calls": loading.calls(), "fallbacks": loading.fallbacks(),
+                      "head": model.score.weight.sum().item()}))
+    """, checkpoints)
+    assert miss["calls"].get("miss") == 1 and hit["calls"].get("hit") == 1, (miss["calls"], hit["calls"])
+    assert hit["head"] == miss["head"]
+    report = [line for line in miss_err.splitlines() if "score.weight" in line]
+    assert "LOAD REPORT" in miss_err and report, miss_err[-2000:]
+    assert "LOAD REPORT" in hit_err and all(line in hit_err for line in report), hit_err[-2000:]
+
+
+def test_an_entry_whose_checkpoint_is_deleted_is_dropped(overmind_home: Path, tmp_path: Path) -> None:
+    """Its key can never be reached again (a checkpoint written anew has another key): the daemon drops
+    it within seconds (Note [Orphaned entries]), not when the budget would evict it; an entry whose
+    checkpoint stays, stays."""
+    import shutil
+
+    from faults_helpers import wait_until
+
+    from kernel_server import Client
+
+    kept = demo_models.build_llama(tmp_path / "kept", "tiny")
+    deleted = demo_models.build_llama(tmp_path / "gone", "tiny")
+    run_py(f"""
+        import overmind_jupyter
+        overmind_jupyter.enable()
+        from transformers import AutoModelForCausalLM
+        for path in ({str(kept)!r}, {str(deleted)!r}):
+            AutoModelForCausalLM.from_pretrained(path)
+    """)
+    with Client(overmind_home, spawn=False, role="test") as client:
+        def sources() -> list[str]:
+            return sorted(e["meta"]["source"] for e in client.request("status")["entries"])
+
+        assert sources() == sorted([repr(str(kept)), repr(str(deleted))])
+        shutil.rmtree(deleted)
+        wait_until(lambda: sources() == [repr(str(kept))], 15, "the entry of the deleted checkpoint dropped")
+        assert client.request("status")["stats"]["orphaned"] == 1
