@@ -165,8 +165,10 @@ def in_threads(n_threads: int, requests: list[Any], client: Any) -> Run:
     return run
 
 
-def global_lock(model: Any, requests: list[tuple[torch.Tensor, str]], args: argparse.Namespace) -> Run:
-    """One lock around set_adapter + generate (mellea's design); also the serial reference."""
+def global_lock(model: Any, requests: list[tuple[torch.Tensor, str]], args: argparse.Namespace,
+                settings: list[dict[str, Any]] | None = None) -> Run:
+    """One lock around set_adapter + generate (mellea's design); also the serial reference. `settings`:
+    each request's generation settings (default: greedy, `args.new_tokens` new tokens)."""
     lock = threading.Lock()
     options = {"max_new_tokens": args.new_tokens, "do_sample": False}
 
@@ -176,7 +178,8 @@ def global_lock(model: Any, requests: list[tuple[torch.Tensor, str]], args: argp
             t0 = time.perf_counter()
             with lock, torch.no_grad():
                 model.set_adapter(name)
-                out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), **options)
+                out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt),
+                                     **(options if settings is None else settings[i]))
             run.latency[i] = time.perf_counter() - t0
             run.tokens[i] = out[0, prompt.shape[1] :]
 
@@ -390,19 +393,7 @@ def mixed_lock(
     model: Any, requests: list[tuple[torch.Tensor, str]], settings: list[dict[str, Any]], args: argparse.Namespace
 ) -> Run:
     """The serial reference of the mixed run: one lock around set_adapter + generate, each with its settings."""
-    lock = threading.Lock()
-
-    def client(mine: list[int], run: Run) -> None:
-        for i in mine:
-            prompt, name = requests[i]
-            t0 = time.perf_counter()
-            with lock, torch.no_grad():
-                model.set_adapter(name)
-                out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), **settings[i])
-            run.latency[i] = time.perf_counter() - t0
-            run.tokens[i] = out[0, prompt.shape[1] :]
-
-    return in_threads(args.threads, requests, client)
+    return global_lock(model, requests, args, settings)
 
 
 def mixed_engine(
