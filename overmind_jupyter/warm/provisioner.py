@@ -180,8 +180,13 @@ class WarmProvisioner(LocalProvisioner):
         except OSError:  # gone already, or no pidfds here: the manager's poll sees to it
             return
         loop = asyncio.get_running_loop()
-        exited = loop.create_future()
-        loop.add_reader(pidfd, lambda: exited.done() or exited.set_result(None))
+        exited: asyncio.Future[None] = loop.create_future()
+
+        def readable() -> None:
+            if not exited.done():
+                exited.set_result(None)
+
+        loop.add_reader(pidfd, readable)
         try:
             await asyncio.wait_for(exited, timeout)
         except asyncio.TimeoutError:
