@@ -20,6 +20,7 @@ the restarts of the restart's parts, measured inside the kernel manager, the sam
   reconnect   from there until the client connected before the restart has its `kernel_info` reply and
               iopub again (`wait_for_ready`): zmq reconnects it 100-200 ms after the old kernel went away
   restart     the four together
+  kernel_cpu  the CPU seconds the new kernel process used until it answered (from its exec, or its fork)
 then the setup cell (`%load_ext` + `%overmind on`, or nothing for plain), the imports, the load
 (`from_pretrained`, cached or not), "ready" (from the restart call to the end of the load: restart + setup +
 imports + load, model-ready), its ratio to plain's, and the first forward after the load (cases a and c).
@@ -42,6 +43,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import psutil
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "out"
@@ -178,11 +181,13 @@ class Parts:
         finally:
             shell.close(linger=0)
         answered = time.perf_counter()
+        times = psutil.Process(km.provisioner.pid).cpu_times()  # a forked child's count starts at 0
         kc.wait_for_ready(timeout=120)
         reconnected = time.perf_counter()
         gone, launched = self.marks["old_gone"], self.marks["launched"]
         return {"shutdown": gone - started, "hand-over": launched - gone, "kernel_info": answered - launched,
-                "reconnect": reconnected - answered, "restart": reconnected - started}
+                "reconnect": reconnected - answered, "restart": reconnected - started,
+                "kernel_cpu": times.user + times.system}
 
 
 def measure(case: str, mode: str, paths: dict[str, str], env: dict[str, str], repeat: int,
@@ -218,8 +223,8 @@ def measure(case: str, mode: str, paths: dict[str, str], env: dict[str, str], re
     return runs
 
 
-FIELDS = ("shutdown", "hand-over", "kernel_info", "reconnect", "restart", "setup", "imports", "load", "ready",
-          "forward")
+FIELDS = ("shutdown", "hand-over", "kernel_info", "reconnect", "restart", "kernel_cpu", "setup", "imports", "load",
+          "ready", "forward")
 
 
 def main() -> None:

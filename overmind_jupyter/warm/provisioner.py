@@ -48,6 +48,9 @@ def split_argv(cmd: list[str]) -> tuple[tuple[str, ...], str, list[str]]:
     raise SpareUnavailable(f"the kernelspec's argv {cmd!r} is not `python [flags] -m module ...`")
 
 
+BIND_TIMEOUT = 30.0  # seconds a launch waits for a forked kernel to listen (Note [Launched means listening])
+
+
 def listening_ports() -> set[int]:
     """The local TCP ports some process of this machine's network namespace listens on (/proc/net/tcp{,6})."""
     found: set[int] = set()
@@ -228,7 +231,7 @@ class WarmProvisioner(LocalProvisioner):
         self.pid = self.pgid = pid
         self.cwd = cwd
         self.log.info("Kernel %s forked from spare %d as %d", self.kernel_id, spare.pid, pid)
-        await self._bound(kernel, self.ready_timeout)
+        await self._bound(kernel, BIND_TIMEOUT)
         return self.connection_info
 
     async def _bound(self, kernel: ForkedKernel, timeout: float) -> None:
@@ -237,7 +240,8 @@ class WarmProvisioner(LocalProvisioner):
         bind; whoever connects first (the manager's control socket, jupyter_server's restart reply, which
         waits for `kernel_info` on a new shell socket) is refused and zmq tries again only after 100-200 ms
         (its `reconnect_ivl` plus jitter). A forked kernel binds 30-60 ms after the fork, so returning once
-        it has bound saves that retry. Read from /proc/net, so no connection is made to the kernel."""
+        it has bound saves that retry. Read from /proc/net, so no connection is made to the kernel. A kernel
+        that has not bound after `timeout` s is returned as it is; the manager's own timeouts then apply."""
         info = self.connection_info
         if info.get("transport", "tcp") != "tcp":
             return
