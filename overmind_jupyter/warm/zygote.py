@@ -60,8 +60,8 @@ CORE = {
     "peft": ("peft.peft_model",),
 }
 
-# What a kernel imports before it answers its first request, so a forked kernel only runs ipykernel_launcher's
-# own few lines (measured: 15 modules, 40 ms, left to each kernel otherwise). `ipykernel.kernelapp` reads
+# What a kernel imports before it answers its first request (15 modules beyond those below were left to each
+# forked kernel), so a forked kernel only runs ipykernel_launcher's own few lines. `ipykernel.kernelapp` reads
 # JPY_PARENT_PID and JPY_INTERRUPT_EVENT into trait defaults at import time; those belong to each kernel
 # (Note [Per-kernel environment]), so `become_kernel` sets them from the kernel's own environment.
 KERNEL_MACHINERY = ("zmq", "tornado.ioloop", "tornado.platform.asyncio", "jupyter_client.session",
@@ -145,7 +145,10 @@ def preload(names: list[str]) -> list[str]:
         _check_fork_safe(name)
         done.append(name)
     for name in EXTENSION + (EXTENSION_WITH_TORCH if "torch" in sys.modules else ()):
-        importlib.import_module(name)
+        try:
+            importlib.import_module(name)
+        except ImportError:  # a head start only: the kernel reports it if `%load_ext` is run
+            continue
     _check_fork_safe("overmind_jupyter")
     return done
 
