@@ -174,7 +174,8 @@ class WarmProvisioner(LocalProvisioner):
         0.1 s until it has exited, and only then starts the next one. Waiting for the exit is right: the
         old kernel's ports must be free before the new one binds them, and its atexit handlers, open files
         and device memory must be done with, as for a plain kernel. Waiting for the next poll tick is not:
-        a forked kernel exits 10-40 ms after the request. So this waits on a pidfd (woken by the exit
+        a forked kernel skips the interpreter's teardown (Note [Fast exit]) and usually exits well within
+        one tick, which a restart then waits out. So this waits on a pidfd (woken by the exit
         itself, the event loop free meanwhile) for up to `timeout` s; the manager's first poll then finds
         the kernel gone. A kernel still running after `timeout` gets the manager's usual steps (SIGTERM
         after half of `shutdown_wait_time`, then SIGKILL)."""
