@@ -5,16 +5,30 @@ Each case runs in a real kernel (jupyter_client) in up to three modes, in the sa
   overmind  the python3 kernelspec with `%overmind on` (a cached load after the restart)
   warm      a warm kernelspec (overmind_jupyter.warm, preloading the case's libraries) with `%overmind on`
 Cases:
-  (a) the 1.1B Llama-shaped model of load.py, loaded as fp32 from its bf16 checkpoint
+  (a) the 1.1B Llama-shaped model of load.py, loaded as fp32 from its bf16 checkpoint (`--llama 0.1b`: the
+      0.1B one)
   (b) a Stable-Diffusion-shaped pipeline built locally (width 64)
   (c) a PeftModel with 3 LoRA adapters on the 0.1B model (from_pretrained + 2 load_adapter), fp32
 Reported, after the restart: the load inside the cell (the modules it needs are imported first and
-timed separately) and the whole cell (imports + load), overmind against plain; then, per mode, the restart
-(the graceful `restart_kernel`, JupyterLab's restart button, until the kernel answers), the setup cell
-(`%load_ext` + `%overmind on`, or nothing for plain) and "ready": from the restart call to the end of the
-cell, i.e. restart + imports + load, against plain's.
+timed separately) and the whole cell (imports + load), overmind against plain; then, per mode, medians over
+the restarts of the restart's parts, measured inside the kernel manager, the same way for every mode:
+  shutdown    from `restart_kernel` (the graceful one, JupyterLab's restart button) until the old kernel is
+              gone (the manager cleans up after it)
+  hand-over   from there until the new kernel is launched (`provisioner.launch_kernel` returned)
+  kernel_info from there until the kernel answers `kernel_info` on a new shell socket (what jupyter_server
+              waits for before it answers JupyterLab's restart request)
+  reconnect   from there until the client connected before the restart has its `kernel_info` reply and
+              iopub again (`wait_for_ready`): zmq reconnects it 100-200 ms after the old kernel went away
+  restart     the four together
+  kernel_cpu  the CPU seconds the new kernel process used until it answered (from its exec, or its fork)
+then the setup cell (`%load_ext` + `%overmind on`, or nothing for plain), the imports, the load
+(`from_pretrained`, cached or not), "ready" (from the restart call to the end of the load: restart + setup +
+imports + load, model-ready), its ratio to plain's, and the first forward after the load (cases a and c).
 
-    .venv/bin/python benchmarks/restart.py [--cases a,b,c] [--modes plain,overmind,warm] [--repeat 3]
+    .venv/bin/python benchmarks/restart.py [--cases a,b,c] [--modes plain,overmind,warm] [--repeat 5]
+                                           [--llama 1.1b|0.1b] [--quick]
+
+`--quick`: case a with the 0.1B model, plain and warm, 3 restarts each.
 """
 
 from __future__ import annotations
@@ -30,6 +44,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
+
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "out"
 
@@ -37,9 +53,10 @@ CASES = {
     "a": {
         "imports": "import torch\nfrom transformers import AutoModelForCausalLM\n"
                    "from transformers.models.llama import modeling_llama",
-        "load": "obj = AutoModelForCausalLM.from_pretrained({llama11!r}, dtype=torch.float32)",
-        "what": "1.1B Llama as fp32",
-        "preload": ["torch", "transformers"],
+        "load": "obj = AutoModelForCausalLM.from_pretrained({llama!r}, dtype=torch.float32)",
+        "forward": "with torch.no_grad():\n    obj(torch.arange(16)[None])",
+        "what": "{size} Llama as fp32",
+        "preload": ["torch", "transformers", "transformers.models.llama.modeling_llama"],
     },
     "b": {
         "imports": "import torch\nfrom diffusers import DiffusionPipeline, StableDiffusionPipeline\n"
@@ -56,8 +73,9 @@ CASES = {
                 "obj = PeftModel.from_pretrained(base, {a0!r}, adapter_name='a0')\n"
                 "obj.load_adapter({a1!r}, adapter_name='a1')\n"
                 "obj.load_adapter({a2!r}, adapter_name='a2')",
+        "forward": "with torch.no_grad():\n    obj(torch.arange(16)[None])",
         "what": "PeftModel, 3 adapters",
-        "preload": ["torch", "transformers", "peft"],
+        "preload": ["torch", "transformers", "transformers.models.llama.modeling_llama", "peft"],
     },
 }
 
@@ -68,19 +86,27 @@ _t0 = _t.perf_counter()
 _t1 = _t.perf_counter()
 {load}
 _t2 = _t.perf_counter()
-print(_j.dumps({{"imports": _t1 - _t0, "load": _t2 - _t1, "cell": _t2 - _t0}}))
+{forward}
+_t3 = _t.perf_counter()
+print(_j.dumps({{"imports": _t1 - _t0, "load": _t2 - _t1, "cell": _t2 - _t0, "forward": _t3 - _t2}}))
 """
 
 
-def build(paths: dict[str, str]) -> None:
+def build(cases: list[str], llama: str) -> dict[str, str]:
     from overmind_jupyter import demo_models
 
     models = OUT / "models"
-    paths["llama11"] = str(demo_models.build_llama(models / "llama-1.1b", "1.1b"))
-    paths["llama01"] = str(demo_models.build_llama(models / "llama-0.1b", "0.1b"))
-    paths["sd"] = str(demo_models.build_sd_pipeline(models / "sd-64", width=64))
-    adapters = demo_models.build_lora_adapters(paths["llama01"], models / "lora-0.1b", ("a0", "a1", "a2"), rank=16)
-    paths.update({name: str(p) for name, p in adapters.items()})
+    paths = {}
+    if "a" in cases:
+        paths["llama"] = str(demo_models.build_llama(models / f"llama-{llama}", llama))
+    if "b" in cases:
+        paths["sd"] = str(demo_models.build_sd_pipeline(models / "sd-64", width=64))
+    if "c" in cases:
+        paths["llama01"] = str(demo_models.build_llama(models / "llama-0.1b", "0.1b"))
+        adapters = demo_models.build_lora_adapters(paths["llama01"], models / "lora-0.1b", ("a0", "a1", "a2"),
+                                                   rank=16)
+        paths.update({name: str(p) for name, p in adapters.items()})
+    return paths
 
 
 def execute(kc, code: str) -> str:  # type: ignore[no-untyped-def]
@@ -121,28 +147,71 @@ def warm_kernelspec(case: str, root: str) -> str:
     return name
 
 
+class Parts:
+    """Marks the restart's parts from inside a kernel manager: when it starts cleaning up after the old
+    kernel (the old kernel has exited) and when the provisioner has launched the new one. The same two
+    methods run for every provisioner, so plain and warm kernels are timed alike."""
+
+    def __init__(self, km) -> None:  # type: ignore[no-untyped-def]
+        self.marks: dict[str, float] = {}
+        cleanup, launch = km._async_cleanup_resources, km._async_launch_kernel
+
+        async def cleanup_resources(*args, **kwargs):  # type: ignore[no-untyped-def]
+            self.marks.setdefault("old_gone", time.perf_counter())
+            return await cleanup(*args, **kwargs)
+
+        async def launch_kernel(*args, **kwargs):  # type: ignore[no-untyped-def]
+            result = await launch(*args, **kwargs)
+            self.marks["launched"] = time.perf_counter()
+            return result
+
+        km._async_cleanup_resources, km._async_launch_kernel = cleanup_resources, launch_kernel
+
+    def restart(self, km, kc) -> dict[str, float]:  # type: ignore[no-untyped-def]
+        """Restart as JupyterLab's button does and wait until the kernel answers; the parts, in seconds."""
+        self.marks.clear()
+        started = time.perf_counter()
+        km.restart_kernel(now=False)
+        shell = km.connect_shell()  # what jupyter_server does before it answers the restart request
+        try:
+            km.session.send(shell, "kernel_info_request")
+            if not shell.poll(120_000):
+                raise RuntimeError("the restarted kernel did not answer kernel_info in 120 s")
+            km.session.recv(shell)
+        finally:
+            shell.close(linger=0)
+        answered = time.perf_counter()
+        times = psutil.Process(km.provisioner.pid).cpu_times()  # a forked child's count starts at 0
+        kc.wait_for_ready(timeout=120)
+        reconnected = time.perf_counter()
+        gone, launched = self.marks["old_gone"], self.marks["launched"]
+        return {"shutdown": gone - started, "hand-over": launched - gone, "kernel_info": answered - launched,
+                "reconnect": reconnected - answered, "restart": reconnected - started,
+                "kernel_cpu": times.user + times.system}
+
+
 def measure(case: str, mode: str, paths: dict[str, str], env: dict[str, str], repeat: int,
             kernel_name: str = "python3") -> list[dict]:
     from jupyter_client.manager import start_new_kernel
 
     spec = CASES[case]
-    cell = CELL.format(imports=spec["imports"], load=spec["load"].format(**paths))
+    cell = CELL.format(imports=spec["imports"], load=spec["load"].format(**paths),
+                       forward=spec.get("forward", "pass"))
     cached = mode in ("overmind", "warm")
     setup = "%load_ext overmind_jupyter\n%overmind on" if cached else "pass"
     km, kc = start_new_kernel(kernel_name=kernel_name, env=env, startup_timeout=300)
+    parts = Parts(km)
     runs = []
     try:
         execute(kc, setup)
         execute(kc, cell)  # the first run of the day: for overmind a miss, published before it returns
         for _ in range(repeat):
-            started = time.perf_counter()
-            km.restart_kernel(now=False)  # what JupyterLab's restart button does
-            kc.wait_for_ready(timeout=120)
+            run = parts.restart(km, kc)
             restarted = time.perf_counter()
             execute(kc, setup)
             set_up = time.perf_counter()
-            run = json.loads(execute(kc, cell).strip().splitlines()[-1])
-            run.update(restart=restarted - started, setup=set_up - restarted, ready=time.perf_counter() - started)
+            run.update(json.loads(execute(kc, cell).strip().splitlines()[-1]))
+            run.update(setup=set_up - restarted, ready=run["restart"] + set_up - restarted + run["cell"])
             runs.append(run)
         if cached:
             status = execute(kc, "import overmind_jupyter, json; "
@@ -154,24 +223,32 @@ def measure(case: str, mode: str, paths: dict[str, str], env: dict[str, str], re
     return runs
 
 
+FIELDS = ("shutdown", "hand-over", "kernel_info", "reconnect", "restart", "kernel_cpu", "setup", "imports", "load",
+          "ready", "forward")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", default="a,b,c")
     parser.add_argument("--modes", default="plain,overmind,warm",
                         help="comma-separated, among plain, overmind, warm (plain is always run: the baseline)")
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--llama", choices=("1.1b", "0.1b"), default="1.1b", help="case a's model")
+    parser.add_argument("--quick", action="store_true", help="case a, 0.1B model, plain and warm, 3 restarts")
     args = parser.parse_args()
+    if args.quick:
+        args.cases, args.modes, args.repeat, args.llama = "a", "plain,warm", 3, "0.1b"
+    cases = args.cases.split(",")
     modes = ["plain", *[m for m in args.modes.split(",") if m in ("overmind", "warm")]]
     OUT.mkdir(exist_ok=True)
-    paths: dict[str, str] = {}
-    build(paths)
+    paths = build(cases, args.llama)
     home = tempfile.mkdtemp(prefix="om-restart-")
     env = dict(os.environ, OVERMIND_HOME=home, TRANSFORMERS_VERBOSITY="error",
                PYTHONWARNINGS="ignore", HF_HUB_OFFLINE="1")
     report = {}
     specs = tempfile.mkdtemp(prefix="om-restart-specs-")
     try:
-        for case in args.cases.split(","):
+        for case in cases:
             report[case] = {}
             for mode in modes:
                 name = warm_kernelspec(case, specs) if mode == "warm" else "python3"
@@ -183,28 +260,28 @@ def main() -> None:
             stop_spares()
         subprocess.run([sys.executable, "-m", "kernel_server", "stop"], env=env, check=False, capture_output=True)
     (OUT / "restart.json").write_text(json.dumps(report, indent=2))
+    what = {case: CASES[case]["what"].format(size=args.llama.upper()) for case in cases}
     if "overmind" in modes:
         print(f"{'case':26} {'plain load s':>12} {'ours load s':>11} {'load ratio':>10} {'plain cell s':>12} "
               f"{'ours cell s':>11} {'cell ratio':>10}")
-    for case, runs_of in report.items():
-        if "overmind" not in runs_of:
-            break
-        med = {m: {f: statistics.median(r[f] for r in runs) for f in ("load", "cell")} for m, runs in runs_of.items()}
-        fallbacks = runs_of["overmind"][-1].get("fallbacks")
-        fb = f" FALLBACKS: {fallbacks}" if fallbacks else ""
-        print(f"({case}) {CASES[case]['what']:22} {med['plain']['load']:12.3f} {med['overmind']['load']:11.3f} "
-              f"{med['overmind']['load'] / med['plain']['load']:10.3f} {med['plain']['cell']:12.3f} "
-              f"{med['overmind']['cell']:11.3f} {med['overmind']['cell'] / med['plain']['cell']:10.3f}{fb}")
-    print(f"\nrestart + setup + imports + load (medians of {args.repeat}; ratio: ready / plain's ready)")
-    print(f"{'case':26} {'mode':9} {'restart s':>9} {'setup s':>8} {'imports s':>9} {'load s':>7} {'ready s':>8} "
-          f"{'ratio':>6}")
+        for case, runs_of in report.items():
+            med = {m: {f: statistics.median(r[f] for r in runs) for f in ("load", "cell")}
+                   for m, runs in runs_of.items()}
+            fallbacks = runs_of["overmind"][-1].get("fallbacks")
+            fb = f" FALLBACKS: {fallbacks}" if fallbacks else ""
+            print(f"({case}) {what[case]:22} {med['plain']['load']:12.3f} {med['overmind']['load']:11.3f} "
+                  f"{med['overmind']['load'] / med['plain']['load']:10.3f} {med['plain']['cell']:12.3f} "
+                  f"{med['overmind']['cell']:11.3f} {med['overmind']['cell'] / med['plain']['cell']:10.3f}{fb}")
+    print(f"\nthe restart's parts and model-ready, s (medians of {args.repeat} restarts; ratio: ready / plain's "
+          "ready; forward: the first one after the load)")
+    print(f"{'case':26} {'mode':9} " + " ".join(f"{f:>11}" for f in FIELDS[:-1]) + f" {'ratio':>6} {'forward':>8}")
     for case, runs_of in report.items():
         plain_ready = statistics.median(r["ready"] for r in runs_of["plain"])
         for mode, runs in runs_of.items():
-            med = {f: statistics.median(r[f] for r in runs) for f in ("restart", "setup", "imports", "load", "ready")}
+            med = {f: statistics.median(r[f] for r in runs) for f in FIELDS}
             fb = " FALLBACKS: " + str(runs[-1]["fallbacks"]) if runs[-1].get("fallbacks") else ""
-            print(f"({case}) {CASES[case]['what']:22} {mode:9} {med['restart']:9.3f} {med['setup']:8.3f} "
-                  f"{med['imports']:9.3f} {med['load']:7.3f} {med['ready']:8.3f} {med['ready'] / plain_ready:6.3f}{fb}")
+            print(f"({case}) {what[case]:22} {mode:9} " + " ".join(f"{med[f]:11.3f}" for f in FIELDS[:-1])
+                  + f" {med['ready'] / plain_ready:6.3f} {med['forward']:8.3f}{fb}")
 
 
 if __name__ == "__main__":

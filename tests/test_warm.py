@@ -221,6 +221,159 @@ def test_every_start_forks_a_fresh_kernel_and_interrupt_and_shutdown_work(warm: 
     assert extra == [], "nothing but spares outlives the kernels"
 
 
+STATE = """
+import json as _json, os as _os, sys as _sys
+from ipykernel.kernelapp import IPKernelApp as _App
+_app = _App.instance()
+_fds = {}
+for _fd in _os.listdir("/proc/self/fd"):
+    try:
+        _fds[_fd] = _os.readlink(f"/proc/self/fd/{_fd}")
+    except OSError:
+        pass
+print(_json.dumps({"pid": _os.getpid(), "ppid": _os.getppid(), "cwd": _os.getcwd(), "env": dict(_os.environ),
+                   "names": sorted(n for n in globals() if not n.startswith("_")), "modules": sorted(_sys.modules),
+                   "ports": [_app.shell_port, _app.iopub_port, _app.stdin_port, _app.control_port, _app.hb_port],
+                   "key": _app.session.key.decode(), "fds": sorted(_fds.values()), "parent": _app.parent_handle,
+                   "extension_preloaded": "overmind_jupyter.loading" in _sys.modules}))
+"""
+DIRTY = """
+import os, sys, importlib
+sys.path.insert(0, {user!r})
+import warm_user_module
+secret = 42
+handle = open({scratch!r}, "w")
+handle.write("unflushed")
+os.environ["ONLY_IN_THE_OLD_KERNEL"] = "1"
+os.environ["WARM_PROBE_SEEN"] = "changed inside the kernel"
+os.chdir({elsewhere!r})
+import wave, colorsys
+"""
+
+
+def test_a_restarted_warm_kernel_is_a_fresh_process_with_nothing_of_the_old_one(warm: dict[str, str],
+                                                                               tmp_path: Path) -> None:
+    """Each restart, graceful or not, gives a new process with the start's argv, environment and working
+    directory, the same ports and key, and nothing of the kernel before: no variables, no modules it
+    imported, no environment or working directory it changed, no file it held open (and, after a graceful
+    restart, what it wrote was flushed when it ended)."""
+    (tmp_path / "user").mkdir()
+    (tmp_path / "user" / "warm_user_module.py").write_text("VALUE = 1\n")
+    (tmp_path / "start").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    scratch = tmp_path / "scratch.txt"
+    dirty = DIRTY.format(user=str(tmp_path / "user"), scratch=str(scratch), elsewhere=str(tmp_path / "elsewhere"))
+    km, kc = start(WARM, warm, cwd=tmp_path / "start")
+    try:
+        first = run_json(kc, STATE)
+        info = km.get_connection_info()
+        assert first["ports"] == [info[p] for p in ("shell_port", "iopub_port", "stdin_port", "control_port",
+                                                     "hb_port")] and first["key"] == info["key"].decode()
+        assert first["extension_preloaded"], "the spare imported %load_ext overmind_jupyter's modules"
+        assert first["parent"] == os.getpid(), "ipykernel, imported in the spare, watches this kernel's parent"
+        kernels = [first["pid"]]
+        for now in (False, True, False):
+            execute(kc, dirty)
+            restart(km, kc, now=now)
+            fresh = run_json(kc, STATE)
+            assert fresh["pid"] not in kernels and fresh["ppid"] == first["ppid"], "a new process from the spare"
+            assert all(gone(pid) for pid in kernels)
+            kernels.append(fresh["pid"])
+            assert fresh["names"] == first["names"], "an empty namespace"
+            assert "warm_user_module" not in fresh["modules"] and "wave" not in fresh["modules"]
+            assert set(fresh["modules"]) == set(first["modules"]), "no module the old kernel imported"
+            assert fresh["env"] == first["env"] and fresh["cwd"] == str(tmp_path / "start"), \
+                "the start's environment and working directory, not what the old kernel changed"
+            assert fresh["ports"] == first["ports"] and fresh["key"] == first["key"], "the same connection info"
+            assert str(scratch) not in fresh["fds"] and not any("warm_user_module" in f for f in fresh["fds"])
+            if not now:  # killed (now=True), a kernel flushes nothing, as a plain kernel
+                assert scratch.read_text() == "unflushed", "the old kernel's open file was flushed as it ended"
+            scratch.unlink()
+        assert spare_of(WARM)["kernels"] == [kernels[-1]], "the old kernels were reaped; no other process"
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+def test_a_graceful_restart_waits_for_the_old_kernel_exit_not_for_a_poll_tick_and_returns_once_listening(
+        warm: dict[str, str]) -> None:
+    """Note [What a restart waits for] and Note [Launched means listening] in provisioner.py: the manager
+    finds the old kernel gone at its first poll (it does not sleep 0.1 s between polls for it), and when
+    `restart_kernel` returns the new kernel already listens on all its ports."""
+    from overmind_jupyter.warm.provisioner import listening_ports
+
+    km, kc = start(LIGHT, warm)
+    polls: list[int | None] = []
+    try:
+        km.provisioner.exit_grace = 30.0  # however loaded the machine, the kernel's own exit decides
+        poll = km.provisioner.poll
+        finish = km._async_finish_shutdown
+
+        async def finish_shutdown(*args: Any, **kwargs: Any) -> None:
+            polls.append(await poll())  # what the manager's first poll, right after the request, sees
+            await finish(*args, **kwargs)
+
+        km._async_finish_shutdown = finish_shutdown
+        for _ in range(3):
+            old = km.provisioner.pid
+            km.restart_kernel(now=False)
+            info = km.get_connection_info()
+            ports = {info[p] for p in ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")}
+            assert ports <= listening_ports(), "launched means listening"
+            assert gone(old) and km.provisioner.pid != old
+            kc.wait_for_ready(timeout=60)
+        assert polls == [0, 0, 0], "the old kernel had exited (code 0) before the manager's first poll"
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+@pytest.mark.parametrize("victim", ["old", "new"])
+def test_a_kernel_killed_during_the_hand_over_restarts_cleanly(warm: dict[str, str], victim: str) -> None:
+    """SIGKILL the old kernel right after the shutdown request, or the new one right after it was forked:
+    the restart (and, for a new kernel that died, the next restart) ends with a working kernel from the
+    spare on the same ports, and nothing is left behind."""
+    km, kc = start(LIGHT, warm)
+    who = "import json, os; print(json.dumps({'pid': os.getpid(), 'ppid': os.getppid()}))"
+    killed: list[int] = []
+    try:
+        before = run_json(kc, who)
+        if victim == "old":
+            requested = km.provisioner.shutdown_requested
+
+            async def kill_at_the_request(restart: bool = False) -> None:  # the request is on its way
+                killed.append(km.provisioner.pid)
+                os.kill(killed[-1], signal.SIGKILL)
+                await requested(restart)
+
+            km.provisioner.shutdown_requested = kill_at_the_request
+            restart(km, kc)
+            del km.provisioner.shutdown_requested
+        else:
+            launch = km._async_launch_kernel
+
+            async def launch_then_kill(*args: Any, **kwargs: Any) -> None:
+                await launch(*args, **kwargs)
+                killed.append(km.provisioner.pid)
+                os.kill(killed[-1], signal.SIGKILL)
+
+            km._async_launch_kernel = launch_then_kill
+            km.restart_kernel(now=False)
+            km._async_launch_kernel = launch
+            wait_until(lambda: not km.is_alive(), what="the killed kernel's death to be seen")
+            assert km.provisioner.process.returncode == -signal.SIGKILL
+            restart(km, kc)
+        after = run_json(kc, who)
+        assert after["pid"] not in (before["pid"], *killed)
+        assert after["ppid"] == before["ppid"] == spare_of(LIGHT)["pid"], "forked from the same spare"
+        assert execute(kc, "print(6 * 7)")[0] == "42\n"
+        assert all(gone(pid) for pid in (before["pid"], *killed))
+        assert spare_of(LIGHT)["kernels"] == [after["pid"]]
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
 def test_a_dead_kernel_is_seen_and_a_killed_spare_is_replaced(warm: dict[str, str]) -> None:
     km, kc = start(LIGHT, warm)
     try:

@@ -48,6 +48,25 @@ def split_argv(cmd: list[str]) -> tuple[tuple[str, ...], str, list[str]]:
     raise SpareUnavailable(f"the kernelspec's argv {cmd!r} is not `python [flags] -m module ...`")
 
 
+BIND_TIMEOUT = 30.0  # seconds a launch waits for a forked kernel to listen (Note [Launched means listening])
+
+
+def listening_ports() -> set[int]:
+    """The local TCP ports some process of this machine's network namespace listens on (/proc/net/tcp{,6})."""
+    found: set[int] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as lines:
+                next(lines, None)
+                for line in lines:
+                    fields = line.split(None, 4)
+                    if len(fields) > 3 and fields[3] == "0A":  # st: TCP_LISTEN
+                        found.add(int(fields[1].rpartition(":")[2], 16))
+        except OSError:
+            continue
+    return found
+
+
 class _Stdio:
     """The three fds a kernel gets, built from Popen-style arguments, and the pipe ends we keep."""
 
@@ -114,6 +133,10 @@ class WarmProvisioner(LocalProvisioner):
                      help="A forked kernel ends with atexit handlers, closing open files and os._exit, "
                           "skipping the ~1 s teardown of torch's modules (see Note [Fast exit] in zygote.py).")
 
+    exit_grace = Float(1.0, config=True,
+                       help="Seconds a graceful shutdown or restart waits for the kernel's own exit before the "
+                            "kernel manager's polling takes over (Note [What a restart waits for]).")
+
     _key: SpareKey | None = None
     _unread_shutdown_until = 0.0  # see Note [Shutdown request to a dead kernel]
 
@@ -143,6 +166,38 @@ class WarmProvisioner(LocalProvisioner):
             control = getattr(self.parent, "_control_socket", None)
             linger_ms = getattr(control, "linger", 100) if control is not None else 100
             self._unread_shutdown_until = time.monotonic() + max(linger_ms, 100) / 1000 + 0.2
+        elif self.process is not None:
+            await self._exit_of(self.process.pid, self.exit_grace)
+
+    async def _exit_of(self, pid: int, timeout: float) -> None:
+        """Note [What a restart waits for]: after `shutdown_request`, jupyter_client polls the kernel every
+        0.1 s until it has exited, and only then starts the next one. Waiting for the exit is right: the
+        old kernel's ports must be free before the new one binds them, and its atexit handlers, open files
+        and device memory must be done with, as for a plain kernel. Waiting for the next poll tick is not:
+        a forked kernel skips the interpreter's teardown (Note [Fast exit]) and usually exits well within
+        one tick, which a restart then waits out. So this waits on a pidfd (woken by the exit
+        itself, the event loop free meanwhile) for up to `timeout` s; the manager's first poll then finds
+        the kernel gone. A kernel still running after `timeout` gets the manager's usual steps (SIGTERM
+        after half of `shutdown_wait_time`, then SIGKILL)."""
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError:  # gone already, or no pidfds here: the manager's poll sees to it
+            return
+        loop = asyncio.get_running_loop()
+        exited: asyncio.Future[None] = loop.create_future()
+
+        def readable() -> None:
+            if not exited.done():
+                exited.set_result(None)
+
+        loop.add_reader(pidfd, readable)
+        try:
+            await asyncio.wait_for(exited, timeout)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            loop.remove_reader(pidfd)
+            os.close(pidfd)
 
     async def _launch_warm(self, cmd: list[str], kwargs: dict[str, Any]) -> KernelConnectionInfo:
         interpreter, module, args = split_argv([os.path.expanduser(part) for part in cmd])
@@ -177,7 +232,25 @@ class WarmProvisioner(LocalProvisioner):
         self.pid = self.pgid = pid
         self.cwd = cwd
         self.log.info("Kernel %s forked from spare %d as %d", self.kernel_id, spare.pid, pid)
+        await self._bound(kernel, BIND_TIMEOUT)
         return self.connection_info
+
+    async def _bound(self, kernel: ForkedKernel, timeout: float) -> None:
+        """Note [Launched means listening]: wait until the forked kernel listens on all its TCP ports (it
+        exits, or `timeout` s pass). A plain launch returns at once, and the kernel then takes seconds to
+        bind; whoever connects first (the manager's control socket, jupyter_server's restart reply, which
+        waits for `kernel_info` on a new shell socket) is refused and zmq tries again only after 100-200 ms
+        (its `reconnect_ivl` plus jitter). A forked kernel binds 30-60 ms after the fork, so returning once
+        it has bound saves that retry. Read from /proc/net, so no connection is made to the kernel. A kernel
+        that has not bound after `timeout` s is returned as it is; the manager's own timeouts then apply."""
+        info = self.connection_info
+        if info.get("transport", "tcp") != "tcp":
+            return
+        ports = {int(info[name]) for name in ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")
+                 if info.get(name)}
+        deadline = time.monotonic() + timeout
+        while not ports <= listening_ports() and kernel.poll() is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.003)
 
     async def poll(self) -> int | None:
         """`LocalProvisioner.poll`; also replaces this kernelspec's spare if it died (the kernel restarter

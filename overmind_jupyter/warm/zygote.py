@@ -4,7 +4,8 @@ Run by the provisioner's side (`spares.py`) as `python [kernel's flags] -m overm
 --fd N --preload a,b`, with the kernel's interpreter, environment and working directory. It imports
 ipykernel's kernel machinery and the configured modules, runs no torch operation, reports "ready", and
 waits. On a "fork" request it forks; the child becomes the kernel (see `become_kernel`), the spare goes
-on waiting. It imports only the standard library itself: whatever it imports, every kernel inherits.
+on waiting. Beyond the standard library it imports only what every kernel would (ipykernel's machinery,
+the preload list, this package's extension): whatever it imports, every kernel inherits.
 
 Wire format (Note [Spare wire format]). One Unix SOCK_SEQPACKET socket pair; the spare holds fd N.
 - A message MUST be one datagram holding one UTF-8 JSON object with a string `kind`; file descriptors
@@ -59,14 +60,23 @@ CORE = {
     "peft": ("peft.peft_model",),
 }
 
-# What `ipykernel.kernelapp` imports, so a forked kernel only runs kernelapp's own module body. kernelapp
-# itself is not imported here: it reads JPY_PARENT_PID and JPY_INTERRUPT_EVENT at import time, and those
-# belong to each kernel (Note [Per-kernel environment]).
-KERNEL_MACHINERY = ("zmq", "tornado.ioloop", "jupyter_client.session", "jupyter_client.connect",
-                    "IPython.core.application", "IPython.core.profiledir", "IPython.core.shellapp",
-                    "ipykernel.ipkernel", "ipykernel.zmqshell", "ipykernel.iostream", "ipykernel.heartbeat",
-                    "ipykernel.control", "ipykernel.shellchannel", "ipykernel.connect", "ipykernel.parentpoller",
-                    "ipykernel.debugger")
+# What a kernel imports before it answers its first request (15 modules beyond those below were left to each
+# forked kernel), so a forked kernel only runs ipykernel_launcher's own few lines. `ipykernel.kernelapp` reads
+# JPY_PARENT_PID and JPY_INTERRUPT_EVENT into trait defaults at import time; those belong to each kernel
+# (Note [Per-kernel environment]), so `become_kernel` sets them from the kernel's own environment.
+KERNEL_MACHINERY = ("zmq", "tornado.ioloop", "tornado.platform.asyncio", "jupyter_client.session",
+                    "jupyter_client.connect", "IPython.core.application", "IPython.core.profiledir",
+                    "IPython.core.shellapp", "IPython.core.debugger", "IPython.core.oinspect",
+                    "IPython.core.completerlib", "IPython.extensions.storemagic", "sqlite3", "ipykernel.ipkernel",
+                    "ipykernel.zmqshell", "ipykernel.iostream", "ipykernel.heartbeat", "ipykernel.control",
+                    "ipykernel.shellchannel", "ipykernel.connect", "ipykernel.parentpoller", "ipykernel.debugger",
+                    "ipykernel.kernelapp")
+
+# What `%load_ext overmind_jupyter` and `%overmind on` import (measured: 16 modules, 33 ms of CPU), so that
+# a restarted warm kernel is model-ready sooner; with torch preloaded, also what the first cached load imports.
+EXTENSION = ("IPython.core.magics.extension", "IPython.core.magic_arguments", "overmind_jupyter.extension",
+             "overmind_jupyter.magics", "overmind_jupyter.loading")
+EXTENSION_WITH_TORCH = ("overmind_jupyter.rebuild",)
 
 
 def expand_preload(names: list[str] | tuple[str, ...]) -> list[str]:
@@ -134,6 +144,12 @@ def preload(names: list[str]) -> list[str]:
             raise ImportRefused(name, f"import failed: {type(exc).__name__}: {exc}") from exc
         _check_fork_safe(name)
         done.append(name)
+    for name in EXTENSION + (EXTENSION_WITH_TORCH if "torch" in sys.modules else ()):
+        try:
+            importlib.import_module(name)
+        except ImportError:  # a head start only: the kernel reports it if `%load_ext` is run
+            continue
+    _check_fork_safe("overmind_jupyter")
     return done
 
 
@@ -356,11 +372,17 @@ def become_kernel(plan: dict[str, Any], cwd_entry: bool) -> None:
         except ImportError:
             pass
     kernelapp = sys.modules.get("ipykernel.kernelapp")
-    if kernelapp is not None:  # imported by a preloaded module: give it this kernel's view
+    if kernelapp is not None:  # imported by the spare (KERNEL_MACHINERY): give it this kernel's view
         setattr(kernelapp, "ParentPollerUnix", ServerPoller)  # noqa: B010 (a module mypy does not know)
-        traits = kernelapp.IPKernelApp.class_traits()
-        traits["parent_handle"].default_value = int(env.get("JPY_PARENT_PID") or 0)
-        traits["interrupt"].default_value = int(env.get("JPY_INTERRUPT_EVENT") or 0)
+        app = kernelapp.IPKernelApp
+        traits = app.class_traits()
+        # traitlets also caches a static default per class (`_static_immutable_initial_values`), which is
+        # what a new instance gets: both must say this kernel's values.
+        cached = getattr(app, "_static_immutable_initial_values", {})
+        for name, variable in (("parent_handle", "JPY_PARENT_PID"), ("interrupt", "JPY_INTERRUPT_EVENT")):
+            traits[name].default_value = int(env.get(variable) or 0)
+            if name in cached:
+                cached[name] = traits[name].default_value
     sys.orig_argv = list(plan["argv"])
     sys.argv = [plan["argv"][0], *plan["args"]]
 
