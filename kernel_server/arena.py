@@ -185,8 +185,8 @@ class ArenaWriter:
                   done: Callable[[int], None] | None = None, progress: Callable[[int], None] | None = None,
                   chunk: int = _COPY_CHUNK) -> None:
         """Copy `pieces` of this process's memory, each (offset in the arena, address, length), into a
-        file arena, `chunk` bytes at a time, from the calling thread and `threads - 1` helpers (Note
-        [Filling an arena]). `done(i)` runs in the calling thread once piece i is copied whole, and
+        file arena, `chunk` bytes at a time, from the calling thread and up to `threads - 1` helpers,
+        none for a copy of one chunk or less (Note [Filling an arena]). `done(i)` runs in the calling thread once piece i is copied whole, and
         `progress(n)` after each n bytes. Raises OSError (a full disk: nothing was written)."""
         if self.backing != "file":
             raise ValueError("copy_from fills file arenas; write a memfd with `write`")
@@ -243,8 +243,10 @@ class ArenaWriter:
                     n, copied[:] = sum(copied), []
                 progress(n)
 
+        # A helper shares more than one chunk's work; a smaller copy costs less than starting a thread.
+        work = -(-sum(length for _, _, length in pieces) // chunk)
         helpers = [threading.Thread(target=helper, name="overmind-fill", daemon=True)
-                   for _ in range(min(threads, len(jobs)) - 1)]
+                   for _ in range(min(threads, len(jobs), work) - 1)]
         for h in helpers:
             h.start()
         try:

@@ -40,7 +40,7 @@ from kernel_server.client import ANSWER_TIMEOUT, Client
 from kernel_server.errors import DaemonError, RemoteError
 from kernel_server.operations import Op
 
-from . import mappings, rebuild
+from . import mappings, rebuild, threads
 from .errors import PublishError
 
 __all__ = ["publish", "publish_marker"]
@@ -228,7 +228,8 @@ def _fill(writer: arena.ArenaWriter, copies: list[rebuild.Own], private: Any, la
     with _progress(total, label) as advance:
         if writer.backing == "file":
             writer.copy_from([(own.offset, address, own.nbytes) for own, address in zip(cpu, addresses, strict=True)],
-                             threads=_WRITERS, done=lambda i: move(cpu[i]), progress=advance)
+                             threads=_WRITERS if threads.allowed() else 1,  # Note [Helper threads]
+                             done=lambda i: move(cpu[i]), progress=advance)
         else:
             for own in cpu:
                 assert own.storage is not None
