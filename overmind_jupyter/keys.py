@@ -49,7 +49,11 @@ from .errors import Uncacheable
 __all__ = ["CallKey", "Resolve", "changed_since", "fingerprint", "make_key", "owner_name"]
 
 _KEY_FORMAT = 2  # bump on any change to what a key holds: old entries then simply miss
-_SOURCE_PARAMS = ("pretrained_model_name_or_path", "model_id", "pretrained_model_link_or_path", "repo_id")
+_SOURCE_PARAMS = ("pretrained_model_name_or_path", "model_id", "pretrained_model_link_or_path", "repo_id",
+                  "pretrained_model_link_or_path_or_dict")
+# diffusers' `from_single_file` reads the layout of the model from these when given (a local folder or
+# a hub id): keyed as checkpoints are, by their files or the commit they resolve to, never by the name.
+_CONFIG_SOURCES = {"from_single_file": ("config", "original_config")}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _MAX_ITEMS = 10_000
 _MAX_VALUES = 100_000  # in all the arguments of one call: a list that holds one big list many times
@@ -118,8 +122,9 @@ def make_key(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
         arguments["self"] = owner  # a method of a loaded object (load_adapter): the object is an input
     canon = _Canonical(os.getcwd(), resolve)
     doc_args = {}
-    for name in sorted(arguments):
-        if name in _SOURCE_PARAMS:
+    config_sources = _CONFIG_SOURCES.get(getattr(fn, "__name__", ""), ())
+    for name in sorted(arguments, key=lambda n: (n not in _SOURCE_PARAMS, n)):  # the checkpoint labels the call
+        if name in _SOURCE_PARAMS or (name in config_sources and isinstance(arguments[name], (str, PurePath))):
             doc_args[name] = canon.source(name, arguments[name], arguments)
         elif name in _OPAQUE_STRINGS and isinstance(arguments[name], (str, PurePath)):
             doc_args[name] = os.fspath(arguments[name])

@@ -1,8 +1,8 @@
 """What `%overmind on` patches: a table of loaders, and the import hook for libraries imported later.
 
-Every entry is a classmethod `from_pretrained` of a base class; subclasses inherit the patched one, so
-`LlamaForCausalLM.from_pretrained` and `AutoModelForCausalLM.from_pretrained` both go through it, keyed
-by the class they were called on.
+Every entry is a classmethod (`from_pretrained`, diffusers' `from_single_file`) of a base class;
+subclasses inherit the patched one, so `LlamaForCausalLM.from_pretrained` and
+`AutoModelForCausalLM.from_pretrained` both go through it, keyed by the class they were called on.
 """
 
 from __future__ import annotations
@@ -46,6 +46,9 @@ TARGETS: tuple[Target, ...] = (
     Target("diffusers.pipelines.pipeline_utils", "DiffusionPipeline"),
     Target("diffusers.models.modeling_utils", "ModelMixin"),
     Target("diffusers.schedulers.scheduling_utils", "SchedulerMixin"),
+    # A checkpoint in its original layout (one .safetensors or .ckpt file), converted at every load.
+    Target("diffusers.loaders.single_file", "FromSingleFileMixin", method="from_single_file"),
+    Target("diffusers.loaders.single_file_model", "FromOriginalModelMixin", method="from_single_file"),
     Target("peft.peft_model", "PeftModel"),
     # A method of a loaded model that loads more into it: cached when the model is a cached result,
     # and replayed onto the caller's model on a hit (see Note [Argument replay] in rebuild.py).

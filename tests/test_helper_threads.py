@@ -40,18 +40,19 @@ PROBE = """
         from overmind_jupyter import loading
         overmind_jupyter.enable()
 
-    def load():
+    def load(checkpoint):
         before = len(started)
-        model = AutoModelForCausalLM.from_pretrained(os.environ["CHECKPOINT"], dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
         return model, started[before:]
 
-    model, first = load()
+    small = load(os.environ["SMALL"])[1] if "SMALL" in os.environ else []
+    model, first = load(os.environ["CHECKPOINT"])
     with torch.no_grad():
         out = model(torch.tensor([[1, 5, 9, 3]])).logits.double().sum().item()
     del model
     gc.collect()  # the result's mappings die: its entry is unpinned
-    model, second = load()
-    print(json.dumps({"first": first, "second": second, "all": started, "out": out,
+    model, second = load(os.environ["CHECKPOINT"])
+    print(json.dumps({"small": small, "first": first, "second": second, "all": started, "out": out,
                       "calls": loading.calls() if cache else {}, "fallbacks": loading.fallbacks() if cache else []}))
 """
 
@@ -96,11 +97,10 @@ def test_no_thread_the_plain_load_does_not_start_where_transformers_promises_non
 def test_helper_threads_are_what_the_work_needs(overmind_home: Path, tmp_path: Path, wide: Path) -> None:
     """Without the setting: a miss of a small model copies on the calling thread, a miss of a large copy
     takes one fill helper, a hit one populate thread; none stays but the unpinner."""
-    small = demo_models.build_llama(tmp_path / "small", "tiny")
-    small_miss = loads(small, "on")
-    wide_miss, wide_hit = loads(wide, "on"), loads(wide, "on")
-    assert small_miss["calls"] == wide_miss["calls"] == {"miss": 1, "hit": 1}, (small_miss, wide_miss)
-    assert ours(small_miss["first"]) == [], small_miss
+    small = str(demo_models.build_llama(tmp_path / "small", "tiny"))
+    wide_miss, wide_hit = loads(wide, "on", SMALL=small), loads(wide, "on")
+    assert wide_miss["calls"] == {"miss": 2, "hit": 1} and wide_hit["calls"] == {"hit": 2}, (wide_miss, wide_hit)
+    assert ours(wide_miss["small"]) == [], wide_miss
     assert ours(wide_miss["first"]) == ["overmind-fill"], wide_miss
     assert ours(wide_hit["first"]) == ours(wide_hit["second"]) == ["_populate"], wide_hit
     assert ours(wide_hit["all"]).count("overmind-unpin") <= 1, wide_hit
