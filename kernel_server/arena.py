@@ -186,8 +186,9 @@ class ArenaWriter:
                   chunk: int = _COPY_CHUNK) -> None:
         """Copy `pieces` of this process's memory, each (offset in the arena, address, length), into a
         file arena, `chunk` bytes at a time, from the calling thread and up to `threads - 1` helpers,
-        none for a copy of one chunk or less (Note [Filling an arena]). `done(i)` runs in the calling thread once piece i is copied whole, and
-        `progress(n)` after each n bytes. Raises OSError (a full disk: nothing was written)."""
+        none for a copy of one chunk or less (Note [Filling an arena]). `done(i)` runs in the calling
+        thread once piece i is copied whole, and `progress(n)` after each n bytes. Raises OSError (a
+        full disk: nothing was written)."""
         if self.backing != "file":
             raise ValueError("copy_from fills file arenas; write a memfd with `write`")
         for offset, _, length in pieces:

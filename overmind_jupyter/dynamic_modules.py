@@ -37,14 +37,14 @@ def describe(graph: bytes, checkpoint: str | None) -> dict[str, Any]:
     for opcode, arg, _ in pickletools.genops(graph[1:]):
         op = opcode.name
         if op in ("MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT"):
-            memo[len(memo) if op == "MEMOIZE" else arg] = recent[-1] if recent else None
+            memo[len(memo) if op == "MEMOIZE" else int(arg)] = recent[-1] if recent else None  # type: ignore[arg-type]
             continue
         if op == "STACK_GLOBAL" and len(recent) == 2 and str(recent[0]).startswith(_PACKAGE + "."):
             classes.add((recent[0], recent[1]))
         elif op == "GLOBAL" and str(arg).startswith(_PACKAGE + "."):
             module, name = str(arg).split(" ", 1)
             classes.add((module, name))
-        value = memo.get(arg) if op in ("GET", "BINGET", "LONG_BINGET") else arg if "UNICODE" in op else None
+        value = memo.get(int(arg)) if op in ("GET", "BINGET", "LONG_BINGET") else arg if "UNICODE" in op else None  # type: ignore[arg-type]
         recent = [*recent, value][-2:]
     if not classes:
         return {}
@@ -62,7 +62,7 @@ def prepare(meta: dict[str, Any]) -> None:
     for module, name in dynamic["classes"]:
         try:
             cls = get_class_from_dynamic_module(f"{module.rsplit('.', 1)[-1]}.{name}", dynamic["checkpoint"])
-        except Exception as exc:  # noqa: BLE001 (any failure to resolve the code: the call loads plainly)
+        except Exception as exc:
             raise CorruptEntry(f"the model code {module}.{name} cannot be loaded from {dynamic['checkpoint']}: "
                                f"{type(exc).__name__}: {exc}") from exc
         if cls.__module__ != module or sys.modules.get(module) is None:

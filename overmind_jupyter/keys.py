@@ -17,6 +17,8 @@ A key is the SHA-256 of a JSON document holding (docs/design.md invariant 2):
   size and mtime restored, replaced by rename, a link pointed elsewhere) is another key. For a hub id,
   the commit the local Hugging Face cache resolves the revision to, read offline, and its snapshot's
   files (links to blobs) the same way;
+- for diffusers' `from_single_file`, its `config` and `original_config` (a folder, or a hub id) as a
+  checkpoint argument: by their files or their commit, never by their name;
 - for an argument that is itself a cached result, the key of its entry (see `references`);
 - the versions of torch, of the library that owns the callable, and of the pack format.
 Anything that changes what the call would return changes the key, so a rewritten checkpoint is a miss.

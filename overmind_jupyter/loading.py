@@ -29,7 +29,7 @@ from kernel_server.errors import DaemonError, DaemonLost, RemoteError
 from kernel_server.operations import Op
 from kernel_server.transport import close_fds
 
-from . import keys, notices, randomness, results
+from . import dynamic_modules, keys, notices, randomness, results, threads
 from .errors import CorruptEntry, PackError, PublishError, Uncacheable
 from .load_log import load_log
 from .notices import calls, clear_fallbacks, count, fall_back, fallbacks, tell_once
@@ -66,6 +66,7 @@ def flush_warnings() -> None:
     """Emit the warnings of loads in other threads, and import what a hit imports once torch is imported
     (called at each load and after each cell)."""
     notices.emit_deferred(stacklevel=3)
+    results.send_unpins()  # those waiting for no helper thread (Note [Helper threads] in threads.py)
     prepare()
 
 
@@ -213,8 +214,9 @@ def _publish(client: Client, ck: keys.CallKey, obj: Any, replay: Replay, random_
         _abandon(client, ck.key)
         fall_back(ck.label, "unpicklable", f"{exc}; it was loaded normally and will not be cached")
         return
+    meta = ck.meta | dynamic_modules.describe(packed.graph, ck.sources[0][0] if ck.sources else None)
     try:
-        publishing.publish(client, ck.key, ck.label, ck.meta, packed, backing=settings.backing,
+        publishing.publish(client, ck.key, ck.label, meta, packed, backing=settings.backing,
                            watch=[path for path, _, _ in ck.sources if os.path.isabs(path)],
                            unpin=lambda key: results.unpin(client, key))
     except PublishError as exc:
@@ -244,6 +246,13 @@ def _from_hit(client: Client, ck: keys.CallKey, reply: Response, replay: Replay,
         results.unpin(client, key)
 
     try:
+        try:
+            for e in entries:
+                dynamic_modules.prepare(e["meta"])  # Note [Code in the checkpoint]
+        except CorruptEntry:
+            for e in entries:
+                unpin(e["key"])
+            raise
         expected = 1 + sum(1 + len(e.get("sources", [])) for e in entries)
         if len(fds) != expected:
             for e in entries:
@@ -259,7 +268,8 @@ def _from_hit(client: Client, ck: keys.CallKey, reply: Response, replay: Replay,
             arenas[e["key"]] = rebuild.ArenaRef(e["key"], fds[at], e["arena_bytes"], e.get("pieces", []), sources)
             at += 1 + len(sources)
 
-        rebuilt = rebuild.rebuild(graph, arenas, ck.key, on_unmap=unpin, populate=settings.populate,
+        rebuilt = rebuild.rebuild(graph, arenas, ck.key, on_unmap=unpin,
+                                  populate=settings.populate and threads.allowed(),  # Note [Helper threads]
                                   arguments=replay.paths, reuse=reuse)
         if not (isinstance(rebuilt, tuple) and len(rebuilt) == 3 and isinstance(rebuilt[1], list)
                 and (rebuilt[2] is None or isinstance(rebuilt[2], tuple))):

@@ -16,9 +16,10 @@ from kernel_server.client import Client
 from kernel_server.errors import DaemonError
 from kernel_server.operations import Op
 
+from . import threads
 from .errors import CorruptEntry, PackError
 
-__all__ = ["NO_REPLAY", "Replay", "remember", "result_key", "unpin"]
+__all__ = ["NO_REPLAY", "Replay", "remember", "result_key", "send_unpins", "unpin"]
 
 
 @dataclass
@@ -149,8 +150,10 @@ def result_key(obj: Any, mapped: dict[tuple[str, int, int, str], Any] | None = N
 
 
 def _weakable(obj: Any) -> bool:
+    """Whether `obj` can be a key of `_results` (a transformers config defines __eq__: no hash)."""
     try:
         weakref.ref(obj)
+        hash(obj)
         return True
     except TypeError:
         return False
@@ -165,10 +168,12 @@ _unpinner_lock = threading.Lock()
 
 def unpin(client: Client, key: str) -> None:
     """Unpin `key` for `client` soon, from a thread of ours: this runs in finalizers, which must not
-    wait for the daemon. The thread starts with the first unpin, never at import."""
+    wait for the daemon. The thread starts with the first unpin, never at import; where no helper
+    thread may start, the loading thread sends the unpins at its next load or cell (`send_unpins`,
+    Note [Helper threads] in threads.py)."""
     global _unpinner
     _unpins.put((client, key))
-    if _unpinner is None:
+    if _unpinner is None and threads.allowed():
         with _unpinner_lock:
             if _unpinner is None:
                 _unpinner = threading.Thread(target=_unpin_loop, name="overmind-unpin", daemon=True)
@@ -185,10 +190,19 @@ os.register_at_fork(after_in_child=_forget_unpinner)
 
 def _unpin_loop() -> None:
     while True:
-        client, key = _unpins.get()
-        if client.closed:
-            continue
-        try:
-            client.request(Op.UNPIN, key=key, timeout=10)
-        except DaemonError:
-            pass
+        _send_unpin(*_unpins.get())
+
+
+def send_unpins() -> None:
+    """Send the unpins that wait for no thread of ours, from this thread (never from a finalizer)."""
+    while _unpinner is None and not _unpins.empty():
+        _send_unpin(*_unpins.get())
+
+
+def _send_unpin(client: Client, key: str) -> None:
+    if client.closed:
+        return
+    try:
+        client.request(Op.UNPIN, key=key, timeout=10)
+    except DaemonError:
+        pass

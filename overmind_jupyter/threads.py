@@ -12,7 +12,7 @@ promises that: transformers loads on the calling thread alone when `HF_DEACTIVAT
 - the populate thread (rebuild.py): one per hit, ending when the hit's pages are mapped, so that the hit
   returns at once and the first forward pass takes no page faults. Without helpers there is none: the
   first forward faults the pages in, on the thread that reads them, as a plain load's copy would.
-- `overmind-unpin` (loading.py): one per process, started by the first unpin, because unpins run in
+- `overmind-unpin` (results.py): one per process, started by the first unpin, because unpins run in
   finalizers, which must not wait for the daemon. Without helpers, the unpins wait in a queue and are
   sent by the calling thread at its next load and after each cell (an entry stays pinned a little
   longer; the daemon unpins everything of a process that exits).

@@ -70,8 +70,16 @@ def build_all(root: Path) -> dict[str, str]:
     from diffusers import AutoencoderKL, StableDiffusionPipeline
     from peft import LoraConfig, get_peft_model_state_dict
     from safetensors.torch import save_file
-    from transformers import (BertConfig, BertModel, BertTokenizerFast, LlamaForCausalLM, ViTConfig,
-                              ViTForImageClassification, ViTImageProcessor, Wav2Vec2FeatureExtractor)
+    from transformers import (
+        BertConfig,
+        BertModel,
+        BertTokenizerFast,
+        LlamaForCausalLM,
+        ViTConfig,
+        ViTForImageClassification,
+        ViTImageProcessor,
+        Wav2Vec2FeatureExtractor,
+    )
 
     paths: dict[str, Path] = {}
     text = demo_models.build_llama(root / "text", "tiny")
@@ -117,11 +125,15 @@ def build_all(root: Path) -> dict[str, str]:
     BertTokenizerFast(vocab_file=str(root / "vocab.txt")).save_pretrained(bert)
     paths["bert"] = bert
     try:
-        from sentence_transformers import SentenceTransformer, models
+        from sentence_transformers import SentenceTransformer
     except ImportError:
         pass
     else:
-        st = SentenceTransformer(modules=[models.Transformer(str(bert)), models.Pooling(32)], device="cpu")
+        try:
+            from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+        except ImportError:  # before sentence-transformers 6
+            from sentence_transformers.models import Pooling, Transformer
+        st = SentenceTransformer(modules=[Transformer(str(bert)), Pooling(32)], device="cpu")
         st.save(str(root / "st"))
         paths["st"] = root / "st"
     return {name: str(p) for name, p in paths.items()}

@@ -1,7 +1,9 @@
 """A load with the cache on starts no thread the plain load would not start where transformers promises
 a load on the calling thread alone (HF_DEACTIVATE_ASYNC_LOAD), and otherwise only the helpers the work
 needs (Note [Helper threads] in overmind_jupyter/threads.py). Each load runs in a fresh process, with
-progress bars on, as a kernel and the kernel after a restart would."""
+progress bars on, as a kernel and the kernel after a restart would. transformers' own
+`test_loading_respect_env_variable_for_threading` checks the promise for the plain load; it lives in
+tests/utils/, which transformers' sdist does not ship, so the conformance run cannot run it."""
 
 from __future__ import annotations
 
