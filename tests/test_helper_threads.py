@@ -7,7 +7,6 @@ tests/utils/, which transformers' sdist does not ship, so the conformance run ca
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -17,7 +16,9 @@ from snippets import last_json, run_py
 from overmind_jupyter import demo_models
 
 # Records the name of every thread the process starts from the first line on: threading's threads by
-# their name, `_thread` ones by their function. Nothing is changed about how they start.
+# their name, `_thread` ones by their function. Nothing is changed about how they start. The loads run
+# first with HF_DEACTIVATE_ASYNC_LOAD=1 ("first", "second", with the first result dropped between them),
+# then without it ("small", "eager": another key of the wide checkpoint).
 PROBE = """
     import _thread, gc, json, os, threading
     started = []
@@ -42,34 +43,43 @@ PROBE = """
         from overmind_jupyter import loading
         overmind_jupyter.enable()
 
-    def load(checkpoint):
+    def load(checkpoint, **kwargs):
         before = len(started)
-        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, **kwargs)
         return model, started[before:]
 
-    small = load(os.environ["SMALL"])[1] if "SMALL" in os.environ else []
-    model, first = load(os.environ["CHECKPOINT"])
+    os.environ["HF_DEACTIVATE_ASYNC_LOAD"] = "1"
+    model, first = load(os.environ["WIDE"])
     with torch.no_grad():
         out = model(torch.tensor([[1, 5, 9, 3]])).logits.double().sum().item()
     del model
     gc.collect()  # the result's mappings die: its entry is unpinned
-    model, second = load(os.environ["CHECKPOINT"])
-    print(json.dumps({"small": small, "first": first, "second": second, "all": started, "out": out,
-                      "calls": loading.calls() if cache else {}, "fallbacks": loading.fallbacks() if cache else []}))
+    model, second = load(os.environ["WIDE"])
+    promised = list(started)
+    del os.environ["HF_DEACTIVATE_ASYNC_LOAD"]
+    small = load(os.environ["SMALL"])[1]
+    eager = load(os.environ["WIDE"], attn_implementation="eager")[1]
+    print(json.dumps({"first": first, "second": second, "promised": promised, "small": small, "eager": eager,
+                      "all": started, "out": out, "calls": loading.calls() if cache else {},
+                      "fallbacks": loading.fallbacks() if cache else []}))
 """
 
 
 @pytest.fixture(scope="module")
-def wide(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """A Llama whose float32 load converts 128 MiB (bfloat16 on disk): a miss copies it into the arena,
-    more than one chunk, the size for which the fill takes a helper thread where helpers are allowed."""
-    return demo_models.build_llama(tmp_path_factory.mktemp("threads") / "wide", "tiny", hidden_size=256,
-                                   intermediate_size=256, num_hidden_layers=1, vocab_size=65536)
+    more than one chunk, the size for which the fill takes a helper thread where helpers are allowed;
+    and a tiny one, whose copy is far less than a chunk."""
+    root = tmp_path_factory.mktemp("threads")
+    wide = demo_models.build_llama(root / "wide", "tiny", hidden_size=256, intermediate_size=256,
+                                   num_hidden_layers=1, vocab_size=65536)
+    return {"WIDE": str(wide), "SMALL": str(demo_models.build_llama(root / "small", "tiny"))}
 
 
-def loads(checkpoint: Path, cache: str, **env: str) -> dict:
-    environment = dict(os.environ, CHECKPOINT=str(checkpoint), CACHE=cache, **env)
+def loads(checkpoints: dict[str, str], cache: str) -> dict:
+    environment = dict(os.environ, CACHE=cache, **checkpoints)
     environment.pop("TQDM_DISABLE", None)  # progress bars on, as users have them
+    environment.pop("HF_DEACTIVATE_ASYNC_LOAD", None)
     return last_json(run_py(PROBE, env=environment, timeout=300))
 
 
@@ -78,32 +88,22 @@ def ours(names: list[str]) -> list[str]:
     return [n for n in names if n != "tqdm_monitor" and not n.startswith("ThreadPoolExecutor")]
 
 
-def test_no_thread_the_plain_load_does_not_start_where_transformers_promises_none(overmind_home: Path,
-                                                                                 wide: Path) -> None:
+def test_a_cached_load_starts_only_the_threads_it_needs(overmind_home: Path, checkpoints: dict[str, str]) -> None:
     """With HF_DEACTIVATE_ASYNC_LOAD=1 the plain load starts no thread but tqdm's monitor; the miss (which
-    fills an arena), the hit after a restart, and the unpins after each, start none that it does not."""
-    plain = loads(wide, "off", HF_DEACTIVATE_ASYNC_LOAD="1")
-    miss = loads(wide, "on", HF_DEACTIVATE_ASYNC_LOAD="1")
-    hit = loads(wide, "on", HF_DEACTIVATE_ASYNC_LOAD="1")
-    assert not any(n.startswith("ThreadPoolExecutor") for n in plain["all"]), plain  # the library's promise
-    assert miss["calls"] == {"miss": 1, "hit": 1} and hit["calls"] == {"hit": 2}, (miss, hit)
+    fills an arena), the hit after a restart, and the unpins after each, start none that it does not.
+    Without the setting, a miss of a small model copies on the calling thread, a miss of a large copy
+    takes one fill helper, a hit one populate thread, and a process at most one unpinner."""
+    plain, miss, hit = loads(checkpoints, "off"), loads(checkpoints, "on"), loads(checkpoints, "on")
+    assert not any(n.startswith("ThreadPoolExecutor") for n in plain["promised"]), plain  # the library's promise
+    assert miss["calls"] == {"miss": 3, "hit": 1} and hit["calls"] == {"hit": 4}, (miss, hit)
     assert not miss["fallbacks"] and not hit["fallbacks"]
     for run in (miss, hit):
         for load in ("first", "second"):
             extra = [n for n in run[load] if n not in plain["first"]]
             assert extra == [], (load, run)
-        assert ours(run["all"]) == [], run  # nor between the loads (the unpins of the dropped model)
+        assert ours(run["promised"]) == [], run  # nor between the loads (the unpins of the dropped model)
+        assert ours(run["all"]).count("overmind-unpin") <= 1, run
     assert hit["out"] == miss["out"] == plain["out"]
 
-
-def test_helper_threads_are_what_the_work_needs(overmind_home: Path, tmp_path: Path, wide: Path) -> None:
-    """Without the setting: a miss of a small model copies on the calling thread, a miss of a large copy
-    takes one fill helper, a hit one populate thread; none stays but the unpinner."""
-    small = str(demo_models.build_llama(tmp_path / "small", "tiny"))
-    wide_miss, wide_hit = loads(wide, "on", SMALL=small), loads(wide, "on")
-    assert wide_miss["calls"] == {"miss": 2, "hit": 1} and wide_hit["calls"] == {"hit": 2}, (wide_miss, wide_hit)
-    assert ours(wide_miss["small"]) == [], wide_miss
-    assert ours(wide_miss["first"]) == ["overmind-fill"], wide_miss
-    assert ours(wide_hit["first"]) == ours(wide_hit["second"]) == ["_populate"], wide_hit
-    assert ours(wide_hit["all"]).count("overmind-unpin") <= 1, wide_hit
-    assert json.dumps(wide_hit["out"]) == json.dumps(wide_miss["out"])
+    assert ours(miss["small"]) == [] and ours(miss["eager"]) == ["overmind-fill"], miss
+    assert ours(hit["small"]) == ours(hit["eager"]) == ["_populate"], hit

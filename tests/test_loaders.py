@@ -115,3 +115,18 @@ def test_an_entry_whose_checkpoint_is_deleted_is_dropped(overmind_home: Path, tm
         shutil.rmtree(deleted)
         wait_until(lambda: sources() == [repr(str(kept))], 15, "the entry of the deleted checkpoint dropped")
         assert client.request("status")["stats"]["orphaned"] == 1
+
+
+def test_a_config_through_cached_is_a_miss_then_a_hit(overmind_home: Path, checkpoints: dict) -> None:
+    """A transformers config has no hash (it defines __eq__): `cached(AutoConfig.from_pretrained, ...)`
+    is still a miss, then a hit equal to the plain load, not a TypeError after the load."""
+    out = last_json(run_py("""
+        import json, os
+        from overmind_jupyter import loading
+        from transformers import AutoConfig
+        path = json.loads(os.environ["PATHS"])["llama"]
+        got = [loading.cached(AutoConfig.from_pretrained, path) for _ in range(2)]
+        print(json.dumps({"calls": loading.calls(), "fallbacks": loading.fallbacks(),
+                          "equal": [g.to_dict() == AutoConfig.from_pretrained(path).to_dict() for g in got]}))
+    """, env=dict(os.environ, PATHS=json.dumps(checkpoints))))
+    assert out["calls"] == {"miss": 1, "hit": 1} and not out["fallbacks"] and out["equal"] == [True, True], out
