@@ -1,16 +1,18 @@
 """Model code that ships with a checkpoint (`trust_remote_code=True`), on a hit.
 
 # Note [Code in the checkpoint]
-transformers imports a checkpoint's own code as `transformers_modules.<folder>.<file>`, after copying the
-checkpoint's .py files into its modules cache (HF_MODULES_CACHE); the plain load does that at every call.
-An entry's graph names those classes by module, and a fresh kernel has neither that package on its path
-nor, necessarily, this checkpoint's code in it (a checkpoint of the same folder name elsewhere copies its
-own code to the same module). So a miss records in the entry's meta the checkpoint and the dynamic
-classes its graph names (`describe`), and a hit first has transformers resolve each of them from the
-checkpoint, as the plain load does (`prepare`): the checkpoint's code copied, imported, and reloaded
-where it changed. The key holds the identity of every file of the checkpoint, its .py files included
-(Note [Never stale] in keys.py), so the code resolved is the code the entry was made with. A class that
-resolves to another module than the one recorded is a CorruptEntry: the call loads plainly.
+transformers imports a checkpoint's own code as `transformers_modules.<folder>.<digest>.<file>` (the
+digest of its source files; for a hub id, its commit), after copying the checkpoint's .py files into its
+modules cache (HF_MODULES_CACHE); the plain load does that at every call. An entry's graph names those
+classes by module, and a fresh kernel has neither that package on its path nor, necessarily, the module
+(a cleared modules cache, another HF_MODULES_CACHE). So a miss records in the entry's meta the checkpoint
+and the dynamic classes its graph names (`describe`), and a hit first has transformers resolve each of
+them from the checkpoint, as the plain load does (`prepare`): the code copied and imported. The key holds
+the identity of every file of the checkpoint, its .py files included (Note [Never stale] in keys.py), so
+the code resolved is the code the entry was made with; a class that resolves to another module than the
+one recorded is a CorruptEntry, and the call loads plainly. A module imported already is that very code
+(its name holds the digest), and is not resolved again. The entries a hit builds on are prepared first,
+so a load over a remote-code model (an adapter) finds its classes there.
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ def prepare(meta: dict[str, Any]) -> None:
     from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
     for module, name in dynamic["classes"]:
+        if hasattr(sys.modules.get(module), name):
+            continue  # imported already: its name holds a digest of its code, or its commit
         try:
             cls = get_class_from_dynamic_module(f"{module.rsplit('.', 1)[-1]}.{name}", dynamic["checkpoint"])
         except Exception as exc:

@@ -247,8 +247,8 @@ def _from_hit(client: Client, ck: keys.CallKey, reply: Response, replay: Replay,
 
     try:
         try:
-            for e in entries:
-                dynamic_modules.prepare(e["meta"])  # Note [Code in the checkpoint]
+            for e in reversed(entries):  # the entries it builds on first: Note [Code in the checkpoint]
+                dynamic_modules.prepare(e["meta"])
         except CorruptEntry:
             for e in entries:
                 unpin(e["key"])
