@@ -33,6 +33,8 @@ class Op(str, enum.Enum):
     ABANDON = "abandon"  # {key} -> {}: give up the load; the next waiter becomes the loader
     UNPIN = "unpin"  # {key, count?} -> {}
     EVICT = "evict"  # {key} or {all} -> {evicted}
+    PROGRESS = "progress"  # {key, label, done, total, unit} -> {}: how far a load got (Note [Progress] in store.py)
+    HITS = "hits"  # {hits: [[key, t, hit_s]]} -> {}: hit times, reported late (Note [Load time saved] in store.py)
     FALLBACK = "fallback"  # {call, kind, reason} -> {}: a load that went the plain way, for status
     SHUTDOWN = "shutdown"  # {} -> {stopping}
     UNITS_REGISTER = "units_register"  # {devices} -> {devices, simulated, unit_bytes, reserve_gib, fake_gpus}

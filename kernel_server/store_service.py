@@ -29,7 +29,8 @@ class StoreService:
 
     def handlers(self) -> dict[Op, Handler]:
         return {Op.LS: self.ls, Op.LOOKUP: self.lookup, Op.CANCEL: self.cancel, Op.RESERVE: self.reserve,
-                Op.PUBLISH: self.publish, Op.ABANDON: self.abandon, Op.UNPIN: self.unpin, Op.EVICT: self.evict}
+                Op.PUBLISH: self.publish, Op.ABANDON: self.abandon, Op.UNPIN: self.unpin, Op.EVICT: self.evict,
+                Op.PROGRESS: self.progress, Op.HITS: self.hits}
 
     def ls(self, conn: Peer, req: Request) -> Reply:
         return Reply({"entries": self.store.snapshot(self.kernel_of)["entries"]})
@@ -120,6 +121,24 @@ class StoreService:
         self.store.unpin(conn.id, _key(req), count)
         return Reply({})
 
+    def progress(self, conn: Peer, req: Request) -> Reply:
+        """How far this connection's load of `key` got (Note [Progress] in store.py)."""
+        done, total, label, unit = req.get("done"), req.get("total"), req.get("label", ""), req.get("unit", "")
+        if not (_number(done) and _number(total) and isinstance(label, str) and isinstance(unit, str)):
+            raise RemoteError("bad_request", "progress needs numbers 'done' and 'total', strings 'label' and 'unit'")
+        self.store.report_progress(conn.id, _key(req), label[:200], done, total, unit[:16])
+        return Reply({})
+
+    def hits(self, conn: Peer, req: Request) -> Reply:
+        """This connection's hit times (Note [Load time saved] in store.py): [key, when, hit_s] each."""
+        raw = req.get("hits")
+        if not isinstance(raw, list) or len(raw) > 1000 or not all(
+                isinstance(h, list) and len(h) == 3 and isinstance(h[0], str) and _number(h[1]) and _number(h[2])
+                for h in raw):
+            raise RemoteError("bad_request", "'hits' must be a list of at most 1000 [key, time, seconds]")
+        self.store.report_hits(conn.pid, [(h[0], float(h[1]), float(h[2])) for h in raw])
+        return Reply({})
+
     def evict(self, conn: Peer, req: Request) -> Reply:
         if req.get("all"):
             return Reply({"evicted": self.store.evict(None)})
@@ -138,6 +157,10 @@ def _key(req: Request) -> str:
     if not isinstance(key, str) or not 0 < len(key) <= 256:
         raise RemoteError("bad_request", "'key' must be a non-empty string of at most 256 characters")
     return key
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0 and x == x and x != float("inf")
 
 
 def _source(fd: int, raw: Any) -> arena.SourceFile:

@@ -111,11 +111,11 @@ def _entry(e: dict[str, Any], my_conn: int | None) -> dict[str, Any]:
 
 def _pending(pending: dict[str, Any] | None) -> dict[str, Any] | None:
     """An entry's compaction (Note [Pending pieces] in kernel_server/store.py), as the widgets show it."""
-    from kernel_server.cli import pending_text
+    from kernel_server.formats import pending_text, percent
 
     if not pending:
         return None
-    return {"text": pending_text(pending), "percent": int(100 * pending["done"] // max(1, pending["bytes"]))}
+    return {"text": pending_text(pending), "percent": percent(pending["done"], pending["bytes"])}
 
 
 def _unrepr(source: Any) -> str:

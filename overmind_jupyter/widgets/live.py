@@ -19,6 +19,8 @@ import anywidget
 import ipywidgets
 import traitlets
 
+from kernel_server import formats
+
 from .polling import Subscription, poller
 
 __all__ = ["CSS", "JS_HELPERS", "LivePanel", "LiveView", "in_kernel", "run_action"]
@@ -176,7 +178,7 @@ def with_text(bundle: Any, text: str) -> Any:
 
 # -- shared by the ES modules (prepended to each widget's own code) -----------------------------------------
 
-JS_HELPERS = r"""
+JS_HELPERS = formats.JS + r"""
 function h(tag, attrs, ...children) {
   const el = document.createElement(tag);
   for (const [k, v] of Object.entries(attrs || {})) {
@@ -191,27 +193,6 @@ function h(tag, attrs, ...children) {
     el.append(c instanceof Node ? c : String(c));
   }
   return el;
-}
-function fmtBytes(n) {
-  if (n === null || n === undefined) return "?";
-  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
-  let i = 0;
-  while (n >= 1024 && i < units.length - 1) { n /= 1024; i++; }
-  return (i === 0 ? String(n) : n.toFixed(n < 10 ? 1 : 0)) + " " + units[i];
-}
-function fmtAgo(t) {
-  if (!t) return "never";
-  const s = Math.max(0, Date.now() / 1000 - t);
-  if (s < 2) return "just now";
-  if (s < 90) return Math.round(s) + " s ago";
-  if (s < 5400) return Math.round(s / 60) + " min ago";
-  if (s < 129600) return Math.round(s / 3600) + " h ago";
-  return Math.round(s / 86400) + " d ago";
-}
-function fmtSeconds(s) {
-  if (s < 90) return Math.round(s) + " s";
-  if (s < 5400) return Math.round(s / 60) + " min";
-  return Math.round(s / 3600) + " h";
 }
 function ages(el) {
   // relative times, refreshed in place (a full redraw would replace a button under the pointer)
