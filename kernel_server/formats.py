@@ -7,10 +7,10 @@ written from the same tables as the Python functions here (Note [One format]).
 
 # Note [One format]
 Bytes: binary units (KiB, MiB, GiB, TiB), whole bytes below 1 KiB, one decimal below 100 of a unit and
-none above ("11.8 GiB", "512 MiB"). Durations: one decimal below 10 s, then whole seconds, minutes, hours
-and days at the thresholds of `_STEPS`. Relative times: "just now" below 2 s, else the duration and "ago".
-`JS` is generated from `_BYTE_UNITS` and `_STEPS`, and a test compares both renderings over a range of
-values, so a change here changes both.
+none above ("11.8 GiB", "512 MiB"). Durations: whole milliseconds below 1 s, one decimal below 10 s, then
+whole seconds, minutes, hours and days at the thresholds of `_STEPS`. Relative times: "just now" below
+2 s, else the duration and "ago". `JS` is generated from `_BYTE_UNITS` and `_STEPS`, and a test compares
+both renderings over a range of values, so a change here changes both.
 """
 
 from __future__ import annotations
@@ -47,8 +47,10 @@ def byte_text(n: float | None) -> str:
 
 
 def seconds_text(s: float) -> str:
-    """A duration: "0.4 s", "42 s", "12 min", "3 h", "2 d" (Note [One format])."""
+    """A duration: "4 ms", "1.4 s", "42 s", "12 min", "3 h", "2 d" (Note [One format])."""
     s = max(0.0, float(s))
+    if s < 0.9995:
+        return f"{_round(s * 1000)} ms"
     if s < 10:
         return f"{_fixed(s, 1)} s"
     for below, per, unit in _STEPS:
@@ -144,6 +146,7 @@ function fmtBytes(n) {
 }
 function fmtSeconds(s) {
   s = Math.max(0, Number(s));
+  if (s < 0.9995) return Math.floor(s * 1000 + 0.5) + " ms";
   if (s < 10) return s.toFixed(1) + " s";
   for (const [below, per, unit] of OM_STEPS) {
     if (below === null || s < below) return Math.floor(s / per + 0.5) + " " + unit;

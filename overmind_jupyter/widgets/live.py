@@ -29,6 +29,9 @@ __all__ = ["CSS", "JS_HELPERS", "LivePanel", "LiveView", "in_kernel", "run_actio
 #: (a frontend without widgets, `jupyter console` say) and is not polled until a view appears.
 NEVER_SHOWN_S = 60.0
 
+#: A notice (the outcome of an eviction, a switch, a mix) clears after this many seconds.
+NOTICE_S = 8.0
+
 
 def in_kernel() -> bool:
     """Whether this process is an ipykernel with a frontend attached (views can appear)."""
@@ -85,6 +88,7 @@ class LiveView(anywidget.AnyWidget):
         self._shown = _Shown()
         self._subscriptions: list[Subscription] = []
         self._pending_notice: str | None = None
+        self._notice_at = 0.0
         self.on_msg(self._on_frontend_msg)
 
     @property
@@ -108,10 +112,13 @@ class LiveView(anywidget.AnyWidget):
         poller().kick()
 
     def take_notice(self) -> None:
-        """On the poller's thread: publish what an action left."""
+        """On the poller's thread: publish what an action left, and clear a notice `NOTICE_S` old."""
         notice, self._pending_notice = self._pending_notice, None
         if notice is not None:
             self.notice = notice
+            self._notice_at = time.monotonic()
+        elif self.notice and time.monotonic() - self._notice_at > NOTICE_S:
+            self.notice = ""
 
     def on_event(self, event: str, content: dict[str, Any]) -> None:
         """A message from a view (a button pressed in the custom drawing)."""
@@ -201,18 +208,39 @@ function ages(el) {
     e.textContent = "idle " + fmtSeconds(Math.max(0, Date.now() / 1000 - Number(e.dataset.idleSince)));
   }
 }
+function gone(el) {
+  // The kernel this widget belongs to is gone (restarted or shut down): the widget manager marks its
+  // views disconnected. Say so, and disable every control, instead of showing a live-looking dead kernel.
+  const dead = !!el.closest(".jupyter-widgets-disconnected");
+  const banner = el.querySelector(":scope > .om-gone");
+  if (dead) {
+    el.classList.add("om-dead");
+    for (const c of el.querySelectorAll("button, input, select, textarea")) c.disabled = true;
+    if (!banner) {
+      el.prepend(h("div", { class: "om-w om-gone", "data-testid": "overmind-widget-gone" },
+        "This shows a kernel that is gone (restarted or shut down): it no longer updates and its buttons " +
+        "do nothing. Run %overmind status again for the kernel running now."));
+    }
+  } else if (banner) {
+    el.classList.remove("om-dead");
+    banner.remove();
+  }
+}
 function live(model, el, names, draw) {
   // draw now and on every change of the named traits; refresh relative times every second; tell the
   // kernel that this view exists, and that it went when the frontend disposes of it
   try { model.send({ event: "view", shown: true }); } catch (e) { /* comm closed */ }
   const redraw = () => {
-    try { draw(); ages(el); } catch (e) { el.textContent = "overmind widget: " + e; }
+    try { draw(); ages(el); gone(el); } catch (e) { el.textContent = "overmind widget: " + e; }
   };
+  const check = () => gone(el);
   for (const name of names) model.on("change:" + name, redraw);
-  const timer = setInterval(() => ages(el), 1000);
+  model.on("comm_live_update", check);
+  const timer = setInterval(() => { ages(el); gone(el); }, 1000);
   redraw();
   return () => {
     clearInterval(timer);
+    model.off("comm_live_update", check);
     for (const name of names) model.off("change:" + name, redraw);
     try { model.send({ event: "view", shown: false }); } catch (e) { /* comm closed */ }
   };
@@ -243,4 +271,6 @@ CSS = r"""
 .om-w button.om-btn:disabled { opacity: 0.5; cursor: default; }
 .om-w .om-section { margin-top: 8px; font-weight: 600; }
 .om-w ul.om-list { margin: 2px 0; padding-left: 18px; }
+.om-gone { margin: 2px 0 6px; padding: 4px 8px; border-left: 3px solid var(--jp-error-color1, #c62828);
+  background: var(--jp-layout-color2, #eee); color: var(--jp-ui-font-color1, #222); }
 """
