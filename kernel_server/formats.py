@@ -115,9 +115,8 @@ def kernel_name(kernel: dict[str, Any]) -> tuple[str, str]:
     detail = f"pid {pid}" + (f", {label}" if label else "") + (f": {command}" if command else "")
     if kernel.get("notebook") or label.endswith(".ipynb"):
         return os.path.basename(label.rstrip("/")) or label, detail
-    if label:
-        return f"{label} (pid {pid})", detail
-    return f"pid {pid}" + (f" {command}" if command else ""), detail
+    what = label or command
+    return f"pid {pid}" + (f" {what}" if what else ""), detail
 
 
 def _round(x: float) -> int:

@@ -50,7 +50,7 @@ def test_kernels_are_named_by_their_notebook_with_pid_and_command(daemon: Client
         assert formats.kernel_name(kernels[kernel.pid]) == (
             "analysis.ipynb", f"pid {kernel.pid}, {notebook}: {kernels[kernel.pid]['command']}")
         name, _ = formats.kernel_name(kernels[script.pid])  # not a notebook: pid and what runs
-        assert name == f"-c (pid {script.pid})"
+        assert name == f"pid {script.pid} -c"
         text = run_py("from kernel_server.cli import main; main(['status'])").stdout
         assert f"analysis.ipynb  (kernel; pid {kernel.pid}, {notebook}" in text
     finally:
