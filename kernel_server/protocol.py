@@ -27,7 +27,7 @@ A frame is a fixed 12-byte header followed by a JSON payload::
   (checkpoint files that its "pieces" still lie in, each with the identity the daemon MUST check); a
   "lookup" answered "hit" attaches the graph, then for each listed entry its arena followed by its
   sources' descriptors (see Note [Pending pieces] in store.py). A "publish" with "marker" true makes an
-  entry without bytes that status and "ls" do not list (Note [Random loads] in overmind_jupyter/loading.py).
+  entry without bytes that status and "ls" do not list (Note [Random loads] in overmind_jupyter/randomness.py).
   A "publish" MAY name the checkpoint paths its load read ("watch": [{path, dev, ino, ctime_ns}]); the daemon drops
   the entry once one of them is gone or another file (Note [Orphaned entries] in store.py).
 - The "reserve" before a "publish" MAY say how many descriptors it will attach ("descriptors"; 2 when

@@ -136,7 +136,7 @@ def _identities(paths: Sequence[str]) -> list[dict[str, Any]]:
 
 def publish_marker(client: Client, key: str, meta: dict[str, Any]) -> None:
     """Make `key` (whose load this connection holds) an entry without bytes, that only says what `meta`
-    says (a load whose result depends on the random generators: Note [Random loads] in loading.py)."""
+    says (a load whose result depends on the random generators: Note [Random loads] in randomness.py)."""
     try:
         client.request(Op.RESERVE, key=key, bytes=1, timeout=ANSWER_TIMEOUT)
         graph, data = arena.ArenaWriter(1, name=f"overmind-marker:{key[:12]}"), arena.ArenaWriter(0)

@@ -24,10 +24,10 @@ def main() -> int:
     job = dill.load(sys.stdin.buffer)
 
     from kernel_server.client import shared_client
-    from overmind_jupyter import loading
+    from overmind_jupyter import loading, placement
 
     shared_client(role="worker", label=f"preload for pid {job['parent']}")
-    kwargs, _device = loading.split_placement(job["kwargs"])  # the cache holds CPU bytes
+    kwargs, _device = placement.split_placement(job["kwargs"])  # the cache holds CPU bytes
     loading.cached(job["fn"], *job["args"], **kwargs)  # published before it returns
     for fallback in loading.fallbacks():
         print(f"overmind preload: {fallback['call']}: {fallback['reason']}", file=sys.stderr)

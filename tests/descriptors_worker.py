@@ -25,7 +25,7 @@ import torch
 from faults_helpers import digest
 
 from kernel_server.client import shared_client
-from overmind_jupyter import loading
+from overmind_jupyter import loading, notices
 
 CHECKPOINT_EVERY = 25
 
@@ -51,8 +51,8 @@ def main() -> None:
     reasons: set[str] = set()
 
     def drain_fallbacks() -> None:
-        while loading._fallbacks:  # loading.fallbacks() keeps the last 200: take them as they come
-            f = loading._fallbacks.popleft()
+        while notices._fallbacks:  # loading.fallbacks() keeps the last 200: take them as they come
+            f = notices._fallbacks.popleft()
             fallbacks[f["kind"]] += 1
             reasons.add(f"{f['kind']}: {f['reason'][:200]}")
 

@@ -65,7 +65,7 @@ def worker(seed: int, loads: int | None, seconds: float | None, refs_path: str) 
     import torch
     from faults_helpers import digest
 
-    from overmind_jupyter import loading, rebuild
+    from overmind_jupyter import loading, notices, rebuild
 
     refs = json.loads(Path(refs_path).read_text())
     rng = random.Random(seed)
@@ -82,7 +82,7 @@ def worker(seed: int, loads: int | None, seconds: float | None, refs_path: str) 
         # loading.fallbacks() keeps the last 200; take them as they come, to count them all
         while True:
             try:
-                f = loading._fallbacks.popleft()
+                f = notices._fallbacks.popleft()
             except IndexError:
                 return
             fallbacks[f["kind"]] += 1

@@ -75,7 +75,7 @@ def test_peft_mixed_model_load_adapter_runs_as_it_is_without_a_fallback(overmind
 
 def test_a_hit_logs_the_load_report_the_plain_load_logs(overmind_home: Path, checkpoints: dict) -> None:
     """A classification head on a causal-LM checkpoint: transformers logs which weights were newly
-    initialized. The hit after a restart logs the same report (Note [What the load said] in loading.py)."""
+    initialized. The hit after a restart logs the same report (Note [What the load said] in load_log.py)."""
     miss, hit, miss_err, hit_err = twice(PREAMBLE + """
     model = AutoModelForSequenceClassification.from_pretrained(paths["llama"], num_labels=3)
     print(json.dumps({"calls": loading.calls(), "fallbacks": loading.fallbacks(),

@@ -105,7 +105,7 @@ def hooked() -> nn.Module:
 def build(kind: str, seed: int = 0, **kwargs: object) -> nn.Module:
     """The loader the tests cache: deterministic for (kind, seed, kwargs), and like a full checkpoint's
     load it leaves the global generator as it found it (loads that draw from it are keyed by its state:
-    Note [Random loads] in overmind_jupyter/loading.py, tested in test_never_stale.py)."""
+    Note [Random loads] in overmind_jupyter/randomness.py, tested in test_never_stale.py)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return {"tied": TiedWeights, "noncontig": NonContiguous, "dtypes": Dtypes, "mlp": Mlp,

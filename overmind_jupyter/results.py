@@ -1,0 +1,194 @@
+"""Results this process got from the cache: the registry behind `result_key` (Note [References]), the
+arguments an entry replays onto, and the unpinning of an entry once its result is gone.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kernel_server.client import Client
+from kernel_server.errors import DaemonError
+from kernel_server.operations import Op
+
+from .errors import CorruptEntry, PackError
+
+__all__ = ["NO_REPLAY", "Replay", "remember", "result_key", "unpin"]
+
+
+@dataclass
+class Replay:
+    """The arguments of a call that its entry replays onto (see Note [Argument replay] in rebuild.py):
+    the cached results it was given, and every module inside them by path."""
+
+    roots: list[Any]
+    paths: dict[str, Any]
+
+    @classmethod
+    def of(cls, references: dict[str, Any]) -> Replay:
+        """The replay of a call given its referenced arguments (keys.CallKey.references)."""
+        paths: dict[str, Any] = {}
+        for name, obj in references.items():
+            modules = getattr(obj, "named_modules", None)
+            pairs = modules() if callable(modules) else [("", obj)]
+            for sub, module in pairs:
+                paths.setdefault(f"{name}/{sub}", module)
+        return cls(list(references.values()), paths)
+
+
+NO_REPLAY = Replay([], {})
+
+
+@dataclass
+class _Result:
+    """What an entry holds, as live objects of this process: the call's result and the arguments it
+    replayed onto. Every one of them is registered as belonging to the entry."""
+
+    key: str
+    graph: bytes
+    pickled_here: bool  # `graph` was pickled from these very objects (a miss this process published)
+    result: Callable[[], Any]  # a weak reference, or a strong one for a small unweakrefable result
+    roots: list[weakref.ref[Any]]
+    paths: dict[str, weakref.ref[Any]]
+    random_after: tuple[Any, ...] | None = None  # what the graph holds besides (Note [Random loads])
+    expected: bytes | None = None  # the entry's graph packed here, once computed
+
+    def live(self) -> tuple[Any, Replay] | None:
+        result = self.result()
+        roots = [r() for r in self.roots]
+        paths = {p: r() for p, r in self.paths.items()}
+        if (result is None and self.roots == []) or any(o is None for o in [*roots, *paths.values()]):
+            return None
+        return result, Replay(roots, paths)
+
+
+_results: weakref.WeakKeyDictionary[Any, _Result] = weakref.WeakKeyDictionary()
+
+
+def _reference(obj: Any, replay: Replay) -> Callable[[], Any]:
+    """A weak reference to a call's result; a strong one to the small return value of a method that
+    loads into its object (load_adapter), which nothing else would keep for the next reference check."""
+    if _weakable(obj):
+        return weakref.ref(obj)
+    if replay.roots:
+        return lambda: obj
+    return lambda: None
+
+
+def remember(obj: Any, key: str, graph: bytes, replay: Replay, *, pickled_here: bool,
+             random_after: tuple[Any, ...] | None = None) -> None:
+    if not all(_weakable(o) for o in replay.paths.values()):
+        return
+    result = _reference(obj, replay)
+    if result() is None and obj is not None:
+        return
+    info = _Result(key, graph, pickled_here, result, [weakref.ref(o) for o in replay.roots],
+                  {p: weakref.ref(o) for p, o in replay.paths.items()}, random_after)
+    for member in [obj, *replay.roots]:
+        if _weakable(member):
+            _results[member] = info
+
+
+def result_key(obj: Any, mapped: dict[tuple[str, int, int, str], Any] | None = None) -> str | None:
+    """The entry `obj` belongs to (it was rebuilt from it, published as it, or changed by the call it
+    holds), if it is unchanged since; else None. See Note [References]. `mapped` receives its storages
+    that lie in the entry's mappings, for the rebuild of the call it is passed to, to reuse."""
+    from . import rebuild
+
+    try:
+        info = _results.get(obj)
+    except TypeError:
+        return None
+    live = info.live() if info is not None else None
+    if info is None or live is None:
+        return None
+    result, replay = live
+    try:
+        # One pause for the whole check: the skeleton's objects die before any collection sees them.
+        # Collected between the steps, they were promoted and counted toward the next full collection
+        # of the whole heap (0.2 s in a kernel with torch and transformers imported), for garbage.
+        with rebuild.gc_paused():
+            packed = rebuild.pack((result, replay.roots, info.random_after), self_key=info.key,
+                                  substitutes=replay.paths)
+            if packed.own:
+                return None  # a storage is not, or no longer, the entry's bytes
+            if info.expected is None:
+                if info.pickled_here:
+                    info.expected = info.graph
+                else:
+                    as_stored, placeholders = rebuild.skeleton(info.graph, info.key)
+                    info.expected = rebuild.pack(as_stored, self_key=info.key, trust_mappings=True,
+                                                 substitutes=placeholders).graph
+                    del as_stored, placeholders
+    except (PackError, CorruptEntry):
+        return None
+    if packed.graph != info.expected:
+        return None
+    if mapped is not None:
+        mapped.update(packed.mapped)
+    return info.key
+
+
+# Note [References]
+# A cached result passed into another load (a base model into PeftModel.from_pretrained, a vae into a
+# pipeline) enters that load's key as the key of its entry, but only while it is unchanged: a model
+# written in place, or one whose Python state changed, is no longer what its entry holds, and the call
+# that receives it is uncacheable. Unchanged is checked when the object is passed, not when it is
+# loaded (hits stay cheap): every storage must still lie in unwritten pages of the entry's mappings
+# (Note [Mapping registry] in mappings.py), and
+# the object must pickle exactly as the entry's graph does: for a hit, a skeleton unpickled from that
+# graph in this process and packed here (two unpickled copies share string objects alike, as long as
+# the rebuild takes its strings from the graph: see `rebuild._new`; a pickle made in another process
+# differs in memo layout and in the order of its sets); for a miss this process published, the graph
+# it pickled from this very object.
+
+
+def _weakable(obj: Any) -> bool:
+    try:
+        weakref.ref(obj)
+        return True
+    except TypeError:
+        return False
+
+
+# -- unpinning, off the finalizer's thread -------------------------------------------------------------
+
+_unpins: queue.SimpleQueue[tuple[Client, str]] = queue.SimpleQueue()
+_unpinner: threading.Thread | None = None
+_unpinner_lock = threading.Lock()
+
+
+def unpin(client: Client, key: str) -> None:
+    """Unpin `key` for `client` soon, from a thread of ours: this runs in finalizers, which must not
+    wait for the daemon. The thread starts with the first unpin, never at import."""
+    global _unpinner
+    _unpins.put((client, key))
+    if _unpinner is None:
+        with _unpinner_lock:
+            if _unpinner is None:
+                _unpinner = threading.Thread(target=_unpin_loop, name="overmind-unpin", daemon=True)
+                _unpinner.start()
+
+
+def _forget_unpinner() -> None:
+    global _unpinner
+    _unpinner = None  # a forked child (a warm kernel) has none of its parent's threads
+
+
+os.register_at_fork(after_in_child=_forget_unpinner)
+
+
+def _unpin_loop() -> None:
+    while True:
+        client, key = _unpins.get()
+        if client.closed:
+            continue
+        try:
+            client.request(Op.UNPIN, key=key, timeout=10)
+        except DaemonError:
+            pass
