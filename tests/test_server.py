@@ -152,6 +152,9 @@ def test_connections_are_named_by_the_servers_session_else_by_the_daemon(daemon:
     by_id = Names([ServerKernel("k-1", None, "console-1", "console")]).connection(
         {"conn": 1, "pid": 4242, "role": "kernel", "label": "kernel k-1"})
     assert by_id["name"] == "console-1" and by_id["detail"] == "pid 4242, console kernel k-1"
+    # a preload's worker is named by the notebook it preloads for
+    worker = names.connection({"conn": 3, "pid": 99, "role": "worker", "label": f"preload for pid {os.getpid()}"})
+    assert worker["name"] == "preload for work/train.ipynb" and "pid 99" in worker["detail"]
 
 
 def test_progress_and_hits_log_carry_their_display_strings() -> None:

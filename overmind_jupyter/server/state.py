@@ -35,6 +35,7 @@ by device, a few spellings of its counts), so that the panel shows what an older
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +44,9 @@ from kernel_server.formats import byte_text, kernel_name, pending_text, percent,
 from kernel_server.settings import GiB
 
 __all__ = ["Names", "ServerKernel", "down_state", "panel_state", "units_view"]
+
+# How a preload's worker process labels itself (overmind_jupyter/worker.py).
+_PRELOAD = re.compile(r"preload for pid (\d+)")
 
 _TOTAL = ("capacity", "total", "units", "total_units")
 _USED = ("used", "leased", "taken", "used_units", "in_use")
@@ -96,6 +100,10 @@ class Names:
                        name=kernel.path, detail=f"pid {pid}, {kernel.session_type} kernel {kernel.kernel_id[:8]}")
         else:  # outside this server: as the CLI and the widgets name it
             out["name"], out["detail"] = kernel_name(conn)
+            parent = _PRELOAD.fullmatch(label)
+            kernel = self._by_pid.get(int(parent.group(1))) if parent else None
+            if kernel is not None and kernel.path:  # a preload's worker, for one of this server's kernels
+                out["name"] = f"preload for {kernel.path}"
         return out
 
 
