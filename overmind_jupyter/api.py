@@ -68,7 +68,7 @@ def status() -> dict[str, Any]:
     from kernel_server import lifecycle
     from kernel_server.client import shared_client
 
-    from . import loading, patching
+    from . import loading, patching, progress
 
     out: dict[str, Any] = {
         "enabled": _enabled,
@@ -77,7 +77,9 @@ def status() -> dict[str, Any]:
     }
     try:
         out["home"] = str(lifecycle.state_dir(create=False))
-        reply = shared_client(spawn=False).request(Op.STATUS, timeout=10)
+        client = shared_client(spawn=False)
+        progress.flush_hit_times(client)  # this kernel's hit times, for the time-saved figures (progress.py)
+        reply = client.request(Op.STATUS, timeout=10)
         out["daemon"] = {k: v for k, v in reply.payload.items() if k not in ("id", "ok")}
     except (DaemonError, OSError) as exc:
         out["daemon"] = None
