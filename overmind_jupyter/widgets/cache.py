@@ -103,19 +103,14 @@ def _load(load: dict[str, Any]) -> dict[str, Any]:
 
 def _hits(log: list[dict[str, Any]], last: int = 30) -> dict[str, Any]:
     """The time-saved chart's data: the last hits (each its plain load time and its own), and the sum."""
+    from ..progress import model_name
+
     hits: list[dict[str, Any]] = [
-        {"model": _model_of(str(h.get("label") or h.get("key", "")[:12])), "label": str(h.get("label") or ""),
+        {"model": model_name(str(h.get("label") or h.get("key", "")[:12])), "label": str(h.get("label") or ""),
          "t": float(h.get("t") or 0.0), "load_s": h.get("load_s"), "hit_s": h.get("hit_s")} for h in log]
     saved = sum(max(0.0, float(h["load_s"]) - float(h["hit_s"])) for h in hits
                 if h["load_s"] is not None and h["hit_s"] is not None)
     return {"hits": hits[-last:], "saved_s": saved, "hits_counted": len(hits)}
-
-
-def _model_of(label: str) -> str:
-    """A load's label ("AutoModel.from_pretrained('/x/tiny-llama', dtype=...)") shortened to its model."""
-    inner = label.split("(", 1)[1] if "(" in label else label
-    first = _unrepr(inner.split(",", 1)[0].rstrip(")").strip())
-    return os.path.basename(first.rstrip("/")) or label
 
 
 def _entry(e: dict[str, Any], my_conn: int | None) -> dict[str, Any]:

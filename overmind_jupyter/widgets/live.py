@@ -256,13 +256,13 @@ CSS = r"""
 .om-w .om-error { color: var(--jp-error-color1, #c62828); }
 .om-w .om-notice { color: var(--jp-ui-font-color2, #555); font-style: italic; }
 .om-w .om-sim { display: inline-block; padding: 0 5px; border-radius: 3px; font-size: 11px;
-  background: var(--jp-warn-color3, #fff3cd); color: var(--jp-warn-color0, #7a5b00);
-  border: 1px solid var(--jp-warn-color2, #f0d27a); }
+  background: var(--jp-layout-color2, #eee); color: var(--jp-ui-font-color1, #222);
+  border: 1px solid var(--jp-warn-color1, #f57c00); }
 .om-w table { border-collapse: collapse; width: 100%; }
 .om-w th, .om-w td { text-align: left; padding: 3px 8px; border-bottom: 1px solid var(--jp-border-color2, #e0e0e0);
   vertical-align: top; }
 .om-w th { font-weight: 600; color: var(--jp-ui-font-color2, #555); }
-.om-w td.om-num, .om-w th.om-num { text-align: right; font-variant-numeric: tabular-nums; }
+.om-w td.om-num, .om-w th.om-num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
 .om-w code, .om-w .om-mono { font-family: var(--jp-code-font-family, monospace); font-size: 11px; }
 .om-w button.om-btn { font-size: 12px; padding: 1px 8px; cursor: pointer;
   border: 1px solid var(--jp-border-color1, #bbb); border-radius: 3px; background: var(--jp-layout-color1, #fff);
