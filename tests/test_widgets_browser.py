@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from browser_lab import ARTIFACTS, JupyterLab, chromium, closing_browser, launch
+from browser_lab import ARTIFACTS, JupyterLab, chromium, closing_browser, contrast_failures, launch, set_theme
 
 pytestmark = pytest.mark.browser
 
@@ -137,6 +137,19 @@ def test_status_and_adapter_widgets_in_jupyterlab(overmind_home: Path, tiny_llam
                 expect(entry).to_contain_text("this kernel")  # it uses the cached copy (`base`, a hit)
                 expect(entry.get_by_test_id("overmind-widget-model")).to_have_text("tiny-llama")
                 expect(entry).to_contain_text("KiB")
+                # the kernel by its notebook, the pid and command on hover
+                kernel = entry.get_by_test_id("overmind-widget-kernel")
+                expect(kernel).to_contain_text("widgets.ipynb")
+                expect(kernel).to_have_attribute("title", re.compile(r"^pid \d+, .*widgets\.ipynb: .*python"))
+                # the two pictures: memory per entry against the budget, and each hit's time against the
+                # plain load's (`base` was a hit of `model`'s load)
+                memory = status.get_by_test_id("overmind-widget-memory")
+                expect(memory.get_by_test_id("overmind-widget-memory-segment")).to_have_count(2)
+                expect(memory).to_contain_text("widgets.ipynb")
+                saved = status.get_by_test_id("overmind-widget-saved")
+                expect(saved.get_by_test_id("overmind-widget-hit")).to_have_count(1)
+                expect(saved.get_by_test_id("overmind-widget-hit")).to_contain_text(re.compile(r"tiny-llama.* ms"))
+                expect(saved).to_contain_text("Load time saved")
                 units = page.get_by_test_id("overmind-widget-units")
                 devices = units.get_by_test_id("overmind-widget-device")
                 expect(devices).to_have_count(2)
@@ -168,11 +181,21 @@ def test_status_and_adapter_widgets_in_jupyterlab(overmind_home: Path, tiny_llam
                 panel.screenshot(path=str(ARTIFACTS / "widgets-adapters.png"))
                 page.screenshot(path=str(ARTIFACTS / "widgets-lab.png"), full_page=True)
 
+                # every text of the widgets readable in both themes (computed styles, WCAG ratio >= 4.5)
+                for theme, name in (("JupyterLab Dark", "dark"), ("JupyterLab Light", "light")):
+                    set_theme(page, theme)
+                    checked, failures = contrast_failures(page, ".om-w")
+                    output.screenshot(path=str(ARTIFACTS / f"widgets-{name}.png"))
+                    panel.screenshot(path=str(ARTIFACTS / f"widgets-adapters-{name}.png"))
+                    assert checked > 30 and not failures, (theme, failures)
+
                 # evict with the row's button: the row goes within 2 s
                 entry.get_by_test_id("overmind-widget-evict").click()
                 expect(entry).to_have_count(0, timeout=CHANGE_MS)
                 expect(rows).to_have_count(1)
                 expect(status.get_by_test_id("overmind-widget-notice")).to_contain_text("evicted")
+                expect(memory.get_by_test_id("overmind-widget-memory-segment")).to_have_count(1, timeout=CHANGE_MS)
+                expect(status.get_by_test_id("overmind-widget-notice")).to_have_count(0, timeout=12_000)  # it clears
 
                 # the views told the kernel they exist; clearing the outputs stops the polling
                 kc = _kernel_client(lab)
@@ -185,6 +208,22 @@ def test_status_and_adapter_widgets_in_jupyterlab(overmind_home: Path, tiny_llam
                 while (answer := _ask(kc, probe)) != "[False, False]" and time.monotonic() < deadline:
                     time.sleep(0.2)
                 assert answer == "[False, False]", "widgets shown nowhere must not be polled"
+
+                # after a restart, a widget of the old kernel says it is gone and its buttons do nothing
+                page.evaluate("""async () => {
+                    const panel = window.jupyterapp.shell.currentWidget;
+                    panel.content.activeCellIndex = 2;  // %overmind status
+                    await window.jupyterapp.commands.execute("notebook:run-cell");
+                }""")
+                status = page.get_by_test_id("overmind-widget-cache")
+                expect(status.get_by_test_id("overmind-widget-entry")).to_have_count(1)
+                expect(status.get_by_test_id("overmind-widget-gone")).to_have_count(0)
+                shown = page.locator(".jp-OutputArea-output", has=status)
+                page.evaluate("() => window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.restart()")
+                expect(shown.get_by_test_id("overmind-widget-gone").first).to_contain_text("kernel that is gone",
+                                                                                        timeout=30_000)
+                expect(status.get_by_test_id("overmind-widget-evict")).to_be_disabled()
+                shown.screenshot(path=str(ARTIFACTS / "widgets-gone.png"))
                 errors = [line for line in console if line.startswith("error") and "overmind" in line.lower()]
                 assert not errors, errors
     finally:
