@@ -68,16 +68,35 @@ def _settings(lab: JupyterLab) -> None:
     (tracker / "tracker.jupyterlab-settings").write_text(json.dumps({"windowingMode": "none"}))
 
 
-def _kernel_client(lab: JupyterLab) -> Any:
-    """A second client on the notebook's kernel (to look inside it; the notebook shows nothing of it)."""
+def _kernel_client(lab: JupyterLab, notebook: str = "widgets.ipynb") -> Any:
+    """A second client on a notebook's kernel (to look inside it; the notebook shows nothing of it)."""
     from jupyter_client import BlockingKernelClient
 
-    (kernel,) = lab.request("GET", "api/kernels")
-    (connection,) = lab.runtime.glob(f"kernel-{kernel['id']}*.json")
-    client = BlockingKernelClient(connection_file=str(connection))
+    (kernel_id,) = [s["kernel"]["id"] for s in lab.request("GET", "api/sessions") if s["path"] == notebook]
+    deadline = time.monotonic() + 60
+    while not (files := list(lab.runtime.glob(f"kernel-{kernel_id}*.json"))):
+        assert time.monotonic() < deadline, f"no connection file of {notebook}'s kernel"
+        time.sleep(0.1)
+    client = BlockingKernelClient(connection_file=str(files[0]))
     client.load_connection_file()
     client.start_channels(hb=False)
+    client.wait_for_ready(timeout=90)
     return client
+
+
+def _other_notebooks(lab: JupyterLab, model_dir: Path) -> list[Any]:
+    """Two more notebooks' kernels (sessions of the server, as JupyterLab opens them), each loading the
+    model: hits, named by their notebooks."""
+    clients = []
+    for name in ("second.ipynb", "third.ipynb"):
+        lab.request("POST", "api/sessions", {"path": name, "name": name, "type": "notebook",
+                                             "kernel": {"name": "python3"}})
+        kc = _kernel_client(lab, name)
+        clients.append(kc)
+        _ask(kc, "%load_ext overmind_jupyter\n%overmind on\n"
+                 "from transformers import AutoModelForCausalLM\n"
+                 f"m = AutoModelForCausalLM.from_pretrained({str(model_dir)!r})")
+    return clients
 
 
 def _ask(kc: Any, code: str) -> str:
@@ -110,6 +129,7 @@ def test_status_and_adapter_widgets_in_jupyterlab(overmind_home: Path, tiny_llam
     nbformat.write(_notebook(tiny_llama, tokenizer_dir), lab.root / "widgets.ipynb")
     lab.start()
     kc = None
+    others: list[Any] = []
     started = time.monotonic()
     try:
         with sync_playwright() as pw:
@@ -133,22 +153,28 @@ def test_status_and_adapter_widgets_in_jupyterlab(overmind_home: Path, tiny_llam
                 rows = status.get_by_test_id("overmind-widget-entry")
                 entry = rows.filter(has_text="AutoModelForCausalLM")  # the tokenizer is cached too
                 expect(entry).to_have_count(1)
+                others = _other_notebooks(lab, tiny_llama)
                 expect(rows.filter(has_text="AutoTokenizer")).to_have_count(1)
                 expect(entry).to_contain_text("this kernel")  # it uses the cached copy (`base`, a hit)
                 expect(entry.get_by_test_id("overmind-widget-model")).to_have_text("tiny-llama")
                 expect(entry).to_contain_text("KiB")
                 # the kernel by its notebook, the pid and command on hover
-                kernel = entry.get_by_test_id("overmind-widget-kernel")
-                expect(kernel).to_contain_text("widgets.ipynb")
-                expect(kernel).to_have_attribute("title", re.compile(r"^pid \d+, .*widgets\.ipynb: .*python"))
+                kernels = entry.get_by_test_id("overmind-widget-kernel")
+                expect(kernels).to_have_count(3)
+                for name in ("widgets.ipynb", "second.ipynb", "third.ipynb"):
+                    kernel = kernels.filter(has_text=name)
+                    expect(kernel).to_have_count(1)
+                    expect(kernel).to_have_attribute("title", re.compile(rf"^pid \d+, .*{name}: .*python"))
                 # the two pictures: memory per entry against the budget, and each hit's time against the
                 # plain load's (`base` was a hit of `model`'s load)
                 memory = status.get_by_test_id("overmind-widget-memory")
                 expect(memory.get_by_test_id("overmind-widget-memory-segment")).to_have_count(2)
                 expect(memory).to_contain_text("widgets.ipynb")
                 saved = status.get_by_test_id("overmind-widget-saved")
-                expect(saved.get_by_test_id("overmind-widget-hit")).to_have_count(1)
-                expect(saved.get_by_test_id("overmind-widget-hit")).to_contain_text(re.compile(r"tiny-llama.* ms"))
+                hits = saved.get_by_test_id("overmind-widget-hit")
+                expect(hits).to_have_count(3)  # `base` here, `m` in the two other notebooks
+                for i in range(3):  # each with its own time (sent after its cell), not "?"
+                    expect(hits.nth(i)).to_contain_text(re.compile(r"tiny-llama.* \u2192 \d+(\.\d)? m?s"))
                 expect(saved).to_contain_text("Load time saved")
                 units = page.get_by_test_id("overmind-widget-units")
                 devices = units.get_by_test_id("overmind-widget-device")
@@ -227,6 +253,8 @@ def test_status_and_adapter_widgets_in_jupyterlab(overmind_home: Path, tiny_llam
                 errors = [line for line in console if line.startswith("error") and "overmind" in line.lower()]
                 assert not errors, errors
     finally:
+        for other in others:
+            other.stop_channels()
         if kc is not None:
             kc.stop_channels()
         lab.stop()
