@@ -177,7 +177,7 @@ def test_progress_and_hits_log_carry_their_display_strings() -> None:
     assert load["progress"]["text"] == progress_text(status["loading"][0]["progress"])  # type: ignore[index]
     assert load["reserved_text"] == byte_text(1 << 30) and load["loader"]["name"]
     assert state["entries"][0]["pending"]["text"].startswith("copying from its checkpoint: 40%")
-    assert [h["hit_s"] for h in state["hits_log"]] == [0.5]
+    assert [h["hit_s"] for h in state["hits_log"]] == [0.5, None]
     assert state["texts"]["saved"] == seconds_text(11.5) and state["texts"]["plain"] == seconds_text(12.0)
 
 

@@ -50,7 +50,8 @@ export interface IHit {
   key: string;
   label: string;
   load_s: number;
-  hit_s: number;
+  /** Null until the kernel reported it (after the hit, never on its path). */
+  hit_s: number | null;
 }
 
 /** What the daemon still copies of an entry from its checkpoint files (it is servable already). */

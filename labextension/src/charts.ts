@@ -140,7 +140,12 @@ function legendLine(entry: IEntry, colour: string): HTMLElement {
  * Load time saved over the session: for each hit, the plain load time (measured at its miss) against
  * the hit's time, summed over the hits in order. The area between the two lines is the time saved.
  */
-export function savedChart(hits: IHit[], texts: { plain: string; hits: string; saved: string }): HTMLElement {
+export function savedChart(
+  log: IHit[],
+  texts: { plain: string; hits: string; saved: string }
+): HTMLElement {
+  const hits = log.filter(x => x.hit_s !== null);
+  const untimed = log.length - hits.length;
   const width = 300;
   const height = 80;
   const picture = svg('svg', {
@@ -152,7 +157,7 @@ export function savedChart(hits: IHit[], texts: { plain: string; hits: string; s
   });
   picture.append(svg('rect', { class: 'jp-Overmind-plot', x: 0, y: 0, width, height }));
   const plain = cumulative(hits.map(x => x.load_s));
-  const served = cumulative(hits.map(x => x.hit_s));
+  const served = cumulative(hits.map(x => x.hit_s ?? 0));
   const top = Math.max(1e-9, ...plain, ...served);
   const toPoints = (values: number[]): string =>
     [[0, height], ...values.map((v, i) => [((i + 1) * width) / values.length, height - (v / top) * (height - 4)])]
@@ -189,8 +194,16 @@ export function savedChart(hits: IHit[], texts: { plain: string; hits: string; s
       { class: 'jp-Overmind-legendLine', 'data-testid': 'overmind-saved' },
       hits.length
         ? `${texts.saved} saved over ${hits.length} hit${hits.length === 1 ? '' : 's'}`
-        : 'No hit yet: the second load of a model is served from the cache.'
-    )
+        : untimed
+          ? ''
+          : 'No hit yet: the second load of a model is served from the cache.'
+    ),
+    untimed > 0 &&
+      h(
+        'div',
+        { class: 'jp-Overmind-legendLine jp-Overmind-hint' },
+        `${untimed} more hit${untimed === 1 ? '' : 's'} not timed yet (a kernel reports with its next request)`
+      )
   );
   chart.dataset.hits = String(hits.length);
   return chart;

@@ -12,8 +12,10 @@ The reply of `GET {base_url}overmind/state` (all sizes in bytes, times in second
       "loading":   [{"key", "since", "reserved", "loader": CONNECTION, "waiters", "progress"?}],
       "kernels":   [CONNECTION],                         # connected processes, this server left out
       "fallbacks": [{"time", "pid", "label", "name", "detail", "call", "kind", "reason"}],
-      "hits_log":  [{"t", "key", "label", "load_s", "hit_s"}],  # recent hits, oldest first
-      "texts":     {"used", "budget", "reserved", "unit_bytes"},  # display strings of the sizes above
+      "hits_log":  [{"t", "key", "label", "load_s", "hit_s"}],  # recent hits, oldest first (hit_s: null
+                                                     # until the kernel reported it)
+      "texts":     {"used", "budget", "reserved", "unit_bytes",  # display strings of the sizes above
+                    "plain", "hits", "saved"},           # and of the timed hits' sums
       "units":     null | {"simulated": bool, "unit_bytes": int, "error": str | null, "waiting": int,
                            "devices": [{"device", "id", "model", "total", "used", "free", "simulated",
                                         "holders": [{"label", "kernel", "pid", "units", "busy"}]}]}
@@ -137,7 +139,8 @@ def panel_state(status: dict[str, Any], own_conn: int | None = None, names: Name
                                  for h in device["holders"]]
     budget, used, reserved = (int(status.get(name, 0)) for name in ("budget", "used", "reserved"))
     hits_log = _hits_log(status.get("hits_log"))
-    plain, served = sum(h["load_s"] for h in hits_log), sum(h["hit_s"] for h in hits_log)
+    timed = [h for h in hits_log if h["hit_s"] is not None]
+    plain, served = sum(h["load_s"] for h in timed), sum(h["hit_s"] for h in timed)
     return {
         "state": "ok",
         "daemon": status.get("daemon", {}),
@@ -184,11 +187,12 @@ def _pending(raw: Any) -> dict[str, Any] | None:
 
 
 def _hits_log(raw: Any) -> list[dict[str, Any]]:
-    """The daemon's recent hits that carry both times (plain load at the miss, and the hit's)."""
+    """The daemon's recent hits whose plain load was timed at the miss. A hit's own time (`hit_s`) is
+    None until its kernel reports it, after the hit (Note [Load time saved] in kernel_server/store.py)."""
     if not isinstance(raw, list):
         return []
-    return [h for h in raw if isinstance(h, dict)
-            and isinstance(h.get("load_s"), (int, float)) and isinstance(h.get("hit_s"), (int, float))]
+    return [dict(h, hit_s=h.get("hit_s") if isinstance(h.get("hit_s"), (int, float)) else None)
+            for h in raw if isinstance(h, dict) and isinstance(h.get("load_s"), (int, float))]
 
 
 def units_view(raw: Any) -> dict[str, Any] | None:
