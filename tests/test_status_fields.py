@@ -124,3 +124,18 @@ def test_one_formatter_in_python_and_in_the_widgets_javascript() -> None:
     assert py == js
     assert formats.byte_text(11.8 * 2**30) == "11.8 GiB" and formats.byte_text(512 * 2**20) == "512 MiB"
     assert formats.ago_text(1000, 1001) == "just now" and formats.ago_text(1000, 1180) == "3 min ago"
+
+
+def test_magic_status_in_a_real_shell_names_kernels_by_notebook(overmind_home: Path) -> None:
+    env = dict(os.environ, JPY_SESSION_NAME="/home/ada/analysis.ipynb")
+    out = run_py("""
+        from IPython.core.interactiveshell import InteractiveShell
+        from kernel_server import Client
+        shell = InteractiveShell.instance()
+        shell.run_line_magic("load_ext", "overmind_jupyter")
+        shell.run_line_magic("overmind", "on")
+        other = Client(role="kernel", label="/home/ada/second.ipynb")
+        shell.run_line_magic("overmind", "status")
+    """, env=env).stdout
+    assert "kernel analysis.ipynb  (kernel; pid " in out, out
+    assert "kernel second.ipynb  (kernel; pid " in out, out
