@@ -78,8 +78,9 @@ export function memoryChart(state: IPanelState): HTMLElement {
       'data-testid': 'overmind-segment'
     });
     rect.style.fill = SEGMENT_COLOURS[i % SEGMENT_COLOURS.length];
-    rect.append(svg('title', {}));
-    rect.lastElementChild!.textContent = `${entry.label}: ${entry.bytes_text}`;
+    const tip = svg('title', {});
+    tip.textContent = `${entry.label}: ${entry.bytes_text}`; // on hover
+    rect.append(tip);
     bar.append(rect);
     x += Math.max(w, MIN_SEGMENT);
   });

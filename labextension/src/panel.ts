@@ -303,7 +303,7 @@ export class OvermindPanel extends Widget {
         'div',
         { class: 'jp-Overmind-hint' },
         `${entry.bytes_text} · ${entry.hits} hit${entry.hits === 1 ? '' : 's'} · ` +
-          `used ${ago(entry.last_used)} · `,
+          `last used ${ago(entry.last_used)} · `,
         ...users
       ),
       entry.progress
