@@ -154,6 +154,10 @@ def test_status_and_adapter_widgets_in_jupyterlab(overmind_home: Path, tiny_llam
                 entry = rows.filter(has_text="AutoModelForCausalLM")  # the tokenizer is cached too
                 expect(entry).to_have_count(1)
                 others = _other_notebooks(lab, tiny_llama)
+                # the first load's progress in its cell: transformers' own bar (an ipywidgets bar), named
+                bar = page.locator(".jp-OutputArea-output .jupyter-widgets", has_text="Loading weights (tiny-llama)")
+                expect(bar.first).to_be_visible()
+                expect(bar.first).to_contain_text("100%")
                 expect(rows.filter(has_text="AutoTokenizer")).to_have_count(1)
                 expect(entry).to_contain_text("this kernel")  # it uses the cached copy (`base`, a hit)
                 expect(entry.get_by_test_id("overmind-widget-model")).to_have_text("tiny-llama")
