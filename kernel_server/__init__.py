@@ -5,35 +5,11 @@ Importing this package imports neither torch nor IPython (docs/design.md invaria
 
 from __future__ import annotations
 
+from . import errors
 from ._version import __version__
 from .client import Client, shared_client
-from .errors import (
-                     BudgetExceeded,
-                     DaemonError,
-                     DaemonUnavailable,
-                     DescriptorsExhausted,
-                     PeerRefused,
-                     ProtocolError,
-                     ProtocolMismatch,
-                     RemoteError,
-                     StateDirError,
-                     WaitTimeout,
-)
+from .errors import *  # noqa: F403 (every error class, listed once: in errors.__all__)
 from .protocol import PROTOCOL_VERSION
 
-__all__ = [
-    "PROTOCOL_VERSION",
-    "BudgetExceeded",
-    "Client",
-    "DaemonError",
-    "DaemonUnavailable",
-    "DescriptorsExhausted",
-    "PeerRefused",
-    "ProtocolError",
-    "ProtocolMismatch",
-    "RemoteError",
-    "StateDirError",
-    "WaitTimeout",
-    "__version__",
-    "shared_client",
-]
+__all__ = ["PROTOCOL_VERSION", "Client", "__version__", "shared_client"]
+__all__ += errors.__all__

@@ -35,6 +35,7 @@ from .errors import (
     WaitTimeout,
 )
 from .operations import Op, error_for
+from .payloads import HelloRequest
 from .protocol import PROTOCOL_VERSION, Frame, FrameKind
 from .transport import close_fds, recv_frame, send_frame
 
@@ -126,8 +127,8 @@ class Client:
         self._reader: threading.Thread | None = None
         self._pusher: threading.Thread | None = None
         try:
-            hello = self.request(Op.HELLO, protocol=PROTOCOL_VERSION, role=role, label=label, pid=os.getpid(),
-                                 timeout=ANSWER_TIMEOUT)
+            hello = self.request(Op.HELLO, **HelloRequest(protocol=PROTOCOL_VERSION, role=role, label=label,
+                                                          pid=os.getpid()), timeout=ANSWER_TIMEOUT)
         except WaitTimeout:
             self.close()
             raise DaemonHung(f"the daemon at {self.home} accepted the connection but did not answer within "

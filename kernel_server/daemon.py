@@ -28,7 +28,8 @@ from .compaction import Compactor
 from .errors import DaemonError, DescriptorsLost, ProtocolError, RemoteError
 from .ledger import Ledger
 from .lifecycle import DaemonLock, socket_path
-from .operations import TAKES_DESCRIPTORS, Handler, Op, Peer, Reply, Request
+from .operations import TAKES_DESCRIPTORS, Handler, Op, Peer, Reply, Request, parse
+from .payloads import Empty, FallbackRequest, HelloReply, HelloRequest, PingReply, ShutdownReply, Snapshot
 from .protocol import PROTOCOL_VERSION, FrameKind
 from .store import Store
 from .store_service import StoreService
@@ -39,7 +40,6 @@ __all__ = ["Daemon", "run"]
 
 log = logging.getLogger("kernel_server")
 
-_MAX_META = 16 * 1024  # bytes of JSON an entry's description may take
 _MAX_FALLBACKS = 100
 ORPHAN_SWEEP_S = 5.0  # how often the checkpoints entries were loaded from are looked at
 
@@ -78,7 +78,7 @@ class Connection:
         finally:
             close_fds(fds or [])
 
-    def reply(self, request_id: int, reply: Reply) -> bool:
+    def reply(self, request_id: int, reply: Reply[Any]) -> bool:
         return self.send(FrameKind.REPLY, {"id": request_id, "ok": True, **reply.payload}, reply.fds)
 
     def error(self, request_id: int | None, code: str, message: str) -> bool:
@@ -234,9 +234,10 @@ class Daemon:
                     raise RemoteError("bad_frame", f"clients send requests, not {frame.kind.name.lower()}s")
                 if not isinstance(request_id, int) or isinstance(request_id, bool):
                     raise RemoteError("bad_frame", "a request needs an integer 'id'")
-                request = Request(_op(frame.payload.get("op")), request_id, frame.payload)
-                if not conn.greeted and request.op is not Op.HELLO:
+                op = _op(frame.payload.get("op"))
+                if not conn.greeted and op is not Op.HELLO:
                     raise RemoteError("no_hello", "the first request must be 'hello'")
+                request = parse(op, request_id, frame.payload)  # "bad_request" unless it fits its type
                 if request.op in TAKES_DESCRIPTORS:
                     request.descriptors, frame.fds = frame.fds, []
                 try:
@@ -293,8 +294,8 @@ class Daemon:
 
     # -- handlers -----------------------------------------------------------------------------
 
-    def hello(self, conn: Peer, req: Request) -> Reply:
-        version = req.get("protocol")
+    def hello(self, conn: Peer, req: Request[HelloRequest]) -> Reply[HelloReply]:
+        version = req.payload["protocol"]
         if version != PROTOCOL_VERSION:
             raise RemoteError(
                 "protocol_mismatch",
@@ -302,16 +303,16 @@ class Daemon:
                 "run `overmind-daemon stop` and let the client start a new one",
             )
         assert isinstance(conn, Connection)  # the daemon's own handler: it names the connection
-        conn.role = str(req.get("role", "kernel"))[:32]
-        conn.label = str(req.get("label", ""))[:1024]  # a notebook's path
+        conn.role = req.payload.get("role", "kernel")[:32]
+        conn.label = req.payload.get("label", "")[:1024]  # a notebook's path
         conn.greeted = True
         return Reply({"protocol": PROTOCOL_VERSION, "version": __version__, "pid": os.getpid(),
                       "home": str(self.home), "budget": self.store.budget, "conn": conn.id})
 
-    def ping(self, conn: Peer, req: Request) -> Reply:
+    def ping(self, conn: Peer, req: Request[Empty]) -> Reply[PingReply]:
         return Reply({"pong": time.time()})
 
-    def status(self, conn: Peer, req: Request) -> Reply:
+    def status(self, conn: Peer, req: Request[Empty]) -> Reply[Snapshot]:
         snap = self.store.snapshot(self.kernel_of)
         snap["descriptors"]["open"] = descriptors.open_descriptors()
         with self._lock:
@@ -327,14 +328,15 @@ class Daemon:
             **snap,
         })
 
-    def fallback(self, conn: Peer, req: Request) -> Reply:
+    def fallback(self, conn: Peer, req: Request[FallbackRequest]) -> Reply[Empty]:
         """A kernel reports a call that went the plain way, for `status` and the side panel."""
-        fields = {name: str(req.get(name, ""))[:500] for name in ("call", "kind", "reason")}
+        p = req.payload
+        fields = {"call": p.get("call", "")[:500], "kind": p.get("kind", "")[:500], "reason": p.get("reason", "")[:500]}
         label = self.kernel_of(conn.id)["label"]
         self._fallbacks.append({"time": time.time(), "pid": conn.pid, "label": label, **fields})
         return Reply({})
 
-    def shutdown(self, conn: Peer, req: Request) -> Reply:
+    def shutdown(self, conn: Peer, req: Request[Empty]) -> Reply[ShutdownReply]:
         threading.Timer(0.05, self.stop).start()
         return Reply({"stopping": os.getpid()})
 

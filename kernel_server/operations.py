@@ -1,74 +1,118 @@
 """What a client may ask the daemon: one table of operations, and one table of the error codes a reply
 may carry, shared by the daemon and its clients (the frame format is protocol.py's).
 
-Each operation names its handler's home and says whether its request carries descriptors. Handlers
-have one shape, `(peer, request) -> Reply | None` (None: the answer comes later, through
-`peer.reply`), whether the store's (store_service.py), the units ledger's (units_service.py) or the
-daemon's own (daemon.py); the dispatcher closes every descriptor a handler did not take.
+Each operation has a declared request and reply type (PAYLOADS, payloads.py); the daemon checks a
+request against its type before its handler runs (`parse`). Handlers have one shape,
+`(peer, request) -> Reply | None` (None: the answer comes later, through `peer.reply`), whether the
+store's (store_service.py), the units ledger's (units_service.py) or the daemon's own (daemon.py); the
+dispatcher closes every descriptor a handler did not take.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
+from . import payloads
 from .errors import BudgetExceeded, DescriptorsExhausted, RemoteError
 
-__all__ = ["ERRORS", "TAKES_DESCRIPTORS", "Handler", "Op", "Peer", "Reply", "Request", "error_for"]
+__all__ = ["ERRORS", "PAYLOADS", "TAKES_DESCRIPTORS", "Handler", "Op", "Payloads", "Peer", "Reply", "Request",
+           "error_for", "parse"]
 
 
 class Op(str, enum.Enum):
-    """The operations, as their names travel in a request's "op"."""
+    """The operations, as their names travel in a request's "op". Their fields: PAYLOADS."""
 
-    HELLO = "hello"  # {protocol, role, label, pid} -> {protocol, version, pid, home, budget, conn}
-    PING = "ping"  # {} -> {pong}
-    STATUS = "status"  # {} -> the daemon, its kernels, entries, loads, budget, descriptors, units, fallbacks
-    LS = "ls"  # {} -> {entries}
-    LOOKUP = "lookup"  # {key, wait} -> {status: hit|load|busy|cancelled, entries} + descriptors on a hit
-    CANCEL = "cancel"  # {request} -> {cancelled}: stop waiting in a lookup
-    RESERVE = "reserve"  # {key, bytes, descriptors?} -> {evicted}: room for the load this connection owns
-    PUBLISH = "publish"  # {key, graph_bytes, arena_bytes, meta, deps, sources, pieces, pin, marker, watch} + fds
-    ABANDON = "abandon"  # {key} -> {}: give up the load; the next waiter becomes the loader
-    UNPIN = "unpin"  # {key, count?} -> {}
-    EVICT = "evict"  # {key} or {all} -> {evicted}
-    PROGRESS = "progress"  # {key, label, done, total, unit} -> {}: how far a load got (Note [Progress] in store.py)
-    HITS = "hits"  # {hits: [[key, t, hit_s]]} -> {}: hit times, reported late (Note [Load time saved] in store.py)
-    FALLBACK = "fallback"  # {call, kind, reason} -> {}: a load that went the plain way, for status
-    SHUTDOWN = "shutdown"  # {} -> {stopping}
-    UNITS_REGISTER = "units_register"  # {devices} -> {devices, simulated, unit_bytes, reserve_gib, fake_gpus}
-    UNITS_ACQUIRE = "units_acquire"  # {units, devices?, timeout_s?, label, busy} -> a grant, when it is made
-    UNITS_RELEASE = "units_release"  # {holding} -> {released}
-    UNITS_TOUCH = "units_touch"  # {holding, busy} -> {}
-    UNITS_CANCEL = "units_cancel"  # {request} -> {cancelled, revoked}
-    UNITS_STATE = "units_state"  # {} -> the ledger's snapshot
+    HELLO = "hello"  # the first request on a connection: the protocol version is checked here
+    PING = "ping"
+    STATUS = "status"  # the daemon, its kernels, entries, loads, budget, descriptors, units, fallbacks
+    LS = "ls"  # the entries
+    LOOKUP = "lookup"  # a hit (with descriptors), or the load is this connection's, or another's (wait)
+    CANCEL = "cancel"  # stop waiting in a lookup
+    RESERVE = "reserve"  # room for the load this connection owns
+    PUBLISH = "publish"  # the load's entry (with descriptors)
+    ABANDON = "abandon"  # give up the load; the next waiter becomes the loader
+    UNPIN = "unpin"
+    EVICT = "evict"
+    PROGRESS = "progress"  # how far a load got (Note [Progress] in store.py); sent without waiting
+    HITS = "hits"  # hit times, reported late (Note [Load time saved] in store.py); sent without waiting
+    FALLBACK = "fallback"  # a load that went the plain way, for status
+    SHUTDOWN = "shutdown"
+    UNITS_REGISTER = "units_register"  # the devices of a kernel, and the ledger's configuration
+    UNITS_ACQUIRE = "units_acquire"  # a grant, when it is made
+    UNITS_RELEASE = "units_release"
+    UNITS_TOUCH = "units_touch"
+    UNITS_CANCEL = "units_cancel"
+    UNITS_STATE = "units_state"  # the ledger's snapshot
+
+
+@dataclass(frozen=True)
+class Payloads:
+    """The types of an operation's request and reply payloads (payloads.py)."""
+
+    request: Any
+    reply: Any
+
+
+PAYLOADS: dict[Op, Payloads] = {
+    Op.HELLO: Payloads(payloads.HelloRequest, payloads.HelloReply),
+    Op.PING: Payloads(payloads.Empty, payloads.PingReply),
+    Op.STATUS: Payloads(payloads.Empty, payloads.Snapshot),
+    Op.LS: Payloads(payloads.Empty, payloads.LsReply),
+    Op.LOOKUP: Payloads(payloads.LookupRequest, payloads.LookupReply),
+    Op.CANCEL: Payloads(payloads.CancelRequest, payloads.CancelReply),
+    Op.RESERVE: Payloads(payloads.ReserveRequest, payloads.EvictedReply),
+    Op.PUBLISH: Payloads(payloads.PublishRequest, payloads.PublishReply),
+    Op.ABANDON: Payloads(payloads.KeyRequest, payloads.Empty),
+    Op.UNPIN: Payloads(payloads.UnpinRequest, payloads.Empty),
+    Op.EVICT: Payloads(payloads.EvictRequest, payloads.EvictedReply),
+    Op.PROGRESS: Payloads(payloads.ProgressRequest, payloads.Empty),
+    Op.HITS: Payloads(payloads.HitsRequest, payloads.Empty),
+    Op.FALLBACK: Payloads(payloads.FallbackRequest, payloads.Empty),
+    Op.SHUTDOWN: Payloads(payloads.Empty, payloads.ShutdownReply),
+    Op.UNITS_REGISTER: Payloads(payloads.UnitsRegisterRequest, payloads.UnitsRegisterReply),
+    Op.UNITS_ACQUIRE: Payloads(payloads.UnitsAcquireRequest, payloads.Grant),
+    Op.UNITS_RELEASE: Payloads(payloads.HoldingRequest, payloads.UnitsReleaseReply),
+    Op.UNITS_TOUCH: Payloads(payloads.UnitsTouchRequest, payloads.Empty),
+    Op.UNITS_CANCEL: Payloads(payloads.CancelRequest, payloads.UnitsCancelReply),
+    Op.UNITS_STATE: Payloads(payloads.Empty, payloads.Snapshot),
+}
 
 
 TAKES_DESCRIPTORS = frozenset({Op.PUBLISH})  # every other request's descriptors are closed unread
 
 
+P = TypeVar("P", bound=Mapping[str, Any])
+
+
 @dataclass
-class Request:
-    """A request as a handler sees it: its operation, id, payload and the descriptors it carried.
-    A handler that keeps descriptors calls `take_descriptors`; the dispatcher closes the rest."""
+class Request(Generic[P]):
+    """A request as a handler sees it: its operation, id, payload (checked against the operation's
+    declared request type: `parse`) and the descriptors it carried. A handler that keeps descriptors
+    calls `take_descriptors`; the dispatcher closes the rest."""
 
     op: Op
     id: int
-    payload: dict[str, Any]
+    payload: P
     descriptors: list[int] = field(default_factory=list)
 
     def take_descriptors(self) -> list[int]:
         taken, self.descriptors = self.descriptors, []
         return taken
 
-    def get(self, name: str, default: Any = None) -> Any:
-        return self.payload.get(name, default)
+
+def parse(op: Op, request_id: int, payload: dict[str, Any]) -> Request[Any]:
+    """The request `payload` makes, once it fits the operation's declared request type; else
+    RemoteError("bad_request") naming the field and what it must be."""
+    payloads.check(PAYLOADS[op].request, payload, op.value)
+    return Request(op, request_id, payload)
 
 
 @dataclass
-class Reply:
-    payload: dict[str, Any]
+class Reply(Generic[P]):
+    payload: P
     fds: list[int] = field(default_factory=list)  # closed by the daemon once sent
 
 
@@ -78,14 +122,14 @@ class Peer(Protocol):
     id: int
     pid: int
 
-    def reply(self, request_id: int, reply: Reply) -> bool: ...
+    def reply(self, request_id: int, reply: Reply[Any]) -> bool: ...
 
     def error(self, request_id: int | None, code: str, message: str) -> bool: ...
 
     def push(self, op: str, payload: dict[str, Any]) -> bool: ...
 
 
-Handler = Callable[[Peer, Request], "Reply | None"]
+Handler = Callable[[Peer, Request[Any]], "Reply[Any] | None"]
 
 # Error code -> what the client raises for it (RemoteError for the rest). The codes, and who answers
 # them: bad_frame, protocol_mismatch, unknown_op, no_hello, bad_request, internal, refused (the

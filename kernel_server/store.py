@@ -45,7 +45,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import arena, descriptors
 from .errors import BudgetExceeded, DescriptorsExhausted, RemoteError
@@ -55,6 +55,13 @@ __all__ = ["CompactionJob", "Entry", "LookupResult", "Store"]
 
 ConnId = int
 Notify = Callable[["LookupResult"], None]
+
+
+class Usage(NamedTuple):
+    """Bytes of the budget and file descriptors (Note [Descriptor budget] in descriptors.py)."""
+
+    nbytes: int
+    nfds: int
 
 
 @dataclass
@@ -221,28 +228,24 @@ class Store:
     # -- reads ---------------------------------------------------------------------------------
 
     @property
-    def used(self) -> int:
-        return sum(e.nbytes for e in self._entries.values())
+    def held(self) -> Usage:
+        """What the entries hold."""
+        return Usage(sum(e.nbytes for e in self._entries.values()), sum(e.nfds for e in self._entries.values()))
 
     @property
-    def reserved(self) -> int:
-        return sum(load.reserved for load in self._loads.values())
-
-    @property
-    def fds_held(self) -> int:
-        return sum(e.nfds for e in self._entries.values())
-
-    @property
-    def fds_reserved(self) -> int:
-        return sum(load.nfds for load in self._loads.values())
+    def in_flight(self) -> Usage:
+        """What the loads in flight reserved."""
+        return Usage(sum(load.reserved for load in self._loads.values()),
+                     sum(load.nfds for load in self._loads.values()))
 
     def snapshot(self, kernels: Callable[[ConnId], dict[str, Any]]) -> dict[str, Any]:
         with self._lock:
             entries = sorted(self._entries.values(), key=lambda e: e.last_used, reverse=True)
+            held, in_flight = self.held, self.in_flight
             return {
                 "budget": self.budget,
-                "used": self.used,
-                "reserved": self.reserved,
+                "used": held.nbytes,
+                "reserved": in_flight.nbytes,
                 "entries": [e.describe(kernels) for e in entries if not e.marker],
                 "loading": [
                     {"key": load.key, "since": load.started, "reserved": load.reserved,
@@ -253,7 +256,7 @@ class Store:
                 "hits_log": [dict(h) for h in self.hits_log],
                 "stats": dict(self.stats),
                 "descriptors": {"limit": self.descriptors.limit, "cap": self.descriptors.cap,
-                                "entries": self.fds_held, "reserved": self.fds_reserved,
+                                "entries": held.nfds, "reserved": in_flight.nfds,
                                 "connections": self.descriptors.connections},
             }
 
@@ -308,7 +311,7 @@ class Store:
             evicted = self._make_room(need, need_fds)
             if not self._fits_fds(need_fds):
                 raise self._refuse_for_descriptors(nfds)
-            if self.used + self.reserved + need > self.budget:
+            if not self._fits_bytes(need):
                 held = self._held_by_pins()
                 pinned = sum(e.nbytes for e in self._entries.values() if e.key in held)
                 raise BudgetExceeded(
@@ -316,7 +319,8 @@ class Store:
                     f"no room for {byte_text(nbytes)}: {byte_text(pinned)} of the {byte_text(self.budget)} budget "
                     "is held "
                     "by entries that kernels use now and {} is reserved by other loads; free models in "
-                    "other kernels, `%overmind evict`, or raise OVERMIND_BUDGET".format(byte_text(self.reserved)),
+                    "other kernels, `%overmind evict`, or raise OVERMIND_BUDGET".format(
+                        byte_text(self.in_flight.nbytes)),
                 )
             load.reserved, load.nfds = nbytes, nfds
             if load.loaded is None:
@@ -591,17 +595,19 @@ class Store:
                 stack += [self._entries[d] for d in e.deps if d in self._entries]
         return held
 
+    def _fits_bytes(self, need: int) -> bool:
+        return self.held.nbytes + self.in_flight.nbytes + need <= self.budget
+
     def _fits_fds(self, need_fds: int) -> bool:
-        return self.fds_held + self.fds_reserved + need_fds <= self.descriptors.cap
+        return self.held.nfds + self.in_flight.nfds + need_fds <= self.descriptors.cap
 
     def _make_room(self, need: int, need_fds: int = 0) -> list[str]:
         """Evict until `need` more bytes and `need_fds` more descriptors fit, or nothing is left to evict."""
-        return self._evict_until(
-            lambda: self.used + self.reserved + need <= self.budget and self._fits_fds(need_fds))
+        return self._evict_until(lambda: self._fits_bytes(need) and self._fits_fds(need_fds))
 
     def _shed(self, fds: int) -> list[str]:
-        target = self.fds_held - fds
-        return self._evict_until(lambda: self.fds_held <= target)
+        target = self.held.nfds - fds
+        return self._evict_until(lambda: self.held.nfds <= target)
 
     def _evict_until(self, done: Callable[[], bool]) -> list[str]:
         """Evict least-recently-used unpinned entries (dependents with them) until `done()`."""
@@ -623,7 +629,7 @@ class Store:
             "descriptors_exhausted",
             f"the daemon has no file descriptors left for a new entry (it needs {fds}): its limit of {d.limit} "
             f"leaves {d.cap} for entries, the rest being kept for connections and its own use, and entries that "
-            f"kernels use now hold {pinned} of them, loads in flight {self.fds_reserved}. To cache more, "
+            f"kernels use now hold {pinned} of them, loads in flight {self.in_flight.nfds}. To cache more, "
             f"{descriptors.ADVICE}",
         )
 

@@ -1,14 +1,19 @@
-"""Lazy attributes for the packages of overmind_jupyter, so that importing them stays cheap
-(docs/design.md invariant 8): a name is imported from its module on first access, then kept."""
+"""What overmind_jupyter makes on first use, so that importing it stays cheap (docs/design.md invariant
+8): a package's attributes (a name is imported from its module on first access, then kept), and a
+process's one instance of a class (`lazy_instance`)."""
 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+import threading
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
-__all__ = ["lazy_attributes"]
+__all__ = ["lazy_attributes", "lazy_instance"]
+
+T = TypeVar("T")
 
 
 def lazy_attributes(package: str, where: dict[str, str], names: Iterable[str],
@@ -38,3 +43,24 @@ def lazy_attributes(package: str, where: dict[str, str], names: Iterable[str],
         return sorted(set(vars(sys.modules[package])) | listed | set(where) | modules)
 
     return __getattr__, __dir__
+
+
+def lazy_instance(make: Callable[[], T]) -> Callable[[], T]:
+    """A function that returns this process's one `make()`: made on the first call, under a lock, and
+    made again in a forked child, which has none of its parent's threads and connections."""
+    made: list[T] = []
+    lock = threading.Lock()
+
+    def instance() -> T:
+        with lock:
+            if not made:
+                made.append(make())
+            return made[0]
+
+    def forget() -> None:
+        nonlocal lock
+        made.clear()
+        lock = threading.Lock()  # perhaps held by a thread of the parent's, which the child lacks
+
+    os.register_at_fork(after_in_child=forget)
+    return instance

@@ -35,7 +35,7 @@ __all__ = ["REPORT_S", "Reporter", "flush_hit_times", "hit", "loading", "model_n
 REPORT_S = 0.25  # at most one progress report per load this often
 _MAX_HITS = 1000
 
-_hit_times: collections.deque[list[Any]] = collections.deque(maxlen=_MAX_HITS)
+_hit_times: collections.deque[dict[str, Any]] = collections.deque(maxlen=_MAX_HITS)
 _current = threading.local()  # the Reporter of the miss this thread loads
 _hook_lock = threading.Lock()
 _hooked = False
@@ -144,7 +144,7 @@ def _relay(bar: Any, reporter: Reporter, what: str) -> None:
 
 def hit(key: str, seconds: float) -> None:
     """Remember that a hit of `key` took `seconds` (sent later by `flush_hit_times`)."""
-    _hit_times.append([key, time.time(), seconds])
+    _hit_times.append({"key": key, "t": time.time(), "hit_s": seconds})
 
 
 def flush_hit_times(client: Any = None) -> None:

@@ -101,7 +101,7 @@ def publish(client: Client, key: str, label: str, meta: dict[str, Any], packed: 
                     arena.ArenaWriter(len(packed.graph), name=f"overmind-graph:{key[:12]}")))
                 graph.view[:] = packed.graph
                 client.request(
-                    "publish", key=key, fds=[graph.seal(), data.seal(), *(s.fd for s in plan.sources)],
+                    Op.PUBLISH, key=key, fds=[graph.seal(), data.seal(), *(s.fd for s in plan.sources)],
                     graph_bytes=len(packed.graph), arena_bytes=packed.arena_bytes, meta=meta, deps=packed.deps,
                     sources=[{"path": s.path, **s.identity} for s in plan.sources],
                     pieces=[[own.offset, own.nbytes, i, at]

@@ -70,11 +70,11 @@ def test_load_time_at_the_miss_and_hit_times_reported_later(daemon: Client, over
         (logged,) = daemon.request("status")["hits_log"]
         assert logged["key"] == "a" * 64 and logged["label"] == "LlamaForCausalLM('m')"
         assert logged["load_s"] == entry["load_s"] and logged["hit_s"] is None and logged["pid"] == os.getpid()
-        other.request("hits", hits=[["a" * 64, time.time(), 0.004]])
+        other.request("hits", hits=[{"key": "a" * 64, "t": time.time(), "hit_s": 0.004}])
         (logged,) = daemon.request("status")["hits_log"]
         assert logged["hit_s"] == 0.004
         with pytest.raises(Exception, match="hits"):
-            other.request("hits", hits=[["a" * 64, "yesterday", 1]])
+            other.request("hits", hits=[{"key": "a" * 64, "t": "yesterday", "hit_s": 1}])
 
 
 def test_a_loads_progress_reaches_status_with_eta(daemon: Client, overmind_home: Path) -> None:

@@ -532,7 +532,8 @@ def test_status_widget_names_kernels_charts_memory_time_saved_and_progress(
         within("status: the hit in the time-saved data", lambda: table.summary.get("hits"))
         (logged,) = table.summary["hits"]
         assert logged["model"] == "tiny-llama" and logged["load_s"] == entry["load_s"] and logged["hit_s"] is None
-        other.request("hits", hits=[[entry["key"], time.time(), 0.003]])  # reported later, off the hit's path
+        # reported later, off the hit's path
+        other.request("hits", hits=[{"key": entry["key"], "t": time.time(), "hit_s": 0.003}])
         within("status: the hit's own time", lambda: table.summary["hits"][0]["hit_s"] == 0.003)
         assert table.summary["saved_s"] == pytest.approx(entry["load_s"] - 0.003)
 

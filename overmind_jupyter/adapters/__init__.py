@@ -22,46 +22,20 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .._lazy import lazy_attributes
+from ._errors import __all__ as _error_names
 
 if TYPE_CHECKING:
-    from ._errors import (
-        AdapterChangedError,
-        AdapterError,
-        AdapterExistsError,
-        AdapterWarning,
-        GateClosedError,
-        GateDeadlockError,
-        NoAdaptersError,
-        RoutingUnavailableError,
-        UnknownAdapterError,
-        UnsupportedModelError,
-    )
+    from ._errors import *  # noqa: F403 (the error classes, listed once: in _errors.__all__)
     from .gating import AdapterGate, gate, open_gates
     from .routing import BASE
 
-__all__ = [
-    "BASE",
-    "AdapterChangedError",
-    "AdapterError",
-    "AdapterExistsError",
-    "AdapterGate",
-    "AdapterWarning",
-    "GateClosedError",
-    "GateDeadlockError",
-    "NoAdaptersError",
-    "RoutingUnavailableError",
-    "UnknownAdapterError",
-    "UnsupportedModelError",
-    "gate",
-    "open_gates",
-]
+__all__ = ["BASE", "AdapterGate", "gate", "open_gates"]
+__all__.extend(_error_names)
 
 _WHERE = {
-    "gate": ".gating",
-    "open_gates": ".gating",
-    "AdapterGate": ".gating",
+    **dict.fromkeys(["gate", "open_gates", "AdapterGate"], ".gating"),
+    **dict.fromkeys(_error_names, "._errors"),
     "BASE": ".routing",
-    **{name: "._errors" for name in __all__ if name.endswith(("Error", "Warning"))},
 }
 
 

@@ -21,45 +21,22 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .._lazy import lazy_attributes
+from ._errors import __all__ as _error_names
 
 if TYPE_CHECKING:
-    from ._errors import (
-        ModelBusyError,
-        ModelTooLargeError,
-        NoDeviceError,
-        NotPlacedError,
-        UnitsError,
-        UnitsTimeout,
-    )
+    from ._errors import *  # noqa: F403 (the error classes, listed once: in _errors.__all__)
     from .api import device_of, place, release, using
     from .devices import units_for
     from .report import format_state, state
 
-__all__ = [
-    "ModelBusyError",
-    "ModelTooLargeError",
-    "NoDeviceError",
-    "NotPlacedError",
-    "UnitsError",
-    "UnitsTimeout",
-    "device_of",
-    "format_state",
-    "place",
-    "release",
-    "state",
-    "units_for",
-    "using",
-]
+__all__ = ["device_of", "format_state", "place", "release", "state", "units_for", "using"]
+__all__.extend(_error_names)
 
 _WHERE = {
-    "place": ".api",
-    "using": ".api",
-    "release": ".api",
-    "device_of": ".api",
+    **dict.fromkeys(["place", "using", "release", "device_of"], ".api"),
+    **dict.fromkeys(["state", "format_state"], ".report"),
+    **dict.fromkeys(_error_names, "._errors"),
     "units_for": ".devices",
-    "state": ".report",
-    "format_state": ".report",
-    **{name: "._errors" for name in __all__ if name.endswith(("Error", "Timeout"))},
 }
 
 

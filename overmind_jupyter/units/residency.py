@@ -27,7 +27,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kernel_server import settings
@@ -35,6 +35,7 @@ from kernel_server.client import Client, shared_client
 from kernel_server.errors import DaemonError, RemoteError
 from kernel_server.operations import Op
 
+from .._lazy import lazy_instance
 from ._errors import (
     ModelBusyError,
     ModelTooLargeError,
@@ -68,25 +69,24 @@ class Device:
     model: str
 
 
+@dataclass(eq=False)  # one per holding, compared by identity
 class Placement:
     """A model's units on a device (one ledger holding) and, on a real device, its transfer."""
 
-    def __init__(self, model: Any, holding: int, device: Device, units: int, label: str, client: Client,
-                 transfer: Transfer | None, busy: int) -> None:
-        self.model_ref = weakref.ref(model)
-        self.holding = holding
-        self.device = device
-        self.units = units
-        self.label = label
-        self.client = client
-        self.transfer = transfer
-        self.busy = busy
-        self.released = False  # the model was moved back (or collected) and its units given back
-        self.orphaned = False  # the connection that held the units is gone (the daemon restarted); the model
-        # is where it was, without units, until it is placed again or released
-        self.placed = time.time()
-        self.lock = threading.Lock()
-        self.finalizer: weakref.finalize[Any, Any] | None = None
+    model_ref: weakref.ref[Any]
+    holding: int
+    device: Device
+    units: int
+    label: str
+    client: Client
+    transfer: Transfer | None
+    busy: int
+    released: bool = False  # the model was moved back (or collected) and its units given back
+    orphaned: bool = False  # the connection that held the units is gone (the daemon restarted); the model
+    # is where it was, without units, until it is placed again or released
+    placed: float = field(default_factory=time.time)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    finalizer: weakref.finalize[Any, Any] | None = None
 
     @property
     def live(self) -> bool:
@@ -279,7 +279,8 @@ class Residency:
         except BaseException:
             self._give_back(client, grant["holding"])
             raise
-        placement = Placement(model, grant["holding"], target, need, label, client, transfer, int(busy))
+        placement = Placement(weakref.ref(model), grant["holding"], target, need, label, client, transfer,
+                              int(busy))
         self._start_worker()
         placement.finalizer = weakref.finalize(model, self._work.put, ("gone", placement))
         with self._lock:
@@ -448,23 +449,6 @@ def _units_error(exc: RemoteError) -> UnitsError:
     return _ERRORS.get(exc.code, UnitsError)(str(exc))
 
 
-_instance: Residency | None = None
-_instance_lock = threading.Lock()
-
-
-def instance() -> Residency:
-    """This process's residency (created on first use, again in a forked child)."""
-    global _instance
-    with _instance_lock:
-        if _instance is None:
-            _instance = Residency()
-        return _instance
-
-
-def _after_fork_in_child() -> None:
-    global _instance, _instance_lock
-    _instance = None  # the parent's placements and connection are not the child's
-    _instance_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
+# This process's residency (created on first use, again in a forked child: the parent's placements and
+# connection are not the child's).
+instance = lazy_instance(Residency)

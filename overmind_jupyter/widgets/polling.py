@@ -29,6 +29,8 @@ import threading
 from collections.abc import Callable, Hashable
 from typing import Any
 
+from .._lazy import lazy_instance
+
 __all__ = ["INTERVAL", "Poller", "Subscription", "poller"]
 
 log = logging.getLogger("overmind")
@@ -156,15 +158,10 @@ class Poller:
                     log.exception("overmind widget: updating from %r failed", sub.key)
 
 
-_poller: Poller | None = None
-_poller_lock = threading.Lock()
+def _new_poller() -> Poller:
+    made = Poller()
+    atexit.register(made.stop)
+    return made
 
 
-def poller() -> Poller:
-    """This process's poller, created on first use."""
-    global _poller
-    with _poller_lock:
-        if _poller is None:
-            _poller = Poller()
-            atexit.register(_poller.stop)
-        return _poller
+poller = lazy_instance(_new_poller)  # this process's poller, created on first use

@@ -1,0 +1,413 @@
+"""The fields of every operation's request and reply (operations.PAYLOADS names them per operation), and
+the one check of a request against its declared type.
+
+Requests are TypedDicts whose fields may carry bounds (`Annotated[int, Range(2, MAX_FDS)]`). The daemon
+checks each request against its type before any handler runs (`check`): a missing field, a field of the
+wrong type or out of its bounds gets the error reply "bad_request", naming the operation, the field and
+what it must be; it never reaches a handler, an assert, or the daemon's life. Fields a request does not
+declare are ignored (a newer client may send more). What a handler still checks itself is what no type
+says: descriptors against the fields that describe them, pieces against their arena.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import types
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, NotRequired, TypedDict
+
+from .errors import RemoteError
+from .ledger import MAX_DEVICES, MAX_UNITS
+from .protocol import MAX_FDS
+
+__all__ = [
+    "MAX_META",
+    "MAX_WATCHED",
+    "Range",
+    "Size",
+    "check",
+]
+
+MAX_META = 16 * 1024  # characters an entry's description ("meta") may take
+MAX_WATCHED = 64  # checkpoint paths a publish may name (Note [Orphaned entries] in store.py)
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a number may take, bounds included (None: unbounded)."""
+
+    low: float | None = None
+    high: float | None = None
+
+
+@dataclass(frozen=True)
+class Size:
+    """The lengths a string or list may have, bounds included; of an object, the length of its text."""
+
+    low: int = 0
+    high: int | None = None
+
+
+Key = Annotated[str, Size(1, 256)]
+Count = Annotated[int, Range(0)]
+Id = int  # a request's or a holding's id
+
+
+# -- requests -----------------------------------------------------------------------------------------
+
+class HelloRequest(TypedDict):
+    protocol: int
+    role: NotRequired[str]  # "kernel", "worker", "cli"
+    label: NotRequired[str]
+    pid: NotRequired[int]
+
+
+class Empty(TypedDict):
+    pass
+
+
+class LookupRequest(TypedDict):
+    key: Key
+    wait: NotRequired[bool]  # wait while another connection loads it (true when absent)
+
+
+class CancelRequest(TypedDict):
+    request: Id  # the lookup to stop waiting in
+
+
+class ReserveRequest(TypedDict):
+    key: Key
+    bytes: Count
+    descriptors: NotRequired[Annotated[int, Range(2, MAX_FDS)]]  # graph, arena, one per source (2 when absent)
+
+
+class Source(TypedDict):
+    """A checkpoint file a publish attaches, with the identity the daemon checks (arena.file_identity)."""
+
+    path: str
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+
+
+class Watched(TypedDict):
+    path: Annotated[str, Size(1, 4096)]
+    dev: int
+    ino: int
+    ctime_ns: int
+
+
+Piece = Annotated[list[Count], Size(4, 4)]  # [arena offset, bytes, source index, file offset]
+
+
+class PublishRequest(TypedDict):
+    key: Key
+    graph_bytes: Count
+    arena_bytes: Count
+    meta: NotRequired[Annotated[dict[str, Any], Size(0, MAX_META)]]
+    deps: NotRequired[list[str]]  # the keys of the entries its graph refers to
+    sources: NotRequired[list[Source]]
+    pieces: NotRequired[list[Piece]]
+    pin: NotRequired[bool]
+    marker: NotRequired[bool]  # an entry without bytes (Note [Random loads] in overmind_jupyter/randomness.py)
+    watch: NotRequired[Annotated[list[Watched], Size(0, MAX_WATCHED)]]
+
+
+class KeyRequest(TypedDict):
+    key: Key
+
+
+class UnpinRequest(TypedDict):
+    key: Key
+    count: NotRequired[Annotated[int, Range(1)]]
+
+
+class EvictRequest(TypedDict):
+    key: NotRequired[Key]  # an entry, or the prefix of one entry's key
+    all: NotRequired[bool]  # every unpinned entry instead
+
+
+class ProgressRequest(TypedDict):
+    """How far the sender's load of `key` got (Note [Progress] in store.py)."""
+
+    key: Key
+    label: NotRequired[str]  # what runs, with the model's name: "Loading weights llama-0.1b"
+    done: Annotated[float, Range(0)]
+    total: Annotated[float, Range(0)]  # 0: unknown
+    unit: NotRequired[str]  # "B" for bytes, "it" for steps
+
+
+class HitTime(TypedDict):
+    key: Key
+    t: float  # when the hit ended (seconds since the epoch)
+    hit_s: Annotated[float, Range(0)]  # how long it took
+
+
+class HitsRequest(TypedDict):
+    """The sender's hit times, reported after the hits (Note [Load time saved] in store.py)."""
+
+    hits: Annotated[list[HitTime], Size(0, 1000)]
+
+
+class FallbackRequest(TypedDict):
+    call: NotRequired[str]
+    kind: NotRequired[str]
+    reason: NotRequired[str]
+
+
+class DeviceSpec(TypedDict):
+    id: Annotated[str, Size(1, 128)]  # the physical device (a CUDA UUID)
+    total_bytes: Annotated[int, Range(0, (1 << 60) - 1)]
+    name: NotRequired[str]
+    model: NotRequired[str]
+    simulated: NotRequired[bool]
+
+
+class UnitsRegisterRequest(TypedDict):
+    devices: NotRequired[Annotated[list[DeviceSpec], Size(0, MAX_DEVICES)]]
+
+
+class UnitsAcquireRequest(TypedDict):
+    units: Annotated[int, Range(1, MAX_UNITS)]
+    devices: NotRequired[Annotated[list[str], Size(1, MAX_DEVICES)] | None]  # null: any device
+    timeout_s: NotRequired[Annotated[float, Range(0, 1e9)] | None]  # null: wait forever
+    label: NotRequired[str]
+    busy: NotRequired[bool]
+
+
+class HoldingRequest(TypedDict):
+    holding: Id  # the id an acquire returned
+
+
+class UnitsTouchRequest(TypedDict):
+    holding: Id
+    busy: bool
+
+
+# -- replies ------------------------------------------------------------------------------------------
+
+Snapshot = dict[str, Any]  # status and units_state: the daemon's, the store's and the ledger's snapshots
+
+
+class HelloReply(TypedDict):
+    protocol: int
+    version: str
+    pid: int
+    home: str
+    budget: int
+    conn: int
+
+
+class PingReply(TypedDict):
+    pong: float
+
+
+class LsReply(TypedDict):
+    entries: list[dict[str, Any]]
+
+
+class HitEntry(TypedDict):
+    key: str
+    arena_bytes: int
+    graph_bytes: int
+    meta: dict[str, Any]
+    sources: list[dict[str, Any]]
+    pieces: list[list[int]]
+
+
+class LookupReply(TypedDict):
+    status: str  # "hit", "load", "busy" (another connection loads it; wait was false), "cancelled"
+    key: NotRequired[str]
+    entries: NotRequired[list[HitEntry]]  # on a hit, with the descriptors
+
+
+class CancelReply(TypedDict):
+    cancelled: bool
+
+
+class EvictedReply(TypedDict):
+    evicted: list[str]
+
+
+class PublishReply(TypedDict):
+    published: str
+    served_waiters: int
+
+
+class ShutdownReply(TypedDict):
+    stopping: int
+
+
+class UnitsRegisterReply(TypedDict):
+    devices: list[dict[str, Any]]
+    simulated: bool
+    unit_bytes: int
+    reserve_gib: float
+    fake_gpus: str | None
+
+
+Grant = dict[str, Any]  # units_acquire: the holding the ledger made (ledger.py)
+
+
+class UnitsReleaseReply(TypedDict):
+    released: int
+
+
+class UnitsCancelReply(TypedDict):
+    cancelled: bool  # it was still waiting
+    revoked: int | None  # the holding it had been granted, now released
+
+
+# -- the check ----------------------------------------------------------------------------------------
+
+Check = Callable[[Any, str], None]  # raises RemoteError("bad_request") unless the value fits; str: where
+
+
+def check(declared: Any, payload: Mapping[str, Any], op: str) -> None:
+    """Raise RemoteError("bad_request") unless `payload` has every field `declared` (a TypedDict)
+    requires, each of its declared type and within its bounds."""
+    _checker(declared)(payload, op)
+
+
+@functools.cache
+def _fields(declared: Any) -> tuple[frozenset[str], dict[str, Any]]:
+    """The required fields of a TypedDict, and the type of each field. Read from the resolved hints, not
+    from `__required_keys__`, which takes every field as required when annotations are strings."""
+    hints = typing.get_type_hints(declared, include_extras=True)
+    total = getattr(declared, "__total__", True)
+    required = {name for name, hint in hints.items()
+                if typing.get_origin(hint) is typing.Required or (total and typing.get_origin(hint) is not NotRequired)}
+    return frozenset(required), {name: _unwrap_required(hint) for name, hint in hints.items()}
+
+
+def _unwrap_required(hint: Any) -> Any:
+    while typing.get_origin(hint) in (NotRequired, typing.Required):
+        hint = typing.get_args(hint)[0]
+    return hint
+
+
+_KINDS: dict[Any, tuple[type, ...]] = {bool: (bool,), int: (int,), float: (int, float), str: (str,),
+                                       type(None): (type(None),), list: (list,), dict: (dict,)}
+
+
+@functools.cache
+def _checker(hint: Any) -> Check:
+    """The check of a value against `hint`, made once per type (a lookup's costs a few microseconds)."""
+    text = _describe(hint)
+    bounds: list[Any] = []
+    if typing.get_origin(hint) is Annotated:
+        hint, *bounds = typing.get_args(hint)
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+
+    def refuse(value: Any, where: str) -> RemoteError:
+        return RemoteError("bad_request", f"{where} must be {text}, not {_shown(value)}")
+
+    if hint is Any:
+        return lambda value, where: None
+    if origin in (typing.Union, types.UnionType):
+        options = [_checker(arg) for arg in args]
+
+        def one_of(value: Any, where: str) -> None:
+            for option in options:
+                try:
+                    return option(value, where)
+                except RemoteError:
+                    pass
+            raise refuse(value, where)
+
+        return one_of
+    if origin is Literal:
+        def literal(value: Any, where: str) -> None:
+            if value not in args:
+                raise refuse(value, where)
+
+        return literal
+    kind = _KINDS.get(origin or hint, (dict,) if typing.is_typeddict(hint) else ())
+    item = _checker(args[0]) if origin is list and args and args[0] is not Any else None
+    required, fields = _fields(hint) if typing.is_typeddict(hint) else (frozenset(), {})
+    field_checks = {name: _checker(field) for name, field in fields.items()}
+
+    def fits(value: Any, where: str) -> None:
+        if not _of_kind(value, kind) or not all(_within(bound, value) for bound in bounds):
+            raise refuse(value, where)
+        if item is not None:
+            for i, x in enumerate(value):
+                item(x, f"{where}[{i}]")
+        for name, field_check in field_checks.items():
+            if name in value:
+                field_check(value[name], f"{where}'s {name!r}")
+            elif name in required:
+                raise RemoteError("bad_request", f"{where} needs {name!r} ({_describe(fields[name])})")
+
+    return fits
+
+
+def _of_kind(value: Any, kind: tuple[type, ...]) -> bool:
+    """Whether `value` is one of `kind`, a bool counting as a bool only (JSON's true is no integer)."""
+    return isinstance(value, kind) and (bool in kind or not isinstance(value, bool))
+
+
+def _within(bound: Any, value: Any) -> bool:
+    if isinstance(bound, Range):
+        return (not isinstance(value, float) or math.isfinite(value)) and (
+            bound.low is None or value >= bound.low) and (bound.high is None or value <= bound.high)
+    if isinstance(bound, Size):
+        size = len(str(value)) if isinstance(value, dict) else len(value)
+        return size >= bound.low and (bound.high is None or size <= bound.high)
+    return True
+
+
+def _describe(hint: Any) -> str:
+    bounds: list[Any] = []
+    if typing.get_origin(hint) is Annotated:
+        hint, *bounds = typing.get_args(hint)
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        text = " or ".join(_describe(arg) for arg in args)
+    elif origin is Literal:
+        text = "one of " + ", ".join(repr(a) for a in args)
+    elif typing.is_typeddict(hint):
+        text = "an object {" + ", ".join(_fields(hint)[1]) + "}"
+    else:
+        names = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
+                 type(None): "null", list: "a list", dict: "an object"}
+        text = names.get(origin or hint, "anything")
+        if origin is list and args and args[0] is not Any:
+            text += f" of {_plural(_describe(args[0]))}"
+    for bound in bounds:
+        if isinstance(bound, Size) and (origin or hint) is dict:
+            text += f" of at most {bound.high} characters as text"
+        else:
+            text += _describe_bound(bound)
+    return text
+
+
+def _plural(text: str) -> str:
+    return text.removeprefix("an ").removeprefix("a ").replace("integer", "integers", 1).replace(
+        "string", "strings", 1).replace("object", "objects", 1).replace("list", "lists", 1)
+
+
+def _describe_bound(bound: Any) -> str:
+    if isinstance(bound, Range):
+        if bound.low is not None and bound.high is not None:
+            return f" from {_number(bound.low)} to {_number(bound.high)}"
+        return f" >= {_number(bound.low)}" if bound.low is not None else f" <= {_number(bound.high)}"
+    if isinstance(bound, Size):
+        if bound.low == bound.high:
+            return f" of length {bound.low}"
+        return f" of length {bound.low} to {bound.high}" if bound.high is not None else f" of length >= {bound.low}"
+    return ""
+
+
+def _number(x: float | None) -> str:
+    return str(int(x)) if x is not None and float(x).is_integer() else str(x)
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
