@@ -40,10 +40,11 @@ conformance: setup
 	$(PY) tests/conformance/fetch.py
 	$(PY) tests/conformance/run.py check
 
-demo: setup
+# The demo needs no browser of ours (you bring yours), so no chromium: only the tests' setup installs it.
+demo: $(VENV)/.installed
 	$(PY) scripts/demo.py
 
-demo-headless: setup
+demo-headless: $(VENV)/.installed
 	$(PY) scripts/demo.py --headless
 
 clean:

@@ -15,9 +15,10 @@ from typing import Any
 from . import lifecycle
 from .client import Client
 from .errors import DaemonError, RemoteError
+from .formats import byte_text, kernel_name, pending_text, progress_text
 from .operations import Op
 
-__all__ = ["human_bytes", "main", "pending_text"]
+__all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,33 +135,16 @@ def _evict(args: argparse.Namespace) -> int:
     return 0
 
 
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
-def pending_text(pending: dict[str, Any]) -> str:
-    """An entry's pending pieces as words (Note [Pending pieces] in store.py): 'copying from its
-    checkpoint: 40%, 3 s left', or 'served from its checkpoint; copy queued'."""
-    if not pending["copying"]:
-        return "served from its checkpoint; copy queued"
-    percent = 100 * pending["done"] // max(1, pending["bytes"])
-    left = f", {pending['eta']:.0f} s left" if pending.get("eta") is not None else ""
-    return f"copying from its checkpoint: {percent}%{left}"
-
-
 def _STATUS_TEXT(p: dict[str, Any]) -> str:
     d = p["daemon"]
     lines = [
         f"daemon pid {d['pid']}  version {d['version']}  protocol {d['protocol']}  home {d['home']}",
-        f"store  {human_bytes(p['used'])} used + {human_bytes(p['reserved'])} reserved of "
-        f"{human_bytes(p['budget'])}  ({len(p['entries'])} entries; "
+        f"store  {byte_text(p['used'])} used + {byte_text(p['reserved'])} reserved of "
+        f"{byte_text(p['budget'])}  ({len(p['entries'])} entries; "
         + ", ".join(f"{k} {v}" for k, v in sorted(p["stats"].items())) + ")",
-        f"kernels {len(p['kernels'])}: " + ", ".join(f"pid {k['pid']} ({k['role']})" for k in p["kernels"]),
+        f"kernels {len(p['kernels'])}" + ("" if p["kernels"] else " connected"),
     ]
+    lines += [f"  {kernel_name(k)[0]}  ({k['role']}; {kernel_name(k)[1]})" for k in p["kernels"]]
     fds = p.get("descriptors")
     if fds:  # Note [Descriptor budget] in descriptors.py
         lines.insert(2, f"fds    {fds.get('open') if fds.get('open') is not None else '?'} open of the limit "
@@ -173,7 +157,8 @@ def _STATUS_TEXT(p: dict[str, Any]) -> str:
         lines.append(f"units  {dev.get('name')}{' (simulated)' if dev.get('simulated') else ''}: "
                      f"{dev.get('used')}/{dev.get('capacity')} used" + (f" by {holders}" if holders else ""))
     for load in p["loading"]:
-        lines.append(f"loading {load['key'][:16]} by pid {load['loader']['pid']}, {load['waiters']} waiting")
+        what = progress_text(load["progress"]) if load.get("progress") else f"loading {load['key']}"
+        lines.append(f"loading {what} by {kernel_name(load['loader'])[0]}, {load['waiters']} waiting")
     for e in p["entries"]:
         if e.get("pending"):
             lines.append(f"entry  {e['key'][:16]} {e['meta'].get('label', '')}: {pending_text(e['pending'])}")
@@ -183,13 +168,24 @@ def _STATUS_TEXT(p: dict[str, Any]) -> str:
 def _entries_text(entries: list[dict[str, Any]]) -> str:
     if not entries:
         return "no entries"
-    rows = [("KEY", "WHAT", "BYTES", "HITS", "PINNED BY", "STATE")]
+    # Nothing that tells entries apart is cut: the keys as long as it takes to tell them apart, the
+    # labels whole (two loads of one model in two dtypes differ only at the end of the label).
+    width = unique_prefix([e["key"] for e in entries])
+    rows = [("KEY", "WHAT", "BYTES", "HITS", "USED BY", "STATE")]
     for e in entries:
-        rows.append((e["key"][:16], str(e["meta"].get("label", ""))[:60], human_bytes(e["bytes"]), str(e["hits"]),
-                     ",".join(str(k["pid"]) for k in e["pinned_by"]) or "-",
+        rows.append((e["key"][:width], str(e["meta"].get("label", "")), byte_text(e["bytes"]), str(e["hits"]),
+                     ", ".join(kernel_name(k)[0] for k in e["pinned_by"]) or "-",
                      pending_text(e["pending"]) if e.get("pending") else "ready"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+
+
+def unique_prefix(keys: list[str], least: int = 12) -> int:
+    """The shortest prefix length, at least `least`, at which `keys` differ from one another."""
+    width = least
+    while width < max((len(k) for k in keys), default=0) and len({k[:width] for k in keys}) < len(set(keys)):
+        width += 4
+    return width
 
 
 _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {

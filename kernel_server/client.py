@@ -458,13 +458,18 @@ def shared_client(*, spawn: bool = True, role: str = "kernel", label: str = "") 
 
 
 def _kernel_label() -> str:
-    """The kernel id of an ipykernel process, from its connection file's name; else the command."""
+    """How views name this process: the notebook's (or console's) path, which a Jupyter server gives the
+    kernels of its sessions in JPY_SESSION_NAME; else "kernel ID" for a kernel outside one (from its
+    connection file's name); else the script's name."""
     import sys
 
+    session = os.environ.get("JPY_SESSION_NAME")
+    if session:
+        return session
     for i, arg in enumerate(sys.argv):
         if arg == "-f" and i + 1 < len(sys.argv):
             name = os.path.basename(sys.argv[i + 1])
-            return name.removeprefix("kernel-").removesuffix(".json")
+            return "kernel " + name.removeprefix("kernel-").removesuffix(".json")
     return os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
 
 

@@ -55,6 +55,7 @@ class Connection:
         self.uid = uid
         self.role = "?"
         self.label = ""
+        self.command = _command_of(pid)
         self.connected = time.time()
         self.greeted = False
         self.alive = True
@@ -62,7 +63,7 @@ class Connection:
 
     def describe(self) -> dict[str, Any]:
         return {"conn": self.id, "pid": self.pid, "role": self.role, "label": self.label,
-                "connected": self.connected}
+                "command": self.command, "connected": self.connected}
 
     def send(self, kind: FrameKind, payload: dict[str, Any], fds: list[int] | None = None) -> bool:
         """Send a frame; False if the peer is gone. Closes `fds` in every case."""
@@ -303,7 +304,7 @@ class Daemon:
             )
         assert isinstance(conn, Connection)  # the daemon's own handler: it names the connection
         conn.role = req.payload.get("role", "kernel")[:32]
-        conn.label = req.payload.get("label", "")[:200]
+        conn.label = req.payload.get("label", "")[:1024]  # a notebook's path
         conn.greeted = True
         return Reply({"protocol": PROTOCOL_VERSION, "version": __version__, "pid": os.getpid(),
                       "home": str(self.home), "budget": self.store.budget, "conn": conn.id})
@@ -338,6 +339,20 @@ class Daemon:
     def shutdown(self, conn: Peer, req: Request[Empty]) -> Reply[ShutdownReply]:
         threading.Timer(0.05, self.stop).start()
         return Reply({"stopping": os.getpid()})
+
+
+def _command_of(pid: int) -> str:
+    """A process's command line, short: its program and arguments by base name ("python -m
+    ipykernel_launcher -f kernel-1f2e.json"), at most 160 characters; "" when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read(4096).split(b"\0")
+    except OSError:
+        return ""
+    words = [os.path.basename(a.decode(errors="replace")) if a.startswith(b"/") else a.decode(errors="replace")
+             for a in argv if a]
+    text = " ".join(words)
+    return text if len(text) <= 160 else text[:159] + "\u2026"
 
 
 def _op(name: Any) -> Op:

@@ -36,6 +36,8 @@ class Op(str, enum.Enum):
     ABANDON = "abandon"  # give up the load; the next waiter becomes the loader
     UNPIN = "unpin"
     EVICT = "evict"
+    PROGRESS = "progress"  # how far a load got (Note [Progress] in store.py); sent without waiting
+    HITS = "hits"  # hit times, reported late (Note [Load time saved] in store.py); sent without waiting
     FALLBACK = "fallback"  # a load that went the plain way, for status
     SHUTDOWN = "shutdown"
     UNITS_REGISTER = "units_register"  # the devices of a kernel, and the ledger's configuration
@@ -66,6 +68,8 @@ PAYLOADS: dict[Op, Payloads] = {
     Op.ABANDON: Payloads(payloads.KeyRequest, payloads.Empty),
     Op.UNPIN: Payloads(payloads.UnpinRequest, payloads.Empty),
     Op.EVICT: Payloads(payloads.EvictRequest, payloads.EvictedReply),
+    Op.PROGRESS: Payloads(payloads.ProgressRequest, payloads.Empty),
+    Op.HITS: Payloads(payloads.HitsRequest, payloads.Empty),
     Op.FALLBACK: Payloads(payloads.FallbackRequest, payloads.Empty),
     Op.SHUTDOWN: Payloads(payloads.Empty, payloads.ShutdownReply),
     Op.UNITS_REGISTER: Payloads(payloads.UnitsRegisterRequest, payloads.UnitsRegisterReply),

@@ -132,6 +132,28 @@ class EvictRequest(TypedDict):
     all: NotRequired[bool]  # every unpinned entry instead
 
 
+class ProgressRequest(TypedDict):
+    """How far the sender's load of `key` got (Note [Progress] in store.py)."""
+
+    key: Key
+    label: NotRequired[str]  # what runs, with the model's name: "Loading weights llama-0.1b"
+    done: Annotated[float, Range(0)]
+    total: Annotated[float, Range(0)]  # 0: unknown
+    unit: NotRequired[str]  # "B" for bytes, "it" for steps
+
+
+class HitTime(TypedDict):
+    key: Key
+    t: float  # when the hit ended (seconds since the epoch)
+    hit_s: Annotated[float, Range(0)]  # how long it took
+
+
+class HitsRequest(TypedDict):
+    """The sender's hit times, reported after the hits (Note [Load time saved] in store.py)."""
+
+    hits: Annotated[list[HitTime], Size(0, 1000)]
+
+
 class FallbackRequest(TypedDict):
     call: NotRequired[str]
     kind: NotRequired[str]

@@ -36,9 +36,11 @@ A frame is a fixed 12-byte header followed by a JSON payload::
   "descriptors_exhausted", and the connection stays (Note [Descriptor budget] in descriptors.py).
 
 The operations (their request and reply fields: operations.PAYLOADS, typed in payloads.py): hello, ping,
-status, ls, lookup, cancel, reserve, publish, abandon, unpin, evict, fallback, shutdown, units_register,
-units_acquire, units_release, units_touch, units_cancel, units_state. A request that does not fit its
-operation's type MUST be answered "bad_request". Error codes: operations.ERRORS.
+status, ls, lookup, cancel, reserve, publish, abandon, unpin, evict, progress, hits, fallback, shutdown,
+units_register, units_acquire, units_release, units_touch, units_cancel, units_state. A request that does
+not fit its operation's type MUST be answered "bad_request". Error codes: operations.ERRORS. "progress"
+and "hits" are reports that clients send without waiting for the answer (a daemon that predates them
+answers "unknown_op", which nobody reads).
 
 The protocol version is independent of the package version; bump it on any change to this format or to
 the meaning of an existing operation.

@@ -49,6 +49,7 @@ from typing import Any, NamedTuple
 
 from . import arena, descriptors
 from .errors import BudgetExceeded, DescriptorsExhausted, RemoteError
+from .formats import byte_text
 
 __all__ = ["CompactionJob", "Entry", "LookupResult", "Store"]
 
@@ -83,6 +84,7 @@ class Entry:
     compaction: dict[str, float] | None = None  # {"total", "done", "started"} while the compactor copies
     marker: bool = False  # no bytes: it tells the kernel where to look instead (its meta says why)
     watch: list[dict[str, Any]] = field(default_factory=list)  # checkpoints read: Note [Orphaned entries]
+    load_s: float | None = None  # the plain load's wall time, measured at the miss (Note [Load time saved])
 
     @property
     def nbytes(self) -> int:
@@ -112,6 +114,14 @@ class Entry:
         return {"bytes": total, "done": done, "copying": c is not None, "eta": eta,
                 "sources": [s.path for s in self.sources]}
 
+    def progress(self) -> dict[str, Any] | None:
+        """The compactor's work on this entry, as every long operation reports it (Note [Progress])."""
+        pending = self.pending()
+        if pending is None or not pending["copying"]:
+            return None
+        return {"label": f"copying {self.meta.get('label') or self.key[:12]} into shared memory",
+                "done": pending["done"], "total": pending["bytes"], "unit": "B", "eta_s": pending["eta"]}
+
     def describe(self, kernels: Callable[[ConnId], dict[str, Any]]) -> dict[str, Any]:
         return {
             "key": self.key,
@@ -124,6 +134,8 @@ class Entry:
             "last_used": self.last_used,
             "deps": self.deps,
             "pending": self.pending(),
+            "progress": self.progress(),
+            "load_s": self.load_s,
             "pinned_by": [kernels(c) | {"pins": n} for c, n in sorted(self.pins.items())],
         }
 
@@ -145,6 +157,16 @@ class _Load:
     reserved: int = 0
     nfds: int = 0  # descriptors reserved for the entry (Note [Descriptor budget])
     waiters: deque[_Waiter] = field(default_factory=deque)
+    loaded: float | None = None  # when the loader first reserved: its plain load had ended
+    progress: dict[str, Any] | None = None  # what the loader last reported (Note [Progress])
+
+    def describe_progress(self) -> dict[str, Any] | None:
+        p = self.progress
+        if p is None:
+            return None
+        elapsed, done, total = time.time() - p["since"], p["done"], p["total"]
+        eta = (total - done) * elapsed / done if done and total and elapsed > 0 and done < total else None
+        return {"label": p["label"], "done": done, "total": total, "unit": p["unit"], "eta_s": eta}
 
 
 @dataclass
@@ -177,6 +199,21 @@ class CompactionJob:
             os.close(fd)
 
 
+# Note [Load time saved]
+# What a hit saved is the plain load it replaced. The daemon measures the plain load at the miss: from the
+# lookup that made the connection the loader to its first reserve (which a loader sends once the load
+# returned, to make room for the result), unless the publish's meta carries the loader's own `load_s`.
+# Each hit goes into `hits_log` (bounded) with that figure; the hit's own time comes later from the
+# kernel, never on the hit's path: a `hits` report (fire and forget) fills `hit_s` in.
+HITS_LOG = 200
+
+# Note [Progress]
+# Every long operation reports progress in one shape, `{label, done, total, unit, eta_s}`: a load in
+# flight (its loader sends `progress` reports, fire and forget), and the compactor's copy of an entry
+# (Note [Pending pieces]). The status reply carries it on the load (`loading[i].progress`) and on the
+# entry (`entries[i].progress`); views write it with kernel_server/formats.py's `progress_text`.
+
+
 class Store:
     def __init__(self, budget: int) -> None:
         self.budget = budget
@@ -184,6 +221,7 @@ class Store:
         self._entries: dict[str, Entry] = {}
         self._loads: dict[str, _Load] = {}
         self.stats = Counter[str]()
+        self.hits_log: deque[dict[str, Any]] = deque(maxlen=HITS_LOG)  # Note [Load time saved]
         # The daemon keeps its count of connections current (Note [Descriptor budget]).
         self.descriptors = descriptors.DescriptorBudget.of_process()
 
@@ -211,9 +249,11 @@ class Store:
                 "entries": [e.describe(kernels) for e in entries if not e.marker],
                 "loading": [
                     {"key": load.key, "since": load.started, "reserved": load.reserved,
-                     "loader": kernels(load.owner), "waiters": len(load.waiters)}
+                     "loader": kernels(load.owner), "waiters": len(load.waiters),
+                     "progress": load.describe_progress()}
                     for load in self._loads.values()
                 ],
+                "hits_log": [dict(h) for h in self.hits_log],
                 "stats": dict(self.stats),
                 "descriptors": {"limit": self.descriptors.limit, "cap": self.descriptors.cap,
                                 "entries": held.nfds, "reserved": in_flight.nfds,
@@ -231,7 +271,7 @@ class Store:
                 entry = None
             if entry is not None:
                 result = self._hit(conn, entry)  # DescriptorsExhausted: answered as an error, nothing pinned
-                self.stats["hits"] += int(not entry.marker)
+                self._count_hit(entry, pid)
                 return result
             load = self._loads.get(key)
             if load is None:
@@ -263,7 +303,7 @@ class Store:
             if nbytes > self.budget:
                 raise BudgetExceeded(
                     "budget_exceeded",
-                    f"this entry needs {_gib(nbytes)} but the store's whole budget is {_gib(self.budget)}: "
+                    f"this entry needs {byte_text(nbytes)} but the store's whole budget is {byte_text(self.budget)}: "
                     "raise OVERMIND_BUDGET (bytes, or a suffix like 40G) and restart the daemon "
                     "with `overmind-daemon stop`",
                 )
@@ -276,11 +316,15 @@ class Store:
                 pinned = sum(e.nbytes for e in self._entries.values() if e.key in held)
                 raise BudgetExceeded(
                     "budget_exceeded",
-                    f"no room for {_gib(nbytes)}: {_gib(pinned)} of the {_gib(self.budget)} budget is held "
+                    f"no room for {byte_text(nbytes)}: {byte_text(pinned)} of the {byte_text(self.budget)} budget "
+                    "is held "
                     "by entries that kernels use now and {} is reserved by other loads; free models in "
-                    "other kernels, `%overmind evict`, or raise OVERMIND_BUDGET".format(_gib(self.in_flight.nbytes)),
+                    "other kernels, `%overmind evict`, or raise OVERMIND_BUDGET".format(
+                        byte_text(self.in_flight.nbytes)),
                 )
             load.reserved, load.nfds = nbytes, nfds
+            if load.loaded is None:
+                load.loaded = time.time()  # Note [Load time saved]
             return evicted
 
     def publish(self, conn: ConnId, key: str, *, graph_fd: int, arena_fd: int, graph_bytes: int,
@@ -309,7 +353,8 @@ class Store:
                 if missing:
                     raise RemoteError("missing_dependency", f"entries {missing} were evicted meanwhile")
                 entry = Entry(key, graph_fd, arena_fd, graph_bytes, arena_bytes, backing, meta, deps, load.owner_pid,
-                              sources=sources, pieces=pieces or [], marker=marker, watch=watch or [])
+                              sources=sources, pieces=pieces or [], marker=marker, watch=watch or [],
+                              load_s=_load_seconds(load, meta))
                 if pin:
                     entry.pins[conn] += 1
                 del self._loads[key]
@@ -319,7 +364,7 @@ class Store:
                 for waiter in load.waiters:
                     try:
                         answers.append((waiter.notify, self._hit(waiter.conn, entry)))
-                        self.stats["hits"] += int(not marker)
+                        self._count_hit(entry, waiter.pid)
                     except DescriptorsExhausted as exc:
                         answers.append((waiter.notify, LookupResult("error", error=exc)))
                 return answers
@@ -335,6 +380,26 @@ class Store:
                 return []
             self.stats["abandoned"] += 1
             return self._hand_over(load)
+
+    def report_progress(self, conn: ConnId, key: str, label: str, done: float, total: float, unit: str) -> bool:
+        """The loader of `key` says how far it got (Note [Progress]); False when it loads no such key."""
+        with self._lock:
+            load = self._loads.get(key)
+            if load is None or load.owner != conn:
+                return False
+            since = load.progress["since"] if load.progress and load.progress["label"] == label else time.time()
+            load.progress = {"label": label, "done": done, "total": total, "unit": unit, "since": since}
+            return True
+
+    def report_hits(self, pid: int, hits: list[tuple[str, float, float]]) -> None:
+        """A kernel's hit times, `(key, when, hit_s)` each, filled into the hits it made (Note [Load time
+        saved]); a hit that fell out of the log meanwhile is skipped."""
+        with self._lock:
+            for key, when, hit_s in hits:
+                for h in reversed(self.hits_log):
+                    if h["key"] == key and h["pid"] == pid and h["hit_s"] is None and h["t"] <= when + 1:
+                        h["hit_s"] = hit_s
+                        break
 
     # -- compaction (Note [Pending pieces]) ---------------------------------------------------------
 
@@ -441,6 +506,13 @@ class Store:
                 self._drop(key)
 
     # -- internals (lock held) -------------------------------------------------------------------
+
+    def _count_hit(self, entry: Entry, pid: int) -> None:
+        if entry.marker:
+            return
+        self.stats["hits"] += 1
+        self.hits_log.append({"t": time.time(), "key": entry.key, "label": str(entry.meta.get("label") or ""),
+                              "pid": pid, "load_s": entry.load_s, "hit_s": None})
 
     def _owned_load(self, conn: ConnId, key: str) -> _Load:
         load = self._loads.get(key)
@@ -588,6 +660,14 @@ class Store:
         return [(heir.notify, LookupResult("load"))]
 
 
+def _load_seconds(load: _Load, meta: dict[str, Any]) -> float | None:
+    """The plain load's wall time (Note [Load time saved]): the loader's own figure, else the daemon's."""
+    said = meta.get("load_s")
+    if isinstance(said, (int, float)) and not isinstance(said, bool) and 0 <= said < 1e7:
+        return float(said)
+    return (load.loaded or time.time()) - load.started
+
+
 def _sent_with_hit(chain: list[Entry]) -> list[int]:
     """What a hit of `chain[0]` sends (protocol.py): its graph, then each entry's arena and sources."""
     return [chain[0].graph_fd, *(fd for e in chain for fd in (e.arena_fd, *(s.fd for s in e.sources)))]
@@ -613,6 +693,3 @@ def _still_there(watched: dict[str, Any]) -> bool:
         return False
     return (st.st_dev, st.st_ino, st.st_ctime_ns) == (watched["dev"], watched["ino"], watched["ctime_ns"])
 
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"

@@ -17,10 +17,12 @@ from .payloads import (
     CancelReply,
     EvictedReply,
     EvictRequest,
+    HitsRequest,
     KeyRequest,
     LookupReply,
     LookupRequest,
     LsReply,
+    ProgressRequest,
     PublishReply,
     PublishRequest,
     ReserveRequest,
@@ -43,7 +45,8 @@ class StoreService:
 
     def handlers(self) -> dict[Op, Handler]:
         return {Op.LS: self.ls, Op.LOOKUP: self.lookup, Op.CANCEL: self.cancel, Op.RESERVE: self.reserve,
-                Op.PUBLISH: self.publish, Op.ABANDON: self.abandon, Op.UNPIN: self.unpin, Op.EVICT: self.evict}
+                Op.PUBLISH: self.publish, Op.ABANDON: self.abandon, Op.UNPIN: self.unpin, Op.EVICT: self.evict,
+                Op.PROGRESS: self.progress, Op.HITS: self.hits}
 
     def ls(self, conn: Peer, req: Request[Nothing]) -> Reply[LsReply]:
         return Reply({"entries": self.store.snapshot(self.kernel_of)["entries"]})
@@ -114,6 +117,18 @@ class StoreService:
 
     def unpin(self, conn: Peer, req: Request[UnpinRequest]) -> Reply[Nothing]:
         self.store.unpin(conn.id, req.payload["key"], req.payload.get("count", 1))
+        return Reply({})
+
+    def progress(self, conn: Peer, req: Request[ProgressRequest]) -> Reply[Nothing]:
+        """How far this connection's load of `key` got (Note [Progress] in store.py)."""
+        p = req.payload
+        self.store.report_progress(conn.id, p["key"], p.get("label", "")[:200], p["done"], p["total"],
+                                   p.get("unit", "")[:16])
+        return Reply({})
+
+    def hits(self, conn: Peer, req: Request[HitsRequest]) -> Reply[Nothing]:
+        """This connection's hit times (Note [Load time saved] in store.py)."""
+        self.store.report_hits(conn.pid, [(h["key"], float(h["t"]), float(h["hit_s"])) for h in req.payload["hits"]])
         return Reply({})
 
     def evict(self, conn: Peer, req: Request[EvictRequest]) -> Reply[EvictedReply]:

@@ -68,7 +68,7 @@ def status() -> dict[str, Any]:
     from kernel_server import lifecycle
     from kernel_server.client import shared_client
 
-    from . import loading, patching
+    from . import loading, patching, progress
 
     out: dict[str, Any] = {
         "enabled": _enabled,
@@ -77,7 +77,9 @@ def status() -> dict[str, Any]:
     }
     try:
         out["home"] = str(lifecycle.state_dir(create=False))
-        reply = shared_client(spawn=False).request(Op.STATUS, timeout=10)
+        client = shared_client(spawn=False)
+        progress.flush_hit_times(client)  # this kernel's hit times, for the time-saved figures (progress.py)
+        reply = client.request(Op.STATUS, timeout=10)
         out["daemon"] = {k: v for k, v in reply.payload.items() if k not in ("id", "ok")}
     except (DaemonError, OSError) as exc:
         out["daemon"] = None
@@ -105,21 +107,25 @@ def _patched_text(s: dict[str, Any]) -> str:
 
 def format_status(s: dict[str, Any]) -> str:
     """`status()` as text, for terminals."""
-    from kernel_server.cli import human_bytes, pending_text
+    from kernel_server.formats import byte_text, kernel_name, pending_text, progress_text
 
     lines = [f"overmind {'on' if s['enabled'] else 'off'}; " + _patched_text(s)]
     d = s.get("daemon")
     if d is None:
         lines.append(f"daemon: not running ({s.get('daemon_error', '')})")
     else:
-        lines.append(f"daemon pid {d['daemon']['pid']} at {d['daemon']['home']}: {human_bytes(d['used'])} of "
-                     f"{human_bytes(d['budget'])} in {len(d['entries'])} entries; "
+        lines.append(f"daemon pid {d['daemon']['pid']} at {d['daemon']['home']}: {byte_text(d['used'])} of "
+                     f"{byte_text(d['budget'])} in {len(d['entries'])} entries; "
                      + ", ".join(f"{k} {v}" for k, v in sorted(d['stats'].items())))
         for e in d["entries"]:
-            users = ", ".join(str(k["pid"]) for k in e["pinned_by"]) or "-"
-            lines.append(f"  {e['key'][:12]}  {e['meta'].get('label', '')}  {human_bytes(e['bytes'])}  "
+            users = ", ".join(kernel_name(k)[0] for k in e["pinned_by"]) or "-"
+            lines.append(f"  {e['key'][:12]}  {e['meta'].get('label', '')}  {byte_text(e['bytes'])}  "
                          f"hits {e['hits']}  used by {users}"
                          + (f"  {pending_text(e['pending'])}" if e.get("pending") else ""))
+        for load in d.get("loading") or []:
+            what = progress_text(load["progress"]) if load.get("progress") else f"{load['key'][:12]} loading"
+            lines.append(f"  {what}  by {kernel_name(load['loader'])[0]}")
+        lines += [f"kernel {kernel_name(k)[0]}  ({k.get('role')}; {kernel_name(k)[1]})" for k in d.get("kernels") or []]
     for f in s["fallbacks"][-10:]:
         lines.append(f"fallback: {f['call']}: {f['reason']}")
     return "\n".join(lines)

@@ -43,10 +43,12 @@ class Session:
                     pass  # already gone
 
     def _post_run_cell(self, result: Any) -> None:
-        """After each cell: the warnings of loads that ran in other threads."""
-        from . import loading
+        """After each cell: the warnings of loads that ran in other threads, and the cell's hit times
+        (Note [Hit times] in progress.py)."""
+        from . import loading, progress
 
         loading.flush_warnings()
+        progress.flush_hit_times()
 
 
 _session: Session | None = None

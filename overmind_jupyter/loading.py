@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +30,7 @@ from kernel_server.errors import DaemonError, DaemonLost, RemoteError
 from kernel_server.operations import Op
 from kernel_server.transport import close_fds
 
-from . import dynamic_modules, keys, notices, randomness, results, threads
+from . import dynamic_modules, keys, notices, progress, randomness, results, threads
 from .errors import CorruptEntry, PackError, PublishError, Uncacheable
 from .load_log import load_log
 from .notices import calls, clear_fallbacks, count, fall_back, fallbacks, tell_once
@@ -108,6 +109,7 @@ def cached(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 
 def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    started = time.perf_counter()  # a hit's time, sent later (Note [Hit times] in progress.py)
     flush_warnings()
     label = _label(fn)
     # storages of the references found unchanged (Note [References] in results.py)
@@ -141,7 +143,9 @@ def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
         return fn(*args, **kwargs)
     if reply["status"] == "hit":
         try:
-            return _from_hit(client, ck, reply, replay, reuse)
+            obj = _from_hit(client, ck, reply, replay, reuse)
+            progress.hit(ck.key, time.perf_counter() - started)
+            return obj
         except CorruptEntry as exc:
             _evict_quietly(client, ck.key)
             fall_back(label, "corrupt", f"{exc}; the entry was evicted")
@@ -152,9 +156,12 @@ def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
     # The generators' state as the load starts: a plain hit needs none (nothing since the call began
     # drew a random number), and reading them all costs a millisecond (Note [Random loads]).
     before = randomness.random_state()
+    progress.flush_hit_times(client)
     try:
-        with load_log() as said:
+        loaded = time.perf_counter()
+        with load_log() as said, progress.loading(client, ck.key, ck.label):  # Note [Load progress]
             obj = fn(*args, **kwargs)
+        ck.meta["load_s"] = round(time.perf_counter() - loaded, 4)  # Note [Load time saved] in kernel_server/store.py
     except BaseException:
         _abandon(client, ck.key)
         raise
@@ -216,9 +223,10 @@ def _publish(client: Client, ck: keys.CallKey, obj: Any, replay: Replay, random_
         return
     meta = ck.meta | dynamic_modules.describe(packed.graph, ck.sources[0][0] if ck.sources else None)
     try:
-        publishing.publish(client, ck.key, ck.label, meta, packed, backing=settings.backing,
-                           watch=[path for path, _, _ in ck.sources if os.path.isabs(path)],
-                           unpin=lambda key: results.unpin(client, key))
+        with progress.loading(client, ck.key, ck.label):  # the copy reports too (Note [Load progress])
+            publishing.publish(client, ck.key, ck.label, meta, packed, backing=settings.backing,
+                               watch=[path for path, _, _ in ck.sources if os.path.isabs(path)],
+                               unpin=lambda key: results.unpin(client, key))
     except PublishError as exc:
         fall_back(ck.label, exc.kind, str(exc))
         return

@@ -29,6 +29,7 @@ import contextlib
 import logging
 import os
 import stat
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,7 +41,7 @@ from kernel_server.client import ANSWER_TIMEOUT, Client
 from kernel_server.errors import DaemonError, RemoteError
 from kernel_server.operations import Op
 
-from . import mappings, rebuild, threads
+from . import mappings, progress, rebuild, threads
 from .errors import PublishError
 
 __all__ = ["publish", "publish_marker"]
@@ -250,15 +251,32 @@ def _fill(writer: arena.ArenaWriter, copies: list[rebuild.Own], private: Any, la
 
 @contextlib.contextmanager
 def _progress(total: int, label: str) -> Any:
-    """A progress bar for a large copy (tqdm, as the libraries' own loading bars), else nothing."""
+    """The copy's progress: to the daemon, and as a tqdm bar (as the libraries' own loading bars) for a
+    large copy (Note [Load progress] in progress.py). `advance(n)` may be called from the writer threads."""
+    reporter = progress.current()
+    lock = threading.Lock()
+    done = 0
+
+    def report(n: int) -> None:
+        nonlocal done
+        with lock:
+            done += n
+            now = done
+        if reporter is not None:
+            reporter.report("caching", now, total, "B", force=now >= total)
+
     if total < _PROGRESS_BYTES:
-        yield lambda n: None
+        yield report
         return
     from tqdm.auto import tqdm
 
-    with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"overmind: caching {label}",
-              leave=False) as bar:
-        yield bar.update
+    with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
+              desc=f"overmind: caching {progress.model_name(label)}", leave=False) as bar:
+        def advance(n: int) -> None:
+            bar.update(n)
+            report(n)
+
+        yield advance
 
 
 def _remap(src: _Source, key: str, pin: mappings.Pin, by_storage: dict[int, list[torch.Tensor]]) -> None:

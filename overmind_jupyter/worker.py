@@ -26,7 +26,9 @@ def main() -> int:
     from kernel_server.client import shared_client
     from overmind_jupyter import loading, placement
 
-    shared_client(role="worker", label=f"preload for pid {job['parent']}")
+    notebook = os.path.basename(os.environ.get("JPY_SESSION_NAME", ""))  # the kernel's, inherited
+    shared_client(role="worker", label=f"preload for {notebook} (pid {job['parent']})" if notebook
+                  else f"preload for pid {job['parent']}")
     kwargs, _device = placement.split_placement(job["kwargs"])  # the cache holds CPU bytes
     loading.cached(job["fn"], *job["args"], **kwargs)  # published before it returns
     for fallback in loading.fallbacks():

@@ -1,11 +1,15 @@
-"""`make demo`: build the demo model, then open JupyterLab on 127.0.0.1 with the quickstart notebook.
+"""`make demo`: JupyterLab on 127.0.0.1 with the demo notebooks, in a scratch workspace of their own.
 
-    python scripts/demo.py              # JupyterLab (foreground; Ctrl-C stops it)
-    python scripts/demo.py --headless   # no browser: load the model in two fresh processes, print both times
+    python scripts/demo.py                 # JupyterLab (foreground; Ctrl-C stops it and the demo's daemon)
+    python scripts/demo.py --keep-daemon   # ... and leave the daemon running (it says how to stop it)
+    python scripts/demo.py --headless      # no browser: load the model in two fresh processes, print both times
+    python scripts/demo.py --setup-only    # copy the notebooks and build the model, then stop
 
-The notebooks build their models under notebooks/models/ (git-ignored); the demo builds the quickstart's
-model first so that the notebook's first cell finds it. OVERMIND_DEMO_MODEL picks its size ("tiny",
-"0.1b", "1.1b"); the default is 0.1b.
+The demo never opens the tracked notebooks: it copies notebooks/*.ipynb into a workspace (default
+~/.cache/overmind-demo, or --workspace) on every run, builds the quickstart's model there once (under
+models/, as the notebooks do), and serves that directory, so JupyterLab's autosave writes only the copies.
+It starts a daemon of its own (a private OVERMIND_HOME, so it never stops one of yours) and stops it when
+JupyterLab ends. OVERMIND_DEMO_MODEL picks the model's size ("tiny", "0.1b", "1.1b"); the default is 0.1b.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import argparse
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -39,17 +44,49 @@ print(json.dumps({{"load_s": loaded, "checksum": float(logits.double().sum())}})
 """
 
 
-def build() -> Path:
+def default_workspace() -> Path:
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "overmind-demo"
+
+
+def prepare(workspace: Path) -> Path:
+    """Copy the tracked notebooks into `workspace` (afresh: the demo starts from them every time) and
+    build the quickstart's model under `workspace/models` once; returns the model's directory."""
     from overmind_jupyter.demo_models import build_llama
 
-    path = NOTEBOOKS / "models" / f"llama-{SIZE}"
-    print(f"building a {SIZE} Llama-shaped model in {path.relative_to(ROOT)} (once)...", flush=True)
+    workspace.mkdir(parents=True, exist_ok=True)
+    for notebook in sorted(NOTEBOOKS.glob("*.ipynb")):
+        shutil.copyfile(notebook, workspace / notebook.name)
+    path = workspace / "models" / f"llama-{SIZE}"
+    print(f"demo workspace {workspace} (copies of notebooks/; the tracked files stay as they are)", flush=True)
+    print(f"building a {SIZE} Llama-shaped model in {path} (once)...", flush=True)
     return build_llama(path, SIZE)
 
 
-def headless(path: Path) -> None:
-    env = dict(os.environ, OVERMIND_HOME=tempfile.mkdtemp(prefix="om-demo-"), TQDM_DISABLE="1",
-               TRANSFORMERS_VERBOSITY="error")
+def demo_env() -> dict[str, str]:
+    """The demo's environment: a private OVERMIND_HOME (short: it holds the daemon's socket)."""
+    home = tempfile.mkdtemp(prefix="om-demo-", dir="/tmp" if os.path.isdir("/tmp") else None)
+    return dict(os.environ, OVERMIND_HOME=home, TRANSFORMERS_VERBOSITY="error")
+
+
+def daemon(env: dict[str, str], command: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kernel_server", command], env=env, check=False,
+                          capture_output=True, text=True)
+
+
+def finish(env: dict[str, str], keep: bool) -> None:
+    """Stop the demo's daemon, or say that it keeps running and how to stop it."""
+    home = env["OVERMIND_HOME"]
+    if keep:
+        print(f"\nThe demo's daemon keeps running and holds its cached models in memory. Stop it with:\n\n"
+              f"    OVERMIND_HOME={home} {sys.executable} -m kernel_server stop\n", flush=True)
+        return
+    print(daemon(env, "stop").stdout.strip() + " (the demo's daemon; its cached models are freed)", flush=True)
+    shutil.rmtree(home, ignore_errors=True)
+
+
+def headless(path: Path, keep: bool) -> None:
+    env = demo_env()
     try:
         results = []
         for run in ("first process (miss: load and publish)", "second process (hit: shared memory)"):
@@ -61,7 +98,7 @@ def headless(path: Path) -> None:
         same = results[0]["checksum"] == results[1]["checksum"]
         print(f"speed-up {results[0]['load_s'] / results[1]['load_s']:.1f}x; outputs identical: {same}")
     finally:
-        subprocess.run([sys.executable, "-m", "kernel_server", "stop"], env=env, check=False)
+        finish(env, keep)
 
 
 def free_port() -> int:
@@ -70,33 +107,51 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def lab() -> int:
+def lab(workspace: Path, keep: bool) -> int:
+    env = demo_env()
+    started = daemon(env, "start")  # now, so that the side panel shows it before any notebook runs
+    print(started.stdout.strip() or started.stderr.strip(), flush=True)
     port, token = free_port(), secrets.token_hex(16)
     url = f"http://127.0.0.1:{port}/lab/tree/quickstart.ipynb?token={token}"
     command = [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ServerApp.ip=127.0.0.1",
                f"--ServerApp.port={port}", f"--IdentityProvider.token={token}",
-               f"--ServerApp.root_dir={NOTEBOOKS}"]
+               f"--ServerApp.root_dir={workspace}"]
     if os.getuid() == 0:
         command.append("--allow-root")
-    print(f"\nJupyterLab with the quickstart notebook:\n\n    {url}\n\n(Ctrl-C stops it)\n", flush=True)
-    proc = subprocess.Popen(command, cwd=NOTEBOOKS)
+    print(f"\nJupyterLab with the quickstart notebook:\n\n    {url}\n\n"
+          "The overmind side panel: the overmind icon in the left sidebar (or the status bar's overmind item,\n"
+          "or the command palette's 'Show the Overmind Panel'). Ctrl-C stops JupyterLab and the demo's daemon.\n",
+          flush=True)
+    proc = subprocess.Popen(command, cwd=workspace, env=env)
     signal.signal(signal.SIGTERM, lambda *_: proc.terminate())  # stop what we started, also when killed
     try:
-        return proc.wait()
-    except KeyboardInterrupt:
-        proc.terminate()
-        return proc.wait()
+        try:
+            return proc.wait()
+        except KeyboardInterrupt:
+            proc.terminate()
+            return proc.wait()
+    finally:
+        finish(env, keep)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--headless", action="store_true", help="no JupyterLab: two processes, two loads")
+    parser.add_argument("--setup-only", action="store_true", help="copy the notebooks, build the model, stop")
+    parser.add_argument("--keep-daemon", action="store_true", help="leave the demo's daemon running at the end")
+    parser.add_argument("--workspace", type=Path, default=default_workspace(),
+                        help="where the copies of the notebooks and the models go (default: %(default)s)")
     args = parser.parse_args()
-    path = build()
-    if args.headless:
-        headless(path)
+    workspace = args.workspace.resolve()
+    if workspace == NOTEBOOKS or NOTEBOOKS in workspace.parents:
+        parser.error(f"--workspace {workspace} lies in the tracked notebooks/; choose a directory outside it")
+    path = prepare(workspace)
+    if args.setup_only:
         return 0
-    return lab()
+    if args.headless:
+        headless(path, args.keep_daemon)
+        return 0
+    return lab(workspace, args.keep_daemon)
 
 
 if __name__ == "__main__":

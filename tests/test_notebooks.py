@@ -6,6 +6,7 @@ kernel there for real and goes on with the next cells.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -21,10 +22,12 @@ from kernel_server.client import Client
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
 
-def execute(name: str, workdir: Path, env: dict[str, str]) -> nbformat.NotebookNode:
-    """Run notebooks/<name> in `workdir` (a copy), restarting where it says so; return it executed."""
+def execute(name: str, workdir: Path, env: dict[str, str], extra: tuple[str, ...] = ()) -> nbformat.NotebookNode:
+    """Run notebooks/<name> in `workdir` (a copy), restarting where it says so, then the `extra` cells;
+    return it executed."""
     shutil.copy(NOTEBOOKS / name, workdir / name)
     nb = nbformat.read(workdir / name, as_version=4)
+    nb.cells += [nbformat.v4.new_code_cell(source) for source in extra]
     client = NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(workdir)}})
     with client.setup_kernel(env=env, cwd=str(workdir)):
         for index, cell in enumerate(nb.cells):
@@ -73,12 +76,35 @@ def widget_views(cell: nbformat.NotebookNode) -> int:
     return sum("application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in cell.get("outputs", []))
 
 
-def test_adapters_notebook_serves_every_request_right(tmp_path: Path, notebook_env: dict[str, str]) -> None:
-    nb = execute("adapters.ipynb", tmp_path, notebook_env)
+# What the adapter panel's Compare shows (the panel of the notebook's last cell, driven as its button does).
+COMPARE = """
+import json
+from overmind_jupyter import widgets
+panel = widgets.adapter_panel(model, tokenizer)
+for thread in panel.generate("hello world the model", ["fr", "de", "__base__"], max_new_tokens=8):
+    thread.join()
+print("COMPARE", json.dumps({"vocab": [len(tokenizer), model.config.vocab_size],
+                             "outputs": list(panel._results.values())}))
+panel.close()
+"""
+
+
+@pytest.mark.parametrize("size", ["tiny", "0.1b"])
+def test_adapters_notebook_serves_every_request_right(tmp_path: Path, notebook_env: dict[str, str],
+                                                      size: str) -> None:
+    """With the demo's default model too (0.1b: 32,000 tokens), whose tokenizer once had 256: Compare
+    showed nothing."""
+    nb = execute("adapters.ipynb", tmp_path, dict(notebook_env, OVERMIND_DEMO_MODEL=size), extra=(COMPARE,))
     text = stdout_of(nb)
     assert "12 concurrent requests, 0 wrong outputs" in text, text
     assert "batched: 0 wrong outputs" in text, text
-    assert widget_views(nb.cells[-1]) == 1, "the adapter panel shows"
+    assert widget_views(nb.cells[-2]) == 1, "the adapter panel shows"
+    compare = json.loads(text.split("COMPARE ", 1)[1].splitlines()[0])
+    assert compare["vocab"][0] == compare["vocab"][1], "the tokenizer's vocabulary is the model's"
+    for out in compare["outputs"]:
+        assert out["status"] == "done" and out["tokens"] == 8, out
+        words = out["text"].split()
+        assert words, f"{out['adapter']}: generated {out['ids']}, which decode to nothing"
 
 
 def test_gpu_units_notebook_moves_the_idle_model_off(tmp_path: Path, notebook_env: dict[str, str]) -> None:

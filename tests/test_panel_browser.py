@@ -1,127 +1,341 @@
-"""The side panel in a real JupyterLab, driven in Debian's Chromium through Playwright.
+"""The side panel and its status-bar item in a real JupyterLab, driven in Debian's Chromium through Playwright.
 
-One walk through what a user does: open the panel (no daemon yet: it says so), load a tiny model in a
-kernel of that JupyterLab, watch the entry appear with its size, hits and the (simulated) GPUs, evict it
-with its button, watch it go; close the panel and see it stop polling. Screenshots land in
-test-artifacts/: panel.png (the panel with the entry), lab.png (the whole window), panel-evicted.png.
+One JupyterLab (real kernels, a real daemon on a temporary OVERMIND_HOME, two simulated GPUs) serves the
+whole module; its tests run in order, as a user's session goes:
+
+1. No daemon yet: panel and status bar say so, and over 30 s of polling the server logs no error.
+2. Three notebooks (`alpha.ipynb`, `beta.ipynb`, `work/gamma.ipynb`) turn overmind on and load a tiny
+   model: the panel and the status bar name each kernel by its notebook, with the pid on hover.
+3. The status item and the charts (memory per model against the budget, load time saved, GPU units over
+   time) render and change after a load and after an evict from the panel.
+4. A first load of a model large enough to take seconds shows its progress in the panel.
+5. The settings: without the status item, a hidden panel stops polling.
+
+Every view is checked for contrast (every visible text at least 4.5:1 against its background, from the
+computed styles) in the light and the dark theme. Screenshots, light and dark, land in test-artifacts/
+(gitignored): panel-down-{light,dark}.png, panel-notebooks-{light,dark}.png,
+statusbar-{light,dark}.png, panel-loaded-{light,dark}.png, panel-evicted-{light,dark}.png,
+panel-progress-light.png (the loading section, when a poll caught the load before it ended); and
+panel-<test>-failure.png when a test fails.
 """
 
 from __future__ import annotations
 
 import os
-import signal
+import re
+import shutil
+import tempfile
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
-from browser_lab import ARTIFACTS, JupyterLab, chromium, closing_browser, launch
-from kernels import execute
+from browser_lab import (
+    ARTIFACTS,
+    JupyterLab,
+    chromium,
+    contrast_failures,
+    failure_report,
+    launch,
+    set_theme,
+)
+from conftest import stop_daemon
 
 pytestmark = pytest.mark.browser
 
-TIMEOUT_MS = 90_000
+TIMEOUT_MS = 120_000
+REFRESH_S = 0.5  # the panel's refresh interval in these tests (its setting)
+QUIET_S = 30  # the server must log no error over this long with the panel open and no daemon
+NOTEBOOKS = ("alpha.ipynb", "beta.ipynb", "work/gamma.ipynb")
+THEMES = {"light": "JupyterLab Light", "dark": "JupyterLab Dark"}
+PANEL = "#overmind-panel"
+STATUS_ITEM = '[data-testid="overmind-statusbar"]'
 
 
-def _kill(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+@dataclass
+class Lab:
+    """The module's JupyterLab, its page and what the page saw."""
+
+    lab: JupyterLab
+    page: Any
+    home: Path
+    models: Path
+    console: list[str] = field(default_factory=list)
+    polls: list[float] = field(default_factory=list)
+
+    @property
+    def panel(self) -> Any:
+        return self.page.locator(PANEL)
+
+    @property
+    def status_item(self) -> Any:
+        return self.page.locator(STATUS_ITEM)
+
+    def open_panel(self) -> None:
+        if not self.panel.is_visible():
+            self.page.locator('.jp-SideBar .lm-TabBar-tab[data-id="overmind-panel"]').click()
+        self.page.wait_for_selector(PANEL, state="visible")
+
+    def run_notebook(self, path: str) -> None:
+        """Open `path` in JupyterLab and run all its cells (the call returns once they are queued)."""
+        self.page.evaluate("""async (path) => {
+            const app = window.jupyterapp;
+            const widget = await app.commands.execute('docmanager:open', {path, factory: 'Notebook'});
+            await widget.context.ready;
+            await widget.sessionContext.ready;
+            app.shell.activateById(widget.id);
+            await app.commands.execute('notebook:run-all-cells');
+        }""", path)
+
+    def each_theme(self, name: str, *selectors: str) -> None:
+        """In both themes: screenshot the panel as `name`-THEME.png and check the contrast of every
+        visible text in the panel and the status item (and `selectors`)."""
+        for theme, title in THEMES.items():
+            set_theme(self.page, title)
+            self.panel.screenshot(path=str(ARTIFACTS / f"{name}-{theme}.png"))
+            checked, failures = 0, []
+            for selector in (PANEL, STATUS_ITEM, *selectors):
+                n, bad = contrast_failures(self.page, selector)
+                checked, failures = checked + n, failures + bad
+            assert checked > 5, f"{name} ({theme}): only {checked} texts seen"
+            assert not failures, f"{name} ({theme}): texts under 4.5:1: {failures}"
+        set_theme(self.page, THEMES["light"])
 
 
-def test_panel_shows_a_model_loaded_in_a_kernel_and_evicts_it(overmind_home: Path, tiny_llama: Path,
-                                                               tmp_path: Path) -> None:
+def _notebook(*cells: str) -> Any:
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(source) for source in cells]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    return nb
+
+
+ON = "%load_ext overmind_jupyter\n%overmind on"
+
+
+def _load(model: Path, name: str = "model") -> str:
+    return (f"from transformers import AutoModelForCausalLM\n"
+            f"{name} = AutoModelForCausalLM.from_pretrained({str(model)!r})")
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path, models_dir: Path) -> Iterator[Lab]:
     executable = chromium()
-    from playwright.sync_api import expect, sync_playwright
+    import nbformat
+    from playwright.sync_api import sync_playwright
 
     ARTIFACTS.mkdir(exist_ok=True)
-    # OVERMIND_COMPACT=0: the entry keeps referring to its checkpoint, so the panel shows that state
-    env = dict(os.environ, OVERMIND_HOME=str(overmind_home), OVERMIND_FAKE_GPUS="2x16", OVERMIND_COMPACT="0")
-    lab = JupyterLab(tmp_path, env).start()
-    kernel_pid = None
-    kc = None
+    home = Path(tempfile.mkdtemp(prefix="om-", dir="/tmp"))  # short, for the socket path limit
+    os.chmod(home, 0o700)
+    env = dict(os.environ, OVERMIND_HOME=str(home), OVERMIND_FAKE_GPUS="2x16")
+    env.pop("TQDM_DISABLE", None)  # progress bars on, as users have them
+    lab = JupyterLab(tmp_path_factory.mktemp("lab"), env, expose_app=True, settings={
+        "overmind-jupyter:panel": {"refreshInterval": REFRESH_S},
+        "@jupyterlab/notebook-extension:tracker": {"windowingMode": "none"},
+    })
+    (lab.root / "work").mkdir()
+    units = "from overmind_jupyter import units\nunits.place(model, label='tiny-llama')"
+    # beta's load is a hit; its `%overmind status` sends the hit's time to the daemon
+    sources = ([ON, _load(tiny_llama), units], [ON, _load(tiny_llama), "%overmind status"], [ON])
+    for path, cells in zip(NOTEBOOKS, sources, strict=True):
+        nbformat.write(_notebook(*cells), lab.root / path)
+    lab.start()
+    started = time.monotonic()
     try:
         with sync_playwright() as pw:
             browser = launch(pw, executable)
-            page = browser.new_page(viewport={"width": 1280, "height": 800})
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
             page.set_default_timeout(TIMEOUT_MS)
-            console: list[str] = []
-            page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
-            polls: list[str] = []
-            page.on("request", lambda r: polls.append(r.url) if "/overmind/state" in r.url else None)
-            with closing_browser(browser, page, console, lab, "panel-failure.png"):
+            s = Lab(lab, page, home, models_dir)
+            page.on("console", lambda m: s.console.append(f"{m.type}: {m.text}"))
+            page.on("request", lambda r: s.polls.append(time.monotonic()) if "/overmind/state" in r.url else None)
+            with failure_report(page, s.console, lab, "panel-setup-failure.png"):
                 page.goto(f"{lab.url}lab?token={lab.token}")
-                tab = page.locator('.jp-SideBar .lm-TabBar-tab[data-id="overmind-panel"]')
-                tab.click()
-                panel = page.locator("#overmind-panel")
-                expect(panel).to_be_visible()
-                # no kernel has loaded anything: no daemon, and the panel says how one starts
-                expect(panel.get_by_test_id("overmind-down")).to_contain_text("%overmind on")
-                assert not (overmind_home / "daemon.sock").exists(), "the panel must not start a daemon"
-
-                kernel_id, kc = lab.start_kernel()
-                kernel_pid = int(execute(kc, "import os; print(os.getpid())"))
-                execute(kc, f"""
-import overmind_jupyter
-from transformers import AutoModelForCausalLM
-model = overmind_jupyter.cached(AutoModelForCausalLM.from_pretrained, {str(tiny_llama)!r})
-again = overmind_jupyter.cached(AutoModelForCausalLM.from_pretrained, {str(tiny_llama)!r})  # a hit
-from kernel_server.client import shared_client  # the kernel's lease: 2 units of a simulated GPU
-shared_client().request("units_acquire", units=2, devices=None, timeout_s=0, label="tiny-llama", busy=False)
-""")
-                entry = panel.get_by_test_id("overmind-entry")
-                expect(entry).to_have_count(1)
-                expect(entry).to_contain_text("tiny-llama")
-                expect(entry).to_contain_text("KiB")
-                expect(panel.get_by_test_id("overmind-kernels")).to_contain_text("kernel")
-                expect(entry).to_contain_text("1 hit")
-                expect(entry.get_by_test_id("overmind-pending")).to_contain_text("served from its checkpoint")
-                expect(panel.get_by_test_id("overmind-stats")).to_contain_text("1 / 1 (50% hits)")
-                devices = panel.get_by_test_id("overmind-device")
-                expect(devices).to_have_count(2)
-                for i in range(2):
-                    expect(devices.nth(i)).to_contain_text("simulated")
-                expect(panel.get_by_test_id("overmind-holder")).to_contain_text("2 for tiny-llama")
-                panel.screenshot(path=str(ARTIFACTS / "panel.png"))
-                page.screenshot(path=str(ARTIFACTS / "lab.png"))
-                key = entry.get_attribute("data-key")
-                assert key
-
-                entry.get_by_test_id("overmind-evict").click()
-                expect(entry).to_have_count(0)
-                expect(panel.get_by_test_id("overmind-empty")).to_be_visible()
-                panel.screenshot(path=str(ARTIFACTS / "panel-evicted.png"))
-
-                # a hidden panel stands by: no poll while the sidebar is collapsed, one when shown again
-                tab.click()
-                expect(panel).to_be_hidden()
-                page.wait_for_timeout(1000)
-                polls.clear()
-                page.wait_for_timeout(5000)
-                assert polls == [], f"the hidden panel polled {len(polls)} times"
-                tab.click()
-                expect(panel).to_be_visible()
-                page.wait_for_timeout(1500)
-                assert polls, "the panel polls again once shown"
-
-                from kernel_server import Client
-
-                with Client(overmind_home, spawn=False, role="test") as client:
-                    assert client.request("ls")["entries"] == [], "the daemon dropped the entry"
-                # the kernel keeps its copy-on-write model after the eviction
-                assert execute(kc, "print(sum(p.numel() for p in model.parameters()) > 0)").strip() == "True"
-                lab.request("DELETE", f"api/kernels/{kernel_id}")
+                page.wait_for_function("() => window.jupyterapp && window.jupyterapp.started")
+                page.wait_for_selector(STATUS_ITEM)
+            try:
+                yield s
+            finally:
+                browser.close()
     finally:
-        if kc is not None:
-            kc.stop_channels()
         lab.stop()
-        if kernel_pid is not None:
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline:
-                try:
-                    os.kill(kernel_pid, 0)
-                except ProcessLookupError:
-                    break
-                time.sleep(0.1)
-            else:
-                _kill(kernel_pid)
+        stop_daemon(home)
+        shutil.rmtree(home, ignore_errors=True)
+        print(f"panel browser tests: {time.monotonic() - started:.1f} s after JupyterLab answered")
+
+
+@pytest.fixture
+def lab(session: Lab, request: pytest.FixtureRequest) -> Iterator[Lab]:
+    """The module's JupyterLab, with a screenshot, the console and the server's log on a failure."""
+    with failure_report(session.page, session.console, session.lab, f"panel-{request.node.name}-failure.png"):
+        yield session
+
+
+def _log_lines(lab: Lab) -> list[str]:
+    return lab.lab.log_path.read_text(errors="replace").splitlines()
+
+
+def test_without_a_daemon_panel_and_status_say_so_and_the_server_logs_no_error(lab: Lab) -> None:
+    from playwright.sync_api import expect
+
+    before = len(_log_lines(lab))
+    lab.open_panel()
+    start = time.monotonic()
+    down = lab.panel.get_by_test_id("overmind-down")
+    expect(down).to_contain_text("No overmind daemon is running")
+    expect(down.locator("code").first).to_have_text("%overmind on")  # code, not literal backticks
+    assert "`" not in lab.panel.inner_text(), "hints show code as code, not backticks"
+    expect(lab.status_item).to_have_text("Overmind: no daemon")
+    expect(lab.panel.get_by_test_id("overmind-refresh").locator("svg")).to_have_count(1)  # JupyterLab's icon
+    lab.each_theme("panel-down")
+    lab.page.wait_for_timeout(max(0.0, QUIET_S - (time.monotonic() - start)) * 1000)
+
+    polls = [t for t in lab.polls if t >= start]
+    assert len(polls) >= QUIET_S // 5 - 1, f"the open panel polled {len(polls)} times in {QUIET_S} s"
+    new = _log_lines(lab)[before:]
+    errors = [line for line in new if re.match(r"\[[EWC] ", line) or "Traceback" in line or " 503 " in line]
+    assert not errors, "the server logged, with the panel open and no daemon:\n" + "\n".join(errors)
+    assert not [line for line in new if "overmind/state" in line], "each poll must not be logged"
+    assert not (lab.home / "daemon.sock").exists(), "the panel must not start a daemon"
+
+
+def test_panel_and_status_bar_name_each_kernel_by_its_notebook(lab: Lab) -> None:
+    from playwright.sync_api import expect
+
+    for path in NOTEBOOKS:
+        lab.run_notebook(path)
+    lab.open_panel()
+    kernels = lab.panel.get_by_test_id("overmind-kernel")
+    expect(kernels).to_have_count(3)
+    names = sorted(kernels.nth(i).locator(".jp-Overmind-label").inner_text() for i in range(3))
+    assert names == sorted(NOTEBOOKS), names
+    for i in range(3):
+        pid = kernels.nth(i).get_attribute("data-pid")
+        detail = f"pid {pid}, notebook kernel"
+        expect(kernels.nth(i).locator(".jp-Overmind-label")).to_have_attribute("title", re.compile(re.escape(detail)))
+        expect(kernels.nth(i)).to_contain_text(detail)
+    entry = lab.panel.get_by_test_id("overmind-entry")
+    expect(entry).to_have_count(1)
+    expect(entry).to_contain_text("alpha.ipynb")  # its users, by notebook
+    expect(entry).to_contain_text("beta.ipynb")
+    holder = lab.panel.get_by_test_id("overmind-holder")  # alpha placed the model on a simulated GPU
+    expect(holder).to_contain_text("for tiny-llama (alpha.ipynb)")
+    expect(lab.status_item).to_have_attribute("title", re.compile("alpha.ipynb, .*beta.ipynb|beta.ipynb, .*alpha"))
+    title = lab.status_item.get_attribute("title") or ""
+    assert all(path in title for path in NOTEBOOKS), title
+    lab.each_theme("panel-notebooks")
+    for theme, name in THEMES.items():
+        set_theme(lab.page, name)
+        lab.page.locator("#jp-main-statusbar").screenshot(path=str(ARTIFACTS / f"statusbar-{theme}.png"))
+    set_theme(lab.page, THEMES["light"])
+
+
+def test_status_item_and_charts_change_after_a_load_and_an_evict(lab: Lab) -> None:
+    from playwright.sync_api import expect
+
+    from overmind_jupyter.demo_models import build_llama
+
+    lab.open_panel()
+    memory = lab.panel.get_by_test_id("overmind-chart-memory")
+    saved = lab.panel.get_by_test_id("overmind-chart-saved")
+    units = lab.panel.get_by_test_id("overmind-chart-units")
+    expect(memory).to_have_attribute("data-segments", "1")
+    expect(lab.status_item).to_contain_text("Overmind: 1 model ·")
+    expect(lab.status_item).to_contain_text("% hits")
+    # beta's load was a hit: its plain load time (alpha's miss) against its own
+    expect(saved).not_to_have_attribute("data-hits", "0")
+    expect(saved.get_by_test_id("overmind-saved")).to_contain_text("saved over")
+    expect(units).to_contain_text("simulated")
+    expect(units.locator("polyline")).to_have_count(2)  # one line per simulated device
+    used_before = lab.panel.get_by_test_id("overmind-used").inner_text()
+    hits_before = saved.get_attribute("data-hits")
+
+    # a second model, loaded in gamma: a segment more, more memory used
+    other = build_llama(lab.models / "tiny-llama-b", "tiny", seed=1, tie_word_embeddings=True)
+    lab.run_notebook("work/gamma.ipynb")  # its kernel is up: the cell below runs in it
+    _run_cell(lab, _load(other, "other"))
+    expect(memory).to_have_attribute("data-segments", "2")
+    expect(lab.status_item).to_contain_text("Overmind: 2 models ·")
+    expect(lab.panel.get_by_test_id("overmind-used")).not_to_have_text(used_before)
+    expect(memory.locator('[data-testid="overmind-segment"]')).to_have_count(2)
+    lab.each_theme("panel-loaded")
+
+    # evict the first from the panel: its segment goes, the status item follows
+    first = lab.panel.get_by_test_id("overmind-entry").filter(has_text="alpha.ipynb")
+    first.get_by_test_id("overmind-evict").click()
+    expect(memory).to_have_attribute("data-segments", "1")
+    expect(lab.status_item).to_contain_text("Overmind: 1 model ·")
+    expect(saved).to_have_attribute("data-hits", hits_before or "")  # hits past stay in the session's picture
+    lab.each_theme("panel-evicted")
+
+
+def test_a_first_load_of_a_large_model_shows_progress_in_the_panel(lab: Lab) -> None:
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+    from playwright.sync_api import expect
+
+    from overmind_jupyter.demo_models import build_llama
+
+    # about 1 GiB: its load and its copy into shared memory take seconds, several polls of the panel
+    big = build_llama(lab.models / "llama-big-f32", "0.1b", dtype="float32", num_hidden_layers=32)
+    lab.open_panel()
+    # every progress line the panel shows while the load runs, however briefly
+    lab.page.evaluate("""() => {
+        window.omProgress = [];
+        const panel = document.querySelector('#overmind-panel');
+        new MutationObserver(() => {
+            for (const el of panel.querySelectorAll(
+                    '[data-testid="overmind-loading"] [data-testid="overmind-progress"]')) {
+                window.omProgress.push(el.textContent);
+            }
+        }).observe(panel, {childList: true, subtree: true});
+    }""")
+    _run_cell(lab, _load(big, "big"))
+    loading = lab.panel.get_by_test_id("overmind-loading")
+    try:  # a screenshot while it shows (the load may be over before a poll or two)
+        loading.get_by_test_id("overmind-progress").first.wait_for(state="visible", timeout=60_000)
+        loading.screenshot(path=str(ARTIFACTS / "panel-progress-light.png"))
+    except PlaywrightTimeout:
+        pass
+    expect(lab.panel.get_by_test_id("overmind-entry").filter(has_text="llama-big-f32")).to_have_count(1)
+    expect(loading).to_have_count(0)
+    seen = lab.page.evaluate("() => window.omProgress")
+    assert any("llama-big-f32" in text and re.search(r"\d+%", text) for text in seen), seen[-5:]
+    # the time left shows while the daemon can estimate it (neither at the first report nor at 100%)
+    assert all(" left" in text for text in seen if re.search(r"\b([1-9]\d?)%", text)), seen
+
+
+def _run_cell(lab: Lab, code: str) -> None:
+    """Add a cell with `code` at the end of the current notebook and run it."""
+    lab.page.evaluate("""async (code) => {
+        const app = window.jupyterapp;
+        const nb = app.shell.currentWidget;
+        nb.content.activeCellIndex = nb.content.widgets.length - 1;
+        await app.commands.execute('notebook:insert-cell-below');
+        nb.content.activeCell.model.sharedModel.setSource(code);
+        await app.commands.execute('notebook:run-cell');
+    }""", code)
+
+
+def test_without_the_status_item_a_hidden_panel_stops_polling(lab: Lab) -> None:
+    from playwright.sync_api import expect
+
+    lab.lab.request("PUT", "lab/api/settings/overmind-jupyter:panel",
+                    {"raw": '{"refreshInterval": 0.5, "showStatusItem": false}'})
+    lab.page.reload()
+    lab.page.wait_for_function("() => window.jupyterapp && window.jupyterapp.started")
+    lab.page.evaluate("() => window.jupyterapp.restored")  # the workspace may reopen the panel
+    lab.open_panel()
+    expect(lab.panel.get_by_test_id("overmind-status")).to_have_attribute("data-state", re.compile("ok|down"))
+    expect(lab.status_item).to_be_hidden()
+    lab.page.locator('.jp-SideBar .lm-TabBar-tab[data-id="overmind-panel"]').click()
+    expect(lab.panel).to_be_hidden()
+    lab.page.wait_for_timeout(1000)
+    quiet_from = time.monotonic()
+    lab.page.wait_for_timeout(4000)
+    assert not [t for t in lab.polls if t >= quiet_from], "a hidden panel without the status item polls"
+    lab.open_panel()
+    lab.page.wait_for_timeout(1500)
+    assert [t for t in lab.polls if t >= quiet_from], "the panel polls again once shown"

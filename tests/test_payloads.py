@@ -26,6 +26,8 @@ VALID: dict[Op, dict[str, Any]] = {
     Op.ABANDON: {"key": "k"},
     Op.UNPIN: {"key": "k", "count": 1},
     Op.EVICT: {"key": "k", "all": False},
+    Op.PROGRESS: {"key": "k", "label": "Loading weights m", "done": 1, "total": 4.5, "unit": "B"},
+    Op.HITS: {"hits": [{"key": "k", "t": 1.5, "hit_s": 0.004}]},
     Op.FALLBACK: {"call": "c", "kind": "k", "reason": "r"},
     Op.UNITS_REGISTER: {"devices": [{"id": "sim:0", "total_bytes": 1 << 30, "name": "n", "model": "m",
                                      "simulated": True}]},

@@ -8,6 +8,7 @@ escaping) talking to a real daemon on the test's OVERMIND_HOME. The installation
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import subprocess
@@ -22,6 +23,7 @@ from pytest_jupyter.jupyter_server import *  # noqa: F403
 
 import overmind_jupyter
 from kernel_server import Client, arena
+from kernel_server.formats import byte_text, progress_text, seconds_text
 
 REPO = Path(__file__).resolve().parent.parent
 JUPYTER = [sys.executable, "-m", "jupyter"]
@@ -67,15 +69,20 @@ def publish(client: Client, key: str, nbytes: int, label: str) -> None:
 
 # -- routes -------------------------------------------------------------------------------------------
 
-def test_state_without_a_daemon_is_a_readable_503_and_starts_none(fetch, overmind_home: Path) -> None:
-    status, body = fetch("overmind", "state")
-    assert status == 503
-    assert body["reason"] == "daemon_down"
+def test_state_without_a_daemon_is_a_state_logged_at_debug_only(fetch, overmind_home: Path,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.DEBUG):
+        for _ in range(5):  # a panel left open polls
+            status, body = fetch("overmind", "state")
+            assert status == 200, body
+    assert body["state"] == "down" and body["home"] == str(overmind_home)
     assert f"no overmind daemon runs at {overmind_home}" in body["message"]
     assert "%overmind on" in body["message"]
+    loud = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not loud, [r.getMessage() for r in loud]
     assert not (overmind_home / "daemon.sock").exists(), "the server must never start a daemon"
     status, body = fetch("overmind", "evict", method="POST", body={"all": True})
-    assert status == 503 and body["reason"] == "daemon_down"
+    assert status == 503 and body["reason"] == "daemon_down", "an evict without a daemon is an error"
 
 
 def test_state_shows_entries_budget_stats_kernels_and_fallbacks(fetch, daemon: Client) -> None:
@@ -88,10 +95,12 @@ def test_state_shows_entries_budget_stats_kernels_and_fallbacks(fetch, daemon: C
 
     status, state = fetch("overmind", "state")
     assert status == 200, state
-    assert state["daemon"]["pid"] == daemon.daemon_pid
+    assert state["state"] == "ok" and state["daemon"]["pid"] == daemon.daemon_pid
     [entry] = state["entries"]
     assert entry["key"] == "aaaa1111" and entry["label"] == "TinyLlama (bf16)"
     assert entry["bytes"] >= 3 * arena.PAGE and entry["hits"] == 1
+    assert entry["bytes_text"] == byte_text(entry["bytes"]), "sizes are written by the shared formatter"
+    assert state["texts"]["budget"] == byte_text(daemon.budget)
     assert state["budget"] == daemon.budget and state["used"] >= entry["bytes"]
     assert state["stats"]["hits"] == 1 and state["stats"]["misses"] == 1
     roles = [k["role"] for k in state["kernels"]]
@@ -118,10 +127,58 @@ def test_state_shows_units_per_simulated_device(fetch, overmind_home: Path,
         taken = next(d for d in units["devices"] if d["used"])
         assert taken["id"] == held["device"] and taken["device"].startswith("cuda:")
         assert taken["used"] == 3 and taken["free"] == taken["total"] - 3 and taken["total"] >= 14
-        assert taken["holders"] == [{"label": "TinyLlama", "kernel": "notebook.ipynb", "pid": os.getpid(),
-                                     "units": 3, "busy": True}]
+        [holder] = taken["holders"]
+        assert {k: holder[k] for k in ("label", "kernel", "pid", "units", "busy")} == {
+            "label": "TinyLlama", "kernel": "notebook.ipynb", "pid": os.getpid(), "units": 3, "busy": True}
+        assert holder["name"] == "notebook.ipynb" and f"pid {os.getpid()}" in holder["detail"]
         kernel.request("units_release", holding=held["holding"])
         assert all(d["used"] == 0 for d in fetch("overmind", "state")[1]["units"]["devices"])
+
+
+def test_connections_are_named_by_the_servers_session_else_by_the_daemon(daemon: Client) -> None:
+    """Note [Kernels by notebook]: the daemon's connection of this process, matched by pid to a kernel
+    of the server, takes the session's path; unmatched, it keeps the daemon's label or command."""
+    from overmind_jupyter.server.state import Names, ServerKernel, panel_state
+
+    status = daemon.request("status").payload
+    names = Names([ServerKernel("1f2e3d4c-aaaa", os.getpid(), "work/train.ipynb", "notebook"),
+                   ServerKernel("9f9f9f9f-bbbb", None, "other.ipynb", "notebook")])
+    [me] = panel_state(status, names=names)["kernels"]
+    assert (me["name"], me["path"], me["kernel_id"]) == ("work/train.ipynb", "work/train.ipynb", "1f2e3d4c-aaaa")
+    assert me["detail"] == f"pid {os.getpid()}, notebook kernel 1f2e3d4c"
+    [outside] = panel_state(status)["kernels"]
+    assert "path" not in outside and str(os.getpid()) in outside["detail"]
+    # a kernel labelled by its kernel id (no JPY_SESSION_NAME) is matched by that id
+    by_id = Names([ServerKernel("k-1", None, "console-1", "console")]).connection(
+        {"conn": 1, "pid": 4242, "role": "kernel", "label": "kernel k-1"})
+    assert by_id["name"] == "console-1" and by_id["detail"] == "pid 4242, console kernel k-1"
+    # a preload's worker is named by the notebook it preloads for
+    worker = names.connection({"conn": 3, "pid": 99, "role": "worker", "label": f"preload for pid {os.getpid()}"})
+    assert worker["name"] == "preload for work/train.ipynb" and "pid 99" in worker["detail"]
+
+
+def test_progress_and_hits_log_carry_their_display_strings() -> None:
+    from overmind_jupyter.server.state import panel_state
+
+    status = {
+        "budget": 8 << 30, "used": 3 << 30, "reserved": 1 << 30,
+        "entries": [{"key": "k1", "meta": {"label": "llama"}, "bytes": 3 << 30, "pinned_by": [],
+                     "pending": {"bytes": 10, "done": 4, "copying": True, "eta": 3.0, "sources": []}}],
+        "loading": [{"key": "k2", "since": 0, "reserved": 1 << 30, "waiters": 0,
+                     "loader": {"conn": 2, "pid": 7, "role": "kernel", "label": "a.ipynb"},
+                     "progress": {"label": "loading big", "done": 1 << 29, "total": 1 << 30, "unit": "B",
+                                  "eta_s": 4.0}}],
+        "hits_log": [{"t": 1, "key": "k1", "label": "llama", "load_s": 12.0, "hit_s": 0.5},
+                     {"t": 2, "key": "k1", "label": "llama", "load_s": 12.0, "hit_s": None}],  # not timed yet
+    }
+    state = panel_state(status)
+    [load] = state["loading"]
+    assert load["progress"]["percent"] == 50
+    assert load["progress"]["text"] == progress_text(status["loading"][0]["progress"])  # type: ignore[index]
+    assert load["reserved_text"] == byte_text(1 << 30) and load["loader"]["name"]
+    assert state["entries"][0]["pending"]["text"].startswith("copying from its checkpoint: 40%")
+    assert [h["hit_s"] for h in state["hits_log"]] == [0.5, None]
+    assert state["texts"]["saved"] == seconds_text(11.5) and state["texts"]["plain"] == seconds_text(12.0)
 
 
 def test_units_view_reads_what_older_or_newer_ledgers_report() -> None:
@@ -180,7 +237,7 @@ def test_the_server_reaches_a_restarted_daemon(fetch, daemon: Client, overmind_h
                           timeout=60, check=False)
     assert stop.returncode == 0, stop.stderr
     status, body = fetch("overmind", "state")
-    assert status == 503 and body["reason"] == "daemon_down"
+    assert status == 200 and body["state"] == "down"
     with Client(overmind_home, role="test") as again:
         assert again.daemon_pid != first_pid
         status, state = fetch("overmind", "state")

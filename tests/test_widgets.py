@@ -496,3 +496,58 @@ def test_no_widget_thread_is_left_behind() -> None:
 
     assert not poller().running
     assert not [t for t in threading.enumerate() if t.name.startswith("overmind-widget")]
+
+
+def test_status_widget_names_kernels_charts_memory_time_saved_and_progress(
+        overmind_home: Path, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch, closing: list[Any]) -> None:
+    """Issue 23: kernels by notebook (pid and command in the detail), the two charts' data (memory per
+    entry with its users; each hit's plain load time against its own), a load's progress, and a notice
+    that clears."""
+    from transformers import AutoModelForCausalLM
+
+    import overmind_jupyter
+    from kernel_server.client import shared_client
+    from overmind_jupyter import widgets
+    from overmind_jupyter.widgets import live
+
+    monkeypatch.setenv("JPY_SESSION_NAME", "/home/ada/analysis.ipynb")  # what jupyter_server gives a kernel
+    monkeypatch.setattr(live, "NOTICE_S", 0.5)
+    shared_client()
+    other = Client(overmind_home, role="kernel", label="/home/ada/second.ipynb")
+    try:
+        table = widgets.cache_table()
+        closing.append(table)
+        model = overmind_jupyter.cached(AutoModelForCausalLM.from_pretrained, str(tiny_llama))
+        within("status: the load appears", lambda: len(table.entries) == 1)
+        entry = table.entries[0]
+        assert entry["load_s"] is not None and entry["load_s"] > 0, "the plain load's time, measured at the miss"
+
+        hit = other.request("lookup", key=entry["key"], wait=False)  # another notebook's kernel hits it
+        assert hit["status"] == "hit"
+        hit.close()
+        within("status: both kernels by notebook", lambda: {k["name"] for k in table.entries[0]["kernels"]}
+               >= {"second.ipynb"})
+        (theirs,) = [k for k in table.entries[0]["kernels"] if k["name"] == "second.ipynb"]
+        assert f"pid {os.getpid()}" in theirs["detail"] and "/home/ada/second.ipynb" in theirs["detail"]
+        within("status: the hit in the time-saved data", lambda: table.summary.get("hits"))
+        (logged,) = table.summary["hits"]
+        assert logged["model"] == "tiny-llama" and logged["load_s"] == entry["load_s"] and logged["hit_s"] is None
+        # reported later, off the hit's path
+        other.request("hits", hits=[{"key": entry["key"], "t": time.time(), "hit_s": 0.003}])
+        within("status: the hit's own time", lambda: table.summary["hits"][0]["hit_s"] == 0.003)
+        assert table.summary["saved_s"] == pytest.approx(entry["load_s"] - 0.003)
+
+        key = "p" * 64  # a load in flight in the other kernel, with its progress
+        assert other.request("lookup", key=key, wait=False)["status"] == "load"
+        other.request("progress", key=key, label="loading big-model", done=1, total=4, unit="B")
+        within("status: a load's progress", lambda: table.summary.get("loads") and
+               table.summary["loads"][0]["percent"] == 25)
+        load = table.summary["loads"][0]
+        assert load["by"] == "second.ipynb" and load["text"].startswith("loading big-model: 25%")
+
+        table._on_frontend_msg(table, {"event": "evict", "key": entry["key"]}, [])
+        within("status: the eviction's notice", lambda: table.notice.startswith("evicted "))
+        within("status: the notice clears", lambda: table.notice == "", deadline=live.NOTICE_S + DEADLINE)
+        del model
+    finally:
+        other.close()

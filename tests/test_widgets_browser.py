@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from browser_lab import ARTIFACTS, JupyterLab, chromium, closing_browser, launch
+from browser_lab import ARTIFACTS, JupyterLab, chromium, closing_browser, contrast_failures, launch, set_theme
 
 pytestmark = pytest.mark.browser
 
@@ -68,16 +68,35 @@ def _settings(lab: JupyterLab) -> None:
     (tracker / "tracker.jupyterlab-settings").write_text(json.dumps({"windowingMode": "none"}))
 
 
-def _kernel_client(lab: JupyterLab) -> Any:
-    """A second client on the notebook's kernel (to look inside it; the notebook shows nothing of it)."""
+def _kernel_client(lab: JupyterLab, notebook: str = "widgets.ipynb") -> Any:
+    """A second client on a notebook's kernel (to look inside it; the notebook shows nothing of it)."""
     from jupyter_client import BlockingKernelClient
 
-    (kernel,) = lab.request("GET", "api/kernels")
-    (connection,) = lab.runtime.glob(f"kernel-{kernel['id']}*.json")
-    client = BlockingKernelClient(connection_file=str(connection))
+    (kernel_id,) = [s["kernel"]["id"] for s in lab.request("GET", "api/sessions") if s["path"] == notebook]
+    deadline = time.monotonic() + 60
+    while not (files := list(lab.runtime.glob(f"kernel-{kernel_id}*.json"))):
+        assert time.monotonic() < deadline, f"no connection file of {notebook}'s kernel"
+        time.sleep(0.1)
+    client = BlockingKernelClient(connection_file=str(files[0]))
     client.load_connection_file()
     client.start_channels(hb=False)
+    client.wait_for_ready(timeout=90)
     return client
+
+
+def _other_notebooks(lab: JupyterLab, model_dir: Path) -> list[Any]:
+    """Two more notebooks' kernels (sessions of the server, as JupyterLab opens them), each loading the
+    model: hits, named by their notebooks."""
+    clients = []
+    for name in ("second.ipynb", "third.ipynb"):
+        lab.request("POST", "api/sessions", {"path": name, "name": name, "type": "notebook",
+                                             "kernel": {"name": "python3"}})
+        kc = _kernel_client(lab, name)
+        clients.append(kc)
+        _ask(kc, "%load_ext overmind_jupyter\n%overmind on\n"
+                 "from transformers import AutoModelForCausalLM\n"
+                 f"m = AutoModelForCausalLM.from_pretrained({str(model_dir)!r})")
+    return clients
 
 
 def _ask(kc: Any, code: str) -> str:
@@ -110,6 +129,7 @@ def test_status_and_adapter_widgets_in_jupyterlab(overmind_home: Path, tiny_llam
     nbformat.write(_notebook(tiny_llama, tokenizer_dir), lab.root / "widgets.ipynb")
     lab.start()
     kc = None
+    others: list[Any] = []
     started = time.monotonic()
     try:
         with sync_playwright() as pw:
@@ -133,10 +153,33 @@ def test_status_and_adapter_widgets_in_jupyterlab(overmind_home: Path, tiny_llam
                 rows = status.get_by_test_id("overmind-widget-entry")
                 entry = rows.filter(has_text="AutoModelForCausalLM")  # the tokenizer is cached too
                 expect(entry).to_have_count(1)
+                others = _other_notebooks(lab, tiny_llama)
+                # the first load's progress in its cell: transformers' own bar (an ipywidgets bar), named
+                bar = page.locator(".jp-OutputArea-output .jupyter-widgets", has_text="Loading weights (tiny-llama)")
+                expect(bar.first).to_be_visible()
+                expect(bar.first).to_contain_text("100%")
                 expect(rows.filter(has_text="AutoTokenizer")).to_have_count(1)
                 expect(entry).to_contain_text("this kernel")  # it uses the cached copy (`base`, a hit)
                 expect(entry.get_by_test_id("overmind-widget-model")).to_have_text("tiny-llama")
                 expect(entry).to_contain_text("KiB")
+                # the kernel by its notebook, the pid and command on hover
+                kernels = entry.get_by_test_id("overmind-widget-kernel")
+                expect(kernels).to_have_count(3)
+                for name in ("widgets.ipynb", "second.ipynb", "third.ipynb"):
+                    kernel = kernels.filter(has_text=name)
+                    expect(kernel).to_have_count(1)
+                    expect(kernel).to_have_attribute("title", re.compile(rf"^pid \d+, .*{name}: .*python"))
+                # the two pictures: memory per entry against the budget, and each hit's time against the
+                # plain load's (`base` was a hit of `model`'s load)
+                memory = status.get_by_test_id("overmind-widget-memory")
+                expect(memory.get_by_test_id("overmind-widget-memory-segment")).to_have_count(2)
+                expect(memory).to_contain_text("widgets.ipynb")
+                saved = status.get_by_test_id("overmind-widget-saved")
+                hits = saved.get_by_test_id("overmind-widget-hit")
+                expect(hits).to_have_count(3)  # `base` here, `m` in the two other notebooks
+                for i in range(3):  # each with its own time (sent after its cell), not "?"
+                    expect(hits.nth(i)).to_contain_text(re.compile(r"tiny-llama.* \u2192 \d+(\.\d)? m?s"))
+                expect(saved).to_contain_text("Load time saved")
                 units = page.get_by_test_id("overmind-widget-units")
                 devices = units.get_by_test_id("overmind-widget-device")
                 expect(devices).to_have_count(2)
@@ -168,11 +211,21 @@ def test_status_and_adapter_widgets_in_jupyterlab(overmind_home: Path, tiny_llam
                 panel.screenshot(path=str(ARTIFACTS / "widgets-adapters.png"))
                 page.screenshot(path=str(ARTIFACTS / "widgets-lab.png"), full_page=True)
 
+                # every text of the widgets readable in both themes (computed styles, WCAG ratio >= 4.5)
+                for theme, name in (("JupyterLab Dark", "dark"), ("JupyterLab Light", "light")):
+                    set_theme(page, theme)
+                    checked, failures = contrast_failures(page, ".om-w")
+                    output.screenshot(path=str(ARTIFACTS / f"widgets-{name}.png"))
+                    panel.screenshot(path=str(ARTIFACTS / f"widgets-adapters-{name}.png"))
+                    assert checked > 30 and not failures, (theme, failures)
+
                 # evict with the row's button: the row goes within 2 s
                 entry.get_by_test_id("overmind-widget-evict").click()
                 expect(entry).to_have_count(0, timeout=CHANGE_MS)
                 expect(rows).to_have_count(1)
                 expect(status.get_by_test_id("overmind-widget-notice")).to_contain_text("evicted")
+                expect(memory.get_by_test_id("overmind-widget-memory-segment")).to_have_count(1, timeout=CHANGE_MS)
+                expect(status.get_by_test_id("overmind-widget-notice")).to_have_count(0, timeout=12_000)  # it clears
 
                 # the views told the kernel they exist; clearing the outputs stops the polling
                 kc = _kernel_client(lab)
@@ -185,9 +238,27 @@ def test_status_and_adapter_widgets_in_jupyterlab(overmind_home: Path, tiny_llam
                 while (answer := _ask(kc, probe)) != "[False, False]" and time.monotonic() < deadline:
                     time.sleep(0.2)
                 assert answer == "[False, False]", "widgets shown nowhere must not be polled"
+
+                # after a restart, a widget of the old kernel says it is gone and its buttons do nothing
+                page.evaluate("""async () => {
+                    const panel = window.jupyterapp.shell.currentWidget;
+                    panel.content.activeCellIndex = 2;  // %overmind status
+                    await window.jupyterapp.commands.execute("notebook:run-cell");
+                }""")
+                status = page.get_by_test_id("overmind-widget-cache")
+                expect(status.get_by_test_id("overmind-widget-entry")).to_have_count(1)
+                expect(status.get_by_test_id("overmind-widget-gone")).to_have_count(0)
+                shown = page.locator(".jp-OutputArea-output", has=status)
+                page.evaluate("() => window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.restart()")
+                expect(shown.get_by_test_id("overmind-widget-gone").first).to_contain_text("kernel that is gone",
+                                                                                        timeout=30_000)
+                expect(status.get_by_test_id("overmind-widget-evict")).to_be_disabled()
+                shown.screenshot(path=str(ARTIFACTS / "widgets-gone.png"))
                 errors = [line for line in console if line.startswith("error") and "overmind" in line.lower()]
                 assert not errors, errors
     finally:
+        for other in others:
+            other.stop_channels()
         if kc is not None:
             kc.stop_channels()
         lab.stop()

@@ -1,19 +1,57 @@
 /**
  * The REST routes of the overmind server extension (overmind_jupyter/server), typed.
  *
- * GET  {baseUrl}overmind/state  -> PanelState, or 503 {message, reason: "daemon_down"}
+ * GET  {baseUrl}overmind/state  -> {state: "ok", ...IPanelState} or {state: "down", message, home}
  * POST {baseUrl}overmind/evict  {key} | {all: true} -> {evicted: string[]}
+
+ * Sizes and durations come with their display strings (`bytes_text`, `texts`, `progress.text`), written
+ * on the server by the formatter the CLI and the notebook widgets share; relative times use
+ * JupyterLab's `Time.formatHuman`.
  */
 
 import { URLExt } from '@jupyterlab/coreutils';
 import { ServerConnection } from '@jupyterlab/services';
 
+/** A process connected to the daemon, named by the server (its notebook, else its label or command). */
 export interface IConnection {
   conn: number;
   pid: number;
   role: string;
   label: string;
+  /** What the panel shows: the notebook's or console's path, else the daemon's label or command. */
+  name: string;
+  /** "pid 123, notebook kernel 1a2b3c4d", or "pid 123: python train.py" outside the server. */
+  detail: string;
+  command?: string;
+  /** The session's path, for a kernel of this Jupyter server. */
+  path?: string;
+  session_type?: string;
+  kernel_id?: string;
   pins?: number;
+}
+
+/** A long operation the daemon reports: a load in flight, a preload, work on an entry. */
+export interface IProgress {
+  /** The model's name. */
+  label: string;
+  done: number;
+  total: number;
+  unit: string;
+  eta_s: number | null;
+  /** 0-100, null while the total is unknown. */
+  percent: number | null;
+  /** "loading llama: 40% (1.2 GiB of 3.0 GiB), 3.5 s left". */
+  text: string;
+}
+
+/** A hit of the session: the plain load's time (measured at the miss) against the hit's. */
+export interface IHit {
+  t: number;
+  key: string;
+  label: string;
+  load_s: number;
+  /** Null until the kernel reported it (after the hit, never on its path). */
+  hit_s: number | null;
 }
 
 /** What the daemon still copies of an entry from its checkpoint files (it is servable already). */
@@ -23,12 +61,17 @@ export interface IPending {
   copying: boolean;
   eta: number | null;
   sources: string[];
+  /** "copying from its checkpoint: 40%, 3.5 s left". */
+  text: string;
 }
 
 export interface IEntry {
   key: string;
   label: string;
   bytes: number;
+  bytes_text: string;
+  load_s?: number | null;
+  progress?: IProgress | null;
   hits: number;
   created: number;
   last_used: number;
@@ -41,14 +84,18 @@ export interface ILoad {
   key: string;
   since: number;
   reserved: number;
+  reserved_text: string;
   loader: IConnection;
   waiters: number;
+  progress?: IProgress | null;
 }
 
 export interface IFallback {
   time: number;
   pid: number;
   label: string;
+  name: string;
+  detail: string;
   call: string;
   kind: string;
   reason: string;
@@ -60,6 +107,9 @@ export interface IUnitHolder {
   /** The kernel that holds them. */
   kernel: string;
   pid: number | null;
+  /** The holding kernel as the panel names it. */
+  name: string;
+  detail: string;
   units: number | null;
   busy: boolean | null;
 }
@@ -86,6 +136,7 @@ export interface IUnits {
 }
 
 export interface IPanelState {
+  state: 'ok';
   daemon: {
     pid: number;
     version: string;
@@ -101,13 +152,29 @@ export interface IPanelState {
   loading: ILoad[];
   kernels: IConnection[];
   fallbacks: IFallback[];
+  hits_log: IHit[];
   units: IUnits | null;
+  texts: {
+    used: string;
+    budget: string;
+    reserved: string;
+    unit_bytes: string;
+    /** Sums over `hits_log`: the plain loads' times, the hits' times, and what the hits saved. */
+    plain: string;
+    hits: string;
+    saved: string;
+  };
+}
+
+/** The server's answer while no daemon runs (not an error: no kernel has loaded a model yet). */
+export interface IDownState {
+  state: 'down';
+  message: string;
+  home: string;
 }
 
 /** What a poll found: the state, or the daemon's absence (not an error: no model was loaded yet). */
-export type StateResult =
-  | { kind: 'ok'; state: IPanelState }
-  | { kind: 'down'; message: string };
+export type StateResult = IPanelState | IDownState;
 
 /** An answer of the server that is not what the panel asked for; its message is readable. */
 export class OvermindRequestError extends Error {
@@ -145,11 +212,8 @@ export async function fetchState(
   settings: ServerConnection.ISettings
 ): Promise<StateResult> {
   const { status, body } = await request(settings, 'state');
-  if (status === 200) {
-    return { kind: 'ok', state: body as IPanelState };
-  }
-  if (status === 503 && body?.reason === 'daemon_down') {
-    return { kind: 'down', message: String(body.message) };
+  if (status === 200 && (body?.state === 'ok' || body?.state === 'down')) {
+    return body as StateResult;
   }
   throw new OvermindRequestError(
     body?.message || `the server answered ${status}`,

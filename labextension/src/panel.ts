@@ -1,108 +1,67 @@
 /**
- * The side panel: what the daemon holds, polled from the server extension while the panel is shown.
+ * The side panel: what the daemon holds, from the poll it shares with the status-bar item.
  *
  * Stable hooks for tests and styles: the root has class `jp-Overmind`; every part carries a
  * `data-testid` (overmind-status, overmind-down, overmind-error, overmind-summary, overmind-entries,
- * overmind-entry [data-key], overmind-evict, overmind-evict-all, overmind-empty, overmind-units,
- * overmind-device, overmind-kernels, overmind-fallbacks, overmind-refresh).
+ * overmind-entry [data-key], overmind-evict, overmind-evict-all, overmind-empty, overmind-loading,
+ * overmind-progress, overmind-units, overmind-device, overmind-kernels, overmind-kernel [data-pid],
+ * overmind-fallbacks, overmind-refresh, and the charts overmind-chart-memory [data-segments],
+ * overmind-chart-saved [data-hits], overmind-chart-units).
  */
 
 import { Dialog, showDialog } from '@jupyterlab/apputils';
+import { Time } from '@jupyterlab/coreutils';
 import { ServerConnection } from '@jupyterlab/services';
-import { Poll } from '@lumino/polling';
+import { refreshIcon } from '@jupyterlab/ui-components';
 import { Message } from '@lumino/messaging';
 import { Widget } from '@lumino/widgets';
 
 import {
   evict,
-  fetchState,
   IConnection,
   IDevice,
   IEntry,
   IFallback,
   IPanelState,
   IPending,
-  StateResult
+  IProgress
 } from './api';
+import { memoryChart, savedChart, unitsChart } from './charts';
+import { breakable, Child, h, prose, who } from './dom';
+import { OvermindModel } from './model';
 
-/** Milliseconds between two polls while the panel is shown; errors back off up to MAX_INTERVAL. */
-const INTERVAL = 2000;
-/** Slower while no daemon runs: each of those answers is a 503 in the server's log. */
-const DOWN_INTERVAL = 5000;
-const MAX_INTERVAL = 30000;
 const MAX_FALLBACKS = 20;
-/** Milliseconds between two renderings of unchanged state, for the ages it shows. */
+/** Milliseconds between two renderings of unchanged state, for the relative times it shows. */
 const AGE_MS = 30000;
 /** Milliseconds an error of an evict stays on show. */
 const MESSAGE_MS = 10000;
 
-type Child = Node | string | null | undefined | false;
-
-/** A DOM element with attributes (a `data-*`, `class`, `title`...) and children. */
-function h(
-  tag: string,
-  attrs: Record<string, string | undefined> = {},
-  ...children: Child[]
-): HTMLElement {
-  const el = document.createElement(tag);
-  for (const [name, value] of Object.entries(attrs)) {
-    if (value !== undefined) {
-      el.setAttribute(name, value);
-    }
-  }
-  for (const child of children) {
-    if (child) {
-      el.append(child);
-    }
-  }
-  return el;
+/** Seconds since the epoch, as JupyterLab writes relative times ("2 minutes ago"). */
+function ago(seconds: number): string {
+  return Time.formatHuman(new Date(seconds * 1000));
 }
 
-/** 1536 -> "1.5 KiB"; binary units, as the budget and the GPU units are counted. */
-export function formatBytes(n: number): string {
-  const units = ['B', 'KiB', 'MiB', 'GiB', 'TiB'];
-  let value = n;
-  let i = 0;
-  while (value >= 1024 && i < units.length - 1) {
-    value /= 1024;
-    i++;
+/** A long operation: a bar, and the model's name, percent and time left (written by the server). */
+function progressLine(progress: IProgress): HTMLElement {
+  const bar = h('progress', { max: '100' });
+  if (progress.percent !== null) {
+    bar.setAttribute('value', String(progress.percent));
   }
-  if (i === 0) {
-    return `${value} B`;
-  }
-  const digits = value < 10 && !Number.isInteger(value) ? 1 : 0;
-  return `${value.toFixed(digits)} ${units[i]}`;
-}
-
-/** An entry's compaction: served from its checkpoint while the daemon copies it into its arena. */
-function pendingLine(pending: IPending): HTMLElement {
-  const percent = Math.floor((100 * pending.done) / Math.max(1, pending.bytes));
-  const text = pending.copying
-    ? `copying from its checkpoint: ${percent}%` +
-      (pending.eta !== null ? `, ${Math.round(pending.eta)} s left` : '')
-    : 'served from its checkpoint; copy queued';
   return h(
     'div',
-    { class: 'jp-Overmind-hint', 'data-testid': 'overmind-pending' },
-    h('progress', { max: '100', value: String(percent) }),
-    ` ${text}`
+    { class: 'jp-Overmind-progress', 'data-testid': 'overmind-progress' },
+    h('div', { class: 'jp-Overmind-label' }, ...breakable(progress.text)),
+    bar
   );
 }
 
-/** Seconds since the epoch -> "12 s ago", "3 min ago", "2 h ago". */
-function ago(seconds: number): string {
-  const delta = Math.max(0, Date.now() / 1000 - seconds);
-  if (delta < 60) {
-    return 'less than a minute ago';
-  }
-  if (delta < 3600) {
-    return `${Math.round(delta / 60)} min ago`;
-  }
-  return `${Math.round(delta / 3600)} h ago`;
-}
-
-function who(c: { pid: number; label: string }): string {
-  return c.label ? `${c.label} (pid ${c.pid})` : `pid ${c.pid}`;
+/** An entry served from its checkpoint until the daemon copied it into its arena. */
+function pendingLine(pending: IPending): HTMLElement {
+  return h(
+    'div',
+    { class: 'jp-Overmind-hint', 'data-testid': 'overmind-pending' },
+    ...breakable(pending.text)
+  );
 }
 
 function bar(used: number, total: number, testid: string): HTMLElement {
@@ -123,8 +82,17 @@ function bar(used: number, total: number, testid: string): HTMLElement {
   );
 }
 
+/** "3 hits of 4 lookups (75%)". */
+export function hitRate(stats: IPanelState['stats']): { text: string; percent: number | null } {
+  const hits = stats.hits ?? 0;
+  const misses = stats.misses ?? 0;
+  const percent = hits + misses > 0 ? Math.round((100 * hits) / (hits + misses)) : null;
+  return { text: `${hits} / ${misses}${percent === null ? '' : ` (${percent}% hits)`}`, percent };
+}
+
 export namespace OvermindPanel {
   export interface IOptions {
+    model: OvermindModel;
     serverSettings: ServerConnection.ISettings;
   }
 }
@@ -133,6 +101,7 @@ export class OvermindPanel extends Widget {
   constructor(options: OvermindPanel.IOptions) {
     super();
     this.addClass('jp-Overmind');
+    this._model = options.model;
     this._settings = options.serverSettings;
 
     const refresh = h(
@@ -140,11 +109,12 @@ export class OvermindPanel extends Widget {
       {
         class: 'jp-Button jp-mod-minimal jp-Overmind-refresh',
         title: 'Refresh now',
+        'aria-label': 'Refresh now',
         'data-testid': 'overmind-refresh'
       },
-      '⟳'
+      refreshIcon.element({ tag: 'span', elementSize: 'normal' })
     );
-    refresh.addEventListener('click', () => void this._poll.refresh());
+    refresh.addEventListener('click', () => void this._model.refresh());
     this._status = h('div', {
       class: 'jp-Overmind-status',
       'data-testid': 'overmind-status',
@@ -162,76 +132,53 @@ export class OvermindPanel extends Widget {
       this._body
     );
     this._setStatus('connecting', 'Asking the server…');
-
-    this._poll = new Poll<StateResult, Error, 'overmind-state'>({
-      auto: true,
-      factory: () => this._load(),
-      frequency: { interval: INTERVAL, backoff: true, max: MAX_INTERVAL },
-      name: 'overmind:state',
-      // Stand by while the panel is hidden (another tab of the sidebar, a collapsed sidebar)
-      // and while the browser tab is hidden.
-      standby: () => !this.isVisible || 'when-hidden'
-    });
+    this._model.changed.connect(this._update, this);
   }
 
   /** The latest state shown (null while the daemon is down or before the first answer). */
   get state(): IPanelState | null {
-    return this._state;
-  }
-
-  /** Fetch the state now (after an evict, when the panel is shown). */
-  refresh(): Promise<void> {
-    return this._poll.refresh();
+    return this._model.state;
   }
 
   dispose(): void {
     if (this.isDisposed) {
       return;
     }
-    this._poll.dispose();
+    this._model.changed.disconnect(this._update, this);
     super.dispose();
   }
 
   protected onAfterShow(msg: Message): void {
     super.onAfterShow(msg);
-    void this._poll.refresh();
+    void this._model.refresh();
   }
 
-  private async _load(): Promise<StateResult> {
-    let result: StateResult;
-    try {
-      result = await fetchState(this._settings);
-    } catch (error) {
-      this._setStatus('error', `${(error as Error).message}`);
-      this._state = null;
+  private _update(): void {
+    const view = this._model.view;
+    if (view.state === 'error') {
+      this._setStatus('error', view.message);
       this._render(null, '');
-      throw error; // the poll backs off
-    }
-    const interval = result.kind === 'down' ? DOWN_INTERVAL : INTERVAL;
-    this._poll.frequency = { ...this._poll.frequency, interval };
-    if (result.kind === 'down') {
-      this._state = null;
+    } else if (view.state === 'down') {
       this._setStatus('down', 'no daemon');
-      this._render(null, result.message);
-    } else {
-      this._state = result.state;
-      const d = result.state.daemon;
+      this._render(null, view.message);
+    } else if (view.state === 'ok') {
+      const d = view.daemon;
       this._setStatus('ok', `daemon pid ${d.pid}, v${d.version} at ${d.home}`);
-      this._render(result.state, '');
+      this._render(view, '');
     }
-    return result;
   }
 
   private _setStatus(kind: string, text: string): void {
     this._status.dataset.state = kind;
-    this._status.textContent = text;
+    this._status.replaceChildren(...breakable(text));
   }
 
   /** Rebuild the body when what it shows changed (so a button under the pointer stays put). */
   private _render(state: IPanelState | null, down: string): void {
     const message = Date.now() < this._messageUntil ? this._message : '';
-    const clock = Math.floor(Date.now() / AGE_MS); // "used 3 min ago" moves on
-    const signature = JSON.stringify([state, down, message, clock]);
+    const clock = Math.floor(Date.now() / AGE_MS); // "3 minutes ago" moves on
+    const samples = this._model.unitSamples.length;
+    const signature = JSON.stringify([state, down, message, clock, samples]);
     if (signature === this._signature) {
       return;
     }
@@ -247,15 +194,16 @@ export class OvermindPanel extends Widget {
             'div',
             { class: 'jp-Overmind-down', 'data-testid': 'overmind-down' },
             h('p', {}, 'No overmind daemon is running.'),
-            h('p', { class: 'jp-Overmind-hint' }, down)
+            h('p', { class: 'jp-Overmind-hint' }, ...prose(down))
           )
         );
       }
     } else {
       parts.push(
         this._summary(state),
-        this._entries(state),
         this._loading(state),
+        this._entries(state),
+        savedChart(state.hits_log, state.texts),
         this._units(state),
         this._kernels(state.kernels),
         this._fallbacks(state.fallbacks)
@@ -265,9 +213,6 @@ export class OvermindPanel extends Widget {
   }
 
   private _summary(state: IPanelState): HTMLElement {
-    const hits = state.stats.hits ?? 0;
-    const misses = state.stats.misses ?? 0;
-    const rate = hits + misses > 0 ? ` (${Math.round((100 * hits) / (hits + misses))}% hits)` : '';
     return h(
       'section',
       { class: 'jp-Overmind-section', 'data-testid': 'overmind-summary' },
@@ -278,18 +223,16 @@ export class OvermindPanel extends Widget {
         h(
           'span',
           { 'data-testid': 'overmind-used' },
-          `${formatBytes(state.used)} of ${formatBytes(state.budget)}`
+          `${state.texts.used} of ${state.texts.budget}`
         )
       ),
-      bar(state.used + state.reserved, state.budget, 'overmind-budget'),
-      state.reserved > 0 &&
-        h('div', { class: 'jp-Overmind-hint' }, `${formatBytes(state.reserved)} reserved by loads in flight`),
       h(
         'div',
         { class: 'jp-Overmind-row', 'data-testid': 'overmind-stats' },
         h('span', {}, 'Hits / misses'),
-        h('span', {}, `${hits} / ${misses}${rate}`)
-      )
+        h('span', {}, hitRate(state.stats).text)
+      ),
+      memoryChart(state)
     );
   }
 
@@ -304,16 +247,15 @@ export class OvermindPanel extends Widget {
       'Evict all'
     );
     evictAll.addEventListener('click', () => void this._evictAll(state.entries.length));
-    if (state.entries.length === 0) {
-      evictAll.setAttribute('disabled', '');
-    }
     const list =
       state.entries.length === 0
         ? h(
             'p',
             { class: 'jp-Overmind-empty', 'data-testid': 'overmind-empty' },
-            'No model is cached yet. Run `%overmind on` in a notebook, then load a model ' +
-              'with from_pretrained: it stays here across kernel restarts.'
+            ...prose(
+              'No model is cached yet. Run `%overmind on` in a notebook, then load a model ' +
+                'with `from_pretrained`: it stays here across kernel restarts.'
+            )
           )
         : h(
             'ul',
@@ -327,7 +269,7 @@ export class OvermindPanel extends Widget {
         'h3',
         { class: 'jp-Overmind-heading' },
         h('span', {}, `Cached models (${state.entries.length})`),
-        evictAll
+        state.entries.length > 0 && evictAll
       ),
       list
     );
@@ -345,25 +287,30 @@ export class OvermindPanel extends Widget {
       'Evict'
     );
     button.addEventListener('click', () => void this._evict({ key: entry.key }));
-    const users = entry.pinned_by.length
-      ? `in use by ${entry.pinned_by.map(who).join(', ')}`
-      : 'not in use';
+    const users: Child[] = entry.pinned_by.length
+      ? ['in use by ', ...joined(entry.pinned_by.map(who))]
+      : ['not in use'];
     return h(
       'li',
       { class: 'jp-Overmind-entry', 'data-testid': 'overmind-entry', 'data-key': entry.key },
       h(
         'div',
         { class: 'jp-Overmind-row' },
-        h('span', { class: 'jp-Overmind-label', title: entry.key }, entry.label),
+        h('span', { class: 'jp-Overmind-label', title: entry.key }, ...breakable(entry.label)),
         button
       ),
       h(
         'div',
         { class: 'jp-Overmind-hint' },
-        `${formatBytes(entry.bytes)} · ${entry.hits} hit${entry.hits === 1 ? '' : 's'} · ` +
-          `used ${ago(entry.last_used)} · ${users}`
+        `${entry.bytes_text} · ${entry.hits} hit${entry.hits === 1 ? '' : 's'} · ` +
+          `last used ${ago(entry.last_used)} · `,
+        ...users
       ),
-      entry.pending ? pendingLine(entry.pending) : null
+      entry.progress
+        ? progressLine(entry.progress)
+        : entry.pending
+          ? pendingLine(entry.pending)
+          : null
     );
   }
 
@@ -381,9 +328,19 @@ export class OvermindPanel extends Widget {
         ...state.loading.map(l =>
           h(
             'li',
-            { class: 'jp-Overmind-hint' },
-            `${l.key.slice(0, 12)} by ${who(l.loader)}, ${formatBytes(l.reserved)} reserved, ` +
-              `${l.waiters} waiting, since ${ago(l.since)}`
+            { class: 'jp-Overmind-load', 'data-key': l.key },
+            l.progress
+              ? progressLine(l.progress)
+              : h('div', { class: 'jp-Overmind-label' }, 'A model being loaded'),
+            h(
+              'div',
+              { class: 'jp-Overmind-hint' },
+              'for ',
+              who(l.loader),
+              `, ${l.reserved_text} reserved` +
+                (l.waiters ? `, ${l.waiters} waiting` : '') +
+                `, started ${ago(l.since)}`
+            )
           )
         )
       )
@@ -395,15 +352,15 @@ export class OvermindPanel extends Widget {
     if (!units) {
       return null; // a daemon without a units ledger
     }
-    const size = formatBytes(units.unit_bytes);
     return h(
       'section',
       { class: 'jp-Overmind-section', 'data-testid': 'overmind-units' },
-      h('h3', { class: 'jp-Overmind-heading' }, `GPU units (${size} each)`),
-      units.error && h('div', { class: 'jp-Overmind-error' }, units.error),
+      h('h3', { class: 'jp-Overmind-heading' }, `GPU units (${state.texts.unit_bytes} each)`),
+      units.error && h('div', { class: 'jp-Overmind-error' }, ...prose(units.error)),
       units.devices.length
         ? h('ul', { class: 'jp-Overmind-list' }, ...units.devices.map(d => this._device(d)))
         : h('p', { class: 'jp-Overmind-hint' }, 'No GPU is known to the daemon yet.'),
+      unitsChart(state, this._model.unitSamples),
       units.waiting > 0 &&
         h(
           'div',
@@ -433,9 +390,11 @@ export class OvermindPanel extends Widget {
         h(
           'div',
           { class: 'jp-Overmind-hint', 'data-testid': 'overmind-holder' },
-          `${x.units ?? '?'} for ${x.label || 'a model'}` +
-            (x.kernel || x.pid !== null ? ` (${x.kernel || 'pid ' + x.pid})` : '') +
-            (x.busy === null ? '' : x.busy ? ', busy' : ', idle')
+          `${x.units ?? '?'} for ${x.label || 'a model'}`,
+          x.name ? ' (' : '',
+          x.name ? who({ ...x, label: x.kernel, pid: x.pid ?? 0 }) : null,
+          x.name ? ')' : '',
+          x.busy === null ? '' : x.busy ? ', busy' : ', idle'
         )
       )
     );
@@ -450,7 +409,14 @@ export class OvermindPanel extends Widget {
         ? h(
             'ul',
             { class: 'jp-Overmind-list' },
-            ...kernels.map(k => h('li', { class: 'jp-Overmind-hint' }, `${k.role}: ${who(k)}`))
+            ...kernels.map(k =>
+              h(
+                'li',
+                { class: 'jp-Overmind-kernel', 'data-testid': 'overmind-kernel', 'data-pid': String(k.pid) },
+                h('div', { class: 'jp-Overmind-label', title: k.detail }, ...breakable(k.name)),
+                h('div', { class: 'jp-Overmind-hint' }, `${k.role}, `, ...breakable(k.detail))
+              )
+            )
           )
         : h('p', { class: 'jp-Overmind-hint' }, 'No kernel is connected.')
     );
@@ -472,8 +438,15 @@ export class OvermindPanel extends Widget {
           h(
             'li',
             { class: 'jp-Overmind-fallback' },
-            h('div', {}, `${f.call} — ${f.kind}`),
-            h('div', { class: 'jp-Overmind-hint' }, `${f.reason} (${who(f)}, ${ago(f.time)})`)
+            h('div', {}, ...breakable(`${f.call} — ${f.kind}`)),
+            h(
+              'div',
+              { class: 'jp-Overmind-hint' },
+              ...prose(f.reason),
+              ' (',
+              who(f),
+              `, ${ago(f.time)})`
+            )
           )
         )
       )
@@ -488,7 +461,7 @@ export class OvermindPanel extends Widget {
       this._message = `Evict failed: ${(error as Error).message}`;
       this._messageUntil = Date.now() + MESSAGE_MS;
     }
-    await this._poll.refresh();
+    await this._model.refresh();
   }
 
   private async _evictAll(count: number): Promise<void> {
@@ -502,12 +475,18 @@ export class OvermindPanel extends Widget {
     }
   }
 
+  private _model: OvermindModel;
   private _settings: ServerConnection.ISettings;
-  private _poll: Poll<StateResult, Error, 'overmind-state'>;
   private _status: HTMLElement;
   private _body: HTMLElement;
-  private _state: IPanelState | null = null;
   private _signature = '';
   private _message = '';
   private _messageUntil = 0;
+}
+
+/** Nodes separated by ", ". */
+function joined(nodes: Node[]): Child[] {
+  const out: Child[] = [];
+  nodes.forEach((node, i) => out.push(...(i ? [', ', node] : [node])));
+  return out;
 }

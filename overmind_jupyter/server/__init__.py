@@ -3,7 +3,8 @@
 Routes (under the server's `base_url`, every one authenticated and authorized):
 
 - `GET  {base_url}overmind/state`: the daemon's state for the panel (see `state.panel_state`), or
-  503 `{"message": ..., "reason": "daemon_down"}` when no daemon runs.
+  `{"state": "down", "message": ..., "home": ...}` when no daemon runs (a 200: Note [No daemon is a
+  state] in `handlers.py`).
 - `POST {base_url}overmind/evict` with `{"key": KEY}` (a key or a unique prefix) or `{"all": true}`:
   `{"evicted": [keys]}`; 404 for an unknown key, 409 for an ambiguous prefix, 400 for a bad body.
 

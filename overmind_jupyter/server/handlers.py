@@ -28,7 +28,7 @@ from kernel_server.errors import (
 from kernel_server.operations import Op
 
 from .link import DaemonDown, DaemonLink
-from .state import panel_state
+from .state import Names, ServerKernel, down_state, panel_state
 
 __all__ = ["EvictHandler", "StateHandler", "setup_handlers"]
 
@@ -72,20 +72,42 @@ class _OvermindHandler(APIHandler):
 
 
 class StateHandler(_OvermindHandler):
-    """`GET overmind/state`: entries, budget, hits and misses, kernels, units, fallbacks."""
+    """`GET overmind/state`: entries, budget, hits and misses, kernels, units, fallbacks; or, while no
+    daemon runs, `{"state": "down"}` with a 200.
+
+    # Note [No daemon is a state]
+    A panel left open before any kernel ran `%overmind on` polls a server with no daemon for hours. That
+    is the normal state of a fresh session, not a failure: answered with a 503, jupyter_server logged
+    each poll as an error with the request's headers (about a thousand an hour). So it is a 200 whose
+    `state` says "down", which jupyter_server logs at debug level only, and the link logs nothing.
+    """
 
     @tornado.web.authenticated
     @authorized("read")
     async def get(self) -> None:
         link = self.link
+        names = Names(await self._server_kernels())
 
         def read() -> dict[str, Any]:
-            status = link.request(Op.STATUS).payload
-            return panel_state(status, own_conn=link.conn_id)
+            try:
+                status = link.request(Op.STATUS).payload
+            except DaemonDown as exc:  # Note [No daemon is a state]
+                return down_state(exc.home, str(exc))
+            return panel_state(status, own_conn=link.conn_id, names=names)
 
         state = await self.call_daemon(read)
         if state is not None:
             self.reply(200, state)
+
+    async def _server_kernels(self) -> list[ServerKernel]:
+        """This server's kernels with their sessions' paths and their pids (Note [Kernels by notebook])."""
+        kernels: dict[str, ServerKernel] = {}
+        for session in await self.session_manager.list_sessions():
+            kernel_id = (session.get("kernel") or {}).get("id")
+            if kernel_id:
+                kernels[kernel_id] = ServerKernel(kernel_id, _kernel_pid(self.kernel_manager, kernel_id),
+                                                  str(session.get("path") or ""), str(session.get("type") or ""))
+        return list(kernels.values())
 
 
 class EvictHandler(_OvermindHandler):
@@ -115,6 +137,16 @@ class EvictHandler(_OvermindHandler):
         if reply is not None:
             self.log.info("overmind: evicted %s from the panel", reply.get("evicted"))
             self.reply(200, {"evicted": reply.get("evicted", [])})
+
+
+def _kernel_pid(kernel_manager: Any, kernel_id: str) -> int | None:
+    """The pid of a local kernel process of this server (None for a remote or gateway kernel)."""
+    try:
+        provisioner = kernel_manager.get_kernel(kernel_id).provisioner
+    except (KeyError, AttributeError):
+        return None
+    pid = getattr(provisioner, "pid", None)
+    return pid if isinstance(pid, int) else None
 
 
 def setup_handlers(web_app: tornado.web.Application) -> None:

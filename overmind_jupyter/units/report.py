@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kernel_server.formats import kernel_name
 from kernel_server.settings import GiB
 
 from .residency import instance
@@ -49,10 +50,7 @@ def format_state(state: dict[str, Any]) -> str:
             continue
         rows = [("kernel", "model", "units", "state")]
         for h in dev["holders"]:
-            kernel = h["kernel"]
-            who = f"pid {kernel.get('pid')}" + (" (this kernel)" if h.get("mine") else "")
-            if kernel.get("label"):
-                who += f" {kernel['label']}"
+            who = f"pid {h['kernel'].get('pid')} (this kernel)" if h.get("mine") else kernel_name(h["kernel"])[0]
             if h["busy"]:
                 status = "busy"
             else:
@@ -65,7 +63,7 @@ def format_state(state: dict[str, Any]) -> str:
             cells = [r[0].ljust(widths[0]), r[1].ljust(widths[1]), r[2].rjust(widths[2]), r[3]]
             lines.append(("    " + "  ".join(cells)).rstrip())
     for w in state.get("waiters", []):
-        who = f"pid {w['kernel'].get('pid')} {w['model'] or 'a model'}"
+        who = f"{kernel_name(w['kernel'])[0]} {w['model'] or 'a model'}"
         lines.append(f"waiting: {who} for {w['units']} units on {' or '.join(w['devices'])} "
                      f"since {w['waited_s']:.1f} s")
     return "\n".join(lines)

@@ -57,9 +57,13 @@ def cache_view(snapshot: dict[str, Any], my_conn: int | None = None) -> dict[str
 
     Returns:
         `dict` with `entries` (each: `key`, `label`, `cls`, `model`, `path`, `dtype`, `bytes`, `hits`,
-        `last_used`, `created`, `kernels` (`pid`, `label`, `mine`), `pending` (what the daemon still
-        copies from the checkpoint: `text` and `percent`, or None)), `fallbacks` (each: `time`, `pid`,
-        `kernel`, `call`, `kind`, `reason`, `here`), `summary` and `gates`.
+        `last_used`, `created`, `load_s` (the plain load's time, measured at its miss), `kernels` (`pid`,
+        `label`, `name` (the notebook's file name, or pid and command), `detail` (pid, path, command),
+        `mine`), `pending` (what the daemon still copies from the checkpoint: `text` and `percent`, or
+        None)), `fallbacks` (each: `time`, `pid`, `kernel`, `call`, `kind`, `reason`, `here`), `summary`
+        (with `loads`: the loads in flight, each `key`, `text`, `percent` and `by`; and `hits`: the
+        daemon's recent hits for the time-saved chart, each `model`, `label`, `t`, `load_s`, `hit_s`, and
+        `saved_s`, their sum of plain load time minus hit time) and `gates`.
     """
     daemon = snapshot.get("daemon")
     my_pid = os.getpid()
@@ -79,9 +83,34 @@ def cache_view(snapshot: dict[str, Any], my_conn: int | None = None) -> dict[str
             "stats": dict(daemon.get("stats") or {}),
             "kernels": len(daemon.get("kernels") or []),
             "loading": len(daemon.get("loading") or []),
+            "loads": [_load(load) for load in daemon.get("loading") or []],
+            **_hits(daemon.get("hits_log") or []),
         })
     return {"entries": entries, "fallbacks": _fallbacks(snapshot, daemon, my_pid), "summary": summary,
             "gates": list(snapshot.get("gates") or [])}
+
+
+def _load(load: dict[str, Any]) -> dict[str, Any]:
+    """A load in flight, with its progress (Note [Progress] in kernel_server/store.py)."""
+    from kernel_server.formats import kernel_name, percent, progress_text
+
+    progress = load.get("progress")
+    return {"key": str(load.get("key", "")),
+            "text": progress_text(progress) if progress else f"loading {str(load.get('key', ''))[:12]}",
+            "percent": percent(progress["done"], progress["total"]) if progress else None,
+            "by": kernel_name(load.get("loader") or {})[0]}
+
+
+def _hits(log: list[dict[str, Any]], last: int = 30) -> dict[str, Any]:
+    """The time-saved chart's data: the last hits (each its plain load time and its own), and the sum."""
+    from ..progress import model_name
+
+    hits: list[dict[str, Any]] = [
+        {"model": model_name(str(h.get("label") or h.get("key", "")[:12])), "label": str(h.get("label") or ""),
+         "t": float(h.get("t") or 0.0), "load_s": h.get("load_s"), "hit_s": h.get("hit_s")} for h in log]
+    saved = sum(max(0.0, float(h["load_s"]) - float(h["hit_s"])) for h in hits
+                if h["load_s"] is not None and h["hit_s"] is not None)
+    return {"hits": hits[-last:], "saved_s": saved, "hits_counted": len(hits)}
 
 
 def _entry(e: dict[str, Any], my_conn: int | None) -> dict[str, Any]:
@@ -102,20 +131,27 @@ def _entry(e: dict[str, Any], my_conn: int | None) -> dict[str, Any]:
         "hits": int(e.get("hits") or 0),
         "last_used": float(e.get("last_used") or 0.0),
         "created": float(e.get("created") or 0.0),
-        "kernels": [{"pid": k.get("pid"), "label": str(k.get("label") or ""),
-                     "mine": my_conn is not None and k.get("conn") == my_conn}
-                    for k in e.get("pinned_by") or []],
+        "load_s": e.get("load_s"),
+        "kernels": [_kernel(k, my_conn) for k in e.get("pinned_by") or []],
         "pending": _pending(e.get("pending")),
     }
 
 
+def _kernel(k: dict[str, Any], my_conn: int | None) -> dict[str, Any]:
+    from kernel_server.formats import kernel_name
+
+    name, detail = kernel_name(k)
+    return {"pid": k.get("pid"), "label": str(k.get("label") or ""), "name": name, "detail": detail,
+            "mine": my_conn is not None and k.get("conn") == my_conn}
+
+
 def _pending(pending: dict[str, Any] | None) -> dict[str, Any] | None:
     """An entry's compaction (Note [Pending pieces] in kernel_server/store.py), as the widgets show it."""
-    from kernel_server.cli import pending_text
+    from kernel_server.formats import pending_text, percent
 
     if not pending:
         return None
-    return {"text": pending_text(pending), "percent": int(100 * pending["done"] // max(1, pending["bytes"]))}
+    return {"text": pending_text(pending), "percent": percent(pending["done"], pending["bytes"])}
 
 
 def _unrepr(source: Any) -> str:
@@ -131,7 +167,9 @@ def _unrepr(source: Any) -> str:
 
 def _fallbacks(snapshot: dict[str, Any], daemon: dict[str, Any] | None, my_pid: int) -> list[dict[str, Any]]:
     """Every kernel's fallbacks (the daemon's list), and this kernel's that never reached the daemon."""
-    out = [{"time": float(f.get("time") or 0.0), "pid": f.get("pid"), "kernel": str(f.get("label") or ""),
+    from kernel_server.formats import kernel_name
+
+    out = [{"time": float(f.get("time") or 0.0), "pid": f.get("pid"), "kernel": kernel_name(f)[0],
             "call": str(f.get("call") or ""), "kind": str(f.get("kind") or ""), "reason": str(f.get("reason") or ""),
             "here": f.get("pid") == my_pid}
            for f in (daemon or {}).get("fallbacks", [])]
@@ -169,9 +207,45 @@ function plural(n, word) {
 }
 function kernelsOf(e) {
   if (!e.kernels.length) return h("span", { class: "om-muted" }, "-");
-  return e.kernels.map((k, i) => h("div", {},
-    "pid " + k.pid, k.mine ? h("b", {}, " (this kernel)") : null,
-    k.label && !k.mine ? h("span", { class: "om-muted" }, " " + k.label) : null));
+  return e.kernels.map((k, i) => h("div", { class: "om-kernel", title: k.detail, "data-testid": "overmind-widget-kernel" },
+    k.name, k.mine ? h("b", {}, " (this kernel)") : null));
+}
+const PALETTE = 6;
+function memoryChart(s, entries) {
+  // memory per entry against the budget: a stacked bar, a segment per entry, and who uses each
+  const budget = Math.max(1, s.budget || 0);
+  const width = (n) => "width:" + Math.min(100, 100 * n / budget).toFixed(2) + "%";
+  const users = (e) => e.kernels.length ? e.kernels.map((k) => k.name).join(", ") : "no kernel now";
+  const segs = entries.map((e, i) => h("div", { class: "om-seg om-c" + (i % PALETTE), style: width(e.bytes),
+    title: e.model + ": " + fmtBytes(e.bytes) + ", used by " + users(e), "data-testid": "overmind-widget-memory-segment",
+    "data-key": e.key }));
+  if (s.reserved) segs.push(h("div", { class: "om-seg om-reserved", style: width(s.reserved),
+    title: fmtBytes(s.reserved) + " reserved by loads in flight" }));
+  return h("div", { class: "om-chart", "data-testid": "overmind-widget-memory" },
+    h("div", { class: "om-section" }, "Memory per model: " + fmtBytes(s.used) + " of the " + fmtBytes(s.budget) + " budget",
+      s.reserved ? " (+" + fmtBytes(s.reserved) + " reserved)" : ""),
+    h("div", { class: "om-bar", role: "img", "aria-label": "memory per model against the budget" }, segs),
+    h("div", { class: "om-legend" }, entries.map((e, i) => h("span", { class: "om-legend-item" },
+      h("span", { class: "om-swatch om-c" + (i % PALETTE) }), e.model + " " + fmtBytes(e.bytes) + " \u00b7 " + users(e)))));
+}
+function savedChart(s) {
+  // load time saved: each hit's plain load time (measured at its miss) against the hit's own time
+  const hits = (s.hits || []).filter((x) => x.load_s !== null && x.load_s !== undefined);
+  if (!hits.length) return null;
+  const longest = Math.max(0.001, ...hits.map((x) => Math.max(x.load_s, x.hit_s || 0)));
+  const pct = (v) => "width:" + Math.max(0.4, 100 * v / longest).toFixed(2) + "%";
+  return h("div", { class: "om-chart", "data-testid": "overmind-widget-saved" },
+    h("div", { class: "om-section" }, "Load time saved: " + fmtSeconds(s.saved_s || 0) + " over " + plural(s.hits_counted || hits.length, "hit")),
+    h("div", { class: "om-hits" }, hits.slice().reverse().map((x) => h("div", { class: "om-hit", "data-testid": "overmind-widget-hit",
+        title: x.label + "\nplain load " + fmtSeconds(x.load_s) + ", this hit " + (x.hit_s === null ? "not reported yet" : fmtSeconds(x.hit_s)) },
+      h("span", { class: "om-hit-name" }, x.model),
+      h("span", { class: "om-hit-bars" },
+        h("span", { class: "om-hbar om-hbar-load", style: pct(x.load_s) }),
+        x.hit_s === null ? null : h("span", { class: "om-hbar om-hbar-hit", style: pct(x.hit_s) })),
+      h("span", { class: "om-hit-times" }, fmtSeconds(x.load_s) + " \u2192 " + (x.hit_s === null ? "?" : fmtSeconds(x.hit_s)))))),
+    h("div", { class: "om-legend" },
+      h("span", { class: "om-legend-item" }, h("span", { class: "om-swatch om-hbar-load" }), "plain load (at the miss)"),
+      h("span", { class: "om-legend-item" }, h("span", { class: "om-swatch om-hbar-hit" }), "hit")));
 }
 function entryRow(model, e) {
   const button = h("button", { class: "om-btn", "data-testid": "overmind-widget-evict", title: "evict " + e.key,
@@ -206,6 +280,11 @@ function draw(model, root) {
     s.daemon_pid ? h("span", { "data-testid": "overmind-widget-used" }, fmtBytes(s.used) + " of " + fmtBytes(s.budget) + " in " + entries.length + (entries.length === 1 ? " entry" : " entries")) : null,
     s.daemon_pid ? h("span", { class: "om-muted" }, plural(stats.hits || 0, "hit") + " / " + plural(stats.misses || 0, "miss")) : null,
     s.loading ? h("span", {}, s.loading + " loading") : null));
+  for (const load of s.loads || []) {
+    parts.push(h("div", { class: "om-progress", "data-testid": "overmind-widget-progress" },
+      load.percent === null ? null : h("progress", { max: "100", value: String(load.percent) }), " ", load.text,
+      h("span", { class: "om-muted" }, " (" + load.by + ")")));
+  }
   if (error || s.daemon_error) {
     parts.push(h("div", { class: "om-error", "data-testid": "overmind-widget-down" },
       error || ("no daemon: " + s.daemon_error + " - `%overmind on` starts one")));
@@ -218,6 +297,8 @@ function draw(model, root) {
   } else if (s.daemon_pid) {
     parts.push(h("div", { class: "om-muted", "data-testid": "overmind-widget-empty" }, "no cached models"));
   }
+  if (s.daemon_pid) parts.push(memoryChart(s, entries));
+  if (s.daemon_pid) parts.push(savedChart(s));
   if (gates.length) {
     parts.push(h("div", { class: "om-section" }, "Adapter gates in this kernel"));
     parts.push(h("ul", { class: "om-list", "data-testid": "overmind-widget-gates" }, gates.map((g) =>
@@ -242,7 +323,30 @@ export default {
   },
 };
 """
-    _css = CSS
+    _css = CSS + r"""
+.om-w .om-chart { margin-top: 8px; }
+.om-w .om-bar { display: flex; height: 14px; border: 1px solid var(--jp-border-color1, #bbb); border-radius: 3px;
+  background: var(--jp-layout-color2, #eee); overflow: hidden; }
+.om-w .om-seg { height: 100%; border-right: 1px solid var(--jp-layout-color0, #fff); box-sizing: border-box; }
+.om-w .om-reserved { background: repeating-linear-gradient(45deg, var(--jp-border-color1, #bbb) 0 3px, transparent 3px 6px); }
+.om-w .om-c0 { background: var(--jp-brand-color1, #1976d2); }
+.om-w .om-c1 { background: var(--jp-accent-color1, #388e3c); }
+.om-w .om-c2 { background: var(--jp-warn-color1, #f57c00); }
+.om-w .om-c3 { background: var(--jp-brand-color3, #90caf9); }
+.om-w .om-c4 { background: var(--jp-accent-color3, #a5d6a7); }
+.om-w .om-c5 { background: var(--jp-error-color1, #d32f2f); }
+.om-w .om-legend { display: flex; flex-wrap: wrap; gap: 2px 12px; margin-top: 3px; }
+.om-w .om-legend-item { display: inline-flex; align-items: center; gap: 4px; overflow-wrap: anywhere; }
+.om-w .om-swatch { display: inline-block; width: 10px; height: 10px; border-radius: 2px; flex: none; }
+.om-w .om-hit { display: grid; grid-template-columns: minmax(80px, 22%) 1fr auto; gap: 8px; align-items: center; }
+.om-w .om-hit-name { overflow: hidden; text-overflow: ellipsis; white-space: nowrap; }
+.om-w .om-hit-bars { display: flex; flex-direction: column; gap: 1px; }
+.om-w .om-hbar { display: block; height: 5px; border-radius: 2px; }
+.om-w .om-hbar-load { background: var(--jp-ui-font-color3, #999); }
+.om-w .om-hbar-hit { background: var(--jp-brand-color1, #1976d2); }
+.om-w .om-hit-times { font-variant-numeric: tabular-nums; }
+.om-w .om-kernel { overflow-wrap: anywhere; }
+"""
 
     def __init__(self, *, live: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)

@@ -41,9 +41,12 @@ def units_view(raw: dict[str, Any] | None, my_conn: int | None = None) -> dict[s
     Returns:
         `dict` with `devices` (each: `name`, `id`, `model`, `simulated`, `capacity`, `used`, `free`,
         `total_bytes`, `holders` least recently used first (each: `model`, `units`, `busy`, `idle_since`
-        (epoch seconds, whole; None while busy), `pid`, `kernel`, `mine`, `release_requested`)), `simulated`,
+        (epoch seconds, whole; None while busy), `pid`, `kernel` (its notebook, or pid and command), `detail`
+        (pid, path, command), `mine`, `release_requested`)), `simulated`,
         `fake_gpus`, `unit_bytes`, `reserve_gib`, `problem` (the ledger's configuration error) and `waiters`.
     """
+    from kernel_server.formats import kernel_name
+
     raw = raw or {}
     now = time.time()
     devices = []
@@ -62,7 +65,8 @@ def units_view(raw: dict[str, Any] | None, my_conn: int | None = None) -> dict[s
                 "busy": busy,
                 "idle_since": None if busy or idle_s is None else round(now - float(idle_s)),
                 "pid": kernel.get("pid", holder.get("pid")),
-                "kernel": str(kernel.get("label") or ""),
+                "kernel": kernel_name(kernel)[0] if kernel else f"pid {holder.get('pid')}",
+                "detail": kernel_name(kernel)[1] if kernel else "",
                 "mine": bool(mine),
                 "release_requested": bool(holder.get("release_requested")),
             })
@@ -117,7 +121,7 @@ class UnitsBar(LiveView):
 
     _esm = JS_HELPERS + r"""
 function holderTitle(x) {
-  const who = x.mine ? "this kernel" : "pid " + x.pid + (x.kernel ? " " + x.kernel : "");
+  const who = x.mine ? "this kernel (" + x.kernel + ")" : x.kernel;
   return x.model + ": " + x.units + (x.units === 1 ? " unit, " : " units, ") + who + ", " +
     (x.busy ? "busy" : "idle") + (x.release_requested ? ", asked to release" : "");
 }
@@ -132,7 +136,7 @@ function deviceBlock(d) {
   const rows = d.holders.map((x) => h("tr", { "data-testid": "overmind-widget-holder" },
     h("td", {}, h("span", { class: "om-swatch " + (x.busy ? "om-busy" : "om-idle") }), " ", x.model),
     h("td", { class: "om-num" }, String(x.units)),
-    h("td", {}, x.mine ? h("b", {}, "this kernel") : "pid " + x.pid, x.kernel && !x.mine ? h("span", { class: "om-muted" }, " " + x.kernel) : null),
+    h("td", { title: x.detail, "data-testid": "overmind-widget-holder-kernel" }, x.kernel, x.mine ? h("b", {}, " (this kernel)") : null),
     h("td", x.busy ? {} : { "data-idle-since": x.idle_since }, x.busy ? h("b", {}, "busy") : "idle"),
     h("td", { class: "om-muted" }, x.release_requested ? "asked to release" : "")));
   return h("div", { class: "om-device", "data-testid": "overmind-widget-device", "data-device": d.name },
@@ -179,9 +183,10 @@ export default {
   overflow: hidden; background: var(--jp-layout-color2, #eee); }
 .om-units .om-seg { overflow: hidden; white-space: nowrap; text-overflow: ellipsis; font-size: 11px; line-height: 22px;
   padding: 0 4px; border-right: 1px solid var(--jp-layout-color0, #fff); min-width: 2px; }
-.om-units .om-busy { background: var(--jp-brand-color1, #1976d2); color: #fff; }
-.om-units .om-idle { background: repeating-linear-gradient(135deg, var(--jp-brand-color3, #bbdefb) 0 6px,
-  var(--jp-brand-color4, #e3f2fd) 6px 12px); color: var(--jp-ui-font-color1, #222); }
+.om-units .om-busy { background: var(--jp-brand-color1, #1976d2); color: var(--jp-ui-inverse-font-color1, #fff); }
+.om-units .om-idle { background: repeating-linear-gradient(135deg, var(--jp-layout-color1, #fff) 0 5px,
+  var(--jp-brand-color2, #64b5f6) 5px 7px); color: var(--jp-ui-font-color1, #222); }
+.om-units .om-idle .om-seg-label { background: var(--jp-layout-color1, #fff); padding: 0 3px; border-radius: 2px; }
 .om-units .om-mine { box-shadow: inset 0 0 0 2px var(--jp-brand-color0, #0d47a1); }
 .om-units .om-free { background: transparent; border-right: none; }
 .om-units .om-swatch { display: inline-block; width: 12px; height: 10px; border-radius: 2px; vertical-align: middle; }

@@ -26,6 +26,7 @@ from .polling import poller
 __all__ = ["AdapterPanel", "GateView", "Outputs", "gate_view"]
 
 BASE = "__base__"  # the gate's name of the base model (adapters.routing.BASE, without importing torch here)
+MIX_RANGE = (-1.0, 2.0)  # a mix slider's weights
 
 
 def gate_view(state: dict[str, Any]) -> dict[str, Any]:
@@ -35,13 +36,14 @@ def gate_view(state: dict[str, Any]) -> dict[str, Any]:
         `dict` with `mode`, `kind`, `default`, `closed`, `exclusive`, `switches`, `blockers`, `engine`
         (None or its counters), and `adapters`: one row per adapter and the base model, each with `name`,
         `routing`, `in_flight`, `queued` (waiting for admission plus waiting in the batching engine),
-        `oldest_wait_s`, `max_wait_s`, `default` and `active`.
+        `oldest_wait_s`, `max_wait_s`, `wait` (the "Longest wait" cell: "1.2 s now" while requests wait,
+        else the longest wait so far, or "none"), `default` and `active`.
     """
     engine = state.get("engine") or None
     engine_queued = (engine or {}).get("queued") or {}
     rows = []
     for name in [*state.get("adapters", []), BASE]:
-        rows.append({
+        rows.append(_with_wait({
             "name": name,
             "routing": (state.get("routing") or {}).get(name, "?"),
             "in_flight": int((state.get("in_flight") or {}).get(name, 0)),
@@ -50,7 +52,7 @@ def gate_view(state: dict[str, Any]) -> dict[str, Any]:
             "max_wait_s": round(float((state.get("max_wait_s") or {}).get(name, 0.0)), 3),
             "default": name == state.get("default"),
             "active": name in (state.get("active") or []),
-        })
+        }))
     return {
         "mode": "closed" if state.get("closed") else str(state.get("mode", "")),
         "kind": str(state.get("kind", "")),
@@ -66,6 +68,17 @@ def gate_view(state: dict[str, Any]) -> dict[str, Any]:
         },
         "adapters": rows,
     }
+
+
+def _with_wait(row: dict[str, Any]) -> dict[str, Any]:
+    """The "Longest wait" cell: the oldest waiting request's wait now, else the longest wait so far."""
+    from kernel_server.formats import seconds_text
+
+    if row["queued"]:
+        row["wait"] = seconds_text(row["oldest_wait_s"]) + " now"
+    else:
+        row["wait"] = seconds_text(row["max_wait_s"]) if row["max_wait_s"] >= 0.05 else "none"
+    return row
 
 
 class GateView(LiveView):
@@ -91,8 +104,13 @@ function draw(model, root) {
     g.exclusive ? h("span", { class: "om-sim" }, "exclusive change running") : null)];
   if (model.get("error")) parts.push(h("div", { class: "om-error" }, model.get("error")));
   parts.push(h("table", { "data-testid": "overmind-widget-adapters" },
-    h("thead", {}, h("tr", {}, h("th", {}, "Adapter"), h("th", {}, "Runs"), h("th", { class: "om-num" }, "In flight"),
-      h("th", { class: "om-num" }, "Queued"), h("th", { class: "om-num" }, "Longest wait"))),
+    h("thead", {}, h("tr", {}, h("th", {}, "Adapter"),
+      h("th", { title: "routed: its requests run at the same time as other adapters' (the gate routes each row's " +
+        "adapter); switched: PEFT must set it for the whole model, so other adapters' requests wait" }, "Runs"),
+      h("th", { class: "om-num", title: "requests running now" }, "In flight"),
+      h("th", { class: "om-num", title: "requests waiting to be admitted or batched" }, "Queued"),
+      h("th", { class: "om-num", title: "while requests wait: how long the oldest has waited; else the longest " +
+        "any request of this adapter waited to be admitted so far" }, "Longest wait"))),
     h("tbody", {}, rows.map((r) => h("tr", {
         "data-testid": "overmind-widget-adapter", "data-adapter": r.name,
         class: (r.default ? "om-default " : "") + (r.active ? "om-active" : "") },
@@ -100,7 +118,7 @@ function draw(model, root) {
       h("td", {}, r.routing),
       h("td", { class: "om-num", "data-testid": "overmind-widget-in-flight" }, String(r.in_flight)),
       h("td", { class: "om-num", "data-testid": "overmind-widget-queued" }, String(r.queued)),
-      h("td", { class: "om-num" }, r.queued ? r.oldest_wait_s.toFixed(1) + " s" : (r.max_wait_s ? "max " + r.max_wait_s.toFixed(2) + " s" : "")))))));
+      h("td", { class: "om-num", "data-testid": "overmind-widget-wait" }, r.wait))))));
   const blockers = Object.entries(g.blockers || {});
   if (blockers.length) parts.push(h("div", { class: "om-muted" }, "switched, not routed: ",
     blockers.map(([k, v]) => (k === "*" ? "" : k + ": ") + v).join("; ")));
@@ -119,9 +137,10 @@ export default {
 """
     _css = CSS + r"""
 .om-gate tr.om-default td:first-child { font-weight: 600; }
-.om-gate tr.om-active td { background: var(--jp-brand-color4, #e3f2fd); }
+.om-gate tr.om-active td { background: var(--jp-layout-color2, #eee); }
+.om-gate tr.om-active td:first-child { box-shadow: inset 3px 0 0 var(--jp-brand-color1, #1976d2); }
 .om-gate .om-mode { padding: 0 6px; border-radius: 3px; background: var(--jp-layout-color2, #eee); }
-.om-gate .om-mode-closed { background: var(--jp-error-color3, #fdd); }
+.om-gate .om-mode-closed { color: var(--jp-error-color1, #c62828); }
 """
 
 
@@ -129,7 +148,9 @@ class Outputs(LiveView):
     """The generations of one prompt, one column per adapter, side by side.
 
     Traits (synced): `prompt`, and `outputs`: one dict per adapter with `adapter`, `status` ("running",
-    "done" or "error"), `text` (the new tokens decoded, or the error), `tokens` and `seconds`.
+    "done" or "error"), `text` (the new tokens decoded, or the error), `ids` (the new token ids, shown
+    when they decode to nothing: special tokens, or a tokenizer that does not know them), `tokens` and
+    `seconds`.
     """
 
     prompt = traitlets.Unicode("").tag(sync=True)
@@ -147,7 +168,10 @@ function draw(model, root) {
       h("div", { class: "om-head" }, h("span", { class: "om-title" }, o.adapter),
         h("span", { class: "om-muted" }, o.status === "running" ? "running..." :
           o.status === "done" ? o.tokens + " tokens, " + o.seconds.toFixed(2) + " s" : "failed")),
-      h("div", { class: "om-text" }, o.text)))));
+      o.status === "done" && !o.text.trim() && o.ids && o.ids.length
+        ? h("div", { class: "om-text om-muted", "data-testid": "overmind-widget-ids" },
+            "decodes to nothing; token ids: " + o.ids.join(" "))
+        : h("div", { class: "om-text" }, o.text)))));
 }
 export default {
   render({ model, el }) {
@@ -215,7 +239,8 @@ class AdapterPanel(LivePanel):
         self.outputs = Outputs()
 
         layout = [
-            ipywidgets.HTML("<b>Mix</b> (weights of a new adapter)"),
+            ipywidgets.HTML(f"<b>Mix</b> (a new adapter: each slider is an adapter's weight, from {MIX_RANGE[0]:g} "
+                            f"to {MIX_RANGE[1]:g}; 0 leaves it out, 1 takes it whole, a negative weight subtracts it)"),
             ipywidgets.HBox([self.mix_name, self.mix_button]),
             ipywidgets.HTML("<b>Compare</b> (one generation per selected adapter)"),
             ipywidgets.HBox([self.prompt, self.choose]),
@@ -314,7 +339,7 @@ class AdapterPanel(LivePanel):
                 kwargs["pad_token_id"] = pad
             out = self.gate.generate(input_ids=ids, attention_mask=mask, adapter=name, **kwargs)
             new = out[0, ids.shape[1]:].tolist()
-            result = {"status": "done", "text": decode(new), "tokens": len(new)}
+            result = {"status": "done", "text": decode(new), "ids": new, "tokens": len(new)}
         except Exception as exc:  # noqa: BLE001 - shown in the column of that adapter
             result = {"status": "error", "text": f"{type(exc).__name__}: {exc}", "tokens": 0}
         result.update(adapter=name, seconds=round(time.perf_counter() - started, 3))
@@ -424,7 +449,8 @@ class AdapterPanel(LivePanel):
             for name in names:
                 if name != BASE and name not in self.mix_sliders:
                     self.mix_sliders[name] = ipywidgets.FloatSlider(
-                        value=0.0, min=-1.0, max=2.0, step=0.05, description=name, readout_format=".2f",
+                        value=0.0, min=MIX_RANGE[0], max=MIX_RANGE[1], step=0.05, description=name,
+                        readout_format=".2f", tooltip=f"weight of {name} in the mix ({MIX_RANGE[0]:g} to {MIX_RANGE[1]:g})",
                         layout=ipywidgets.Layout(width="300px"))
             self._slider_box.children = [self.mix_sliders[n] for n in names if n in self.mix_sliders]
         default = state.get("default")

@@ -19,6 +19,8 @@ import anywidget
 import ipywidgets
 import traitlets
 
+from kernel_server import formats
+
 from .polling import Subscription, poller
 
 __all__ = ["CSS", "JS_HELPERS", "LivePanel", "LiveView", "in_kernel", "run_action"]
@@ -26,6 +28,9 @@ __all__ = ["CSS", "JS_HELPERS", "LivePanel", "LiveView", "in_kernel", "run_actio
 #: Without any view for this long after it was made, a widget in a kernel is taken to be shown nowhere
 #: (a frontend without widgets, `jupyter console` say) and is not polled until a view appears.
 NEVER_SHOWN_S = 60.0
+
+#: A notice (the outcome of an eviction, a switch, a mix) clears after this many seconds.
+NOTICE_S = 8.0
 
 
 def in_kernel() -> bool:
@@ -83,6 +88,7 @@ class LiveView(anywidget.AnyWidget):
         self._shown = _Shown()
         self._subscriptions: list[Subscription] = []
         self._pending_notice: str | None = None
+        self._notice_at = 0.0
         self.on_msg(self._on_frontend_msg)
 
     @property
@@ -106,10 +112,13 @@ class LiveView(anywidget.AnyWidget):
         poller().kick()
 
     def take_notice(self) -> None:
-        """On the poller's thread: publish what an action left."""
+        """On the poller's thread: publish what an action left, and clear a notice `NOTICE_S` old."""
         notice, self._pending_notice = self._pending_notice, None
         if notice is not None:
             self.notice = notice
+            self._notice_at = time.monotonic()
+        elif self.notice and time.monotonic() - self._notice_at > NOTICE_S:
+            self.notice = ""
 
     def on_event(self, event: str, content: dict[str, Any]) -> None:
         """A message from a view (a button pressed in the custom drawing)."""
@@ -176,7 +185,7 @@ def with_text(bundle: Any, text: str) -> Any:
 
 # -- shared by the ES modules (prepended to each widget's own code) -----------------------------------------
 
-JS_HELPERS = r"""
+JS_HELPERS = formats.JS + r"""
 function h(tag, attrs, ...children) {
   const el = document.createElement(tag);
   for (const [k, v] of Object.entries(attrs || {})) {
@@ -192,27 +201,6 @@ function h(tag, attrs, ...children) {
   }
   return el;
 }
-function fmtBytes(n) {
-  if (n === null || n === undefined) return "?";
-  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
-  let i = 0;
-  while (n >= 1024 && i < units.length - 1) { n /= 1024; i++; }
-  return (i === 0 ? String(n) : n.toFixed(n < 10 ? 1 : 0)) + " " + units[i];
-}
-function fmtAgo(t) {
-  if (!t) return "never";
-  const s = Math.max(0, Date.now() / 1000 - t);
-  if (s < 2) return "just now";
-  if (s < 90) return Math.round(s) + " s ago";
-  if (s < 5400) return Math.round(s / 60) + " min ago";
-  if (s < 129600) return Math.round(s / 3600) + " h ago";
-  return Math.round(s / 86400) + " d ago";
-}
-function fmtSeconds(s) {
-  if (s < 90) return Math.round(s) + " s";
-  if (s < 5400) return Math.round(s / 60) + " min";
-  return Math.round(s / 3600) + " h";
-}
 function ages(el) {
   // relative times, refreshed in place (a full redraw would replace a button under the pointer)
   for (const e of el.querySelectorAll("[data-ago]")) e.textContent = fmtAgo(Number(e.dataset.ago));
@@ -220,18 +208,39 @@ function ages(el) {
     e.textContent = "idle " + fmtSeconds(Math.max(0, Date.now() / 1000 - Number(e.dataset.idleSince)));
   }
 }
+function gone(el) {
+  // The kernel this widget belongs to is gone (restarted or shut down): the widget manager marks its
+  // views disconnected. Say so, and disable every control, instead of showing a live-looking dead kernel.
+  const dead = !!el.closest(".jupyter-widgets-disconnected");
+  const banner = el.querySelector(":scope > .om-gone");
+  if (dead) {
+    el.classList.add("om-dead");
+    for (const c of el.querySelectorAll("button, input, select, textarea")) c.disabled = true;
+    if (!banner) {
+      el.prepend(h("div", { class: "om-w om-gone", "data-testid": "overmind-widget-gone" },
+        "This shows a kernel that is gone (restarted or shut down): it no longer updates and its buttons " +
+        "do nothing. Run %overmind status again for the kernel running now."));
+    }
+  } else if (banner) {
+    el.classList.remove("om-dead");
+    banner.remove();
+  }
+}
 function live(model, el, names, draw) {
   // draw now and on every change of the named traits; refresh relative times every second; tell the
   // kernel that this view exists, and that it went when the frontend disposes of it
   try { model.send({ event: "view", shown: true }); } catch (e) { /* comm closed */ }
   const redraw = () => {
-    try { draw(); ages(el); } catch (e) { el.textContent = "overmind widget: " + e; }
+    try { draw(); ages(el); gone(el); } catch (e) { el.textContent = "overmind widget: " + e; }
   };
+  const check = () => gone(el);
   for (const name of names) model.on("change:" + name, redraw);
-  const timer = setInterval(() => ages(el), 1000);
+  model.on("comm_live_update", check);
+  const timer = setInterval(() => { ages(el); gone(el); }, 1000);
   redraw();
   return () => {
     clearInterval(timer);
+    model.off("comm_live_update", check);
     for (const name of names) model.off("change:" + name, redraw);
     try { model.send({ event: "view", shown: false }); } catch (e) { /* comm closed */ }
   };
@@ -247,13 +256,13 @@ CSS = r"""
 .om-w .om-error { color: var(--jp-error-color1, #c62828); }
 .om-w .om-notice { color: var(--jp-ui-font-color2, #555); font-style: italic; }
 .om-w .om-sim { display: inline-block; padding: 0 5px; border-radius: 3px; font-size: 11px;
-  background: var(--jp-warn-color3, #fff3cd); color: var(--jp-warn-color0, #7a5b00);
-  border: 1px solid var(--jp-warn-color2, #f0d27a); }
+  background: var(--jp-layout-color2, #eee); color: var(--jp-ui-font-color1, #222);
+  border: 1px solid var(--jp-warn-color1, #f57c00); }
 .om-w table { border-collapse: collapse; width: 100%; }
 .om-w th, .om-w td { text-align: left; padding: 3px 8px; border-bottom: 1px solid var(--jp-border-color2, #e0e0e0);
   vertical-align: top; }
 .om-w th { font-weight: 600; color: var(--jp-ui-font-color2, #555); }
-.om-w td.om-num, .om-w th.om-num { text-align: right; font-variant-numeric: tabular-nums; }
+.om-w td.om-num, .om-w th.om-num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
 .om-w code, .om-w .om-mono { font-family: var(--jp-code-font-family, monospace); font-size: 11px; }
 .om-w button.om-btn { font-size: 12px; padding: 1px 8px; cursor: pointer;
   border: 1px solid var(--jp-border-color1, #bbb); border-radius: 3px; background: var(--jp-layout-color1, #fff);
@@ -262,4 +271,6 @@ CSS = r"""
 .om-w button.om-btn:disabled { opacity: 0.5; cursor: default; }
 .om-w .om-section { margin-top: 8px; font-weight: 600; }
 .om-w ul.om-list { margin: 2px 0; padding-left: 18px; }
+.om-gone { margin: 2px 0 6px; padding: 4px 8px; border-left: 3px solid var(--jp-error-color1, #c62828);
+  background: var(--jp-layout-color2, #eee); color: var(--jp-ui-font-color1, #222); }
 """

@@ -1,0 +1,162 @@
+"""How every view writes what the daemon reports: bytes, durations, relative times, progress, kernels.
+
+One definition for the CLI, `%overmind status`, the notebook widgets and the side panel's server side, so
+that they never disagree ("12 GiB" in one place, "11.8 GiB" in another). The widgets' frontend code formats
+relative times itself (they move on every second without a round trip to the kernel): `JS` is that code,
+written from the same tables as the Python functions here (Note [One format]).
+
+# Note [One format]
+Bytes: binary units (KiB, MiB, GiB, TiB), whole bytes below 1 KiB, one decimal below 100 of a unit and
+none above ("11.8 GiB", "512 MiB"). Durations: whole milliseconds below 1 s, one decimal below 10 s, then
+whole seconds, minutes, hours and days at the thresholds of `_STEPS`. Relative times: "just now" below
+2 s, else the duration and "ago". `JS` is generated from `_BYTE_UNITS` and `_STEPS`, and a test compares
+both renderings over a range of values, so a change here changes both.
+"""
+
+from __future__ import annotations
+
+import decimal
+import json
+import math
+import os
+import time
+from typing import Any
+
+__all__ = ["JS", "ago_text", "byte_text", "eta_text", "kernel_name", "pending_text", "percent", "progress_text",
+           "seconds_text"]
+
+_BYTE_UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB")
+# (below this many seconds, divide by this, unit): the last step takes everything above
+_STEPS: tuple[tuple[float, float, str], ...] = ((90, 1, "s"), (5400, 60, "min"), (129600, 3600, "h"),
+                                                (float("inf"), 86400, "d"))
+_JUST_NOW = 2.0
+
+
+def byte_text(n: float | None) -> str:
+    """`n` bytes as text: "512 B", "1.5 KiB", "11.8 GiB", "512 MiB" (Note [One format])."""
+    if n is None:
+        return "?"
+    if abs(n) < 1024:
+        return f"{_fixed(n, 0)} B"
+    value = float(n)
+    for unit in _BYTE_UNITS:
+        value /= 1024
+        if abs(value) < 1024 or unit == _BYTE_UNITS[-1]:
+            return f"{_fixed(value, 1 if abs(value) < 100 else 0)} {unit}"
+    raise AssertionError("unreachable")
+
+
+def seconds_text(s: float) -> str:
+    """A duration: "4 ms", "1.4 s", "42 s", "12 min", "3 h", "2 d" (Note [One format])."""
+    s = max(0.0, float(s))
+    if s < 0.9995:
+        return f"{_round(s * 1000)} ms"
+    if s < 10:
+        return f"{_fixed(s, 1)} s"
+    for below, per, unit in _STEPS:
+        if s < below:
+            return f"{_round(s / per)} {unit}"
+    raise AssertionError("unreachable")
+
+
+def ago_text(t: float | None, now: float | None = None) -> str:
+    """A time (seconds since the epoch) relative to `now`: "just now", "42 s ago", "3 min ago"; "never"
+    for none."""
+    if not t:
+        return "never"
+    s = max(0.0, (time.time() if now is None else now) - t)
+    if s < _JUST_NOW:
+        return "just now"
+    return seconds_text(s) + " ago"
+
+
+def eta_text(eta_s: float | None) -> str:
+    """The time left: "3.5 s left", "2 min left"; "" when unknown."""
+    return "" if eta_s is None else seconds_text(eta_s) + " left"
+
+
+def percent(done: float, total: float) -> int:
+    """Whole percent of `done` in `total`, 0 to 100 (0 when the total is unknown)."""
+    return max(0, min(100, int(100 * done // total))) if total and total > 0 else 0
+
+
+def progress_text(progress: dict[str, Any]) -> str:
+    """A daemon's `progress` object (`label`, `done`, `total`, `unit`, `eta_s`) as one line:
+    "loading llama-0.1b: 40% (1.2 GiB of 3.0 GiB), 3.5 s left"."""
+    done, total, unit = progress.get("done") or 0, progress.get("total") or 0, progress.get("unit") or ""
+    amount = (f"{byte_text(done)} of {byte_text(total)}" if unit == "B"
+              else f"{done:g} of {total:g}{' ' + unit if unit else ''}") if total else ""
+    parts = [f"{percent(done, total)}%" if total else "", f"({amount})" if amount else ""]
+    head = " ".join(p for p in parts if p)
+    tail = eta_text(progress.get("eta_s"))
+    label = str(progress.get("label") or "working")
+    return f"{label}: {head}" + (f", {tail}" if tail else "") if head or tail else label
+
+
+def pending_text(pending: dict[str, Any]) -> str:
+    """An entry's pending pieces as words (Note [Pending pieces] in store.py): "copying from its
+    checkpoint: 40%, 3.5 s left", or "served from its checkpoint; copy queued"."""
+    if not pending["copying"]:
+        return "served from its checkpoint; copy queued"
+    left = eta_text(pending.get("eta"))
+    return f"copying from its checkpoint: {percent(pending['done'], pending['bytes'])}%" + (f", {left}" if left else "")
+
+
+def kernel_name(kernel: dict[str, Any]) -> tuple[str, str]:
+    """How views name a connection of the daemon's status (`label`, `pid`, `command`, `role`): a short
+    name and the detail to show on hover.
+
+    A notebook's kernel is named by its notebook's file name (the Jupyter server gives the kernel the
+    notebook's path in JPY_SESSION_NAME: the label), with the path and pid as the detail; any other
+    process by its pid and command.
+    """
+    label, pid = str(kernel.get("label") or ""), kernel.get("pid")
+    command = str(kernel.get("command") or "")
+    detail = f"pid {pid}" + (f", {label}" if label else "") + (f": {command}" if command else "")
+    if kernel.get("notebook") or label.endswith(".ipynb"):
+        return os.path.basename(label.rstrip("/")) or label, detail
+    what = label or command
+    return f"pid {pid}" + (f" {what}" if what else ""), detail
+
+
+def _round(x: float) -> int:
+    return math.floor(x + 0.5)  # halves up, as the JS's Math.floor(x + 0.5) (Python's round() goes to even)
+
+
+def _fixed(x: float, digits: int) -> str:
+    """`x` with `digits` decimals, ties away from zero on its exact binary value: what JavaScript's
+    `toFixed` writes (Python's format rounds ties to even)."""
+    return str(decimal.Decimal(x).quantize(decimal.Decimal(1).scaleb(-digits), rounding=decimal.ROUND_HALF_UP))
+
+
+JS = r"""
+const OM_BYTE_UNITS = @UNITS@;
+const OM_STEPS = @STEPS@;
+function fmtBytes(n) {
+  if (n === null || n === undefined) return "?";
+  if (Math.abs(n) < 1024) return n.toFixed(0) + " B";
+  let v = n;
+  for (let i = 0; i < OM_BYTE_UNITS.length; i++) {
+    v /= 1024;
+    if (Math.abs(v) < 1024 || i === OM_BYTE_UNITS.length - 1) {
+      return (Math.abs(v) < 100 ? v.toFixed(1) : v.toFixed(0)) + " " + OM_BYTE_UNITS[i];
+    }
+  }
+}
+function fmtSeconds(s) {
+  s = Math.max(0, Number(s));
+  if (s < 0.9995) return Math.floor(s * 1000 + 0.5) + " ms";
+  if (s < 10) return s.toFixed(1) + " s";
+  for (const [below, per, unit] of OM_STEPS) {
+    if (below === null || s < below) return Math.floor(s / per + 0.5) + " " + unit;
+  }
+}
+function fmtAgo(t, now) {
+  if (!t) return "never";
+  const s = Math.max(0, (now === undefined ? Date.now() / 1000 : now) - t);
+  if (s < @JUST_NOW@) return "just now";
+  return fmtSeconds(s) + " ago";
+}
+""".replace("@UNITS@", json.dumps(list(_BYTE_UNITS))).replace(
+    "@STEPS@", json.dumps([[None if below == float("inf") else below, per, unit] for below, per, unit in _STEPS])
+).replace("@JUST_NOW@", json.dumps(_JUST_NOW))

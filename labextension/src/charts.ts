@@ -1,0 +1,262 @@
+/**
+ * The panel's pictures, as plain SVG: memory per entry against the budget, load time saved by hits,
+ * GPU units over time. Shapes carry no text; what they mean is written next to them in HTML, so that
+ * every text sits on the panel's own background (readable in every theme).
+ */
+
+import { IEntry, IHit, IPanelState } from './api';
+import { IUnitSample } from './model';
+import { breakable, Child, h, nameOf } from './dom';
+
+const SVG_NS = 'http://www.w3.org/2000/svg';
+/** The narrowest segment of the memory bar, in thousandths of its width: a small model stays visible. */
+const MIN_SEGMENT = 8;
+
+/** Colours of the entries' segments, from the theme, cycled. */
+export const SEGMENT_COLOURS = [
+  'var(--jp-brand-color1)',
+  'var(--jp-accent-color1)',
+  'var(--jp-warn-color1)',
+  'var(--jp-success-color1)',
+  'var(--jp-error-color1)',
+  'var(--jp-brand-color3)',
+  'var(--jp-accent-color3)'
+];
+
+function svg(tag: string, attrs: Record<string, string | number>, ...children: SVGElement[]): SVGElement {
+  const el = document.createElementNS(SVG_NS, tag);
+  for (const [name, value] of Object.entries(attrs)) {
+    el.setAttribute(name, String(value));
+  }
+  el.append(...children);
+  return el;
+}
+
+/** A coloured square before a legend's line. */
+function swatch(colour: string, className = ''): HTMLElement {
+  const el = h('span', { class: `jp-Overmind-swatch ${className}`.trim(), 'aria-hidden': 'true' });
+  el.style.background = colour;
+  return el;
+}
+
+/** A chart's frame: the heading, the picture and its legend. */
+function figure(testid: string, title: string, picture: Element, ...legend: Child[]): HTMLElement {
+  return h(
+    'figure',
+    { class: 'jp-Overmind-chart', 'data-testid': testid },
+    h('figcaption', { class: 'jp-Overmind-chartTitle' }, title),
+    picture,
+    h('div', { class: 'jp-Overmind-legend' }, ...legend)
+  );
+}
+
+/**
+ * Memory per entry against the budget: one stacked bar (entries, loads in flight, free), and a legend
+ * naming each entry, its size and the kernels that use it.
+ */
+export function memoryChart(state: IPanelState): HTMLElement {
+  const width = 1000;
+  const height = 14;
+  const scale = width / Math.max(1, state.budget, state.used + state.reserved);
+  const bar = svg('svg', {
+    class: 'jp-Overmind-stack',
+    viewBox: `0 0 ${width} ${height}`,
+    preserveAspectRatio: 'none',
+    role: 'img',
+    'aria-label': `${state.texts.used} of ${state.texts.budget} used`
+  });
+  bar.append(svg('rect', { class: 'jp-Overmind-free', x: 0, y: 0, width, height }));
+  let x = 0;
+  state.entries.forEach((entry, i) => {
+    const w = entry.bytes * scale;
+    const rect = svg('rect', {
+      x,
+      y: 0,
+      width: Math.max(w, MIN_SEGMENT),
+      height,
+      'data-key': entry.key,
+      'data-testid': 'overmind-segment'
+    });
+    rect.style.fill = SEGMENT_COLOURS[i % SEGMENT_COLOURS.length];
+    const tip = svg('title', {});
+    tip.textContent = `${entry.label}: ${entry.bytes_text}`; // on hover
+    rect.append(tip);
+    bar.append(rect);
+    x += Math.max(w, MIN_SEGMENT);
+  });
+  if (state.reserved > 0) {
+    bar.append(
+      svg('rect', {
+        class: 'jp-Overmind-reservedSegment',
+        x,
+        y: 0,
+        width: state.reserved * scale,
+        height
+      })
+    );
+  }
+  const legend: Child[] = state.entries.map((entry, i) =>
+    legendLine(entry, SEGMENT_COLOURS[i % SEGMENT_COLOURS.length])
+  );
+  if (state.reserved > 0) {
+    legend.push(
+      h(
+        'div',
+        { class: 'jp-Overmind-legendLine' },
+        swatch('', 'jp-Overmind-reservedSwatch'),
+        `${state.texts.reserved} reserved by loads in flight`
+      )
+    );
+  }
+  legend.push(
+    h(
+      'div',
+      { class: 'jp-Overmind-legendLine jp-Overmind-hint' },
+      swatch('', 'jp-Overmind-freeSwatch'),
+      `${state.texts.used} used of a ${state.texts.budget} budget`
+    )
+  );
+  const chart = figure('overmind-chart-memory', 'Memory per model', bar, ...legend);
+  chart.dataset.segments = String(state.entries.length);
+  return chart;
+}
+
+function legendLine(entry: IEntry, colour: string): HTMLElement {
+  const users = entry.pinned_by.map(nameOf);
+  return h(
+    'div',
+    { class: 'jp-Overmind-legendLine', 'data-key': entry.key },
+    swatch(colour),
+    h('span', { class: 'jp-Overmind-label' }, ...breakable(entry.label)),
+    ` ${entry.bytes_text}`,
+    h(
+      'span',
+      { class: 'jp-Overmind-hint jp-Overmind-users' },
+      users.length ? ` · used by ${users.join(', ')}` : ' · not in use'
+    )
+  );
+}
+
+/**
+ * Load time saved over the session: for each hit, the plain load time (measured at its miss) against
+ * the hit's time, summed over the hits in order. The area between the two lines is the time saved.
+ */
+export function savedChart(
+  log: IHit[],
+  texts: { plain: string; hits: string; saved: string }
+): HTMLElement {
+  const hits = log.filter(x => x.hit_s !== null);
+  const untimed = log.length - hits.length;
+  const width = 300;
+  const height = 80;
+  const picture = svg('svg', {
+    class: 'jp-Overmind-lines',
+    viewBox: `0 0 ${width} ${height}`,
+    preserveAspectRatio: 'none',
+    role: 'img',
+    'aria-label': `load time saved: ${texts.saved}`
+  });
+  picture.append(svg('rect', { class: 'jp-Overmind-plot', x: 0, y: 0, width, height }));
+  const plain = cumulative(hits.map(x => x.load_s));
+  const served = cumulative(hits.map(x => x.hit_s ?? 0));
+  const top = Math.max(1e-9, ...plain, ...served);
+  const toPoints = (values: number[]): string =>
+    [[0, height], ...values.map((v, i) => [((i + 1) * width) / values.length, height - (v / top) * (height - 4)])]
+      .map(([px, py]) => `${px.toFixed(1)},${py.toFixed(1)}`)
+      .join(' ');
+  if (!hits.length) {
+    picture.style.display = 'none'; // nothing to draw yet; the legend says why
+  } else {
+    const plainPoints = toPoints(plain);
+    const servedPoints = toPoints(served);
+    const area = `${plainPoints} ${servedPoints.split(' ').reverse().join(' ')}`;
+    picture.append(
+      svg('polygon', { class: 'jp-Overmind-savedArea', points: area }),
+      svg('polyline', { class: 'jp-Overmind-plainLine', points: plainPoints }),
+      svg('polyline', { class: 'jp-Overmind-hitLine', points: servedPoints })
+    );
+  }
+  const chart = figure(
+    'overmind-chart-saved',
+    'Load time saved by hits',
+    picture,
+    hits.length
+      ? h(
+          'div',
+          { class: 'jp-Overmind-legendLine' },
+          swatch('var(--jp-brand-color1)'),
+          `plain loads ${texts.plain}`,
+          swatch('var(--jp-warn-color1)'),
+          `hits ${texts.hits}`
+        )
+      : null,
+    h(
+      'div',
+      { class: 'jp-Overmind-legendLine', 'data-testid': 'overmind-saved' },
+      hits.length
+        ? `${texts.saved} saved over ${hits.length} hit${hits.length === 1 ? '' : 's'}`
+        : untimed
+          ? ''
+          : 'No hit yet: the second load of a model is served from the cache.'
+    ),
+    untimed > 0 &&
+      h(
+        'div',
+        { class: 'jp-Overmind-legendLine jp-Overmind-hint' },
+        `${untimed} more hit${untimed === 1 ? '' : 's'} not timed yet (a kernel reports with its next request)`
+      )
+  );
+  chart.dataset.hits = String(hits.length);
+  return chart;
+}
+
+function cumulative(values: number[]): number[] {
+  let sum = 0;
+  return values.map(v => (sum += v));
+}
+
+/** GPU units in use over the last polls, one line per device, against each device's total. */
+export function unitsChart(state: IPanelState, samples: readonly IUnitSample[]): HTMLElement | null {
+  const devices = state.units?.devices ?? [];
+  if (!devices.length) {
+    return null;
+  }
+  const width = 300;
+  const height = 60;
+  const top = Math.max(1, ...devices.map(d => d.total));
+  const picture = svg('svg', {
+    class: 'jp-Overmind-lines',
+    viewBox: `0 0 ${width} ${height}`,
+    preserveAspectRatio: 'none',
+    role: 'img',
+    'aria-label': 'GPU units in use over time'
+  });
+  picture.append(svg('rect', { class: 'jp-Overmind-plot', x: 0, y: 0, width, height }));
+  const n = Math.max(2, samples.length);
+  devices.forEach((d, i) => {
+    const points = samples.map((s, j) => {
+      const px = (j * width) / (n - 1);
+      const py = height - ((s.used[d.device] ?? 0) / top) * (height - 4);
+      return `${px.toFixed(1)},${py.toFixed(1)}`;
+    });
+    if (points.length) {
+      const line = svg('polyline', { class: 'jp-Overmind-unitLine', points: points.join(' ') });
+      line.style.stroke = SEGMENT_COLOURS[i % SEGMENT_COLOURS.length];
+      picture.append(line);
+    }
+  });
+  const simulated = state.units?.simulated;
+  return figure(
+    'overmind-chart-units',
+    `GPU units over time${simulated ? ' (simulated devices)' : ''}`,
+    picture,
+    ...devices.map((d, i) =>
+      h(
+        'div',
+        { class: 'jp-Overmind-legendLine' },
+        swatch(SEGMENT_COLOURS[i % SEGMENT_COLOURS.length]),
+        `${d.device}: ${d.used} of ${d.total} units`
+      )
+    )
+  );
+}

@@ -1,0 +1,172 @@
+"""How long work shows its progress: in the cell (tqdm, named by the model) and to the daemon (for the side
+panel and the status widgets); and the hit times the daemon's time-saved figures need.
+
+# Note [Load progress]
+A first load runs the library's own loading, which shows its own tqdm bars (transformers' "Loading
+weights"; `tqdm.auto`, so an ipywidgets bar in a notebook). While a miss loads, `loading(...)` makes the
+bars that transformers creates on this thread (through its public `set_tqdm_hook`) carry the model's
+name, and passes their progress on to the daemon as `progress` reports of the load's key (Note [Progress]
+in kernel_server/store.py), sent without waiting for the answer and at most every `REPORT_S`. The copy of
+a miss into shared memory reports the same way (publishing.py). Bars of other threads, and bars outside a
+miss, are left exactly as they were. A failure to report is ignored: progress never fails a load.
+
+# Note [Hit times]
+The daemon logs each hit with the plain load time it saved (Note [Load time saved] in
+kernel_server/store.py); the hit's own time is measured here and sent later, never on the hit's path: it
+waits in `_hit_times` until the next request that can carry it without a round trip of its own (a
+status read, a miss, the end of the process).
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from kernel_server.operations import Op
+
+__all__ = ["REPORT_S", "Reporter", "flush_hit_times", "hit", "loading", "model_name"]
+
+REPORT_S = 0.25  # at most one progress report per load this often
+_MAX_HITS = 1000
+
+_hit_times: collections.deque[dict[str, Any]] = collections.deque(maxlen=_MAX_HITS)
+_current = threading.local()  # the Reporter of the miss this thread loads
+_hook_lock = threading.Lock()
+_hooked = False
+
+
+def model_name(label: str) -> str:
+    """The model a load's label names, short: "AutoModelForCausalLM('/m/llama-0.1b', dtype=...)" ->
+    "llama-0.1b"."""
+    inner = label.split("(", 1)[1] if "(" in label else label
+    first = inner.split(",", 1)[0].rstrip(")").strip().strip("'\"")
+    return os.path.basename(first.rstrip("/")) or label
+
+
+class Reporter:
+    """Passes one load's progress to the daemon (fire and forget, at most every `REPORT_S`).
+
+    Args:
+        client: the connection that loads `key`.
+        key: the load's key.
+        name: the model's short name, for the bars and the reports.
+    """
+
+    def __init__(self, client: Any, key: str, name: str) -> None:
+        self.client = client
+        self.key = key
+        self.name = name
+        self._last = 0.0
+
+    def report(self, what: str, done: float, total: float, unit: str = "it", *, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last < REPORT_S:
+            return
+        self._last = now
+        try:
+            self.client.submit(Op.PROGRESS, key=self.key, label=f"{what} {self.name}", done=max(0.0, float(done)),
+                               total=max(0.0, float(total or 0)), unit=unit)
+        except Exception:  # noqa: BLE001 - progress never fails a load (Note [Load progress])
+            pass
+
+
+@contextlib.contextmanager
+def loading(client: Any, key: str, label: str) -> Iterator[Reporter]:
+    """While the block runs this thread's miss of `key`: name transformers' bars by the model and pass
+    their progress to the daemon (Note [Load progress])."""
+    reporter = Reporter(client, key, model_name(label))
+    _install_hook()
+    previous = getattr(_current, "reporter", None)
+    _current.reporter = reporter
+    try:
+        yield reporter
+    finally:
+        _current.reporter = previous
+
+
+def current() -> Reporter | None:
+    """The reporter of the miss this thread runs, if any."""
+    return getattr(_current, "reporter", None)
+
+
+def _install_hook() -> None:
+    """Chain our hook before transformers' current one, once (only if transformers is imported: a load
+    through it imported it already)."""
+    global _hooked
+    import sys
+
+    logging = sys.modules.get("transformers.utils.logging")
+    if _hooked or logging is None or not hasattr(logging, "set_tqdm_hook"):
+        return
+    with _hook_lock:
+        if _hooked:
+            return
+        previous = logging.set_tqdm_hook(None)
+
+        def hook(factory: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            reporter = current()
+            if reporter is not None:
+                kwargs = dict(kwargs)
+                kwargs["desc"] = f"{kwargs.get('desc') or 'Loading'} ({reporter.name})"
+            bar = previous(factory, args, kwargs) if previous is not None else factory(*args, **kwargs)
+            if reporter is not None and hasattr(bar, "n") and hasattr(bar, "update"):
+                _relay(bar, reporter, str(kwargs["desc"]))
+            return bar
+
+        logging.set_tqdm_hook(hook)
+        _hooked = True
+
+
+def _relay(bar: Any, reporter: Reporter, what: str) -> None:
+    """Send `bar`'s progress to the daemon as it moves (tqdm's iteration calls `update` at each refresh)."""
+    update, close = bar.update, bar.close
+    what = what.rsplit(" (", 1)[0]
+
+    def relayed_update(n: float = 1) -> Any:
+        out = update(n)
+        reporter.report(what, bar.n, bar.total or 0)
+        return out
+
+    def relayed_close() -> Any:
+        reporter.report(what, bar.n, bar.total or 0, force=True)
+        return close()
+
+    bar.update, bar.close = relayed_update, relayed_close
+
+
+# -- hit times (Note [Hit times]) --------------------------------------------------------------------------
+
+def hit(key: str, seconds: float) -> None:
+    """Remember that a hit of `key` took `seconds` (sent later by `flush_hit_times`)."""
+    _hit_times.append({"key": key, "t": time.time(), "hit_s": seconds})
+
+
+def flush_hit_times(client: Any = None) -> None:
+    """Send the hit times not sent yet, without waiting for the answer (Note [Hit times])."""
+    if not _hit_times:
+        return
+    if client is None:
+        from kernel_server.client import existing_shared_client
+
+        client = existing_shared_client()
+        if client is None:
+            return
+    batch = []
+    while _hit_times:
+        try:
+            batch.append(_hit_times.popleft())
+        except IndexError:
+            break
+    try:
+        client.submit(Op.HITS, hits=batch)
+    except Exception:  # noqa: BLE001 - the daemon went away: these hits went with its log
+        pass
+
+
+atexit.register(flush_hit_times)

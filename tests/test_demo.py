@@ -1,0 +1,98 @@
+"""`make demo` (scripts/demo.py) works on copies of the notebooks and stops the daemon it started."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from kernel_server import lifecycle
+
+REPO = Path(__file__).resolve().parent.parent
+DEMO = REPO / "scripts" / "demo.py"
+
+
+def tracked_notebooks() -> dict[str, str]:
+    """Every file under notebooks/ with its hash (models/ included: the demo builds nothing there)."""
+    root = REPO / "notebooks"
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def demo_env() -> dict[str, str]:
+    return dict(os.environ, OVERMIND_DEMO_MODEL="tiny")
+
+
+def test_demo_setup_copies_the_notebooks_and_leaves_the_tracked_ones_alone(tmp_path: Path) -> None:
+    before = tracked_notebooks()
+    workspace = tmp_path / "ws"
+    out = subprocess.run([sys.executable, str(DEMO), "--setup-only", "--workspace", str(workspace)],
+                         env=demo_env(), capture_output=True, text=True, timeout=600, check=True)
+    assert tracked_notebooks() == before, "the demo's setup changed files under notebooks/"
+    names = sorted(p.name for p in (REPO / "notebooks").glob("*.ipynb"))
+    assert sorted(p.name for p in workspace.glob("*.ipynb")) == names
+    assert (workspace / "models" / "llama-tiny" / "config.json").exists()
+    assert str(workspace) in out.stdout
+    refused = subprocess.run([sys.executable, str(DEMO), "--setup-only", "--workspace", str(REPO / "notebooks")],
+                             env=demo_env(), capture_output=True, text=True, timeout=120, check=False)
+    assert refused.returncode == 2 and "lies in the tracked notebooks/" in refused.stderr
+
+
+def test_demo_lab_serves_the_copies_and_stops_its_daemon(tmp_path: Path) -> None:
+    before = tracked_notebooks()
+    workspace = tmp_path / "ws"
+    proc = subprocess.Popen([sys.executable, str(DEMO), "--workspace", str(workspace)], env=demo_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    assert proc.stdout is not None
+    lines: list[str] = []  # read all along: JupyterLab blocks on a full pipe otherwise
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 300
+        url = None
+        while url is None and time.monotonic() < deadline:
+            found = re.search(r"(http://127\.0\.0\.1:\d+)/lab/tree/quickstart\.ipynb\?token=(\w+)", "".join(lines))
+            if found:
+                url = found.groups()
+            assert proc.poll() is None, "the demo ended early:\n" + "".join(lines)
+            time.sleep(0.2)
+        assert url is not None, "".join(lines)
+        text = "".join(lines)
+        started = re.search(r"daemon pid (\d+) serves (\S+)", text)
+        assert started, text
+        daemon_pid, home = int(started.group(1)), started.group(2)
+        assert "left sidebar" in text
+        base, token = url
+        notebook = None
+        while notebook is None and time.monotonic() < deadline:  # the server comes up
+            try:
+                with urllib.request.urlopen(f"{base}/api/contents/quickstart.ipynb?token={token}", timeout=5) as r:
+                    notebook = json.load(r)
+            except OSError:
+                time.sleep(0.5)
+        assert notebook is not None
+        # What autosave does: write the notebook back through the server. Only the copy changes.
+        notebook["content"]["cells"].append({"cell_type": "markdown", "metadata": {}, "source": "saved"})
+        body = json.dumps({"type": "notebook", "format": "json", "content": notebook["content"]}).encode()
+        request = urllib.request.Request(f"{base}/api/contents/quickstart.ipynb?token={token}", data=body,
+                                         method="PUT", headers={"Content-Type": "application/json"})
+        urllib.request.urlopen(request, timeout=30).close()
+        assert "saved" in (workspace / "quickstart.ipynb").read_text()
+        assert tracked_notebooks() == before
+        assert not lifecycle.process_gone(daemon_pid)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+        reader.join(30)
+    text = "".join(lines)
+    assert f"stopped daemon pid {daemon_pid}" in text, text
+    assert lifecycle.process_gone(daemon_pid)
+    assert not Path(home).exists()

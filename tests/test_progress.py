@@ -1,0 +1,98 @@
+"""Progress of long work and the hit times behind the time-saved figures (issue 23): a first load's bars
+carry the model's name and reach the daemon; a preload shows its worker's progress in the waiting cell; a
+hit's time reaches the daemon's hits log after the hit, never on its path."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kernel_server import Client
+
+LOAD = """
+import overmind_jupyter, torch
+from transformers import AutoModelForCausalLM
+overmind_jupyter.cached(AutoModelForCausalLM.from_pretrained, {path!r}, dtype=torch.{dtype})
+print("loaded", flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def mid_llama(models_dir: Path) -> Path:
+    """A model with enough tensors that loading it takes a moment (about 45M parameters)."""
+    from overmind_jupyter.demo_models import build_llama
+
+    return build_llama(models_dir / "mid-llama", "tiny", hidden_size=256, intermediate_size=512,
+                       num_hidden_layers=48, vocab_size=32000)
+
+
+def watch_progress(home: Path, seen: list[dict[str, Any]], stop: threading.Event) -> threading.Thread:
+    """Collect every load progress the daemon reports, from another connection, until `stop`."""
+    def run() -> None:
+        with Client(home, role="test") as client:
+            while not stop.is_set():
+                for load in client.request("status")["loading"]:
+                    if load.get("progress"):
+                        seen.append(load["progress"] | {"by": load["loader"]})
+                time.sleep(0.005)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def run_snippet(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env or dict(os.environ),
+                          capture_output=True, text=True, timeout=600, check=True)
+
+
+def test_a_first_load_shows_named_progress_and_reports_it(daemon: Client, overmind_home: Path,
+                                                          mid_llama: Path) -> None:
+    seen: list[dict[str, Any]] = []
+    stop = threading.Event()
+    watcher = watch_progress(overmind_home, seen, stop)
+    env = dict(os.environ, JPY_SESSION_NAME="/home/ada/first.ipynb")
+    try:
+        miss = run_snippet(LOAD.format(path=str(mid_llama), dtype="float32"), env)
+    finally:
+        stop.set()
+        watcher.join(30)
+    assert "Loading weights (mid-llama)" in miss.stderr, "the library's bar in the cell names the model"
+    labels = {p["label"] for p in seen}
+    assert labels & {"Loading weights mid-llama", "caching mid-llama"}, labels
+    assert all(p["by"]["label"] == "/home/ada/first.ipynb" for p in seen)
+    assert any(0 < p["done"] <= p["total"] for p in seen)
+
+    (entry,) = daemon.request("status")["entries"]
+    assert entry["load_s"] > 0, "the plain load's time, measured by the loader at its miss"
+    run_snippet(LOAD.format(path=str(mid_llama), dtype="float32"))  # a hit in another process, which exits
+    deadline = time.monotonic() + 10
+    while (log := daemon.request("status")["hits_log"]) and log[-1]["hit_s"] is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    (hit,) = log
+    assert hit["load_s"] == entry["load_s"] and 0 < hit["hit_s"] < 30, hit
+
+
+def test_preload_shows_its_workers_progress_in_the_waiting_cell(daemon: Client, overmind_home: Path,
+                                                               mid_llama: Path) -> None:
+    waiting = run_snippet(f"""
+        import torch
+        from transformers import AutoModelForCausalLM
+        import overmind_jupyter
+        p = overmind_jupyter.preload(AutoModelForCausalLM, {str(mid_llama)!r}, dtype=torch.bfloat16)
+        p.wait()
+        print("preloaded", flush=True)
+    """)
+    assert "preloaded" in waiting.stdout
+    assert "preload: Loading weights mid-llama" in waiting.stderr or "preload: caching mid-llama" in waiting.stderr, (
+        waiting.stderr[-2000:])
+    (entry,) = daemon.request("status")["entries"]
+    assert "bfloat16" in entry["meta"]["label"]

@@ -1,0 +1,141 @@
+"""What the daemon's status says for the views (issue 23): kernels by notebook, load times, hits, progress;
+the one formatter of bytes and times; CLI tables that keep what tells entries apart."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from snippets import run_py
+
+from kernel_server import Client, arena, formats
+from kernel_server.cli import main as cli_main
+
+
+def miss_and_publish(client: Client, key: str, label: str, *, load_s: float = 0.0) -> None:
+    """A loader's miss: lookup, the load itself (`load_s` of sleep), reserve, publish."""
+    assert client.request("lookup", key=key, wait=False)["status"] == "load"
+    time.sleep(load_s)
+    graph, data = arena.ArenaWriter(16), arena.ArenaWriter(arena.PAGE)
+    client.request("reserve", key=key, bytes=arena.PAGE + 16)
+    client.request("publish", key=key, fds=[graph.seal(), data.seal()], graph_bytes=16, arena_bytes=arena.PAGE,
+                   meta={"label": label}, deps=[])
+    graph.close()
+    data.close()
+
+
+def test_kernels_are_named_by_their_notebook_with_pid_and_command(daemon: Client, overmind_home: Path) -> None:
+    notebook = "/home/ada/projects/analysis.ipynb"
+    code = ("import sys, time; from kernel_server.client import shared_client; shared_client(); "
+            "print('ready', flush=True); sys.stdin.read()")
+    env = dict(os.environ, JPY_SESSION_NAME=notebook)
+    kernel = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    env.pop("JPY_SESSION_NAME")
+    script = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        for proc in (kernel, script):
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        kernels = {k["pid"]: k for k in daemon.request("status")["kernels"]}
+        assert kernels[kernel.pid]["label"] == notebook
+        assert "python" in kernels[kernel.pid]["command"] and "-c" in kernels[kernel.pid]["command"]
+        assert formats.kernel_name(kernels[kernel.pid]) == (
+            "analysis.ipynb", f"pid {kernel.pid}, {notebook}: {kernels[kernel.pid]['command']}")
+        name, _ = formats.kernel_name(kernels[script.pid])  # not a notebook: pid and what runs
+        assert name == f"pid {script.pid} -c"
+        text = run_py("from kernel_server.cli import main; main(['status'])").stdout
+        assert f"analysis.ipynb  (kernel; pid {kernel.pid}, {notebook}" in text
+    finally:
+        for proc in (kernel, script):
+            proc.kill()
+            proc.wait()
+
+
+def test_load_time_at_the_miss_and_hit_times_reported_later(daemon: Client, overmind_home: Path) -> None:
+    miss_and_publish(daemon, "a" * 64, "LlamaForCausalLM('m')", load_s=0.3)
+    (entry,) = daemon.request("status")["entries"]
+    assert 0.3 <= entry["load_s"] < 5
+    with Client(overmind_home, role="kernel", label="/n/second.ipynb") as other:
+        hit = other.request("lookup", key="a" * 64, wait=False)
+        assert hit["status"] == "hit"
+        hit.close()
+        (logged,) = daemon.request("status")["hits_log"]
+        assert logged["key"] == "a" * 64 and logged["label"] == "LlamaForCausalLM('m')"
+        assert logged["load_s"] == entry["load_s"] and logged["hit_s"] is None and logged["pid"] == os.getpid()
+        other.request("hits", hits=[{"key": "a" * 64, "t": time.time(), "hit_s": 0.004}])
+        (logged,) = daemon.request("status")["hits_log"]
+        assert logged["hit_s"] == 0.004
+        with pytest.raises(Exception, match="hits"):
+            other.request("hits", hits=[{"key": "a" * 64, "t": "yesterday", "hit_s": 1}])
+
+
+def test_a_loads_progress_reaches_status_with_eta(daemon: Client, overmind_home: Path) -> None:
+    key = "b" * 64
+    assert daemon.request("lookup", key=key, wait=False)["status"] == "load"
+    daemon.request("progress", key=key, label="loading llama-0.1b", done=0, total=1000, unit="B")
+    time.sleep(0.2)
+    daemon.request("progress", key=key, label="loading llama-0.1b", done=250, total=1000, unit="B")
+    (load,) = daemon.request("status")["loading"]
+    progress = load["progress"]
+    assert progress["label"] == "loading llama-0.1b" and (progress["done"], progress["total"]) == (250, 1000)
+    assert progress["eta_s"] == pytest.approx(0.6, rel=0.5)  # three more quarters at a quarter per 0.2 s
+    assert formats.progress_text(progress).startswith("loading llama-0.1b: 25% (250 B of 1000 B), ")
+    text = run_py("from kernel_server.cli import main; main(['status'])").stdout
+    assert "loading llama-0.1b: 25%" in text and "left" in text
+
+
+def test_cli_ls_keeps_what_tells_entries_apart(daemon: Client, capsys: pytest.CaptureFixture[str]) -> None:
+    base = "LlamaForCausalLM.from_pretrained('/data/checkpoints/some-long-organisation/llama-0.1b-instruct'"
+    labels = [base + ", dtype=torch.float32)", base + ", dtype=torch.bfloat16)"]
+    keys = ["c" * 20 + "1" * 44, "c" * 20 + "2" * 44]  # equal for 20 characters
+    for key, label in zip(keys, labels, strict=True):
+        miss_and_publish(daemon, key, label)
+    assert cli_main(["ls"]) == 0
+    out = capsys.readouterr().out
+    for key, label in zip(keys, labels, strict=True):
+        assert label in out
+        assert key[:24] in out
+    assert len({line.split()[0] for line in out.splitlines()[1:]}) == 2
+
+
+def test_one_formatter_in_python_and_in_the_widgets_javascript() -> None:
+    node = shutil.which("node") or shutil.which("nodejs")
+    if node is None:
+        pytest.skip("no node here to run the widgets' formatting code")
+    rng = random.Random(0)
+    sizes = [0, 1023, 1024, 1280, 99.95 * 1024, 100 * 1024, 11.8 * 2**30, 12 * 2**30] + [
+        rng.random() * 2 ** rng.randint(0, 45) for _ in range(200)]
+    spans = [0, 0.25, 1.25, 9.96, 10, 89.5, 90, 5399, 5400, 129600] + [
+        rng.random() * 10 ** rng.randint(0, 6) for _ in range(200)]
+    script = formats.JS + (f"\nconst sizes = {json.dumps(sizes)}, spans = {json.dumps(spans)};\n"
+                           "console.log(JSON.stringify([sizes.map(fmtBytes), spans.map(fmtSeconds),"
+                           " spans.map((s) => fmtAgo(1000, 1000 + s))]));")
+    js = json.loads(subprocess.run([node, "-e", script], capture_output=True, text=True, check=True).stdout)
+    py = [[formats.byte_text(n) for n in sizes], [formats.seconds_text(s) for s in spans],
+          [formats.ago_text(1000, 1000 + s) for s in spans]]
+    assert py == js
+    assert formats.byte_text(11.8 * 2**30) == "11.8 GiB" and formats.byte_text(512 * 2**20) == "512 MiB"
+    assert formats.ago_text(1000, 1001) == "just now" and formats.ago_text(1000, 1180) == "3 min ago"
+
+
+def test_magic_status_in_a_real_shell_names_kernels_by_notebook(overmind_home: Path) -> None:
+    env = dict(os.environ, JPY_SESSION_NAME="/home/ada/analysis.ipynb")
+    out = run_py("""
+        from IPython.core.interactiveshell import InteractiveShell
+        from kernel_server import Client
+        shell = InteractiveShell.instance()
+        shell.run_line_magic("load_ext", "overmind_jupyter")
+        shell.run_line_magic("overmind", "on")
+        other = Client(role="kernel", label="/home/ada/second.ipynb")
+        shell.run_line_magic("overmind", "status")
+    """, env=env).stdout
+    assert "kernel analysis.ipynb  (kernel; pid " in out, out
+    assert "kernel second.ipynb  (kernel; pid " in out, out
