@@ -48,12 +48,12 @@ FUZZ_FRAMES = 10_000
 # -- the protocol ------------------------------------------------------------------------------------------
 
 # The daemon's dispatch table (checked against the list it gives in an unknown_op error).
-OPS = ["abandon", "cancel", "evict", "fallback", "hello", "lookup", "ls", "ping", "publish", "reserve", "shutdown",
-       "status", "units_acquire", "units_cancel", "units_register", "units_release", "units_state", "units_touch",
-       "unpin"]
+OPS = ["abandon", "cancel", "evict", "fallback", "hello", "hits", "lookup", "ls", "ping", "progress", "publish",
+       "reserve", "shutdown", "status", "units_acquire", "units_cancel", "units_register", "units_release",
+       "units_state", "units_touch", "unpin"]
 FIELDS = ["key", "wait", "adopt", "bytes", "graph_bytes", "arena_bytes", "meta", "deps", "count", "all",
           "request", "protocol", "role", "label", "pid", "call", "kind", "reason", "units", "devices",
-          "timeout_s", "busy", "holding", "pong", "descriptors"]
+          "timeout_s", "busy", "holding", "pong", "descriptors", "hits", "done", "total", "unit"]
 # Replies that may come later than the next frame's (a lookup that waits for another load, an acquire that
 # waits for units), or never while the connection lives.
 DEFERRABLE = {"lookup", "units_acquire"}

@@ -112,6 +112,10 @@ def test_an_entry_whose_checkpoint_is_deleted_is_dropped(overmind_home: Path, tm
             return sorted(e["meta"]["source"] for e in client.request("status")["entries"])
 
         assert sources() == sorted([repr(str(kept)), repr(str(deleted))])
+        # Copied into the daemon's own arenas first: the entries no longer need their files, and a copy
+        # finishing after the deletion would drop the entry as stale (its file's ctime moved), not as
+        # an orphan.
+        wait_until(lambda: client.request("status")["stats"].get("compacted", 0) == 2, 30, "both entries compacted")
         shutil.rmtree(deleted)
         wait_until(lambda: sources() == [repr(str(kept))], 15, "the entry of the deleted checkpoint dropped")
         assert client.request("status")["stats"]["orphaned"] == 1

@@ -280,6 +280,12 @@ def test_a_first_load_of_a_large_model_shows_progress_in_the_panel(lab: Lab) -> 
 
     # about 1 GiB: its load and its copy into shared memory take seconds, several polls of the panel
     big = build_llama(lab.models / "llama-big-f32", "0.1b", dtype="float32", num_hidden_layers=32)
+    # the fastest refresh the settings allow, for several lines of the one load
+    lab.lab.request("PUT", "lab/api/settings/overmind-jupyter:panel", {"raw": '{"refreshInterval": 0.5}'})
+    lab.page.reload()
+    lab.page.wait_for_function("() => window.jupyterapp && window.jupyterapp.started")
+    lab.page.evaluate("() => window.jupyterapp.restored")
+    lab.run_notebook("work/gamma.ipynb")  # the notebook the cell below runs in, its kernel as it was
     lab.open_panel()
     # every progress line the panel shows while the load runs, however briefly
     lab.page.evaluate("""() => {
@@ -292,7 +298,8 @@ def test_a_first_load_of_a_large_model_shows_progress_in_the_panel(lab: Lab) -> 
             }
         }).observe(panel, {childList: true, subtree: true});
     }""")
-    _run_cell(lab, _load(big, "big"))
+    # in bf16: a conversion and a copy into shared memory, seconds of work that reports its progress
+    _run_cell(lab, f"import torch\n{_load(big, 'big')[:-1]}, dtype=torch.bfloat16)")
     loading = lab.panel.get_by_test_id("overmind-loading")
     try:  # a screenshot while it shows (the load may be over before a poll or two)
         loading.get_by_test_id("overmind-progress").first.wait_for(state="visible", timeout=60_000)
