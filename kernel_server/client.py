@@ -67,7 +67,7 @@ _TURN = 0.002  # see Note [Who reads the socket]
 # While another thread reads, a waiting thread waits on its future in slices of _TURN seconds, and
 # reads itself once the other one is done (its reply may come after the other's).
 # A thread must not wait for a reply while it reads the socket (a finalizer that requests: none does;
-# unpins go through loading's unpin thread); such a wait would end in its timeout.
+# unpins go through the unpin thread of overmind_jupyter's results.py); such a wait would end in its timeout.
 
 
 

@@ -65,7 +65,7 @@ _MAX_FILES = 100_000
 _OPAQUE_STRINGS = ("cache_dir", "offload_folder", "local_dir")  # where to look, not what is read
 
 # The entry an argument stands for (a model rebuilt from an entry, unchanged since: Note [References]
-# in loading.py), or None: the caller of `make_key` knows its results, this module does not.
+# in results.py), or None: the caller of `make_key` knows its results, this module does not.
 Resolve = Callable[[Any], "str | None"]
 
 

@@ -246,7 +246,7 @@ def _plain_module_class(cls: type) -> bool:
 #   a Python frame. Module.__setstate__ would only add hook dicts that an old checkpoint lacked; a graph
 #   is made by this torch (keys name its version), and `_plain_module_class` leaves every class with
 #   its own __setstate__ or reduction to pickle's way. The state is a dict of the graph's own
-#   (so its key strings are the graph's, as Note [References] in loading.py needs), in the module's
+#   (so its key strings are the graph's, as Note [References] in results.py needs), in the module's
 #   order.
 # - Each empty hook dict (eleven per module) stands in the state as an `_EmptyHooks`, which the
 #   unpickler turns into `OrderedDict()` in C: a fresh one per module and name, as nn.Module makes them.
@@ -309,7 +309,7 @@ def _new(cls: Any) -> Any:
     """A new instance whose __dict__ is its own, not one of CPython's split dicts, which take their key
     strings from the first instance of the class: so its keys are the strings of the graph, shared as
     the graph shares them, whichever objects this process unpickled or built before (Note [References]
-    in loading.py compares pickles, memo and all). Modules get theirs from `_SET_DICT`."""
+    in results.py compares pickles, memo and all). Modules get theirs from `_SET_DICT`."""
     obj = cls.__new__(cls)
     object.__setattr__(obj, "__dict__", {})
     return obj
@@ -386,7 +386,7 @@ def pack(obj: Any, *, self_key: str | None = None, trust_mappings: bool = False,
         obj: the object graph.
         self_key: storages inside this entry's arena are placed at their offsets there, as in the
             entry's own graph (for comparing a rebuilt object with its entry, see Note [References]
-            in loading.py).
+            in results.py).
         trust_mappings: skip the check that mapped pages were not written (right after a rebuild).
         substitutes: objects to pack as arguments of the call, by their path (see Note [Argument
             replay]).
@@ -423,7 +423,7 @@ def skeleton(graph: bytes, own_key: str) -> tuple[Any, dict[str, Any]]:
     object as its entry holds it, sharing the live objects' bytes, with fresh placeholders for the
     call's arguments (returned as substitutes for `pack`). Packing it and packing a live object in
     this same process pickle alike exactly when the object still is what the entry holds (see Note
-    [References] in loading.py). Raises CorruptEntry, also when no mapping is alive."""
+    [References] in results.py). Raises CorruptEntry, also when no mapping is alive."""
     state = _Rebuild(None, own_key, lambda key: None, populate=False)
     state.placeholders = {}
     obj = _unpickle(graph, state)
@@ -574,7 +574,7 @@ def _as_parameter(tensor: torch.Tensor, requires_grad: bool, attributes: dict[st
     param = _make_subclass(torch.nn.Parameter, tensor, requires_grad)
     if attributes:
         # Not setattr, which interns each name and so changes which strings the object shares
-        # (Note [References] in loading.py compares pickles, memo and all)
+        # (Note [References] in results.py compares pickles, memo and all)
         param.__dict__.update(attributes)
     return param
 
