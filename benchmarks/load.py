@@ -19,26 +19,36 @@ their total PSS, plain against overmind.
     .venv/bin/python benchmarks/load.py --models 0.1b --repeat 3
     .venv/bin/python benchmarks/load.py --arena-study   # memfd vs file, populate on/off (hits)
     .venv/bin/python benchmarks/load.py --keys          # what computing a key costs (Note [Never stale])
-    .venv/bin/python benchmarks/load.py --hit-calls --models 0.1b   # only the hit call, 30 fresh processes
+    .venv/bin/python benchmarks/load.py --hit-calls     # only the hit call: both models, 30 calls a variant
+    .venv/bin/python benchmarks/load.py --hit-calls --quick   # the same, 0.1B model, 8 calls a variant
 
---hit-calls times only the first `from_pretrained` hit of a fresh process (after `enable()`, as in a
-kernel that ran `%load_ext overmind_jupyter`; torch, transformers and the Llama modeling module imported
-first), --calls processes per variant, median and p90, in four variants: the package's bytecode present
-or not (a copy of overmind_jupyter and kernel_server compiled with compileall, or one never compiled, run
-with PYTHONDONTWRITEBYTECODE=1, as on machines that set it), each alone and with a CPU-bound process
-running beside it. It also reports call + first forward.
+--hit-calls times only the first `from_pretrained` hit of a fresh process, after `enable()` (as in a kernel
+that ran `%load_ext overmind_jupyter` and `%overmind on`), --calls processes per variant, median, p90 and
+max, and call + first forward, in four variants: the package's bytecode present or not (a copy of
+overmind_jupyter and kernel_server compiled with compileall, or one never compiled, run with
+PYTHONDONTWRITEBYTECODE=1, as on machines that set it), each alone and with a CPU-bound process running
+beside it. The plain load's first call in such a process is measured in the same rounds (alone and beside
+the CPU-bound process), and the hits' figures are given as ratios of it.
+Each process is forked, per call, from a parent that imported torch, transformers and the Llama modeling
+module and ran no torch operation (docs: a fork of such a process is safe and takes ~15 ms; a fresh
+interpreter takes ~7 s here). The parent imports nothing of overmind_jupyter or kernel_server: each call's
+process imports them itself (and, without bytecode, compiles them from source), calls `enable()`, then
+makes its first hit; what it imports during the call itself is reported.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -67,9 +77,6 @@ def pss_of(pid: int) -> int:
 # -- the child: one measured load ------------------------------------------------------------------
 
 def child(spec: dict) -> None:
-    if spec["case"] == "hitcall":
-        hit_call_child(spec)
-        return
     import torch
     import transformers  # noqa: F401
     from transformers import LlamaForCausalLM
@@ -128,32 +135,100 @@ def child(spec: dict) -> None:
     print(json.dumps(result), flush=True)
 
 
-def hit_call_child(spec: dict) -> None:
-    """Only the first hit of a fresh process, through the patched loader, as in a kernel."""
-    sys.path.insert(0, spec["src"])  # this variant's copy of the package (with bytecode or without)
+def first_call(call: dict) -> dict:
+    """--hit-calls, in a process forked for it: the first `from_pretrained` of the process, a hit through
+    the patched loader after `enable()` ("hit"), or the plain load ("plain")."""
     import torch
-    import transformers  # noqa: F401
     from transformers import LlamaForCausalLM
-    from transformers.models.llama import modeling_llama  # noqa: F401
 
-    import overmind_jupyter
-    from overmind_jupyter import loading
+    ours = ("overmind_jupyter", "kernel_server")
+    if call["case"] == "hit":
+        import overmind_jupyter
+        from overmind_jupyter import loading
 
-    if not overmind_jupyter.__file__.startswith(spec["src"]):
-        raise RuntimeError(f"imported {overmind_jupyter.__file__}, not the copy under {spec['src']}")
-    overmind_jupyter.enable()
+        overmind_jupyter.enable()
     torch.manual_seed(0)
     x = torch.randint(0, 32000, (1, 16))
-    dtype = getattr(torch, spec["dtype"])
+    dtype = getattr(torch, call["dtype"])
+    before = set(sys.modules)
     t0 = time.perf_counter()
-    model = LlamaForCausalLM.from_pretrained(spec["model"], dtype=dtype)
+    model = LlamaForCausalLM.from_pretrained(call["model"], dtype=dtype)
     t1 = time.perf_counter()
+    imported = sorted(name for name in set(sys.modules) - before if name.split(".")[0] in ours)
     with torch.inference_mode():
         logits = model(x).logits
     t2 = time.perf_counter()
-    if loading.calls() != {"hit": 1}:
+    if call["case"] == "hit" and loading.calls() != {"hit": 1}:
         raise RuntimeError(f"the hit call was not a hit: {loading.calls()} {loading.fallbacks()}")
-    print(json.dumps({"call": t1 - t0, "first": t2 - t0, "checksum": float(logits.double().sum())}), flush=True)
+    return {"call": t1 - t0, "first": t2 - t0, "checksum": float(logits.double().sum()), "imported": imported}
+
+
+def fork_parent(spec: dict) -> None:
+    """--hit-calls: import what a kernel that loads a Llama model has imported, run no torch operation,
+    then fork a process per request line on stdin (a `first_call`), and answer with its result line."""
+    import traceback
+
+    sys.path.insert(0, spec["src"])  # this variant's copy of the package (with bytecode or without)
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+    from transformers import LlamaForCausalLM  # noqa: F401
+    from transformers.models.llama import modeling_llama  # noqa: F401
+
+    ours = sorted(m for m in sys.modules if m.split(".")[0] in ("overmind_jupyter", "kernel_server"))
+    if ours:
+        raise RuntimeError(f"the parent imported {ours}: each call's process must import them itself")
+    print(json.dumps({"ready": os.getpid(), "dont_write_bytecode": sys.dont_write_bytecode}), flush=True)
+    for line in sys.stdin:
+        call = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                import overmind_jupyter
+
+                result = first_call(call)
+                if call["case"] == "hit" and not overmind_jupyter.__file__.startswith(spec["src"]):
+                    raise RuntimeError(f"imported {overmind_jupyter.__file__}, not the copy under {spec['src']}")
+                print(json.dumps(result), flush=True)
+                code = 0
+            except BaseException:  # noqa: BLE001 (reported on stderr; the parent answers with an error)
+                traceback.print_exc()
+            finally:
+                sys.stderr.flush()
+                os._exit(code)
+        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        if code:
+            print(json.dumps({"error": f"the process of {call} exited with {code}: see its stderr"}), flush=True)
+
+
+class ForkParent:
+    """A `fork_parent` process, for one variant's copy of the package and environment."""
+
+    def __init__(self, src: Path, env: dict[str, str], log: Path) -> None:
+        self.log = log.open("w")
+        self.proc = subprocess.Popen([sys.executable, __file__, "--fork-parent", json.dumps({"src": str(src)})],
+                                     env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+                                     text=True)
+        self.ready = self._answer()
+
+    def _answer(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the fork parent ended: see {self.log.name}")
+        answer = json.loads(line)
+        if "error" in answer:
+            raise RuntimeError(f"{answer['error']} ({self.log.name})")
+        return answer
+
+    def call(self, call: dict) -> dict:
+        self.proc.stdin.write(json.dumps(call) + "\n")
+        self.proc.stdin.flush()
+        return self._answer()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(60)
+        self.log.close()
 
 
 def package_copy(root: Path, bytecode: bool) -> Path:
@@ -168,8 +243,26 @@ def package_copy(root: Path, bytecode: bool) -> Path:
     return root
 
 
-def cpu_hog() -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
+class CpuHog:
+    """A CPU-bound process, running only while a call of a "+cpu" variant is measured."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        self.proc.send_signal(signal.SIGSTOP)
+
+    @contextlib.contextmanager
+    def running(self, on: bool) -> Iterator[None]:
+        if on:
+            self.proc.send_signal(signal.SIGCONT)
+        try:
+            yield
+        finally:
+            if on:
+                self.proc.send_signal(signal.SIGSTOP)
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -177,51 +270,80 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
+HIT_VARIANTS = ["bytecode", "bytecode+cpu", "no-bytecode", "no-bytecode+cpu"]
+PLAIN_VARIANTS = ["plain", "plain+cpu"]  # the baselines, run in the same rounds
+
+
 def hit_call_study(paths: dict[str, Path], env: dict[str, str], calls: int, variants: list[str]) -> dict:
-    """--hit-calls: see the module's docstring."""
-    report: dict = {}
+    """--hit-calls: see the module's docstring. Rounds of one call of each variant, so that the
+    machine's drift reaches every variant alike."""
     work = Path(tempfile.mkdtemp(prefix="om-bench-src-"))
     sources = {True: package_copy(work / "bytecode", True), False: package_copy(work / "source", False)}
-    for size, path in paths.items():
-        spec = {"case": "miss", "model": str(path), "dtype": "bfloat16"}
-        daemon(env, "evict", "--all")
-        run_child(spec, env)
-        wait_compacted(env)
-        rows = {}
-        for variant in variants:
-            bytecode, load = variant.startswith("bytecode"), variant.endswith("+cpu")
+    parents: dict[bool, ForkParent] = {}
+    hog = CpuHog()
+    report: dict = {"method": "each call forked from a parent that imported torch, transformers and the Llama "
+                              "modeling module (no torch operation, nothing of overmind_jupyter or kernel_server); "
+                              "the child imports the package and calls enable() before the clock",
+                    "models": {}}
+    try:
+        for bytecode in (True, False):
             e = dict(env)
             if bytecode:
                 e.pop("PYTHONDONTWRITEBYTECODE", None)
             else:
                 e["PYTHONDONTWRITEBYTECODE"] = "1"
-            hog = cpu_hog() if load else None
-            try:
-                runs = [run_child(spec | {"case": "hitcall", "src": str(sources[bytecode])}, e) for _ in range(calls)]
-            finally:
-                if hog is not None:
-                    hog.kill()
-                    hog.wait()
-            ms = [r["call"] * 1000 for r in runs]
-            first = [r["first"] for r in runs]
-            rows[variant] = {"calls": len(runs), "median_ms": statistics.median(ms), "p90_ms": percentile(ms, 0.9),
-                             "max_ms": max(ms), "first_median_s": statistics.median(first),
-                             "first_p90_s": percentile(first, 0.9), "call_ms": ms}
-        report[size] = rows
+            parents[bytecode] = ForkParent(sources[bytecode], e, work / f"parent-{bytecode}.log")
+        for size, path in paths.items():
+            spec = {"case": "miss", "model": str(path), "dtype": "bfloat16"}
+            daemon(env, "evict", "--all")
+            run_child(spec, env)
+            wait_compacted(env)
+            runs: dict[str, list[dict]] = {v: [] for v in [*variants, *PLAIN_VARIANTS]}
+            for _ in range(calls):
+                for variant in runs:
+                    case = "plain" if variant.startswith("plain") else "hit"
+                    parent = parents[not variant.startswith("no-bytecode")]
+                    with hog.running(variant.endswith("+cpu")):
+                        runs[variant].append(parent.call({"case": case, "model": str(path), "dtype": "bfloat16"}))
+            report["models"][size] = summarize_calls(runs)
+    finally:
+        hog.close()
+        for parent in parents.values():
+            parent.close()
     return report
 
 
+def summarize_calls(runs: dict[str, list[dict]]) -> dict:
+    rows = {}
+    for variant, results in runs.items():
+        ms = [r["call"] * 1000 for r in results]
+        first = [r["first"] for r in results]
+        rows[variant] = {"calls": len(results), "median_ms": statistics.median(ms), "p90_ms": percentile(ms, 0.9),
+                         "max_ms": max(ms), "first_median_s": statistics.median(first),
+                         "first_p90_s": percentile(first, 0.9), "call_ms": ms,
+                         "imported_in_call": sorted({m for r in results for m in r["imported"]})}
+    for variant, row in rows.items():
+        plain = rows["plain+cpu" if variant.endswith("+cpu") else "plain"]
+        row["call_x_plain"] = row["median_ms"] / plain["median_ms"]
+        row["first_x_plain"] = row["first_median_s"] / plain["first_median_s"]
+        checksums = {r["checksum"] for r in runs[variant]} | {r["checksum"] for r in runs["plain"]}
+        row["checksums_agree"] = max(checksums) - min(checksums) <= 1e-3 * max(abs(c) for c in checksums)
+    return rows
+
+
 def print_hit_calls(report: dict) -> None:
-    for size, rows in report.items():
-        print(f"\n{size} model, bf16: the first from_pretrained hit of a fresh process")
-        print(f"{'variant':22} {'calls':>5} {'median ms':>10} {'p90 ms':>8} {'max ms':>8} "
-              f"{'call+fwd s (median/p90)':>24}")
+    print(f"\n{report['method']}")
+    for size, rows in report["models"].items():
+        print(f"\n{size} model, bf16: the first from_pretrained of a fresh process")
+        print(f"{'variant':17} {'calls':>5} {'median ms':>10} {'p90 ms':>8} {'max ms':>8} {'x plain':>8} "
+              f"{'call+fwd s (median/p90)':>24} {'x plain':>8}")
         for name, r in rows.items():
-            print(f"{name:22} {r['calls']:5d} {r['median_ms']:10.2f} {r['p90_ms']:8.2f} {r['max_ms']:8.2f} "
-                  f"{r['first_median_s']:12.3f} / {r['first_p90_s']:.3f}")
-
-
-HIT_VARIANTS = ["bytecode", "bytecode+cpu", "no-bytecode", "no-bytecode+cpu"]
+            flag = "" if r["checksums_agree"] else "  CHECKSUM MISMATCH"
+            print(f"{name:17} {r['calls']:5d} {r['median_ms']:10.2f} {r['p90_ms']:8.2f} {r['max_ms']:8.2f} "
+                  f"{r['call_x_plain']:8.3f} {r['first_median_s']:12.3f} / {r['first_p90_s']:.3f} "
+                  f"{r['first_x_plain']:8.2f}{flag}")
+        lazy = sorted({m for name, r in rows.items() if not name.startswith("plain") for m in r["imported_in_call"]})
+        print(f"  imported during the hit call: {', '.join(lazy) or 'nothing of overmind_jupyter or kernel_server'}")
 
 
 # -- the parent -----------------------------------------------------------------------------------
@@ -285,7 +407,8 @@ def measure(spec: dict, env: dict[str, str], repeat: int) -> dict:
     return summarize(runs)
 
 
-def build(models: list[str]) -> dict[str, Path]:
+def build(models: list[str], torch_files: bool = True) -> dict[str, Path]:
+    """The checkpoints of `models`, and (`torch_files`) their torch.save files for the torch.load case."""
     import torch
 
     from overmind_jupyter.demo_models import build_llama
@@ -293,7 +416,7 @@ def build(models: list[str]) -> dict[str, Path]:
     paths = {}
     for size in models:
         path = build_llama(OUT / "models" / f"llama-{size}", size)
-        for dtype in ("bfloat16", "float32"):
+        for dtype in ("bfloat16", "float32") if torch_files else ():
             file = OUT / "models" / f"llama-{size}-{dtype}.pt"
             if not file.exists():
                 from transformers import LlamaForCausalLM
@@ -351,13 +474,22 @@ def main() -> None:
     parser.add_argument("--hit-calls", action="store_true",
                         help="only the first hit call of fresh processes: median and p90, with and without "
                              "bytecode, with and without a CPU-bound process beside it")
-    parser.add_argument("--calls", type=int, default=30, help="--hit-calls: processes per variant")
+    parser.add_argument("--calls", type=int, help="--hit-calls: processes per variant (30; --quick: 8)")
     parser.add_argument("--variants", default=",".join(HIT_VARIANTS),
-                        help=f"--hit-calls: which of {','.join(HIT_VARIANTS)}")
+                        help=f"--hit-calls: which of {','.join(HIT_VARIANTS)} (the plain load always runs)")
+    parser.add_argument("--quick", action="store_true",
+                        help="the 0.1B model only (with --hit-calls: and 8 calls a variant)")
+    parser.add_argument("--fork-parent", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(json.loads(args.child))
         return
+    if args.fork_parent:
+        fork_parent(json.loads(args.fork_parent))
+        return
+    if args.quick:
+        args.models = "0.1b"
+    calls = args.calls or (8 if args.quick else 30)
     OUT.mkdir(exist_ok=True)
     if args.keys:
         report = key_study(build(["1.1b"])["1.1b"])
@@ -366,7 +498,7 @@ def main() -> None:
             print(f"key of {name} ({r['files']} files): median {r['median_ms']:.3f} ms, p90 {r['p90_ms']:.3f} ms")
         print(f"bytecode present: {report['bytecode']}")
         return
-    paths = build(args.models.split(","))
+    paths = build(args.models.split(","), torch_files=not args.hit_calls)
     home = tempfile.mkdtemp(prefix="om-bench-")
     env = dict(os.environ, OVERMIND_HOME=home, PYTHONWARNINGS="ignore", TRANSFORMERS_VERBOSITY="error",
                HF_HUB_OFFLINE="1")
@@ -374,7 +506,7 @@ def main() -> None:
     try:
         daemon(env, "start")  # a miss is measured against a running daemon, not its start
         if args.hit_calls:
-            report["hit_calls"] = hit_call_study(paths, env, args.calls, args.variants.split(","))
+            report["hit_calls"] = hit_call_study(paths, env, calls, args.variants.split(","))
         elif args.arena_study:
             report["arena_study"] = arena_study(paths["1.1b"], env, args.repeat)
         else:

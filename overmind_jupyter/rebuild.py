@@ -11,7 +11,8 @@ no tensor is copied, and writes stay in this process (see Note [Copy-on-write ma
 kernel_server/arena.py).
 
 Only storages, tensors, modules and OrderedDicts go through Python hooks while pickling (a per-type
-dispatch table, looked up in C), so a 1.1B-parameter model's graph pickles in a few milliseconds.
+dispatch table, looked up in C), so a 1.1B-parameter model's graph pickles in a few milliseconds; and
+unpickling a module or a tensor is as few calls as torch allows (Note [Cheap rebuild]).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import copyreg
 import gc
 import io
 import mmap
+import operator
 import pickle
 import threading
 from collections.abc import Callable, Iterator
@@ -41,7 +43,7 @@ __all__ = ["ArenaRef", "Packed", "entry_of", "pack", "rebuild", "skeleton"]
 
 entry_of = mappings.entry_of
 
-_FORMAT = 4  # bump when the storage or tensor references, or what a graph holds, change
+_FORMAT = 5  # bump when the storage or tensor references, or what a graph holds, change
 
 
 @dataclass
@@ -104,38 +106,66 @@ class _Placer:
         self.mapped: dict[tuple[str, int, int, str], torch.UntypedStorage] = {}
         self.offset = 0
         self.own: list[Own] = []
-        self.seen: dict[int, tuple[Any, ...]] = {}
+        self.seen: dict[int, _Call] = {}  # storage -> what unpickles to it (Note [Cheap rebuild])
         self.deps: list[str] = []
         self.tensors: list[torch.Tensor] = []
 
     def dispatch_table(self) -> dict[type, Callable[[Any], Any]]:
         table = _Dispatch(copyreg.dispatch_table)
-        table[torch.storage.TypedStorage] = lambda s: (_storage, (*self.place(s._untyped_storage), _dtype(s.dtype)))
-        table[torch.UntypedStorage] = lambda s: (_storage, (*self.place(s), None))
+        table[torch.storage.TypedStorage] = lambda s: (_typed, (self.source(s._untyped_storage), _dtype(s.dtype)))
+        table[torch.UntypedStorage] = lambda s: (_typed, (self.source(s), None))
         table[torch.Tensor] = self.tensor
         table[torch.nn.Parameter] = self.tensor
         table[collections.OrderedDict] = _reduce_ordered_dict
+        table[_Call] = table[_EmptyHooks] = table[_SetDict] = _reduced
         return table
 
     def tensor(self, t: torch.Tensor) -> Any:
         self.tensors.append(t)
         kind = type(t)
-        if (t.layout is torch.strided and not t.is_meta and t.dtype in _PLAIN_DTYPES
+        if not (t.layout is torch.strided and not t.is_meta and t.dtype in _PLAIN_DTYPES
                 and not t.is_conj() and not t.is_neg()
                 and (kind is torch.nn.Parameter or not (t.requires_grad or t._backward_hooks or vars(t)))):
-            # Note [Plain tensors]
-            placed = self.place(t.untyped_storage())
-            shape = (t.dtype, t.storage_offset(), tuple(t.shape), t.stride())
-            if kind is torch.nn.Parameter:
-                return (_parameter, (*placed, *shape, t.requires_grad, vars(t) or None))
-            return (_tensor, (*placed, *shape))
-        return t.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+            return t.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+        # Note [Plain tensors]
+        untyped, dtype = t.untyped_storage(), t.dtype
+        attributes = vars(t) or None
+        # Attributes that hold objects could lead back to this tensor's storage before the tensor is
+        # pickled whole, where `fresh` would make them refer to the tensor itself (a recursion).
+        if untyped._cdata not in self.seen and (attributes is None or all(
+                type(v) in _ATOMIC for v in attributes.values())):
+            fresh = self.fresh(t, untyped, attributes)
+            if fresh is not None:
+                return fresh
+        shape = (dtype, t.storage_offset(), tuple(t.shape), t.stride())
+        if kind is torch.nn.Parameter:
+            return (_parameter, (self.source(untyped), *shape, t.requires_grad, attributes))
+        return (_tensor, (self.source(untyped), *shape))
 
-    def place(self, untyped: torch.UntypedStorage) -> tuple[Any, ...]:
-        ident = untyped._cdata
-        found = self.seen.get(ident)
+    def fresh(self, t: torch.Tensor, untyped: torch.UntypedStorage,
+              attributes: dict[str, Any] | None) -> tuple[Any, ...] | None:
+        """The reduction of the first tensor met on a storage of this entry's arena: a tensor made over
+        the arena's bytes in one call, which makes its storage too (Note [Cheap rebuild]); or None."""
+        placed = self._place(untyped)
+        kind, _, at, nbytes, device = placed
+        itemsize = t.dtype.itemsize
+        if kind != "own" or device != "cpu" or not nbytes or nbytes % itemsize:
+            self.seen[untyped._cdata] = _Call(_storage_at, *placed)
+            return None
+        self.seen[untyped._cdata] = _Call(_STORAGE_OF, t)  # later users of the storage take this tensor's
+        count = nbytes // itemsize
+        size, stride, offset = tuple(t.shape), t.stride(), t.storage_offset()
+        shape = None if (size, stride, offset) == ((count,), (1,), 0) else (size, stride, offset)
+        if type(t) is torch.nn.Parameter:
+            return (_fresh_parameter, (at, count, t.dtype, shape, t.requires_grad, attributes))
+        return (_fresh_tensor, (at, count, t.dtype, shape))
+
+    def source(self, untyped: torch.UntypedStorage) -> _Call:
+        """What unpickles to `untyped`'s storage: one object per storage, so that the pickler's memo
+        gives every tensor on it the same storage (tied weights stay tied, views stay views)."""
+        found = self.seen.get(untyped._cdata)
         if found is None:
-            found = self.seen[ident] = self._place(untyped)
+            found = self.seen[untyped._cdata] = _Call(_storage_at, *self._place(untyped))
         return found
 
     def _place(self, untyped: torch.UntypedStorage) -> tuple[Any, ...]:
@@ -174,7 +204,7 @@ class _Placer:
 def _reduce_ordered_dict(d: collections.OrderedDict[Any, Any]) -> tuple[Any, ...]:
     """What `OrderedDict.__reduce__` returns, without its call of `copyreg._slotnames`, which a builtin
     type cannot cache (it was half of the Python time of packing a model, when every module's hook
-    dicts came this way; now those of modules `_reduce_module` does not take)."""
+    dicts came this way; now only those `_reduce_module` does not stand in for)."""
     if not d:  # most of a module's dozen OrderedDicts (hooks) are empty
         return (collections.OrderedDict, (), vars(d) or None)
     return (collections.OrderedDict, (), vars(d) or None, None, iter(d.items()))
@@ -207,37 +237,87 @@ def _plain_module_class(cls: type) -> bool:
             and not hasattr(cls, "__getnewargs__"))
 
 
+# Note [Cheap rebuild]
+# A hit unpickles hundreds of modules and tensors; each Python call per object was most of its time.
+# So the graph is written for the C unpickler to do nearly all of it:
+# - A module is `cls.__new__(cls)` (pickle's NEWOBJ, in C), memoized before its state as pickle does (so
+#   cycles through it still unpickle), then its state becomes its __dict__ through the setter of
+#   nn.Module's `__dict__` attribute, called by the unpickler (`_SET_DICT`): what `_new` does, without
+#   a Python frame. Module.__setstate__ would only add hook dicts that an old checkpoint lacked; a graph
+#   is made by this torch (keys name its version), and `_plain_module_class` leaves every class with
+#   its own __setstate__ or reduction to pickle's way. The state is a dict of the graph's own
+#   (so its key strings are the graph's, as Note [References] in loading.py needs), in the module's
+#   order.
+# - Each empty hook dict (eleven per module) stands in the state as an `_EmptyHooks`, which the
+#   unpickler turns into `OrderedDict()` in C: a fresh one per module and name, as nn.Module makes them.
+# - The first plain tensor met on a storage of the entry's own arena on the CPU (nearly every parameter
+#   and buffer) is one Python call: `torch.frombuffer` over the arena's mapping makes the tensor and its
+#   storage at once, `as_strided_` gives it its shape where it is not the whole storage flat, and a
+#   parameter is `_make_subclass`, as `nn.Parameter()` does. Later tensors on that storage (views, a
+#   tensor pickled by torch's own reduction) take that tensor's storage (`_STORAGE_OF`, in C); storages
+#   in other entries, on other devices or of no bytes go through `_storage_at` and `_Rebuild.storage`.
+# Every object the graph needs is still made and given its state: nothing is shared between modules or
+# with other rebuilds. CorruptEntry's checks stay where they were (`_Rebuild.locate` for any storage
+# not in the own arena's single mapping; `torch.frombuffer` refuses bytes beyond a mapping).
+
+
+class _Call:
+    """Pickles as the call `fn(*args)`, which the unpickler makes in C."""
+
+    __slots__ = ("reduced",)
+
+    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
+        self.reduced = (fn, args)
+
+
+class _EmptyHooks:
+    """Stands, in a module's pickled state, for one of its empty hook dicts: unpickles as a new one."""
+
+    __slots__ = ()
+    reduced = (collections.OrderedDict, ())
+
+
+class _SetDict:
+    """A module's state setter: sets its __dict__. Pickles as the setter of nn.Module's `__dict__`
+    attribute, `vars(nn.Module)["__dict__"].__set__`, which the unpickler calls in C."""
+
+    __slots__ = ()
+    reduced = (getattr, (_Call(operator.getitem, _Call(vars, torch.nn.Module), "__dict__"), "__set__"))
+
+    def __call__(self, obj: Any, state: dict[str, Any]) -> None:
+        object.__setattr__(obj, "__dict__", state)
+
+
+_NEWOBJ = copyreg.__newobj__  # type: ignore[attr-defined]  # (pickle's NEWOBJ; typeshed lacks it)
+_reduced = operator.attrgetter("reduced")  # the dispatch entry of these three: no Python frame while packing
+_SET_DICT = _SetDict()
+_STORAGE_OF = torch._C.TensorBase.untyped_storage
+
+
 def _reduce_module(module: torch.nn.Module) -> tuple[Any, ...]:
-    """What `object.__reduce_ex__` gives for a module, except that its empty hook dicts (eleven
-    OrderedDicts per module) are named instead of pickled: each was a Python call while packing."""
-    full = module.__getstate__()
-    state = {k: v for k, v in full.items() if not (type(v) is _OrderedDict and not v and k in _HOOKS and not vars(v))}
-    dropped = len(full) - len(state)
-    empty = _HOOK_DICTS if dropped == len(_HOOK_DICTS) else tuple(k for k in full if k not in state)
-    return (_module, (type(module), empty), state)
+    """What `object.__reduce_ex__` gives for a module, with its empty hook dicts as `_EmptyHooks` and
+    its state set by `_SET_DICT` (Note [Cheap rebuild])."""
+    state = module.__getstate__()  # a copy
+    for name in _HOOK_DICTS:
+        hooks = state.get(name)
+        if type(hooks) is _OrderedDict and not hooks and not vars(hooks):
+            state[name] = _EmptyHooks()
+    return (_NEWOBJ, (type(module),), state, None, None, _SET_DICT)
 
 
-def _module(cls: Any, empty: tuple[str, ...]) -> Any:
-    """Called by the unpickler for each module: a new one with its empty hook dicts (its state follows),
-    in a __dict__ of its own (see `_new`). Set there directly: through Module.__setattr__ they cost more
-    to unpickle than they saved to pickle."""
-    return _new(cls, {name: _OrderedDict() for name in empty})
-
-
-def _new(cls: Any, attributes: dict[str, Any] | None = None) -> Any:
-    """A new instance whose __dict__ (`attributes`, else empty) is its own, not one of CPython's split
-    dicts, which take their key strings from the first instance of the class: so its keys are the
-    strings of the graph, shared as the graph shares them, whichever objects this process unpickled or
-    built before (Note [References] in loading.py compares pickles, memo and all)."""
+def _new(cls: Any) -> Any:
+    """A new instance whose __dict__ is its own, not one of CPython's split dicts, which take their key
+    strings from the first instance of the class: so its keys are the strings of the graph, shared as
+    the graph shares them, whichever objects this process unpickled or built before (Note [References]
+    in loading.py compares pickles, memo and all). Modules get theirs from `_SET_DICT`."""
     obj = cls.__new__(cls)
-    object.__setattr__(obj, "__dict__", {} if attributes is None else attributes)
+    object.__setattr__(obj, "__dict__", {})
     return obj
 
 
 _OrderedDict = collections.OrderedDict
 # A module's hook dicts: the attributes that a new nn.Module holds as empty OrderedDicts
 _HOOK_DICTS = tuple(k for k, v in vars(torch.nn.Module()).items() if type(v) is _OrderedDict and not v)
-_HOOKS = frozenset(_HOOK_DICTS)
 
 
 def _dtype(dtype: torch.dtype) -> str:
@@ -273,8 +353,7 @@ def _substitute(paths: dict[int, str], otherwise: Callable[[Any], Any] | None) -
         path = paths.get(id(obj))
         if path is None:
             return reduced
-        empty = reduced[1][1] if reduced[0] is _module else ()
-        return (_argument, (path, type(obj), empty), *reduced[2:])
+        return (_argument, (path, type(obj)), *reduced[2:])
 
     return reduce
 
@@ -366,8 +445,11 @@ class _Rebuild:
         self.storages: dict[tuple[str, int, int, str], torch.UntypedStorage] = {}
         self.arguments: dict[str, Any] = {}
         self.reuse: dict[tuple[str, int, int, str], torch.UntypedStorage] = {}
-        self.journal: list[tuple[Any, dict[str, Any]]] = []
+        # (argument, its __dict__, a copy of it) for each argument the graph replays onto
+        self.journal: list[tuple[Any, dict[str, Any], dict[str, Any]]] = []
         self.placeholders: dict[str, Any] | None = None  # skeleton mode
+        # the mapping of the own arena, when it holds every byte of it (no pending pieces)
+        self.own_mapping: mmap.mmap | None = None
 
     def argument(self, path: str, cls: type) -> Any:
         if self.placeholders is not None:
@@ -376,14 +458,15 @@ class _Rebuild:
         obj = self.arguments.get(path)
         if obj is None or type(obj) is not cls:
             raise CorruptEntry(f"the entry changes argument {path} ({cls.__qualname__}), which this call lacks")
-        self.journal.append((obj, dict(obj.__dict__)))
-        obj.__dict__.clear()  # the state after the call replaces it whole
+        self.journal.append((obj, obj.__dict__, dict(obj.__dict__)))
+        obj.__dict__.clear()  # the state after the call replaces it whole (a module's: a new __dict__)
         return obj
 
     def roll_back(self) -> None:
-        for obj, saved in reversed(self.journal):
-            obj.__dict__.clear()
-            obj.__dict__.update(saved)
+        for obj, attributes, saved in reversed(self.journal):
+            attributes.clear()
+            attributes.update(saved)
+            object.__setattr__(obj, "__dict__", attributes)
 
     def locate(self, key: str, offset: int, nbytes: int) -> tuple[mmap.mmap, int]:
         """A mapping that holds bytes [offset, offset + nbytes) of entry `key`, and where they start
@@ -450,48 +533,76 @@ class _Rebuild:
         return untyped
 
 
-def _argument(path: str, cls: type, empty: tuple[str, ...]) -> Any:
-    """Called by the unpickler for an argument of the call (see Note [Argument replay]); `empty`
-    names its empty hook dicts, as for `_module`."""
+def _state() -> _Rebuild:
     state: _Rebuild | None = getattr(_current, "rebuild", None)
     if state is None:
         raise CorruptEntry("an overmind graph can only be loaded by rebuild()")
-    obj = state.argument(path, cls)
-    obj.__dict__.update({name: _OrderedDict() for name in empty})
-    return obj
+    return state
 
 
-def _storage(kind: str, key: str | None, offset: int, nbytes: int, device: str, dtype: str | None) -> Any:
-    """Called by the unpickler for each storage reference (see `_Placer`)."""
-    state: _Rebuild | None = getattr(_current, "rebuild", None)
-    if state is None:
-        raise CorruptEntry("an overmind graph can only be loaded by rebuild()")
-    untyped = state.storage(kind, key, offset, nbytes, device)
-    # Tensors of the newer dtypes pickle an UntypedStorage, and their rebuild (torch's own
-    # _rebuild_tensor_v3) expects it wrapped, as torch.load does, as bytes.
+def _argument(path: str, cls: type) -> Any:
+    """Called by the unpickler for an argument of the call (see Note [Argument replay])."""
+    return _state().argument(path, cls)
+
+
+def _storage_at(kind: str, key: str | None, offset: int, nbytes: int, device: str) -> torch.UntypedStorage:
+    """Called by the unpickler for a storage that no fresh tensor made (see `_Placer.source`)."""
+    return _state().storage(kind, key, offset, nbytes, device)
+
+
+def _typed(untyped: torch.UntypedStorage, dtype: str | None) -> torch.storage.TypedStorage:
+    """Called by the unpickler for each storage that torch's own reduction of a tensor, or the graph,
+    holds. Tensors of the newer dtypes pickle an UntypedStorage, and their rebuild (torch's own
+    _rebuild_tensor_v3) expects it wrapped, as torch.load does, as bytes."""
     return torch.storage.TypedStorage(wrap_storage=untyped, dtype=getattr(torch, dtype or "uint8"), _internal=True)
 
 
-def _tensor(kind: str, key: str | None, at: int, nbytes: int, device: str, dtype: torch.dtype, offset: int,
-            size: tuple[int, ...], stride: tuple[int, ...]) -> torch.Tensor:
-    """Called by the unpickler for each plain tensor (see Note [Plain tensors])."""
-    state: _Rebuild | None = getattr(_current, "rebuild", None)
-    if state is None:
-        raise CorruptEntry("an overmind graph can only be loaded by rebuild()")
-    untyped = state.storage(kind, key, at, nbytes, device)
+def _tensor(untyped: torch.UntypedStorage, dtype: torch.dtype, offset: int, size: tuple[int, ...],
+            stride: tuple[int, ...]) -> torch.Tensor:
+    """Called by the unpickler for a plain tensor on a storage made before (see Note [Plain tensors])."""
     return torch.empty((0,), dtype=dtype, device=untyped.device).set_(untyped, offset, size, stride)
 
 
-def _parameter(kind: str, key: str | None, at: int, nbytes: int, device: str, dtype: torch.dtype, offset: int,
-               size: tuple[int, ...], stride: tuple[int, ...], requires_grad: bool,
-               attributes: dict[str, Any] | None) -> torch.nn.Parameter:
-    """Called by the unpickler for each parameter (see Note [Plain tensors])."""
-    param = torch.nn.Parameter(_tensor(kind, key, at, nbytes, device, dtype, offset, size, stride), requires_grad)
+def _parameter(untyped: torch.UntypedStorage, dtype: torch.dtype, offset: int, size: tuple[int, ...],
+               stride: tuple[int, ...], requires_grad: bool, attributes: dict[str, Any] | None) -> torch.nn.Parameter:
+    """Called by the unpickler for a parameter on a storage made before (see Note [Plain tensors])."""
+    return _as_parameter(_tensor(untyped, dtype, offset, size, stride), requires_grad, attributes)
+
+
+def _as_parameter(tensor: torch.Tensor, requires_grad: bool, attributes: dict[str, Any] | None) -> torch.nn.Parameter:
+    """What `nn.Parameter(tensor, requires_grad)` makes, with the parameter's Python attributes."""
+    param = _make_subclass(torch.nn.Parameter, tensor, requires_grad)
     if attributes:
         # Not setattr, which interns each name and so changes which strings the object shares
         # (Note [References] in loading.py compares pickles, memo and all)
         param.__dict__.update(attributes)
     return param
+
+
+_Shape = tuple[tuple[int, ...], tuple[int, ...], int] | None  # size, stride and storage offset, or None: flat
+
+
+def _fresh_tensor(at: int, count: int, dtype: torch.dtype, shape: _Shape) -> torch.Tensor:
+    """Called by the unpickler for the first tensor on a storage of the entry's own arena: the tensor
+    and its storage of `count` elements at arena offset `at`, in one call (Note [Cheap rebuild])."""
+    state = _state()
+    mapping = state.own_mapping
+    if mapping is None:  # a skeleton, or an arena with pending pieces
+        mapping, at = state.locate(state.own_key, at, count * dtype.itemsize)
+    tensor = _frombuffer(mapping, dtype=dtype, count=count, offset=at)
+    if shape is not None:
+        tensor.as_strided_(*shape)
+    return tensor
+
+
+def _fresh_parameter(at: int, count: int, dtype: torch.dtype, shape: _Shape, requires_grad: bool,
+                     attributes: dict[str, Any] | None) -> torch.nn.Parameter:
+    """`_fresh_tensor`, as a parameter."""
+    return _as_parameter(_fresh_tensor(at, count, dtype, shape), requires_grad, attributes)
+
+
+_frombuffer = torch.frombuffer
+_make_subclass = torch.Tensor._make_subclass
 
 
 # Note [Plain tensors]
@@ -502,6 +613,7 @@ def _parameter(kind: str, key: str | None, at: int, nbytes: int, device: str, dt
 # attributes or hooks, a quantized or sparse one, the newer dtypes) goes through torch's `__reduce_ex__`,
 # whose storage is placed by the dispatch table's storage entries. torch's reduction is a dozen Python
 # calls per tensor: it was half the time of packing a model.
+_ATOMIC = frozenset({bool, int, float, str, type(None)})
 _PLAIN_DTYPES = frozenset({
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
     torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
@@ -546,6 +658,9 @@ def rebuild(graph: bytes, arenas: dict[str, ArenaRef], own_key: str, *,
     state.arguments = arguments or {}
     state.reuse = reuse or {}
     try:
+        own = arenas.get(own_key)
+        if own is not None and own.nbytes and not own.pieces:
+            state.own_mapping = state._map(own, None)
         obj = _unpickle(graph, state)
     finally:  # entries mapped here are unpinned when their mappings die, the others now
         for key in arenas:

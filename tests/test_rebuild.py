@@ -61,6 +61,8 @@ def test_views_offsets_and_non_contiguous_tensors(overmind_home: Path) -> None:
     assert not second.transposed.is_contiguous()
     assert second.transposed.untyped_storage().data_ptr() == second.base.untyped_storage().data_ptr()
     assert second.tail.storage_offset() == 12
+    for name, tensor in second.state_dict().items():  # each storage is as large as the plain one's
+        assert tensor.untyped_storage().nbytes() == first.state_dict()[name].untyped_storage().nbytes(), name
     second.base[3, 0] = 42.0  # views still share the storage
     assert second.tail[0, 0] == 42.0 and second.transposed[0, 3] == 42.0
 
@@ -95,6 +97,107 @@ def test_hooks_are_kept_and_compiled_state_dropped_as_torch_pickles_modules(over
     with torch.no_grad():
         assert torch.equal(second._call_impl(x), first._call_impl(x))
         assert torch.equal(second(x), 2 * second.forward(x)), "the hook runs"
+
+
+def assert_same_modules(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    """Same classes, attributes in the same order, flags, parameters and buffers (as objects of the same
+    kinds, each on a storage of its own size), module by module."""
+    pairs = list(zip(a.named_modules(), b.named_modules(), strict=True))
+    for (name, x), (other, y) in pairs:
+        assert name == other and type(x) is type(y), name
+        assert list(vars(x)) == list(vars(y)), name
+        assert x.training == y.training, name
+        assert x._non_persistent_buffers_set == y._non_persistent_buffers_set, name
+    assert_same_state(a, b)
+    for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+        assert type(p) is type(q) and p.requires_grad == q.requires_grad and q.grad is None and q.is_leaf, name
+        assert q._base is None and vars(p) == vars(q), name
+        assert q.untyped_storage().nbytes() == p.untyped_storage().nbytes(), name
+    assert [n for n, _ in a.named_buffers()] == [n for n, _ in b.named_buffers()]
+
+
+def test_bf16_parameters_buffers_and_flags_are_the_plain_ones(overmind_home: Path) -> None:
+    _, second = load_twice("bf16")
+    plain = tiny_modules.build("bf16")
+    assert rebuild.entry_of(second.proj.weight.data_ptr()) is not None, "the second load is a hit"
+    assert_same_modules(plain, second)
+    assert second.proj.weight.dtype == torch.bfloat16 and not second.norm.training
+    assert not second.norm.weight.requires_grad and second.proj.weight.requires_grad
+    assert "cache" not in second.state_dict() and "scale" in second.state_dict()
+    x = torch.randn(2, 16, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(second(x), plain(x))
+    second.proj.weight.sum().backward()  # a parameter of a hit trains as a plain one
+    assert second.proj.weight.grad is not None and plain.proj.weight.grad is None
+
+
+def test_hook_dicts_are_new_per_module_and_hooks_registered_after_a_hit_stay_on_it(overmind_home: Path) -> None:
+    first, second = load_twice("mlp")
+    assert rebuild.entry_of(second.layers[0].weight.data_ptr()) is not None, "the second load is a hit"
+    plain = tiny_modules.build("mlp")
+    assert_same_modules(plain, second)
+    hook_dicts = [d for m in second.modules() for d in vars(m).values() if type(d) is collections.OrderedDict]
+    assert len(hook_dicts) == sum(type(d) is collections.OrderedDict for m in plain.modules() for d in vars(m).values())
+    assert hook_dicts and not any(hook_dicts)
+    assert len({id(d) for d in hook_dicts}) == len(hook_dicts), "no two modules share a hook dict"
+    second.layers[0].register_forward_hook(tiny_modules.doubled)
+    second.layers[1].register_forward_pre_hook(lambda module, args: None)
+    x = torch.ones(1, 256)
+    with torch.no_grad():
+        assert torch.equal(second.layers[0](x), 2 * first.layers[0](x))
+        assert torch.equal(second.layers[1](x), first.layers[1](x))
+    third = loading.cached(tiny_modules.build, "mlp")
+    assert not any(d for m in (first, third) for sub in m.modules() for d in vars(sub).values()
+                   if type(d) is collections.OrderedDict), "hooks stay on the module they were added to"
+    assert len(second.layers[0]._forward_hooks) == 1 and not second.layers[0]._forward_pre_hooks
+
+
+def test_a_module_with_its_own_init_state_and_a_cycle_through_it(overmind_home: Path) -> None:
+    first, second = load_twice("stateful")
+    assert rebuild.entry_of(second.block.weight.data_ptr()) is not None, "the second load is a hit"
+    assert_same_modules(tiny_modules.build("stateful"), second)
+    assert (second.steps, second.names, second.options) == (3, ["a", "b"], collections.Counter(x=1))
+    assert second.block.owners[0] is second, "the cycle leads back to the rebuilt module"
+    second.names.append("c")
+    second.options["x"] += 1
+    third = loading.cached(tiny_modules.build, "stateful")
+    assert third.names == ["a", "b"] and third.options["x"] == 1 and first.names == ["a", "b"]
+    with torch.no_grad():
+        assert torch.equal(second(torch.ones(1, 4)), first(torch.ones(1, 4)))
+
+
+def test_a_rebuild_runs_no_python_code_per_module_and_little_per_tensor() -> None:
+    """Note [Cheap rebuild]: modules are made and given their state by the C unpickler, and each tensor
+    is one call of ours (plus its helpers), not a dozen."""
+    import sys
+
+    model = tiny_modules.build("mlp", width=32, depth=6)
+    packed = rebuild.pack((model, [], None))
+    writer = arena.ArenaWriter(packed.arena_bytes)
+    for own in packed.own:
+        writer.write(own.offset, bytes(own.storage))  # type: ignore[arg-type]
+    fd = writer.seal()
+    calls: list[str] = []
+
+    def profile(frame, event, arg):  # type: ignore[no-untyped-def]
+        if event == "call":
+            calls.append(f"{frame.f_code.co_filename}:{frame.f_code.co_name}")
+
+    try:
+        sys.setprofile(profile)
+        try:
+            rebuilt, _, _ = rebuild.rebuild(packed.graph, {"k": rebuild.ArenaRef("k", fd, packed.arena_bytes)}, "k",
+                                            populate=False)
+        finally:
+            sys.setprofile(None)
+    finally:
+        writer.close()  # and its descriptor: the rebuild's mapping stays
+    assert_same_modules(model, rebuilt)
+    assert rebuild.entry_of(rebuilt.layers[0].weight.data_ptr())[0] == "k"
+    modules = [c for c in calls if c.endswith(("module.py:__setstate__", "module.py:__init__", ":_module"))]
+    assert modules == [], "a module went through Python code"
+    tensors = len(list(model.parameters()))
+    assert len(calls) <= 4 * tensors + 30, f"{len(calls)} Python calls for {tensors} tensors: {calls}"
 
 
 @pytest.mark.parametrize("backing", ["memfd", "file"])

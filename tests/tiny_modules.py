@@ -48,6 +48,37 @@ class Dtypes(nn.Module):
         self.frozen.tag = "kept"
 
 
+class Bf16(nn.Module):
+    """bf16 parameters and buffers, a frozen parameter, a non-persistent buffer, a submodule in eval mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 8).to(torch.bfloat16)
+        self.norm = nn.LayerNorm(8).to(torch.bfloat16).eval()
+        self.norm.weight.requires_grad_(False)
+        self.register_buffer("scale", torch.randn(8, dtype=torch.bfloat16))
+        self.register_buffer("cache", torch.arange(8, dtype=torch.bfloat16), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.proj(x)) * self.scale + self.cache
+
+
+class Stateful(nn.Module):
+    """A module subclass whose __init__ keeps state of its own: numbers, a list, a plain object, and a
+    reference back to itself from inside a submodule (a cycle through the module)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps = 3
+        self.names = ["a", "b"]
+        self.options = collections.Counter(x=1)
+        self.block = nn.Linear(4, 4)
+        self.block.owners = [self]  # not a submodule: a plain attribute that leads back
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x) * self.steps
+
+
 class Mlp(nn.Module):
     def __init__(self, width: int = 256, depth: int = 2) -> None:
         super().__init__()
@@ -109,7 +140,8 @@ def build(kind: str, seed: int = 0, **kwargs: object) -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return {"tied": TiedWeights, "noncontig": NonContiguous, "dtypes": Dtypes, "mlp": Mlp,
-                "unpicklable": Unpicklable, "ordered": OrderedState, "hooked": hooked}[kind](**kwargs)
+                "unpicklable": Unpicklable, "ordered": OrderedState, "hooked": hooked, "bf16": Bf16,
+                "stateful": Stateful}[kind](**kwargs)
 
 
 def wrap(inner: nn.Module, seed: int = 0) -> Wrapper:
