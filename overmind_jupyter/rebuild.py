@@ -589,6 +589,10 @@ def _fresh_tensor(at: int, count: int, dtype: torch.dtype, shape: _Shape) -> tor
     mapping = state.own_mapping
     if mapping is None:  # a skeleton, or an arena with pending pieces
         mapping, at = state.locate(state.own_key, at, count * dtype.itemsize)
+    return _fresh_tensor_on(mapping, at, count, dtype, shape)
+
+
+def _fresh_tensor_on(mapping: mmap.mmap, at: int, count: int, dtype: torch.dtype, shape: _Shape) -> torch.Tensor:
     tensor = _frombuffer(mapping, dtype=dtype, count=count, offset=at)
     if shape is not None:
         tensor.as_strided_(*shape)
@@ -603,6 +607,23 @@ def _fresh_parameter(at: int, count: int, dtype: torch.dtype, shape: _Shape, req
 
 _frombuffer = torch.frombuffer
 _make_subclass = torch.Tensor._make_subclass
+
+
+# Note [Warm rebuild]
+# The first torch operations of a process pay for torch's lazy setup (the CPU allocator, the
+# dispatcher's first lookups, Parameter's first subclass instance), and in a process forked from one
+# that ran no torch operation (a warm kernel, benchmarks/load.py --hit-calls) they also write to
+# pages still shared with the parent, a copy-on-write fault (3-6 us here) per page: about 1 ms and a
+# hundred faults of the first hit, for nothing of the model. `warm` makes a rebuild's torch calls once,
+# on a page of anonymous memory, from `enable()` (loading.prepare, Note [Imports ahead of the hit]).
+# It runs no parallel operation and starts no thread: a forked kernel stays safe to fork.
+def warm() -> None:
+    """Make the torch calls of a rebuild once, so that the first hit pays no first-call costs."""
+    page = mmap.mmap(-1, mmap.PAGESIZE)
+    mappings.address_of(page)
+    tensor = _fresh_tensor_on(page, 0, 2, torch.float32, ((1,), (1,), 1))
+    _as_parameter(tensor, False, {"warm": True})
+    _parameter(tensor.untyped_storage(), torch.float32, 0, (1,), (1,), False, None)
 
 
 # Note [Plain tensors]
