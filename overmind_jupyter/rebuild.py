@@ -589,10 +589,6 @@ def _fresh_tensor(at: int, count: int, dtype: torch.dtype, shape: _Shape) -> tor
     mapping = state.own_mapping
     if mapping is None:  # a skeleton, or an arena with pending pieces
         mapping, at = state.locate(state.own_key, at, count * dtype.itemsize)
-    return _fresh_tensor_on(mapping, at, count, dtype, shape)
-
-
-def _fresh_tensor_on(mapping: mmap.mmap, at: int, count: int, dtype: torch.dtype, shape: _Shape) -> torch.Tensor:
     tensor = _frombuffer(mapping, dtype=dtype, count=count, offset=at)
     if shape is not None:
         tensor.as_strided_(*shape)
@@ -621,7 +617,7 @@ def warm() -> None:
     """Make the torch calls of a rebuild once, so that the first hit pays no first-call costs."""
     page = mmap.mmap(-1, mmap.PAGESIZE)
     mappings.address_of(page)
-    tensor = _fresh_tensor_on(page, 0, 2, torch.float32, ((1,), (1,), 1))
+    tensor = _frombuffer(page, dtype=torch.float32, count=2, offset=0).as_strided_((1,), (1,), 1)
     _as_parameter(tensor, False, {"warm": True})
     _parameter(tensor.untyped_storage(), torch.float32, 0, (1,), (1,), False, None)
 
