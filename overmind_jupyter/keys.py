@@ -40,6 +40,7 @@ import re
 import stat
 import sys
 import types
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -48,7 +49,7 @@ from typing import Any
 
 from .errors import Uncacheable
 
-__all__ = ["CallKey", "Resolve", "changed_since", "fingerprint", "make_key", "owner_name"]
+__all__ = ["CallKey", "Resolve", "changed_since", "fingerprint", "make_key", "owner_name", "signature"]
 
 _KEY_FORMAT = 2  # bump on any change to what a key holds: old entries then simply miss
 _SOURCE_PARAMS = ("pretrained_model_name_or_path", "model_id", "pretrained_model_link_or_path", "repo_id",
@@ -164,7 +165,7 @@ def _check_named(fn: Callable[..., Any]) -> None:
 def _bind(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     """Arguments by parameter name, with **kwargs flattened, so that every spelling of one call agrees."""
     try:
-        sig = inspect.signature(fn)
+        sig = signature(fn)
         bound = sig.bind_partial(*args, **kwargs)
     except (TypeError, ValueError):
         return {f"arg{i}": a for i, a in enumerate(args)} | dict(kwargs)
@@ -181,6 +182,29 @@ def _bind(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any])
                     arguments[_SOURCE_PARAMS[0]] = rest.pop(0)
                 arguments.update({f"{name}[{i}]": a for i, a in enumerate(rest)})
     return arguments
+
+
+# Note [Signatures]
+# `inspect.signature` builds a Signature of `from_pretrained`'s dozen parameters anew on each call: half
+# of a key's time (0.1-0.3 ms). A function's signature is its code's, and a bound method's is its
+# function's less the first parameter, whatever it is bound to (inspect's own rule), so they are kept
+# by function, bound or not (weakly: a function defined in a cell goes away with it). Other callables
+# are not kept. The patched loaders' are built when they are patched (targets.py, at `enable()`), not
+# in the first load.
+_signatures: dict[bool, weakref.WeakKeyDictionary[types.FunctionType, inspect.Signature]] = {
+    False: weakref.WeakKeyDictionary(), True: weakref.WeakKeyDictionary()}
+
+
+def signature(fn: Callable[..., Any]) -> inspect.Signature:
+    """`inspect.signature(fn)`, kept for a function or a bound method (Note [Signatures])."""
+    bound = isinstance(fn, types.MethodType)
+    func = fn.__func__ if bound else fn  # type: ignore[attr-defined]
+    if not isinstance(func, types.FunctionType):
+        return inspect.signature(fn)
+    sig = _signatures[bound].get(func)
+    if sig is None:
+        sig = _signatures[bound][func] = inspect.signature(fn)
+    return sig
 
 
 def fingerprint(path: str) -> list[list[Any]]:

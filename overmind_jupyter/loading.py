@@ -15,6 +15,7 @@ call itself propagates unchanged, and its load is abandoned so that no entry is 
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
@@ -77,6 +78,15 @@ def flush_warnings() -> None:
 # (api.py) and after each cell (flush_warnings, from the extension's post_run_cell), so the cell after
 # the one that imported transformers pays nothing. Never before torch is imported (docs/design.md,
 # invariant 8: nothing heavy at import, and `rebuild` imports torch).
+#
+# Then it runs the young collection that the imports made due (`gc.collect(1)`, 1-2 ms). Imports leave
+# thousands of young objects and bump the count of generation 1 past its threshold, so the next
+# automatic collection is a generation-1 one over all of them; a hit pauses the collector while it
+# unpickles, and the first allocation after it paid that collection: 2-3 ms of the first hit of a
+# process (measured in a child forked from a parent that imported torch and transformers, as
+# benchmarks/load.py --hit-calls makes them). Collected here, the hit's own collection is of
+# generation 0: the objects it made (0.2 ms). Never `gc.collect()` of everything: in a forked kernel
+# that visits the whole heap (0.35 s) and writes to every object's page, unsharing them.
 _prepared = False
 
 
@@ -87,9 +97,13 @@ def prepare() -> None:
         return
     _prepared = True
     try:
-        from . import rebuild  # noqa: F401
+        from . import rebuild
+
+        rebuild.warm()  # Note [Warm rebuild] in rebuild.py
+        keys.make_key(_label, (prepare,), {})  # the key's first calls too (sha256's setup, inspect's)
     except Exception:  # noqa: BLE001 (the hit imports it again, and falls back there: Note [Never worse])
         pass
+    gc.collect(1)
 
 
 # -- the cached call -------------------------------------------------------------------------------------

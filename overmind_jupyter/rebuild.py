@@ -605,6 +605,23 @@ _frombuffer = torch.frombuffer
 _make_subclass = torch.Tensor._make_subclass
 
 
+# Note [Warm rebuild]
+# The first torch operations of a process pay for torch's lazy setup (the CPU allocator, the
+# dispatcher's first lookups, Parameter's first subclass instance), and in a process forked from one
+# that ran no torch operation (a warm kernel, benchmarks/load.py --hit-calls) they also write to
+# pages still shared with the parent, a copy-on-write fault (3-6 us here) per page: about 1 ms and a
+# hundred faults of the first hit, for nothing of the model. `warm` makes a rebuild's torch calls once,
+# on a page of anonymous memory, from `enable()` (loading.prepare, Note [Imports ahead of the hit]).
+# It runs no parallel operation and starts no thread: a forked kernel stays safe to fork.
+def warm() -> None:
+    """Make the torch calls of a rebuild once, so that the first hit pays no first-call costs."""
+    page = mmap.mmap(-1, mmap.PAGESIZE)
+    mappings.address_of(page)
+    tensor = _frombuffer(page, dtype=torch.float32, count=2, offset=0).as_strided_((1,), (1,), 1)
+    _as_parameter(tensor, False, {"warm": True})
+    _parameter(tensor.untyped_storage(), torch.float32, 0, (1,), (1,), False, None)
+
+
 # Note [Plain tensors]
 # A strided tensor of a classic dtype, not on the meta device and without conjugate or negative bit, is
 # packed as its storage's placement, dtype, offset, size and stride; a parameter also with requires_grad

@@ -15,10 +15,10 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import FunctionType, ModuleType
+from types import FunctionType, MethodType, ModuleType
 from typing import Any
 
-from . import patching
+from . import keys, patching
 
 __all__ = ["TARGETS", "Target", "install", "uninstall"]
 
@@ -85,6 +85,10 @@ def _cached_loader(original: Any, owner: type) -> Any:
     class) or a plain function (a method called on a loaded object of `owner`). A method called unbound
     on an object of another class (PeftMixedModel.load_adapter calls `PeftModel.load_adapter(self, ...)`)
     is not a target: it runs as it is, with no fallback to report."""
+    try:  # built now rather than in the first load (Note [Signatures] in keys.py)
+        keys.signature(MethodType(getattr(original, "__func__", original), owner))
+    except (TypeError, ValueError):
+        pass  # the load's key falls back to positional names, as it would then
     if isinstance(original, classmethod):
         @functools.wraps(original.__func__)
         def loader(cls: type, *args: Any, **kwargs: Any) -> Any:

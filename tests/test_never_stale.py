@@ -310,3 +310,30 @@ def property_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
         built = demo_models.build_llama(root / f"seed{seed}", "tiny", seed=seed)
         out[f"blob{seed}"] = Path(shutil.copy2(built / "model.safetensors", root / f"blob{seed}"))
     return out
+
+
+def test_signatures_are_kept_by_function_and_a_redefined_function_is_keyed_by_its_own() -> None:
+    """Note [Signatures] in keys.py: a bound method's signature is built once per function, and a
+    function redefined with other parameters binds the same call to other names (another key)."""
+    from overmind_jupyter import keys
+
+    class Loader:
+        @classmethod
+        def from_pretrained(cls, path: str, *args: object, dtype: object = None, **kwargs: object) -> None:
+            pass
+
+    assert Loader.from_pretrained is not Loader.from_pretrained  # a new bound method at each access
+    assert keys.signature(Loader.from_pretrained) is keys.signature(Loader.from_pretrained)
+    assert next(iter(keys.signature(Loader.from_pretrained).parameters)) == "path"
+    assert next(iter(keys.signature(Loader.from_pretrained.__func__).parameters)) == "cls"
+
+    def load(a: int, b: int = 0) -> None:
+        pass
+
+    first = keys.make_key(load, (1, 2), {}).key
+    assert keys.make_key(load, (1,), {"b": 2}).key == first
+
+    def load(b: int, a: int = 0) -> None:  # type: ignore[no-redef]  # the cell edited and run again
+        pass
+
+    assert keys.make_key(load, (1, 2), {}).key != first

@@ -516,3 +516,41 @@ def test_a_failed_replay_leaves_the_arguments_as_they_were(overmind_home: Path) 
         # the entry replays onto two objects; this call offers only the first
         rebuild.rebuild(packed.graph, {}, "k", arguments={"m/": other})
     assert other.__dict__ == before and other.__dict__ is not before
+
+
+def test_enable_leaves_the_first_hit_no_first_torch_call_and_no_collection_of_the_imports(
+        overmind_home: Path) -> None:
+    """Note [Warm rebuild] and Note [Imports ahead of the hit]: in a process forked from one that imported
+    torch and ran no torch operation (a warm kernel), `prepare` (run by `enable()`) makes a rebuild's
+    torch calls once and collects what its imports left young, and starts no thread."""
+    out = last_json(run_py("""
+        import gc, json, mmap, os, resource, threading
+        import torch
+
+        def faults():
+            return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+        def torch_calls():  # what a rebuild does per tensor
+            page = mmap.mmap(-1, mmap.PAGESIZE)
+            t = torch.frombuffer(page, dtype=torch.bfloat16, count=4, offset=8).as_strided_((2,), (2,), 0)
+            torch.Tensor._make_subclass(torch.nn.Parameter, t, False)
+
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            from overmind_jupyter import loading
+            threads = threading.active_count()
+            loading.prepare()
+            counts = gc.get_count()
+            before = faults()
+            torch_calls()
+            os.write(w, json.dumps({"faults": faults() - before, "generation1": counts[1],
+                                    "threads": threading.active_count() - threads}).encode())
+            os._exit(0)
+        os.close(w)
+        print(os.read(r, 4096).decode())
+        os.waitpid(pid, 0)
+    """))
+    assert out["threads"] == 0
+    assert out["generation1"] == 0, "the imports' young objects are left for the first hit to collect"
+    assert out["faults"] <= 20, f"the first torch calls after enable() took {out['faults']} page faults"
