@@ -48,11 +48,12 @@ def enable(config: Any = None) -> None:
 def disable() -> None:
     """Restore every patched loader exactly (identity of the original descriptors)."""
     global _enabled
-    from . import targets
+    from . import progress, targets
 
     with _lock:
         _enabled = False
         errors = targets.uninstall()
+        progress.remove_hook()  # the loads' named bars (Note [Load progress] in progress.py)
     if errors:
         raise errors[0]
 

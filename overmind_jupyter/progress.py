@@ -30,7 +30,7 @@ from typing import Any
 
 from kernel_server.operations import Op
 
-__all__ = ["REPORT_S", "Reporter", "flush_hit_times", "hit", "loading", "model_name"]
+__all__ = ["REPORT_S", "Reporter", "flush_hit_times", "hit", "loading", "model_name", "remove_hook"]
 
 REPORT_S = 0.25  # at most one progress report per load this often
 _MAX_HITS = 1000
@@ -38,7 +38,7 @@ _MAX_HITS = 1000
 _hit_times: collections.deque[dict[str, Any]] = collections.deque(maxlen=_MAX_HITS)
 _current = threading.local()  # the Reporter of the miss this thread loads
 _hook_lock = threading.Lock()
-_hooked = False
+_installed: tuple[Any, Any] | None = None  # (our hook, the one it chains to)
 
 
 def model_name(label: str) -> str:
@@ -97,15 +97,15 @@ def current() -> Reporter | None:
 
 def _install_hook() -> None:
     """Chain our hook before transformers' current one, once (only if transformers is imported: a load
-    through it imported it already)."""
-    global _hooked
+    through it imported it already). `remove_hook` gives the previous one back."""
+    global _installed
     import sys
 
     logging = sys.modules.get("transformers.utils.logging")
-    if _hooked or logging is None or not hasattr(logging, "set_tqdm_hook"):
+    if _installed is not None or logging is None or not hasattr(logging, "set_tqdm_hook"):
         return
     with _hook_lock:
-        if _hooked:
+        if _installed is not None:
             return
         previous = logging.set_tqdm_hook(None)
 
@@ -120,7 +120,25 @@ def _install_hook() -> None:
             return bar
 
         logging.set_tqdm_hook(hook)
-        _hooked = True
+        _installed = (hook, previous)
+
+
+def remove_hook() -> None:
+    """Give transformers back the tqdm hook it had before ours (`disable()`: docs/design.md invariant 6).
+    A hook set since, on top of ours, stays: ours then keeps passing its bars through unchanged."""
+    global _installed
+    import sys
+
+    with _hook_lock:
+        logging = sys.modules.get("transformers.utils.logging")
+        if _installed is None or logging is None:
+            return
+        ours, previous = _installed
+        now = logging.set_tqdm_hook(previous)
+        if now is ours:
+            _installed = None
+        else:
+            logging.set_tqdm_hook(now)
 
 
 def _relay(bar: Any, reporter: Reporter, what: str) -> None:

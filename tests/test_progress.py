@@ -96,3 +96,30 @@ def test_preload_shows_its_workers_progress_in_the_waiting_cell(daemon: Client, 
         waiting.stderr[-2000:])
     (entry,) = daemon.request("status")["entries"]
     assert "bfloat16" in entry["meta"]["label"]
+
+
+def test_disable_gives_transformers_back_the_tqdm_hook_it_had(overmind_home: Path, tiny_llama: Path) -> None:
+    """The named bars come through transformers' `set_tqdm_hook`; `disable()` restores the user's own
+    hook, as it restores every patch (docs/design.md invariant 6)."""
+    proc = run_snippet(f"""
+        import overmind_jupyter
+        import overmind_jupyter.loading
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging
+
+        def users_hook(factory, args, kwargs):
+            kwargs = dict(kwargs, desc="user: " + str(kwargs.get("desc")))
+            return factory(*args, **kwargs)
+
+        logging.set_tqdm_hook(users_hook)
+        overmind_jupyter.enable()
+        AutoModelForCausalLM.from_pretrained({str(tiny_llama)!r})  # a miss: our hook goes on
+        during = logging.set_tqdm_hook(None)
+        logging.set_tqdm_hook(during)
+        overmind_jupyter.disable()
+        after = logging.set_tqdm_hook(None)
+        print(during is users_hook, after is users_hook, overmind_jupyter.loading.calls())
+    """)
+    assert proc.stdout.split()[:2] == ["False", "True"], proc.stdout + proc.stderr
+    assert "miss" in proc.stdout, proc.stdout
+    assert "user: Loading weights (tiny-llama)" in proc.stderr, "the user's hook saw the named bar"
