@@ -677,7 +677,10 @@ def rebuild(graph: bytes, arenas: dict[str, ArenaRef], own_key: str, *,
     try:
         own = arenas.get(own_key)
         if own is not None and own.nbytes and not own.pieces:
-            state.own_mapping = state._map(own, None)
+            try:
+                state.own_mapping = state._map(own, None)
+            except (OSError, ValueError) as exc:  # an arena shorter than the entry says, or unreadable
+                raise CorruptEntry(f"cannot map the arena of entry {own_key[:16]}: {exc}") from exc
         obj = _unpickle(graph, state)
     finally:  # entries mapped here are unpinned when their mappings die, the others now
         for key in arenas:

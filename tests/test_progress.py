@@ -82,18 +82,23 @@ def test_a_first_load_shows_named_progress_and_reports_it(daemon: Client, overmi
 
 
 def test_preload_shows_its_workers_progress_in_the_waiting_cell(daemon: Client, overmind_home: Path,
-                                                               mid_llama: Path) -> None:
+                                                               models_dir: Path) -> None:
+    from overmind_jupyter.demo_models import build_llama
+
+    # about 1 GiB in fp32, preloaded in bf16: a conversion and a copy, seconds of work in the worker (a
+    # same-dtype load of a small model can be over between two reads of the waiting cell)
+    big = build_llama(models_dir / "mid-llama-f32", "0.1b", dtype="float32", num_hidden_layers=32)
     waiting = run_snippet(f"""
         import torch
         from transformers import AutoModelForCausalLM
         import overmind_jupyter
-        p = overmind_jupyter.preload(AutoModelForCausalLM, {str(mid_llama)!r}, dtype=torch.bfloat16)
+        p = overmind_jupyter.preload(AutoModelForCausalLM, {str(big)!r}, dtype=torch.bfloat16)
         p.wait()
         print("preloaded", flush=True)
     """)
     assert "preloaded" in waiting.stdout
-    assert "preload: Loading weights mid-llama" in waiting.stderr or "preload: caching mid-llama" in waiting.stderr, (
-        waiting.stderr[-2000:])
+    shown = ("preload: Loading weights mid-llama-f32", "preload: caching mid-llama-f32")
+    assert any(line in waiting.stderr for line in shown), waiting.stderr[-2000:]
     (entry,) = daemon.request("status")["entries"]
     assert "bfloat16" in entry["meta"]["label"]
 
