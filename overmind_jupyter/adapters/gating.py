@@ -306,12 +306,18 @@ class AdapterGate:
         token = _SWITCHING.set(_SWITCHING.get() | {id(self)})
         try:
             self._apply(key)
+            state = self._host.layer_state()
+            if not self._conforms(key, state):
+                # The quick checks read one summary of all layers (the first layer's active adapters, the union
+                # of merged ones). Guarded layer-level calls between requests (`peft.functional.set_adapter`
+                # walks the layers one exclusive call at a time) can leave the layers disagreeing: set each.
+                self._apply(key, every_layer=True)
+                state = self._host.layer_state()
         finally:
             _SWITCHING.reset(token)
         # Every request of this key is admitted with, and must end with, this state (Note [Changes behind the
         # gate] in guarding.py). After an exclusive section the key is forgotten, so this runs again. A state that
         # is not what the key needs was changed behind the gate during the switch: no request may take it.
-        state = self._host.layer_state()
         self._known = state if self._conforms(key, state) else {}
 
     def _conforms(self, key: str, state: dict[int, tuple[Any, ...]]) -> bool:
@@ -327,7 +333,8 @@ class AdapterGate:
                 return False  # (a wrapper that does not hold the adapter is left with none active)
         return True
 
-    def _apply(self, key: str) -> None:
+    def _apply(self, key: str, every_layer: bool = False) -> None:
+        """Switch the layers to `key`, skipping what looks done already (unless `every_layer`)."""
         host = self._host
         if key == ROUTED:
             # The routed path reads no active adapter, but disabled layers compute the base model and wrappers
@@ -347,11 +354,11 @@ class AdapterGate:
         if not host.enabled():
             host.set_enabled(True)
         if self._merge_on_switch:
-            if host.merged() != (key,):
+            if every_layer or host.merged() != (key,):
                 host.unmerge()
                 host.set_active([key])
                 host.merge([key])
-        elif host.active() != (key,):
+        elif every_layer or host.active() != (key,):
             host.set_active([key])
 
     # -- requests --------------------------------------------------------------------------------------------
