@@ -317,9 +317,9 @@ def _new(cls: Any) -> Any:
 
 
 _OrderedDict = collections.OrderedDict
-_MODULE_STATE = dict.fromkeys(vars(torch.nn.Module()))  # the attributes of a new nn.Module
+_MODULE_STATE = vars(torch.nn.Module())  # what a new nn.Module holds
 # A module's hook dicts: the attributes that a new nn.Module holds as empty OrderedDicts
-_HOOK_DICTS = tuple(k for k, v in vars(torch.nn.Module()).items() if type(v) is _OrderedDict and not v)
+_HOOK_DICTS = tuple(k for k, v in _MODULE_STATE.items() if type(v) is _OrderedDict and not v)
 
 
 def _dtype(dtype: torch.dtype) -> str:
@@ -669,7 +669,7 @@ def _warm_allocator() -> None:
     made: list[Any] = []
     with gc_paused():  # none of it is garbage for the collector to find
         for _ in range(_WARM_MODULES):
-            state = dict(_MODULE_STATE)
+            state = dict(_MODULE_STATE)  # its hook dicts replaced below, as a rebuild makes its own
             for name in _HOOK_DICTS:
                 state[name] = _OrderedDict()
             state["_non_persistent_buffers_set"] = set()
