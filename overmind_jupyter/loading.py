@@ -101,9 +101,20 @@ def prepare() -> None:
 
         rebuild.warm()  # Note [Warm rebuild] in rebuild.py
         keys.make_key(_label, (prepare,), {})  # the key's first calls too (sha256's setup, inspect's)
+        # and a checkpoint folder's, as a loader's first argument (this package's smallest folder)
+        keys.make_key(_Warm.from_pretrained, (os.path.join(os.path.dirname(__file__), "units"),),
+                      {"dtype": sys.modules["torch"].float32})
     except Exception:  # noqa: BLE001 (the hit imports it again, and falls back there: Note [Never worse])
         pass
     gc.collect(1)
+
+
+class _Warm:
+    """A loader's shape, keyed once by `prepare`."""
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: str, *args: Any, **kwargs: Any) -> None:
+        """Loads nothing."""
 
 
 # -- the cached call -------------------------------------------------------------------------------------

@@ -522,7 +522,8 @@ def test_enable_leaves_the_first_hit_no_first_torch_call_and_no_collection_of_th
         overmind_home: Path) -> None:
     """Note [Warm rebuild] and Note [Imports ahead of the hit]: in a process forked from one that imported
     torch and ran no torch operation (a warm kernel), `prepare` (run by `enable()`) makes a rebuild's
-    torch calls once and collects what its imports left young, and starts no thread."""
+    torch calls once and collects what its imports left young, starts no thread, and leaves no mapping
+    of its own warm-up rebuild."""
     out = last_json(run_py("""
         import gc, json, mmap, os, resource, threading
         import torch
@@ -538,19 +539,21 @@ def test_enable_leaves_the_first_hit_no_first_torch_call_and_no_collection_of_th
         r, w = os.pipe()
         pid = os.fork()
         if pid == 0:
-            from overmind_jupyter import loading
+            from overmind_jupyter import loading, mappings
             threads = threading.active_count()
             loading.prepare()
             counts = gc.get_count()
             before = faults()
             torch_calls()
             os.write(w, json.dumps({"faults": faults() - before, "generation1": counts[1],
-                                    "threads": threading.active_count() - threads}).encode())
+                                    "threads": threading.active_count() - threads,
+                                    "mapped": [s.key for s in mappings._spans]}).encode())
             os._exit(0)
         os.close(w)
         print(os.read(r, 4096).decode())
         os.waitpid(pid, 0)
     """))
     assert out["threads"] == 0
+    assert out["mapped"] == [], "the warm-up's rebuild left its arena mapped"
     assert out["generation1"] == 0, "the imports' young objects are left for the first hit to collect"
     assert out["faults"] <= 20, f"the first torch calls after enable() took {out['faults']} page faults"
