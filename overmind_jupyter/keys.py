@@ -49,9 +49,14 @@ from typing import Any
 
 from .errors import Uncacheable
 
-__all__ = ["CallKey", "Resolve", "changed_since", "fingerprint", "make_key", "owner_name", "signature"]
+__all__ = ["GRAPH_FORMAT", "CallKey", "Resolve", "changed_since", "fingerprint", "make_key", "owner_name",
+           "signature"]
 
 _KEY_FORMAT = 2  # bump on any change to what a key holds: old entries then simply miss
+# The format of the graphs rebuild.py packs, named by every key: an entry packed in another format is a miss
+# (a daemon that outlived an upgrade keeps such entries), not a corrupt entry with a fallback warning.
+# Bump when the storage or tensor references, or what a graph holds, change.
+GRAPH_FORMAT = 5
 _SOURCE_PARAMS = ("pretrained_model_name_or_path", "model_id", "pretrained_model_link_or_path", "repo_id",
                   "pretrained_model_link_or_path_or_dict")
 # diffusers' `from_single_file` reads the layout of the model from these when given (a local folder or
@@ -136,7 +141,7 @@ def make_key(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
     if isinstance(fn, types.FunctionType) and getattr(fn, "__self__", None) is None:
         doc_args["<function>"] = canon.function("the function", fn, 0)  # by its code, not its name
     document = {
-        "format": _KEY_FORMAT,
+        "format": [_KEY_FORMAT, GRAPH_FORMAT],
         "callable": qualified,
         "arguments": doc_args,
         "versions": {"torch": _version("torch"), package: _version(package)},

@@ -39,12 +39,13 @@ from kernel_server import arena
 
 from . import mappings
 from .errors import CorruptEntry, PackError
+from .keys import GRAPH_FORMAT
 
 __all__ = ["ArenaRef", "Packed", "entry_of", "pack", "rebuild", "skeleton"]
 
 entry_of = mappings.entry_of
 
-_FORMAT = 5  # bump when the storage or tensor references, or what a graph holds, change
+_FORMAT = GRAPH_FORMAT  # keys.py names it in every key
 
 
 @dataclass
