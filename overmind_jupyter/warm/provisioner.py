@@ -21,6 +21,7 @@ import sys
 import time
 from typing import Any
 
+import zmq
 from jupyter_client.connect import KernelConnectionInfo
 from jupyter_client.provisioning.local_provisioner import LocalProvisioner
 from traitlets import Bool, Float, List, Unicode, default
@@ -49,6 +50,7 @@ def split_argv(cmd: list[str]) -> tuple[tuple[str, ...], str, list[str]]:
 
 
 BIND_TIMEOUT = 30.0  # seconds a launch waits for a forked kernel to listen (Note [Launched means listening])
+RECONNECT_IVL_MS, RECONNECT_IVL_MAX_MS = 10, 40  # zmq's defaults: 100 and 0 (Note [Reconnecting clients])
 
 
 def listening_ports() -> set[int]:
@@ -143,6 +145,34 @@ class WarmProvisioner(LocalProvisioner):
     @default("enabled")
     def _enabled_default(self) -> bool:
         return bool(settings.get(settings.WARM))
+
+    async def pre_launch(self, **kwargs: Any) -> dict[str, Any]:
+        if self.enabled:
+            self._reconnect_sooner()
+        return await super().pre_launch(**kwargs)
+
+    def _reconnect_sooner(self) -> None:
+        """Note [Reconnecting clients]: a restart keeps the clients connected to the kernel's ports. When
+        the old kernel exits, each of their sockets tries again after zmq's `reconnect_ivl` (100 ms, plus
+        up to as much again of jitter), and after every refused attempt as long again: so a client sees the
+        new kernel 100-200 ms after the old one exited however soon the new one listens. JupyterLab's
+        client is such a socket: jupyter_server keeps the websocket's zmq channels (made by this kernel's
+        manager, `connect_iopub` ...) while the browser reconnects after a restart, reuses them, and opens
+        the websocket once an iopub message arrived on them (its `nudge`, retried every 0.5 s). So the
+        sockets this kernel's manager makes from now on try every 10-20 ms at first, backing off to 40-50 ms
+        (what a dead kernel's clients keep trying). jupyter_server shares one context among all its kernels:
+        the setting goes on this kernel's own view of it (a shadow, the same zmq context), so no other
+        kernel's sockets change. Clients with a context of their own (`KernelManager.client()`, nbclient)
+        keep zmq's defaults."""
+        manager = self.parent
+        context = getattr(manager, "context", None)
+        if manager is None or not isinstance(context, zmq.Context) or context.sockopts.get(zmq.RECONNECT_IVL) == RECONNECT_IVL_MS:
+            return
+        if not getattr(manager, "_created_context", True):  # shared: a shadow (a manager that made its
+            context = type(context).shadow(context)  # own context destroys it, which a shadow must not do)
+            manager.context = context
+        context.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+        context.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
 
     async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> KernelConnectionInfo:
         """Fork the kernel from the spare; start it plainly when no spare can serve."""
