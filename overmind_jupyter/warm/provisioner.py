@@ -18,7 +18,9 @@ import asyncio
 import os
 import subprocess
 import sys
+import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -113,6 +115,24 @@ class _Stdio:
         self._close_after = []
 
 
+@dataclass
+class _Ahead:
+    """A kernel started ahead (Note [Kernels started ahead] in zygote.py) and the start it was made for."""
+
+    spare: spares.Spare
+    kernel: ForkedKernel
+    request: dict[str, Any]  # what `Spare.fork` was asked: argv, environment, working directory ...
+    stdio: tuple[Any, Any, Any]  # the launch's stdin, stdout and stderr arguments
+    connection: dict[str, Any]  # the connection info it read (ports, key)
+
+    def discard(self) -> None:
+        self.spare.discard(self.kernel.pid)
+        for name in ("stdin", "stdout", "stderr"):
+            pipe = getattr(self.kernel, name)
+            if pipe is not None:
+                pipe.close()
+
+
 class WarmProvisioner(LocalProvisioner):
     """Starts kernels by forking them from a spare process that has already imported `preload`.
 
@@ -139,8 +159,18 @@ class WarmProvisioner(LocalProvisioner):
                        help="Seconds a graceful shutdown or restart waits for the kernel's own exit before the "
                             "kernel manager's polling takes over (Note [What a restart waits for]).")
 
+    start_ahead = Bool(True, config=True,
+                       help="Keep the next kernel started ahead (a waiting process, about 45 MB), so that a "
+                            "restart only binds its ports (Note [Kernels started ahead] in zygote.py).")
+
     _key: SpareKey | None = None
     _unread_shutdown_until = 0.0  # see Note [Shutdown request to a dead kernel]
+    _ahead: _Ahead | None = None
+    _ahead_round = 0
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._ahead_lock = threading.Lock()
 
     @default("enabled")
     def _enabled_default(self) -> bool:
@@ -166,11 +196,11 @@ class WarmProvisioner(LocalProvisioner):
         keep zmq's defaults."""
         manager = self.parent
         context = getattr(manager, "context", None)
-        if manager is None or not isinstance(context, zmq.Context) or context.sockopts.get(zmq.RECONNECT_IVL) == RECONNECT_IVL_MS:
+        if not isinstance(context, zmq.Context) or context.sockopts.get(zmq.RECONNECT_IVL) == RECONNECT_IVL_MS:
             return
         if not getattr(manager, "_created_context", True):  # shared: a shadow (a manager that made its
             context = type(context).shadow(context)  # own context destroys it, which a shadow must not do)
-            manager.context = context
+            setattr(manager, "context", context)  # noqa: B010 (the parent is typed Any | None)
         context.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
         context.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
 
@@ -244,11 +274,28 @@ class WarmProvisioner(LocalProvisioner):
         spare = spares.spare_for(self._key, spare_env, cwd)
         await spare.wait_ready(self.ready_timeout)
         await asyncio.sleep(max(0.0, self._unread_shutdown_until - time.monotonic()))
-        stdio = _Stdio(kwargs.get("stdin"), kwargs.get("stdout"), kwargs.get("stderr"))
+        request = {"module": module, "args": args, "argv": [*interpreter, "-m", module, *args], "env": env,
+                   "cwd": cwd, "parent_pid": os.getpid(), "fast_exit": self.fast_exit}
+        stdio = (kwargs.get("stdin"), kwargs.get("stdout"), kwargs.get("stderr"))
+        kernel = self._take_ahead(spare, request, stdio)
+        how = "started ahead by" if kernel is not None else "forked from"
+        if kernel is None:
+            kernel = self._fork(spare, request, stdio)
+        self.process = kernel  # type: ignore[assignment]  # it has the methods of Popen that LocalProvisioner uses
+        self.pid = self.pgid = kernel.pid
+        self.cwd = cwd
+        self.log.info("Kernel %s %s spare %d as %d", self.kernel_id, how, spare.pid, kernel.pid)
+        await self._bound(kernel, BIND_TIMEOUT)
+        if self.start_ahead:
+            self._start_next_ahead(spare, request, stdio)
+        return self.connection_info
+
+    @staticmethod
+    def _fork(spare: spares.Spare, request: dict[str, Any], stdio_args: tuple[Any, Any, Any],
+              ahead: bool = False) -> ForkedKernel:
+        stdio = _Stdio(*stdio_args)
         try:
-            pid, pidfd = spare.fork(module=module, args=args, argv=[*interpreter, "-m", module, *args], env=env,
-                                    cwd=cwd, parent_pid=os.getpid(), fast_exit=self.fast_exit,
-                                    stdio=(stdio.fds[0], stdio.fds[1], stdio.fds[2]))
+            pid, pidfd = spare.fork(**request, stdio=(stdio.fds[0], stdio.fds[1], stdio.fds[2]), ahead=ahead)
         except BaseException:
             for pipe in stdio.keep.values():
                 pipe.close()
@@ -258,12 +305,64 @@ class WarmProvisioner(LocalProvisioner):
         kernel = ForkedKernel(spare, pid, pidfd)
         for name, pipe in stdio.keep.items():
             setattr(kernel, name, pipe)
-        self.process = kernel  # type: ignore[assignment]  # it has the methods of Popen that LocalProvisioner uses
-        self.pid = self.pgid = pid
-        self.cwd = cwd
-        self.log.info("Kernel %s forked from spare %d as %d", self.kernel_id, spare.pid, pid)
-        await self._bound(kernel, BIND_TIMEOUT)
-        return self.connection_info
+        return kernel
+
+    def _take_ahead(self, spare: spares.Spare, request: dict[str, Any],
+                    stdio: tuple[Any, Any, Any]) -> ForkedKernel | None:
+        """The kernel started ahead for this start, started now; None if there is none or it was started
+        for a start other than this one (then it is discarded). Note [Kernels started ahead] in zygote.py."""
+        ahead = self._swap_ahead(None)
+        if ahead is None:
+            return None
+        if (ahead.spare is spare and ahead.request == request and ahead.stdio == stdio
+                and ahead.connection == dict(self.connection_info) and ahead.kernel.poll() is None):
+            try:
+                spare.start(ahead.kernel.pid)
+                return ahead.kernel
+            except SpareUnavailable as exc:
+                self.log.info("The kernel started ahead is gone (%s): forking one", exc)
+        ahead.discard()
+        return None
+
+    def _swap_ahead(self, new: _Ahead | None) -> _Ahead | None:
+        """Put `new` in place of the kernel started ahead; returns the one before. A kernel still being
+        started ahead meanwhile is for a start that is over: it is discarded when it arrives."""
+        with self._ahead_lock:
+            old, self._ahead = self._ahead, new
+            self._ahead_round += 1
+        return old
+
+    def _start_next_ahead(self, spare: spares.Spare, request: dict[str, Any], stdio: tuple[Any, Any, Any]) -> None:
+        """Start the kernel of the next restart ahead, in a thread (the fork takes the spare 10-20 ms)."""
+        with self._ahead_lock:
+            round_ = self._ahead_round
+        connection = dict(self.connection_info)
+
+        def start() -> None:
+            try:
+                kernel = self._fork(spare, request, stdio, ahead=True)
+            except (SpareUnavailable, OSError) as exc:
+                self.log.info("No kernel started ahead (%s)", exc)
+                return
+            ahead = _Ahead(spare, kernel, request, stdio, connection)
+            with self._ahead_lock:
+                if self._ahead is None and self._ahead_round == round_:
+                    self._ahead = ahead
+                    return
+            ahead.discard()
+
+        threading.Thread(target=start, name="overmind-kernel-ahead", daemon=True).start()
+
+    async def cleanup(self, restart: bool = False) -> None:
+        """`LocalProvisioner.cleanup`; at a shutdown, also the kernel started ahead ends (its exit awaited)."""
+        if not restart:
+            ahead = self._swap_ahead(None)
+            if ahead is not None:
+                ahead.discard()
+                deadline = time.monotonic() + 2.0
+                while ahead.kernel.poll() is None and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)
+        await super().cleanup(restart)
 
     async def _bound(self, kernel: ForkedKernel, timeout: float) -> None:
         """Note [Launched means listening]: wait until the forked kernel listens on all its TCP ports (it
