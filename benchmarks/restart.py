@@ -26,7 +26,8 @@ the restarts of the restart's parts, measured inside the kernel manager, the sam
               (`KernelManager.client()`, a zmq context of its own, zmq's default reconnect) passes
               `wait_for_ready`: what "reconnect" measured before
   restart     the four together
-  kernel_cpu  the CPU seconds the new kernel process used until it answered (from its exec, or its fork)
+  kernel_cpu  the CPU seconds the new kernel process used until it answered (from its exec, or its fork;
+              for a kernel started ahead, with what it did before the restart)
 then, run through the JupyterLab-like client, the setup cell (`%load_ext` + `%overmind on`, or nothing for
 plain), the imports, the load
 (`from_pretrained`, cached or not), "ready" (from the restart call to the end of the load: restart + setup +

@@ -175,12 +175,13 @@ class Spare:
 
     def fork(self, *, module: str, args: list[str], argv: list[str], env: dict[str, str], cwd: str,
              parent_pid: int | None, fast_exit: bool, stdio: tuple[int, int, int],
-             ahead: bool = False) -> tuple[int, int | None]:
-        """Fork a kernel (`ahead`: one that waits for `start`, Note [Kernels started ahead] in zygote.py);
-        returns its pid and a pidfd of it (None where unsupported)."""
+             bound: int | None = None) -> tuple[int, int | None]:
+        """Fork a kernel; returns its pid and a pidfd of it (None where unsupported). With `bound` (the write
+        end of a pipe), one started ahead, which waits for `start` and then writes a byte there once it
+        listens (Note [Kernels started ahead] in zygote.py)."""
         request = {"kind": "fork", "module": module, "args": args, "argv": argv, "env": env, "cwd": cwd,
-                   "parent_pid": parent_pid, "fast_exit": fast_exit, "ahead": ahead}
-        answer, fds = self._request(request, list(stdio))
+                   "parent_pid": parent_pid, "fast_exit": fast_exit, "ahead": bound is not None}
+        answer, fds = self._request(request, [*stdio, *([] if bound is None else [bound])])
         return int(answer["pid"]), (fds[0] if fds else None)
 
     def start(self, pid: int) -> None:
@@ -261,6 +262,7 @@ class ForkedKernel:
     stdin: IO[bytes] | None = None
     stdout: IO[bytes] | None = None
     stderr: IO[bytes] | None = None
+    bound: int | None = None  # a kernel started ahead writes here once it listens (WarmProvisioner._bound)
 
     def __init__(self, spare: Spare, pid: int, pidfd: int | None) -> None:
         self.spare, self.pid, self._pidfd = spare, pid, pidfd

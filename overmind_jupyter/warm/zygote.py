@@ -20,7 +20,8 @@ Wire format (Note [Spare wire format]). One Unix SOCK_SEQPACKET socket pair; the
     stdout, stderr of the kernel) -> `{"kind": "forked", "pid"}` with one fd, a pidfd of the kernel (none
     where pidfds are unsupported). The kernel is the child of the spare and leads its own session.
     With `"ahead": true` the kernel is started ahead (Note [Kernels started ahead]): it builds everything
-    but its sockets' binds and waits; the spare keeps it until asked to start or discard it.
+    but its sockets' binds and waits; the spare keeps it until asked to start or discard it. A fourth fd
+    rides along then: the kernel writes one byte to it once it listens on all its ports after `start`.
   - `{"kind": "start", "pid"}` -> `{"kind": "started", "pid"}`: a kernel started ahead binds its ports and
     runs on from there; an error reply if the spare holds no such kernel (it died, say).
   - `{"kind": "discard", "pid"}` -> `{"kind": "discarded", "pid"}`: a kernel started ahead exits without
@@ -50,6 +51,7 @@ from typing import Any
 __all__ = ["DEFAULT_PRELOAD", "MAX_MESSAGE", "PROTOCOL", "expand_preload", "stamps"]
 
 PROTOCOL = 2
+BIND_WAIT = 5.0  # seconds a kernel started ahead waits for its heartbeat's bind before it says it listens
 MAX_MESSAGE = 1 << 20
 DEFAULT_PRELOAD = ("torch", "transformers")
 
@@ -244,7 +246,7 @@ class _Spare:
             if not ready:
                 continue
             try:
-                data, fds, _flags, _addr = socket.recv_fds(self.sock, MAX_MESSAGE, 3)
+                data, fds, _flags, _addr = socket.recv_fds(self.sock, MAX_MESSAGE, 4)
             except ConnectionError:
                 return None
             if not data:
@@ -302,16 +304,17 @@ class _Spare:
             os.close(fd)
 
     def fork(self, request: dict[str, Any], fds: list[int]) -> dict[str, Any] | None:
-        if len(fds) != 3:
-            raise ValueError(f"fork needs 3 fds (stdin, stdout, stderr), got {len(fds)}")
+        ahead = bool(request.get("ahead"))
+        if len(fds) != 3 + ahead:
+            raise ValueError(f"fork needs {3 + ahead} fds (stdin, stdout, stderr{', bound' if ahead else ''}), "
+                             f"got {len(fds)}")
+        if ahead and not _can_start_ahead():
+            raise ValueError("this ipykernel cannot be started ahead (Note [Kernels started ahead])")
         missing = {"module", "args", "argv", "env", "cwd"} - set(request)
         if missing:
             raise KeyError(f"fork without {sorted(missing)}")
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
-        ahead = bool(request.get("ahead"))
-        if ahead and not _can_start_ahead():
-            raise ValueError("this ipykernel cannot be started ahead (Note [Kernels started ahead])")
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) if ahead else (None, None)
         pid = os.fork()
         if pid == 0:
@@ -404,11 +407,12 @@ def _can_start_ahead() -> bool:
     """Whether the ipykernel this spare imported is one `_bind_when_started` knows how to hold back."""
     kernelapp = sys.modules.get("ipykernel.kernelapp")
     app = getattr(kernelapp, "IPKernelApp", None)
-    return all(callable(getattr(app, name, None)) for name in ("_try_bind_socket", "init_heartbeat",
-                                                               "init_extensions"))
+    heartbeat = getattr(sys.modules.get("ipykernel.heartbeat"), "Heartbeat", None)
+    return callable(getattr(heartbeat, "_bind_socket", None)) and all(
+        callable(getattr(app, name, None)) for name in ("_try_bind_socket", "init_heartbeat", "init_extensions"))
 
 
-def _bind_when_started(app_class: Any, go: socket.socket) -> None:
+def _bind_when_started(app_class: Any, go: socket.socket, bound: int) -> None:
     """Note [Kernels started ahead]: a restart of a warm kernel used to wait for the next kernel's fork and
     for its whole start (ipykernel's configuration, sockets, IPython's shell and history database: about
     0.1 s of CPU) after the old kernel had exited, because the ports the new kernel binds are the old
@@ -419,7 +423,8 @@ def _bind_when_started(app_class: Any, go: socket.socket) -> None:
     which may hold a GPU or a lock, run only at the restart, as in a plain kernel), it waits on `go`. At
     the restart the provisioner checks that the start asks for exactly the same (else it discards it and
     forks a kernel as before); the spare writes to `go`, and the kernel binds its ports, starts its
-    heartbeat, runs the extensions and startup code, and answers. EOF on `go` (discarded, or the spare or
+    heartbeat, writes to `bound` (what the provisioner waits for: Note [Launched means listening]), runs the
+    extensions and startup code, and answers. EOF on `go` (discarded, or the spare or
     the server is gone) ends it at once: it bound nothing and ran nothing of the user's. It is a new
     process, forked before the restart was asked for: its pid, random state and IPython history session
     are its own; only its start time (and its history session's) is earlier.
@@ -429,6 +434,14 @@ def _bind_when_started(app_class: Any, go: socket.socket) -> None:
     deferred: list[tuple[Any, int]] = []
     try_bind, init_heartbeat, init_extensions = (app_class._try_bind_socket, app_class.init_heartbeat,
                                                  app_class.init_extensions)
+    heartbeat_class = sys.modules["ipykernel.heartbeat"].Heartbeat
+    bind_heartbeat, heartbeat_bound = heartbeat_class._bind_socket, threading.Event()
+
+    def bind_heartbeat_and_tell(heartbeat: Any) -> Any:  # it binds in its own thread
+        try:
+            return bind_heartbeat(heartbeat)
+        finally:
+            heartbeat_bound.set()
 
     def defer_bind(app: Any, sock: Any, port: int) -> int:
         if port <= 0:  # a port to choose: nothing to keep free for later
@@ -451,7 +464,15 @@ def _bind_when_started(app_class: Any, go: socket.socket) -> None:
         endpoint = app.shell_socket.getsockopt(zmq_last_endpoint)
         if debug_shell is not None and endpoint:
             debug_shell.connect(endpoint)
+        heartbeat_class._bind_socket = bind_heartbeat_and_tell
         init_heartbeat(app)
+        heartbeat_bound.wait(BIND_WAIT)
+        heartbeat_class._bind_socket = bind_heartbeat
+        try:
+            os.write(bound, b"1")
+        except OSError:  # the provisioner stopped waiting: it goes by /proc/net then
+            pass
+        os.close(bound)
         app_class.init_extensions = init_extensions
         init_extensions(app)
 
@@ -471,10 +492,10 @@ def become_kernel(plan: dict[str, Any], cwd_entry: bool) -> None:
     `python -m module` sets them, and fresh random seeds.
     """
     os.setsid()
-    for target, fd in zip((0, 1, 2), plan["fds"], strict=True):
+    for target, fd in zip((0, 1, 2), plan["fds"][:3], strict=True):
         if fd != target:
             os.dup2(fd, target)
-    for fd in plan["fds"]:
+    for fd in plan["fds"][:3]:
         if fd > 2:
             os.close(fd)
     os.chdir(plan["cwd"])
@@ -501,7 +522,7 @@ def become_kernel(plan: dict[str, Any], cwd_entry: bool) -> None:
             pass
     kernelapp = sys.modules.get("ipykernel.kernelapp")
     if plan.get("go") is not None and kernelapp is not None:  # the spare checked it (`_can_start_ahead`)
-        _bind_when_started(kernelapp.IPKernelApp, plan["go"])
+        _bind_when_started(kernelapp.IPKernelApp, plan["go"], plan["fds"][3])
     if kernelapp is not None:  # imported by the spare (KERNEL_MACHINERY): give it this kernel's view
         setattr(kernelapp, "ParentPollerUnix", ServerPoller)  # noqa: B010 (a module mypy does not know)
         app = kernelapp.IPKernelApp
