@@ -389,6 +389,39 @@ def test_a_restart_starts_the_kernel_started_ahead_which_ran_nothing_of_the_user
     assert set(ran_startup()) == {first, ahead, other["pid"]}
 
 
+def test_the_sockets_of_a_warm_kernels_manager_reconnect_soon_and_no_other_kernels_do(warm: dict[str, str]) -> None:
+    """Note [Reconnecting clients] in provisioner.py, with a MultiKernelManager's shared context as in
+    jupyter_server: the warm kernel's manager makes sockets that try again after 10 ms (zmq's default is
+    100 ms), the shared context and what other kernels make from it keep zmq's defaults, and a channel made
+    before a graceful restart hears the new kernel (its iopub welcome) once it listens."""
+    import zmq
+    from jupyter_client.multikernelmanager import MultiKernelManager
+    from jupyter_client.session import Session
+
+    mkm = MultiKernelManager()
+    kernel_id = mkm.start_kernel(kernel_name=LIGHT, env=warm)
+    km = mkm.get_kernel(kernel_id)
+    stream = km.connect_iopub()  # a ZMQStream, as jupyter_server's channels
+    iopub = stream.socket
+    try:
+        assert iopub.getsockopt(zmq.RECONNECT_IVL) == 10 and iopub.getsockopt(zmq.RECONNECT_IVL_MAX) == 40
+        other = mkm.context.socket(zmq.SUB)
+        assert other.getsockopt(zmq.RECONNECT_IVL) == 100 and other.getsockopt(zmq.RECONNECT_IVL_MAX) == 0
+        other.close(linger=0)
+        assert km.context.underlying == mkm.context.underlying, "the same zmq context"
+        session = Session(key=km.session.key)
+        assert iopub.poll(30_000), "the welcome of the first kernel"
+        session.recv(iopub)
+        for _ in range(2):
+            km.restart_kernel(now=False)
+            assert iopub.poll(30_000), "the channel made before the restart hears the new kernel"
+            while iopub.poll(0):
+                session.recv(iopub)
+    finally:
+        stream.close(linger=0)
+        mkm.shutdown_all(now=True)
+
+
 @pytest.mark.parametrize("victim", ["old", "new"])
 def test_a_kernel_killed_during_the_hand_over_restarts_cleanly(warm: dict[str, str], victim: str) -> None:
     """SIGKILL the old kernel right after the shutdown request, or the new one right after it was forked:
