@@ -17,11 +17,19 @@ the restarts of the restart's parts, measured inside the kernel manager, the sam
   hand-over   from there until the new kernel is launched (`provisioner.launch_kernel` returned)
   kernel_info from there until the kernel answers `kernel_info` on a new shell socket (what jupyter_server
               waits for before it answers JupyterLab's restart request)
-  reconnect   from there until the client connected before the restart has its `kernel_info` reply and
-              iopub again (`wait_for_ready`): zmq reconnects it 100-200 ms after the old kernel went away
+  reconnect   from there until the client connected before the restart works again, the way JupyterLab's
+              does through jupyter_server (`LabClient`): its channels, made by the kernel manager before the
+              restart, get an iopub message (jupyter_server's `nudge`) and a `kernel_info` reply on its shell;
+              zmq reconnects them 100-200 ms after the old kernel went away, unless the kernel manager's
+              sockets were told to try sooner (a warm kernelspec does: Note [Reconnecting clients])
+  kc_reconnect  (not in "ready", for comparison) from `kernel_info` until jupyter_client's own client
+              (`KernelManager.client()`, a zmq context of its own, zmq's default reconnect) passes
+              `wait_for_ready`: what "reconnect" measured before
   restart     the four together
-  kernel_cpu  the CPU seconds the new kernel process used until it answered (from its exec, or its fork)
-then the setup cell (`%load_ext` + `%overmind on`, or nothing for plain), the imports, the load
+  kernel_cpu  the CPU seconds the new kernel process used until it answered (from its exec, or its fork;
+              for a kernel started ahead, with what it did before the restart)
+then, run through the JupyterLab-like client, the setup cell (`%load_ext` + `%overmind on`, or nothing for
+plain), the imports, the load
 (`from_pretrained`, cached or not), "ready" (from the restart call to the end of the load: restart + setup +
 imports + load, model-ready), its ratio to plain's, and the first forward after the load (cases a and c).
 
@@ -36,7 +44,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
 import statistics
 import subprocess
 import sys
@@ -109,31 +116,88 @@ def build(cases: list[str], llama: str) -> dict[str, str]:
     return paths
 
 
-def execute(kc, code: str) -> str:  # type: ignore[no-untyped-def]
-    """Run `code`; its stdout. Waits for the shell reply first: right after a restart the iopub
-    subscription may still be joining, and a cell's busy/idle there can be lost (a wait on idle alone
-    then hangs), so iopub is read until idle only for a bounded time after the reply."""
-    msg_id = kc.execute(code)
-    while True:
-        reply = kc.get_shell_msg(timeout=600)
-        if reply["parent_header"].get("msg_id") == msg_id:
-            break
-    out = []
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
+class LabClient:
+    """What JupyterLab's kernel connection is at the kernel's ports: jupyter_server's zmq channels for one
+    websocket (`ZMQChannelsWebsocketConnection`), made with the kernel manager's `connect_*` and the
+    session's identity, kept across a restart while the browser reconnects its websocket, and reused then
+    (the ports did not change). After the restart jupyter_server opens the websocket once its `nudge` got
+    a `kernel_info` reply on a new shell or control socket and any message on the reused iopub channel
+    (requests repeated every 0.5 s); the browser then asks `kernel_info` on the reused shell channel and
+    sends its cells there."""
+
+    def __init__(self, km) -> None:  # type: ignore[no-untyped-def]
+        from jupyter_client.session import Session
+
+        self.km, self.session = km, Session(key=km.session.key)  # its own, as jupyter_server's: the shell's
+        # identity is the session's, and the kernel routes replies by it
+        self.channels = {name: getattr(km, f"connect_{name}")(identity=self.session.bsession)
+                         for name in ("iopub", "shell", "control", "stdin")}
+
+    def _recv(self, sock, timeout: float):  # type: ignore[no-untyped-def]
+        if not sock.poll(int(timeout * 1000)):
+            return None
+        return self.session.recv(sock)[1]
+
+    def nudge(self, timeout: float = 120) -> None:
+        """jupyter_server's `nudge`: kernel_info on new shell and control sockets every 0.5 s until one of
+        them replied and the reused iopub channel got a message."""
+        import zmq
+
+        shell, control, iopub = self.km.connect_shell(), self.km.connect_control(), self.channels["iopub"]
+        replied = heard = False
+        deadline = time.monotonic() + timeout
         try:
-            msg = kc.get_iopub_msg(timeout=max(0.01, deadline - time.monotonic()))
-        except queue.Empty:
-            break
-        if msg["parent_header"].get("msg_id") != msg_id:
-            continue
-        if msg["msg_type"] == "stream" and msg["content"]["name"] == "stdout":
-            out.append(msg["content"]["text"])
-        elif msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
-            break
-    if reply["content"]["status"] != "ok":
-        raise RuntimeError("\n".join(reply["content"].get("traceback", [])) or str(reply["content"]))
-    return "".join(out)
+            while not (replied and heard):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the nudge got no answer")
+                for sock in (shell, control):
+                    self.session.send(sock, "kernel_info_request")
+                again = time.monotonic() + 0.5
+                poller = zmq.Poller()
+                for sock in (shell, control, iopub):
+                    poller.register(sock, zmq.POLLIN)
+                while not (replied and heard) and (left := again - time.monotonic()) > 0:
+                    for sock, _ in poller.poll(int(left * 1000) + 1):
+                        self.session.recv(sock)
+                        replied |= sock is not iopub
+                        heard |= sock is iopub
+        finally:
+            shell.close(linger=0)
+            control.close(linger=0)
+
+    def kernel_info(self, timeout: float = 120) -> None:
+        """The browser's `kernel_info` on the reused shell channel, once the websocket is open."""
+        msg_id = self.session.send(self.channels["shell"], "kernel_info_request")["header"]["msg_id"]
+        self._reply(msg_id, timeout)
+
+    def _reply(self, msg_id: str, timeout: float):  # type: ignore[no-untyped-def]
+        deadline = time.monotonic() + timeout
+        while (msg := self._recv(self.channels["shell"], max(0.0, deadline - time.monotonic()))) is not None:
+            if msg["parent_header"].get("msg_id") == msg_id:
+                return msg
+        raise RuntimeError(f"no reply to {msg_id} in {timeout} s")
+
+    def execute(self, code: str) -> str:
+        """Run `code` on the reused shell channel; its stdout (iopub read until the cell's idle)."""
+        msg_id = self.session.send(self.channels["shell"], "execute_request",
+                                   {"code": code, "silent": False, "store_history": True, "user_expressions": {},
+                                    "allow_stdin": False, "stop_on_error": True})["header"]["msg_id"]
+        out = []
+        while (msg := self._recv(self.channels["iopub"], 600)) is not None:
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            if msg["msg_type"] == "stream" and msg["content"]["name"] == "stdout":
+                out.append(msg["content"]["text"])
+            elif msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+                break
+        reply = self._reply(msg_id, 600)
+        if reply["content"]["status"] != "ok":
+            raise RuntimeError("\n".join(reply["content"].get("traceback", [])) or str(reply["content"]))
+        return "".join(out)
+
+    def close(self) -> None:
+        for sock in self.channels.values():
+            sock.close(linger=0)
 
 
 def warm_kernelspec(case: str, root: str) -> str:
@@ -167,7 +231,7 @@ class Parts:
 
         km._async_cleanup_resources, km._async_launch_kernel = cleanup_resources, launch_kernel
 
-    def restart(self, km, kc) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    def restart(self, km, kc, lab: LabClient) -> dict[str, float]:  # type: ignore[no-untyped-def]
         """Restart as JupyterLab's button does and wait until the kernel answers; the parts, in seconds."""
         self.marks.clear()
         started = time.perf_counter()
@@ -182,12 +246,15 @@ class Parts:
             shell.close(linger=0)
         answered = time.perf_counter()
         times = psutil.Process(km.provisioner.pid).cpu_times()  # a forked child's count starts at 0
-        kc.wait_for_ready(timeout=120)
+        lab.nudge()
+        lab.kernel_info()
         reconnected = time.perf_counter()
+        kc.wait_for_ready(timeout=120)
+        kc_ready = time.perf_counter()
         gone, launched = self.marks["old_gone"], self.marks["launched"]
         return {"shutdown": gone - started, "hand-over": launched - gone, "kernel_info": answered - launched,
                 "reconnect": reconnected - answered, "restart": reconnected - started,
-                "kernel_cpu": times.user + times.system}
+                "kc_reconnect": kc_ready - answered, "kernel_cpu": times.user + times.system}
 
 
 def measure(case: str, mode: str, paths: dict[str, str], env: dict[str, str], repeat: int,
@@ -200,31 +267,35 @@ def measure(case: str, mode: str, paths: dict[str, str], env: dict[str, str], re
     cached = mode in ("overmind", "warm")
     setup = "%load_ext overmind_jupyter\n%overmind on" if cached else "pass"
     km, kc = start_new_kernel(kernel_name=kernel_name, env=env, startup_timeout=300)
+    lab = LabClient(km)
     parts = Parts(km)
     runs = []
     try:
-        execute(kc, setup)
-        execute(kc, cell)  # the first run of the day: for overmind a miss, published before it returns
+        lab.nudge()
+        lab.kernel_info()
+        lab.execute(setup)
+        lab.execute(cell)  # the first run of the day: for overmind a miss, published before it returns
         for _ in range(repeat):
-            run = parts.restart(km, kc)
+            run = parts.restart(km, kc, lab)
             restarted = time.perf_counter()
-            execute(kc, setup)
+            lab.execute(setup)
             set_up = time.perf_counter()
-            run.update(json.loads(execute(kc, cell).strip().splitlines()[-1]))
+            run.update(json.loads(lab.execute(cell).strip().splitlines()[-1]))
             run.update(setup=set_up - restarted, ready=run["restart"] + set_up - restarted + run["cell"])
             runs.append(run)
         if cached:
-            status = execute(kc, "import overmind_jupyter, json; "
+            status = lab.execute("import overmind_jupyter, json; "
                                  "print(json.dumps(overmind_jupyter.loading.fallbacks()))")
             runs[-1]["fallbacks"] = json.loads(status.strip().splitlines()[-1])
     finally:
+        lab.close()
         kc.stop_channels()
         km.shutdown_kernel(now=True)
     return runs
 
 
-FIELDS = ("shutdown", "hand-over", "kernel_info", "reconnect", "restart", "kernel_cpu", "setup", "imports", "load",
-          "ready", "forward")
+FIELDS = ("shutdown", "hand-over", "kernel_info", "reconnect", "restart", "kc_reconnect", "kernel_cpu", "setup",
+          "imports", "load", "ready", "forward")
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ from typing import Any
 
 from . import keys, patching
 
-__all__ = ["TARGETS", "Target", "install", "uninstall"]
+__all__ = ["TARGETS", "Target", "install", "prepare_signatures", "uninstall"]
 
 
 @dataclass(frozen=True)
@@ -85,10 +85,7 @@ def _cached_loader(original: Any, owner: type) -> Any:
     class) or a plain function (a method called on a loaded object of `owner`). A method called unbound
     on an object of another class (PeftMixedModel.load_adapter calls `PeftModel.load_adapter(self, ...)`)
     is not a target: it runs as it is, with no fallback to report."""
-    try:  # built now rather than in the first load (Note [Signatures] in keys.py)
-        keys.signature(MethodType(getattr(original, "__func__", original), owner))
-    except (TypeError, ValueError):
-        pass  # the load's key falls back to positional names, as it would then
+    _build_signature(original, owner)
     if isinstance(original, classmethod):
         @functools.wraps(original.__func__)
         def loader(cls: type, *args: Any, **kwargs: Any) -> Any:
@@ -103,6 +100,29 @@ def _cached_loader(original: Any, owner: type) -> Any:
         return _through_cache(original.__get__(self, type(self)), args, kwargs)
 
     return method
+
+
+def _build_signature(original: Any, owner: type) -> None:
+    """Build the signature a load's key uses now rather than in the first load (Note [Signatures] in keys.py)."""
+    try:
+        keys.signature(MethodType(getattr(original, "__func__", original), owner))
+    except (TypeError, ValueError):
+        pass  # the load's key falls back to positional names, as it would then
+
+
+def prepare_signatures() -> None:
+    """Build the signatures `install` builds, for the targets whose modules are imported, patching nothing:
+    a warm kernels' spare runs this once, and every kernel forked from it finds them built."""
+    with _lock:
+        for name, targets in _BY_MODULE.items():
+            module = sys.modules.get(name)
+            if module is None:
+                continue
+            for target in targets:
+                for owner in _owners(module, target):
+                    original = owner.__dict__.get(target.method)
+                    if isinstance(original, (classmethod, FunctionType)):
+                        _build_signature(original, owner)
 
 
 def _owners(module: ModuleType, target: Target) -> list[type]:

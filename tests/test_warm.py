@@ -237,6 +237,7 @@ print(_json.dumps({"pid": _os.getpid(), "ppid": _os.getppid(), "cwd": _os.getcwd
                    "key": _app.session.key.decode(), "fds": sorted(_fds.values()), "parent": _app.parent_handle,
                    "extension_preloaded": "overmind_jupyter.loading" in _sys.modules}))
 """
+PROBE_DIR = "import json, warm_probe; print(json.dumps({'dir': warm_probe.TEMP_DIR}))"
 DIRTY = """
 import os, sys, importlib
 sys.path.insert(0, {user!r})
@@ -244,6 +245,8 @@ import warm_user_module
 secret = 42
 handle = open({scratch!r}, "w")
 handle.write("unflushed")
+import tempfile, warm_probe
+user_temp = tempfile.TemporaryDirectory(dir={temps!r})
 os.environ["ONLY_IN_THE_OLD_KERNEL"] = "1"
 os.environ["WARM_PROBE_SEEN"] = "changed inside the kernel"
 os.chdir({elsewhere!r})
@@ -262,7 +265,9 @@ def test_a_restarted_warm_kernel_is_a_fresh_process_with_nothing_of_the_old_one(
     (tmp_path / "start").mkdir()
     (tmp_path / "elsewhere").mkdir()
     scratch = tmp_path / "scratch.txt"
-    dirty = DIRTY.format(user=str(tmp_path / "user"), scratch=str(scratch), elsewhere=str(tmp_path / "elsewhere"))
+    (tmp_path / "temps").mkdir()
+    dirty = DIRTY.format(user=str(tmp_path / "user"), scratch=str(scratch), elsewhere=str(tmp_path / "elsewhere"),
+                         temps=str(tmp_path / "temps"))
     km, kc = start(WARM, warm, cwd=tmp_path / "start")
     try:
         first = run_json(kc, STATE)
@@ -288,7 +293,12 @@ def test_a_restarted_warm_kernel_is_a_fresh_process_with_nothing_of_the_old_one(
             assert str(scratch) not in fresh["fds"] and not any("warm_user_module" in f for f in fresh["fds"])
             if not now:  # killed (now=True), a kernel flushes nothing, as a plain kernel
                 assert scratch.read_text() == "unflushed", "the old kernel's open file was flushed as it ended"
+                assert not any((tmp_path / "temps").iterdir()), "the old kernel's own finalizers ran as it ended"
+            assert Path(run_json(kc, PROBE_DIR)["dir"]).is_dir(), \
+                "a finalizer the spare's imports made is the spare's (Note [Finalizers of the spare])"
             scratch.unlink()
+            for left in (tmp_path / "temps").iterdir():
+                left.rmdir()
         assert spare_of(WARM)["kernels"] == [kernels[-1]], "the old kernels were reaped; no other process"
     finally:
         kc.stop_channels()
@@ -326,6 +336,90 @@ def test_a_graceful_restart_waits_for_the_old_kernel_exit_not_for_a_poll_tick_an
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
+
+
+MARK = "import os, time\nwith open({marks!r}, 'a') as f:\n    f.write(f'{{os.getpid()}} {{time.time()}}\\n')\n"
+
+
+def test_a_restart_starts_the_kernel_started_ahead_which_ran_nothing_of_the_users_before(
+        warm: dict[str, str], tmp_path: Path) -> None:
+    """Note [Kernels started ahead] in zygote.py: while a kernel runs, the next one waits, started with the
+    same argv, environment and working directory, without its ports and without having run the startup
+    code of IPython's profile; a restart starts it, and it runs that code then. A restart that asks for
+    something else (another environment) discards it and forks a kernel for what was asked; a shutdown
+    ends it."""
+    marks = tmp_path / "marks.txt"
+    startup = tmp_path / "ipython" / "profile_default" / "startup"
+    startup.mkdir(parents=True)
+    (startup / "00-mark.py").write_text(MARK.format(marks=str(marks)))
+    env = dict(warm, IPYTHONDIR=str(tmp_path / "ipython"))
+    who = "import json, os; print(json.dumps({'pid': os.getpid(), 'session': os.environ.get('JPY_SESSION_NAME')}))"
+
+    def ran_startup() -> dict[int, float]:
+        return {int(pid): float(at) for pid, at in (line.split() for line in marks.read_text().splitlines())}
+
+    def waiting() -> list[int]:
+        return spare_of(LIGHT)["ahead"]
+
+    km, kc = start(LIGHT, env)
+    try:
+        first = run_json(kc, who)["pid"]
+        ahead = wait_until(waiting, what="a kernel started ahead")[0]
+        assert ahead != first and list(ran_startup()) == [first], "the kernel ahead ran no startup code"
+        info = km.get_connection_info()
+        ports = {info[p] for p in ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")}
+        listening = {c.laddr.port for c in psutil.Process(ahead).net_connections("tcp") if c.status == "LISTEN"}
+        assert not listening & ports, "the kernel ahead has bound none of the kernel's ports"
+        asked = time.time()
+        restart(km, kc)
+        assert run_json(kc, who)["pid"] == ahead and ran_startup()[ahead] >= asked, "started at the restart"
+        assert spare_of(LIGHT)["kernels"] == [ahead] and gone(first)
+
+        following = wait_until(waiting, what="the next kernel started ahead")[0]
+        restart(km, kc, env={**env, "JPY_SESSION_NAME": "other.ipynb"})
+        other = run_json(kc, who)
+        assert other["session"] == "other.ipynb" and other["pid"] != following, "forked for what was asked"
+        wait_until(lambda: gone(following), what="the kernel ahead for another start to end")
+        assert following not in ran_startup()
+        last = wait_until(waiting, what="a kernel started ahead for the new start")[0]
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel()
+    assert gone(last) and waiting() == [] and spare_of(LIGHT)["kernels"] == [], "a shutdown ends the one ahead"
+    assert set(ran_startup()) == {first, ahead, other["pid"]}
+
+
+def test_the_sockets_of_a_warm_kernels_manager_reconnect_soon_and_no_other_kernels_do(warm: dict[str, str]) -> None:
+    """Note [Reconnecting clients] in provisioner.py, with a MultiKernelManager's shared context as in
+    jupyter_server: the warm kernel's manager makes sockets that try again after 10 ms (zmq's default is
+    100 ms), the shared context and what other kernels make from it keep zmq's defaults, and a channel made
+    before a graceful restart hears the new kernel (its iopub welcome) once it listens."""
+    import zmq
+    from jupyter_client.multikernelmanager import MultiKernelManager
+    from jupyter_client.session import Session
+
+    mkm = MultiKernelManager()
+    kernel_id = mkm.start_kernel(kernel_name=LIGHT, env=warm)
+    km = mkm.get_kernel(kernel_id)
+    stream = km.connect_iopub()  # a ZMQStream, as jupyter_server's channels
+    iopub = stream.socket
+    try:
+        assert iopub.getsockopt(zmq.RECONNECT_IVL) == 10 and iopub.getsockopt(zmq.RECONNECT_IVL_MAX) == 40
+        other = mkm.context.socket(zmq.SUB)
+        assert other.getsockopt(zmq.RECONNECT_IVL) == 100 and other.getsockopt(zmq.RECONNECT_IVL_MAX) == 0
+        other.close(linger=0)
+        assert km.context.underlying == mkm.context.underlying, "the same zmq context"
+        session = Session(key=km.session.key)
+        assert iopub.poll(30_000), "the welcome of the first kernel"
+        session.recv(iopub)
+        for _ in range(2):
+            km.restart_kernel(now=False)
+            assert iopub.poll(30_000), "the channel made before the restart hears the new kernel"
+            while iopub.poll(0):
+                session.recv(iopub)
+    finally:
+        stream.close(linger=0)
+        mkm.shutdown_all(now=True)
 
 
 @pytest.mark.parametrize("victim", ["old", "new"])
@@ -482,7 +576,7 @@ def test_the_spare_answers_bad_requests_with_errors_and_goes_on(warm: dict[str, 
         assert json.loads(spare.sock.recv(1 << 16))["kind"] == "error"
         os.close(r)
         os.close(w)
-        assert spare.ping() == {"kind": "pong", "pid": spare.pid, "kernels": []}
+        assert spare.ping() == {"kind": "pong", "pid": spare.pid, "kernels": [], "ahead": []}
         assert spare.exit_status(12345678) == (None, False)
     finally:
         spare.stop()
@@ -542,20 +636,24 @@ def test_a_jupyter_server_restarts_warm_kernels_and_its_spare_dies_with_it(warm:
         assert status == 201, kernel
 
         def kernels() -> tuple[int, list[int]]:
+            """The spare, and its children oldest first: the kernel, then the one started ahead."""
             spares = [p for p in psutil.Process(server.pid).children() if is_spare(p)]
             assert len(spares) == 1, log.read_text()
-            return spares[0].pid, [c.pid for c in spares[0].children() if not gone(c.pid)]
+            children = sorted((c for c in spares[0].children() if not gone(c.pid)), key=lambda c: c.create_time())
+            return spares[0].pid, [c.pid for c in children]
 
-        spare, first = wait_until(lambda: (k := kernels())[1] and k, what="the forked kernel")
-        assert len(first) == 1
+        spare, first = wait_until(lambda: len((k := kernels())[1]) == 2 and k,
+                                  what="the forked kernel and the one started ahead")
         assert _rest(port, f"/api/kernels/{kernel['id']}/restart", "POST")[0] == 200
-        spare_after, second = wait_until(lambda: (k := kernels())[1] and k, what="the restarted kernel")
-        assert spare_after == spare and len(second) == 1 and second != first and gone(first[0])
-        assert "forked from spare" in log.read_text()
+        spare_after, second = wait_until(lambda: len((k := kernels())[1]) == 2 and first[1] in k[1] and k,
+                                         what="the restarted kernel and the next one started ahead")
+        assert spare_after == spare and second[0] == first[1] and second[1] not in first and gone(first[0]), \
+            "the restart started the kernel started ahead, and started the next one ahead"
+        assert "forked from spare" in log.read_text() and "started ahead by spare" in log.read_text()
         server.kill()
         server.wait()
-        wait_until(lambda: gone(spare) and gone(second[0]), timeout=15,
-                   what="the spare and the kernel to die with the server")
+        wait_until(lambda: gone(spare) and all(gone(pid) for pid in second), timeout=15,
+                   what="the spare, the kernel and the one started ahead to die with the server")
     finally:
         if server.poll() is None:
             server.kill()

@@ -18,9 +18,12 @@ import asyncio
 import os
 import subprocess
 import sys
+import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
+import zmq
 from jupyter_client.connect import KernelConnectionInfo
 from jupyter_client.provisioning.local_provisioner import LocalProvisioner
 from traitlets import Bool, Float, List, Unicode, default
@@ -49,6 +52,7 @@ def split_argv(cmd: list[str]) -> tuple[tuple[str, ...], str, list[str]]:
 
 
 BIND_TIMEOUT = 30.0  # seconds a launch waits for a forked kernel to listen (Note [Launched means listening])
+RECONNECT_IVL_MS, RECONNECT_IVL_MAX_MS = 10, 40  # zmq's defaults: 100 and 0 (Note [Reconnecting clients])
 
 
 def listening_ports() -> set[int]:
@@ -111,6 +115,27 @@ class _Stdio:
         self._close_after = []
 
 
+@dataclass
+class _Ahead:
+    """A kernel started ahead (Note [Kernels started ahead] in zygote.py) and the start it was made for."""
+
+    spare: spares.Spare
+    kernel: ForkedKernel
+    request: dict[str, Any]  # what `Spare.fork` was asked: argv, environment, working directory ...
+    stdio: tuple[Any, Any, Any]  # the launch's stdin, stdout and stderr arguments
+    connection: dict[str, Any]  # the connection info it read (ports, key)
+
+    def discard(self) -> None:
+        self.spare.discard(self.kernel.pid)
+        if self.kernel.bound is not None:
+            os.close(self.kernel.bound)
+            self.kernel.bound = None
+        for name in ("stdin", "stdout", "stderr"):
+            pipe = getattr(self.kernel, name)
+            if pipe is not None:
+                pipe.close()
+
+
 class WarmProvisioner(LocalProvisioner):
     """Starts kernels by forking them from a spare process that has already imported `preload`.
 
@@ -137,12 +162,50 @@ class WarmProvisioner(LocalProvisioner):
                        help="Seconds a graceful shutdown or restart waits for the kernel's own exit before the "
                             "kernel manager's polling takes over (Note [What a restart waits for]).")
 
+    start_ahead = Bool(True, config=True,
+                       help="Keep the next kernel started ahead (a waiting process, about 45 MB), so that a "
+                            "restart only binds its ports (Note [Kernels started ahead] in zygote.py).")
+
     _key: SpareKey | None = None
     _unread_shutdown_until = 0.0  # see Note [Shutdown request to a dead kernel]
+    _ahead: _Ahead | None = None
+    _ahead_round = 0
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._ahead_lock = threading.Lock()
 
     @default("enabled")
     def _enabled_default(self) -> bool:
         return bool(settings.get(settings.WARM))
+
+    async def pre_launch(self, **kwargs: Any) -> dict[str, Any]:
+        if self.enabled:
+            self._reconnect_sooner()
+        return await super().pre_launch(**kwargs)
+
+    def _reconnect_sooner(self) -> None:
+        """Note [Reconnecting clients]: a restart keeps the clients connected to the kernel's ports. When
+        the old kernel exits, each of their sockets tries again after zmq's `reconnect_ivl` (100 ms, plus
+        up to as much again of jitter), and after every refused attempt as long again: so a client sees the
+        new kernel 100-200 ms after the old one exited however soon the new one listens. JupyterLab's
+        client is such a socket: jupyter_server keeps the websocket's zmq channels (made by this kernel's
+        manager, `connect_iopub` ...) while the browser reconnects after a restart, reuses them, and opens
+        the websocket once an iopub message arrived on them (its `nudge`, retried every 0.5 s). So the
+        sockets this kernel's manager makes from now on try every 10-20 ms at first, backing off to 40-50 ms
+        (what a dead kernel's clients keep trying). jupyter_server shares one context among all its kernels:
+        the setting goes on this kernel's own view of it (a shadow, the same zmq context), so no other
+        kernel's sockets change. Clients with a context of their own (`KernelManager.client()`, nbclient)
+        keep zmq's defaults."""
+        manager = self.parent
+        context = getattr(manager, "context", None)
+        if not isinstance(context, zmq.Context) or context.sockopts.get(zmq.RECONNECT_IVL) == RECONNECT_IVL_MS:
+            return
+        if not getattr(manager, "_created_context", True):  # shared: a shadow (a manager that made its
+            context = type(context).shadow(context)  # own context destroys it, which a shadow must not do)
+            setattr(manager, "context", context)  # noqa: B010 (the parent is typed Any | None)
+        context.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+        context.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
 
     async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> KernelConnectionInfo:
         """Fork the kernel from the spare; start it plainly when no spare can serve."""
@@ -183,21 +246,28 @@ class WarmProvisioner(LocalProvisioner):
             pidfd = os.pidfd_open(pid)
         except OSError:  # gone already, or no pidfds here: the manager's poll sees to it
             return
+        try:
+            await self._readable(pidfd, timeout)
+        finally:
+            os.close(pidfd)
+
+    @staticmethod
+    async def _readable(fd: int, timeout: float) -> None:
+        """Wait until `fd` is readable (or `timeout` s pass), the event loop free meanwhile."""
         loop = asyncio.get_running_loop()
-        exited: asyncio.Future[None] = loop.create_future()
+        ready: asyncio.Future[None] = loop.create_future()
 
         def readable() -> None:
-            if not exited.done():
-                exited.set_result(None)
+            if not ready.done():
+                ready.set_result(None)
 
-        loop.add_reader(pidfd, readable)
+        loop.add_reader(fd, readable)
         try:
-            await asyncio.wait_for(exited, timeout)
+            await asyncio.wait_for(ready, timeout)
         except asyncio.TimeoutError:
             pass
         finally:
-            loop.remove_reader(pidfd)
-            os.close(pidfd)
+            loop.remove_reader(fd)
 
     async def _launch_warm(self, cmd: list[str], kwargs: dict[str, Any]) -> KernelConnectionInfo:
         interpreter, module, args = split_argv([os.path.expanduser(part) for part in cmd])
@@ -214,26 +284,101 @@ class WarmProvisioner(LocalProvisioner):
         spare = spares.spare_for(self._key, spare_env, cwd)
         await spare.wait_ready(self.ready_timeout)
         await asyncio.sleep(max(0.0, self._unread_shutdown_until - time.monotonic()))
-        stdio = _Stdio(kwargs.get("stdin"), kwargs.get("stdout"), kwargs.get("stderr"))
+        request = {"module": module, "args": args, "argv": [*interpreter, "-m", module, *args], "env": env,
+                   "cwd": cwd, "parent_pid": os.getpid(), "fast_exit": self.fast_exit}
+        stdio = (kwargs.get("stdin"), kwargs.get("stdout"), kwargs.get("stderr"))
+        kernel = self._take_ahead(spare, request, stdio)
+        how = "started ahead by" if kernel is not None else "forked from"
+        if kernel is None:
+            kernel = self._fork(spare, request, stdio)
+        self.process = kernel  # type: ignore[assignment]  # it has the methods of Popen that LocalProvisioner uses
+        self.pid = self.pgid = kernel.pid
+        self.cwd = cwd
+        self.log.info("Kernel %s %s spare %d as %d", self.kernel_id, how, spare.pid, kernel.pid)
+        await self._bound(kernel, BIND_TIMEOUT)
+        if self.start_ahead:
+            self._start_next_ahead(spare, request, stdio)
+        return self.connection_info
+
+    @staticmethod
+    def _fork(spare: spares.Spare, request: dict[str, Any], stdio_args: tuple[Any, Any, Any],
+              ahead: bool = False) -> ForkedKernel:
+        stdio = _Stdio(*stdio_args)
+        bound, tell = os.pipe() if ahead else (None, None)  # Note [Launched means listening]
         try:
-            pid, pidfd = spare.fork(module=module, args=args, argv=[*interpreter, "-m", module, *args], env=env,
-                                    cwd=cwd, parent_pid=os.getpid(), fast_exit=self.fast_exit,
-                                    stdio=(stdio.fds[0], stdio.fds[1], stdio.fds[2]))
+            pid, pidfd = spare.fork(**request, stdio=(stdio.fds[0], stdio.fds[1], stdio.fds[2]), bound=tell)
         except BaseException:
             for pipe in stdio.keep.values():
                 pipe.close()
+            if bound is not None:
+                os.close(bound)
             raise
         finally:
             stdio.close()
+            if tell is not None:
+                os.close(tell)
         kernel = ForkedKernel(spare, pid, pidfd)
+        kernel.bound = bound
         for name, pipe in stdio.keep.items():
             setattr(kernel, name, pipe)
-        self.process = kernel  # type: ignore[assignment]  # it has the methods of Popen that LocalProvisioner uses
-        self.pid = self.pgid = pid
-        self.cwd = cwd
-        self.log.info("Kernel %s forked from spare %d as %d", self.kernel_id, spare.pid, pid)
-        await self._bound(kernel, BIND_TIMEOUT)
-        return self.connection_info
+        return kernel
+
+    def _take_ahead(self, spare: spares.Spare, request: dict[str, Any],
+                    stdio: tuple[Any, Any, Any]) -> ForkedKernel | None:
+        """The kernel started ahead for this start, started now; None if there is none or it was started
+        for a start other than this one (then it is discarded). Note [Kernels started ahead] in zygote.py."""
+        ahead = self._swap_ahead(None)
+        if ahead is None:
+            return None
+        if (ahead.spare is spare and ahead.request == request and ahead.stdio == stdio
+                and ahead.connection == dict(self.connection_info) and ahead.kernel.poll() is None):
+            try:
+                spare.start(ahead.kernel.pid)
+                return ahead.kernel
+            except SpareUnavailable as exc:
+                self.log.info("The kernel started ahead is gone (%s): forking one", exc)
+        ahead.discard()
+        return None
+
+    def _swap_ahead(self, new: _Ahead | None) -> _Ahead | None:
+        """Put `new` in place of the kernel started ahead; returns the one before. A kernel still being
+        started ahead meanwhile is for a start that is over: it is discarded when it arrives."""
+        with self._ahead_lock:
+            old, self._ahead = self._ahead, new
+            self._ahead_round += 1
+        return old
+
+    def _start_next_ahead(self, spare: spares.Spare, request: dict[str, Any], stdio: tuple[Any, Any, Any]) -> None:
+        """Start the kernel of the next restart ahead, in a thread (the fork takes the spare 10-20 ms)."""
+        with self._ahead_lock:
+            round_ = self._ahead_round
+        connection = dict(self.connection_info)
+
+        def start() -> None:
+            try:
+                kernel = self._fork(spare, request, stdio, ahead=True)
+            except (SpareUnavailable, OSError) as exc:
+                self.log.info("No kernel started ahead (%s)", exc)
+                return
+            ahead = _Ahead(spare, kernel, request, stdio, connection)
+            with self._ahead_lock:
+                if self._ahead is None and self._ahead_round == round_:
+                    self._ahead = ahead
+                    return
+            ahead.discard()
+
+        threading.Thread(target=start, name="overmind-kernel-ahead", daemon=True).start()
+
+    async def cleanup(self, restart: bool = False) -> None:
+        """`LocalProvisioner.cleanup`; at a shutdown, also the kernel started ahead ends (its exit awaited)."""
+        if not restart:
+            ahead = self._swap_ahead(None)
+            if ahead is not None:
+                ahead.discard()
+                deadline = time.monotonic() + 2.0
+                while ahead.kernel.poll() is None and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)
+        await super().cleanup(restart)
 
     async def _bound(self, kernel: ForkedKernel, timeout: float) -> None:
         """Note [Launched means listening]: wait until the forked kernel listens on all its TCP ports (it
@@ -242,7 +387,16 @@ class WarmProvisioner(LocalProvisioner):
         waits for `kernel_info` on a new shell socket) is refused and zmq tries again only after 100-200 ms
         (its `reconnect_ivl` plus jitter). A forked kernel binds 30-60 ms after the fork, so returning once
         it has bound saves that retry. Read from /proc/net, so no connection is made to the kernel. A kernel
-        that has not bound after `timeout` s is returned as it is; the manager's own timeouts then apply."""
+        that has not bound after `timeout` s is returned as it is; the manager's own timeouts then apply.
+        A kernel started ahead says itself when it listens (a byte on `kernel.bound`, or EOF if it died):
+        reading /proc/net/tcp takes 10 ms here, as long as the rest of its start."""
+        if kernel.bound is not None:
+            bound, kernel.bound = kernel.bound, None
+            try:
+                await self._readable(bound, timeout)
+            finally:
+                os.close(bound)
+            return
         info = self.connection_info
         if info.get("transport", "tcp") != "tcp":
             return

@@ -174,12 +174,30 @@ class Spare:
             return answer, got
 
     def fork(self, *, module: str, args: list[str], argv: list[str], env: dict[str, str], cwd: str,
-             parent_pid: int | None, fast_exit: bool, stdio: tuple[int, int, int]) -> tuple[int, int | None]:
-        """Fork a kernel; returns its pid and a pidfd of it (None where unsupported)."""
+             parent_pid: int | None, fast_exit: bool, stdio: tuple[int, int, int],
+             bound: int | None = None) -> tuple[int, int | None]:
+        """Fork a kernel; returns its pid and a pidfd of it (None where unsupported). With `bound` (the write
+        end of a pipe), one started ahead, which waits for `start` and then writes a byte there once it
+        listens (Note [Kernels started ahead] in zygote.py)."""
         request = {"kind": "fork", "module": module, "args": args, "argv": argv, "env": env, "cwd": cwd,
-                   "parent_pid": parent_pid, "fast_exit": fast_exit}
-        answer, fds = self._request(request, list(stdio))
+                   "parent_pid": parent_pid, "fast_exit": fast_exit, "ahead": bound is not None}
+        answer, fds = self._request(request, [*stdio, *([] if bound is None else [bound])])
         return int(answer["pid"]), (fds[0] if fds else None)
+
+    def start(self, pid: int) -> None:
+        """Let the kernel `pid`, started ahead, bind its ports and run.
+
+        Raises:
+            SpareUnavailable: the spare holds no such kernel (it died) or is gone.
+        """
+        self._request({"kind": "start", "pid": pid})
+
+    def discard(self, pid: int) -> None:
+        """End the kernel `pid`, started ahead and never started (nothing if the spare is gone)."""
+        try:
+            self._request({"kind": "discard", "pid": pid}, timeout=2.0)
+        except SpareUnavailable:  # a spare that is gone took it along (EOF on its socket)
+            pass
 
     def exit_status(self, pid: int) -> tuple[int | None, bool]:
         """The exit code of a kernel this spare forked, and whether the spare knows that kernel at all."""
@@ -222,15 +240,15 @@ class Spare:
         return changed
 
     def describe(self) -> dict[str, Any]:
-        kernels: list[int] = []
+        pong: dict[str, Any] = {}
         if self.check() == "ready":
             try:
-                kernels = self.ping().get("kernels", [])
+                pong = self.ping()
             except SpareUnavailable:
                 pass
         return {"spec": self.key.spec, "preload": list(self.key.preload), "pid": self.pid, "state": self.state,
                 "error": self.error, "modules": self.info.get("modules", []), "seconds": self.info.get("seconds"),
-                "kernels": kernels}
+                "kernels": pong.get("kernels", []), "ahead": pong.get("ahead", [])}
 
 
 class ForkedKernel:
@@ -244,6 +262,7 @@ class ForkedKernel:
     stdin: IO[bytes] | None = None
     stdout: IO[bytes] | None = None
     stderr: IO[bytes] | None = None
+    bound: int | None = None  # a kernel started ahead writes here once it listens (WarmProvisioner._bound)
 
     def __init__(self, spare: Spare, pid: int, pidfd: int | None) -> None:
         self.spare, self.pid, self._pidfd = spare, pid, pidfd
@@ -356,8 +375,8 @@ def stop_spares(timeout: float = 5.0) -> int:
 
 
 def describe_spares() -> list[dict[str, Any]]:
-    """What the spares of this process are doing: spec, preload, pid, state, error, modules, seconds, and
-    the pids of the kernels each forked that are still running."""
+    """What the spares of this process are doing: spec, preload, pid, state, error, modules, seconds, the
+    pids of the kernels each forked that are still running, and of those started ahead and waiting."""
     with _REGISTRY:
         current = list(_SPARES.values())
     return [spare.describe() for spare in current]

@@ -11,17 +11,24 @@ Wire format (Note [Spare wire format]). One Unix SOCK_SEQPACKET socket pair; the
 - A message MUST be one datagram holding one UTF-8 JSON object with a string `kind`; file descriptors
   MAY ride on it as SCM_RIGHTS. At most `MAX_MESSAGE` bytes.
 - The spare MUST send exactly one of these first, unasked, when its imports are done:
-  `{"kind": "ready", "version": 1, "pid", "modules": [imported], "seconds", "native_threads",
+  `{"kind": "ready", "version": 2, "pid", "modules": [imported], "seconds", "native_threads",
   "stamps": {file: mtime_ns}}` or
-  `{"kind": "failed", "version": 1, "error", "module"}` (then it exits 3). `version` is `PROTOCOL`,
+  `{"kind": "failed", "version": 2, "error", "module"}` (then it exits 3). `version` is `PROTOCOL`,
   separate from the package version; a side that does not speak it MUST stop the spare.
 - Then every request gets exactly one reply, in order:
   - `{"kind": "fork", "module", "args", "argv", "env", "cwd", "parent_pid", "fast_exit"}` with three fds (stdin,
     stdout, stderr of the kernel) -> `{"kind": "forked", "pid"}` with one fd, a pidfd of the kernel (none
     where pidfds are unsupported). The kernel is the child of the spare and leads its own session.
+    With `"ahead": true` the kernel is started ahead (Note [Kernels started ahead]): it builds everything
+    but its sockets' binds and waits; the spare keeps it until asked to start or discard it. A fourth fd
+    rides along then: the kernel writes one byte to it once it listens on all its ports after `start`.
+  - `{"kind": "start", "pid"}` -> `{"kind": "started", "pid"}`: a kernel started ahead binds its ports and
+    runs on from there; an error reply if the spare holds no such kernel (it died, say).
+  - `{"kind": "discard", "pid"}` -> `{"kind": "discarded", "pid"}`: a kernel started ahead exits without
+    having bound anything (also when the spare exits).
   - `{"kind": "status", "pid"}` -> `{"kind": "status", "pid", "code": int or null, "known": bool}`: the
     exit code of a kernel the spare forked (negative: killed by that signal); null while it runs.
-  - `{"kind": "ping"}` -> `{"kind": "pong", "pid", "kernels": [pids still running]}`.
+  - `{"kind": "ping"}` -> `{"kind": "pong", "pid", "kernels": [pids still running], "ahead": [pids waiting]}`.
   - Anything else -> `{"kind": "error", "error"}`; a bad request never stops the spare.
 - EOF on the socket (the server closed it, or died) MUST make the spare exit. Kernels it forked live on:
   they watch the server themselves (Note [Kernel lifetime]).
@@ -43,7 +50,8 @@ from typing import Any
 
 __all__ = ["DEFAULT_PRELOAD", "MAX_MESSAGE", "PROTOCOL", "expand_preload", "stamps"]
 
-PROTOCOL = 1
+PROTOCOL = 2
+BIND_WAIT = 5.0  # seconds a kernel started ahead waits for its heartbeat's bind before it says it listens
 MAX_MESSAGE = 1 << 20
 DEFAULT_PRELOAD = ("torch", "transformers")
 
@@ -72,10 +80,13 @@ KERNEL_MACHINERY = ("zmq", "tornado.ioloop", "tornado.platform.asyncio", "jupyte
                     "ipykernel.shellchannel", "ipykernel.connect", "ipykernel.parentpoller", "ipykernel.debugger",
                     "ipykernel.kernelapp")
 
-# What `%load_ext overmind_jupyter` and `%overmind on` import (measured: 16 modules, 33 ms of CPU), so that
+# What `%load_ext overmind_jupyter` and `%overmind on` import (measured: 19 modules, 45 ms of CPU), so that
 # a restarted warm kernel is model-ready sooner; with torch preloaded, also what the first cached load imports.
+# The signatures `%overmind on` builds for the loaders it patches are built here too (`prepare_signatures`:
+# 10-15 ms of each `%overmind on` otherwise), patching nothing.
 EXTENSION = ("IPython.core.magics.extension", "IPython.core.magic_arguments", "overmind_jupyter.extension",
-             "overmind_jupyter.magics", "overmind_jupyter.loading")
+             "overmind_jupyter.magics", "overmind_jupyter.loading", "overmind_jupyter.config",
+             "overmind_jupyter.patching", "overmind_jupyter.targets")
 EXTENSION_WITH_TORCH = ("overmind_jupyter.rebuild",)
 
 
@@ -149,6 +160,9 @@ def preload(names: list[str]) -> list[str]:
             importlib.import_module(name)
         except ImportError:  # a head start only: the kernel reports it if `%load_ext` is run
             continue
+    targets = sys.modules.get("overmind_jupyter.targets")
+    if targets is not None:
+        targets.prepare_signatures()
     _check_fork_safe("overmind_jupyter")
     return done
 
@@ -201,9 +215,10 @@ class _Spare:
         self.sock = sock
         self.codes: dict[int, int] = {}  # exit codes of reaped kernels, oldest first
         self.running: set[int] = set()
+        self.ahead: dict[int, socket.socket] = {}  # kernels started ahead, and our end of the socket each waits on
 
     def reap(self, pid: int = -1) -> None:
-        while self.running:
+        while True:
             try:
                 got, status = os.waitpid(pid, os.WNOHANG)
             except ChildProcessError:
@@ -213,6 +228,8 @@ class _Spare:
             if got == 0:
                 return
             self.running.discard(got)
+            if got in self.ahead:
+                self.ahead.pop(got).close()
             self.codes[got] = os.waitstatus_to_exitcode(status)
             while len(self.codes) > 4096:
                 del self.codes[next(iter(self.codes))]
@@ -221,14 +238,15 @@ class _Spare:
 
     def serve(self) -> dict[str, Any] | None:
         """Serve until EOF (returns None, in the spare) or a fork (returns the plan, in the child)."""
-        handlers = {"fork": self.fork, "status": self.status, "ping": self.ping}  # what the server may ask
+        handlers = {"fork": self.fork, "start": self.start, "discard": self.discard, "status": self.status,
+                    "ping": self.ping}  # what the server may ask
         while True:
             self.reap()
             ready, _, _ = select.select([self.sock], [], [], 1.0)
             if not ready:
                 continue
             try:
-                data, fds, _flags, _addr = socket.recv_fds(self.sock, MAX_MESSAGE, 3)
+                data, fds, _flags, _addr = socket.recv_fds(self.sock, MAX_MESSAGE, 4)
             except ConnectionError:
                 return None
             if not data:
@@ -256,7 +274,29 @@ class _Spare:
                           "known": pid in self.codes or pid in self.running})
 
     def ping(self, request: dict[str, Any], fds: list[int]) -> None:
-        _send(self.sock, {"kind": "pong", "pid": os.getpid(), "kernels": sorted(self.running)})
+        _send(self.sock, {"kind": "pong", "pid": os.getpid(), "kernels": sorted(self.running),
+                          "ahead": sorted(self.ahead)})
+
+    def start(self, request: dict[str, Any], fds: list[int]) -> None:
+        pid = int(request["pid"])
+        self.reap()
+        if pid not in self.ahead:
+            raise ValueError(f"no kernel started ahead as {pid}")
+        go = self.ahead.pop(pid)
+        try:
+            go.send(b"go")
+        except OSError as exc:  # it died a moment ago
+            raise ValueError(f"kernel {pid} started ahead is gone ({exc})") from exc
+        finally:
+            go.close()
+        self.running.add(pid)
+        _send(self.sock, {"kind": "started", "pid": pid})
+
+    def discard(self, request: dict[str, Any], fds: list[int]) -> None:
+        pid = int(request["pid"])
+        if pid in self.ahead:
+            self.ahead.pop(pid).close()  # EOF: it exits (Note [Kernels started ahead])
+        _send(self.sock, {"kind": "discarded", "pid": pid})
 
     @staticmethod
     def _close(fds: list[int]) -> None:
@@ -264,19 +304,32 @@ class _Spare:
             os.close(fd)
 
     def fork(self, request: dict[str, Any], fds: list[int]) -> dict[str, Any] | None:
-        if len(fds) != 3:
-            raise ValueError(f"fork needs 3 fds (stdin, stdout, stderr), got {len(fds)}")
+        ahead = bool(request.get("ahead"))
+        if len(fds) != 3 + ahead:
+            raise ValueError(f"fork needs {3 + ahead} fds (stdin, stdout, stderr{', bound' if ahead else ''}), "
+                             f"got {len(fds)}")
+        if ahead and not _can_start_ahead():
+            raise ValueError("this ipykernel cannot be started ahead (Note [Kernels started ahead])")
         missing = {"module", "args", "argv", "env", "cwd"} - set(request)
         if missing:
             raise KeyError(f"fork without {sorted(missing)}")
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) if ahead else (None, None)
         pid = os.fork()
         if pid == 0:
             self.sock.close()
-            return dict(request, fds=fds)
+            for other in self.ahead.values():  # or another kernel's wait would not end when the spare closes it
+                other.close()
+            if mine is not None:
+                mine.close()
+            return dict(request, fds=fds, go=theirs)
         self._close(fds)
-        self.running.add(pid)
+        if mine is not None and theirs is not None:
+            theirs.close()
+            self.ahead[pid] = mine
+        else:
+            self.running.add(pid)
         try:
             pidfd = [os.pidfd_open(pid)]
         except (AttributeError, OSError):
@@ -335,6 +388,101 @@ def _reseed() -> None:
         torch.default_generator.seed()
 
 
+def _leave_the_spares_finalizers() -> None:
+    """Note [Finalizers of the spare]: `weakref.finalize(obj, ..., atexit=True)` callbacks that exist at
+    the fork were registered by the spare's imports, for the spare's objects: torch registers one per
+    operator library (176 with transformers), and running them at a kernel's exit took 60 ms of the 100 ms
+    of its exit handlers (measured here), only to unregister operators from torch's dispatcher in a process
+    about to end. What such a callback cleans up outside the process (a temporary directory an import
+    made) is the spare's, still in use by the spare and its other kernels, so a kernel must not run it
+    either. The kernel leaves them to the spare: they no longer run at its exit; they still run if their
+    object dies while the kernel runs, and the finalizers the kernel makes itself run at its exit as usual."""
+    import weakref
+
+    for finalizer in list(getattr(weakref.finalize, "_registry", {})):
+        finalizer.atexit = False
+
+
+def _can_start_ahead() -> bool:
+    """Whether the ipykernel this spare imported is one `_bind_when_started` knows how to hold back."""
+    kernelapp = sys.modules.get("ipykernel.kernelapp")
+    app = getattr(kernelapp, "IPKernelApp", None)
+    heartbeat = getattr(sys.modules.get("ipykernel.heartbeat"), "Heartbeat", None)
+    return callable(getattr(heartbeat, "_bind_socket", None)) and all(
+        callable(getattr(app, name, None)) for name in ("_try_bind_socket", "init_heartbeat", "init_extensions"))
+
+
+def _bind_when_started(app_class: Any, go: socket.socket, bound: int) -> None:
+    """Note [Kernels started ahead]: a restart of a warm kernel used to wait for the next kernel's fork and
+    for its whole start (ipykernel's configuration, sockets, IPython's shell and history database: about
+    0.1 s of CPU) after the old kernel had exited, because the ports the new kernel binds are the old
+    one's. A kernel started ahead is forked while the current kernel runs, with the argv, environment,
+    working directory and connection file of the current start, and builds everything of ipykernel's app
+    that does not need the ports: configuration, sockets created but not bound, threads, kernel, shell.
+    Then, before anything of the user's runs (the extensions and startup code of IPython's configuration,
+    which may hold a GPU or a lock, run only at the restart, as in a plain kernel), it waits on `go`. At
+    the restart the provisioner checks that the start asks for exactly the same (else it discards it and
+    forks a kernel as before); the spare writes to `go`, and the kernel binds its ports, starts its
+    heartbeat, writes to `bound` (what the provisioner waits for: Note [Launched means listening]), runs the
+    extensions and startup code, and answers. EOF on `go` (discarded, or the spare or
+    the server is gone) ends it at once: it bound nothing and ran nothing of the user's. It is a new
+    process, forked before the restart was asked for: its pid, random state and IPython history session
+    are its own; only its start time (and its history session's) is earlier.
+
+    This patches the app class of this process only (the kernel's own copy of ipykernel, from the spare).
+    """
+    deferred: list[tuple[Any, int]] = []
+    try_bind, init_heartbeat, init_extensions = (app_class._try_bind_socket, app_class.init_heartbeat,
+                                                 app_class.init_extensions)
+    heartbeat_class = sys.modules["ipykernel.heartbeat"].Heartbeat
+    bind_heartbeat, heartbeat_bound = heartbeat_class._bind_socket, threading.Event()
+
+    def bind_heartbeat_and_tell(heartbeat: Any) -> Any:  # it binds in its own thread
+        try:
+            return bind_heartbeat(heartbeat)
+        finally:
+            heartbeat_bound.set()
+
+    def defer_bind(app: Any, sock: Any, port: int) -> int:
+        if port <= 0:  # a port to choose: nothing to keep free for later
+            return int(try_bind(app, sock, port))
+        deferred.append((sock, port))
+        return port
+
+    def defer_heartbeat(app: Any) -> None:
+        if app.hb_port <= 0:
+            init_heartbeat(app)
+
+    def start_then_init_extensions(app: Any) -> None:
+        if not go.recv(16):
+            os._exit(0)
+        go.close()
+        app_class._try_bind_socket, app_class.init_heartbeat = try_bind, init_heartbeat
+        for sock, port in deferred:
+            try_bind(app, sock, port)
+        debug_shell = getattr(app, "debug_shell_socket", None)  # ipykernel connects it once the shell is bound
+        endpoint = app.shell_socket.getsockopt(zmq_last_endpoint)
+        if debug_shell is not None and endpoint:
+            debug_shell.connect(endpoint)
+        heartbeat_class._bind_socket = bind_heartbeat_and_tell
+        init_heartbeat(app)
+        heartbeat_bound.wait(BIND_WAIT)
+        heartbeat_class._bind_socket = bind_heartbeat
+        try:
+            os.write(bound, b"1")
+        except OSError:  # the provisioner stopped waiting: it goes by /proc/net then
+            pass
+        os.close(bound)
+        app_class.init_extensions = init_extensions
+        init_extensions(app)
+
+    import zmq
+
+    zmq_last_endpoint = zmq.LAST_ENDPOINT
+    app_class._try_bind_socket, app_class.init_heartbeat = defer_bind, defer_heartbeat
+    app_class.init_extensions = start_then_init_extensions
+
+
 def become_kernel(plan: dict[str, Any], cwd_entry: bool) -> None:
     """Turn this freshly forked child into the kernel of `plan`, then run it (returns when the kernel exits).
 
@@ -344,10 +492,10 @@ def become_kernel(plan: dict[str, Any], cwd_entry: bool) -> None:
     `python -m module` sets them, and fresh random seeds.
     """
     os.setsid()
-    for target, fd in zip((0, 1, 2), plan["fds"], strict=True):
+    for target, fd in zip((0, 1, 2), plan["fds"][:3], strict=True):
         if fd != target:
             os.dup2(fd, target)
-    for fd in plan["fds"]:
+    for fd in plan["fds"][:3]:
         if fd > 2:
             os.close(fd)
     os.chdir(plan["cwd"])
@@ -357,6 +505,7 @@ def become_kernel(plan: dict[str, Any], cwd_entry: bool) -> None:
     if cwd_entry:
         sys.path.insert(0, os.getcwd())
     _reseed()
+    _leave_the_spares_finalizers()
     parent = int(plan.get("parent_pid") or 0)
     if parent:
         try:
@@ -372,6 +521,8 @@ def become_kernel(plan: dict[str, Any], cwd_entry: bool) -> None:
         except ImportError:
             pass
     kernelapp = sys.modules.get("ipykernel.kernelapp")
+    if plan.get("go") is not None and kernelapp is not None:  # the spare checked it (`_can_start_ahead`)
+        _bind_when_started(kernelapp.IPKernelApp, plan["go"], plan["fds"][3])
     if kernelapp is not None:  # imported by the spare (KERNEL_MACHINERY): give it this kernel's view
         setattr(kernelapp, "ParentPollerUnix", ServerPoller)  # noqa: B010 (a module mypy does not know)
         app = kernelapp.IPKernelApp
