@@ -42,6 +42,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -310,6 +311,7 @@ def hit_call_study(paths: dict[str, Path], env: dict[str, str], calls: int, vari
         hog.close()
         for parent in parents.values():
             parent.close()
+    shutil.rmtree(work, ignore_errors=True)  # the package copies (kept, with the parents' logs, on a failure)
     return report
 
 

@@ -20,13 +20,6 @@ sys.path.insert(0, str(REPO / "tests"))
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Outputs of a hit are compared bit for bit with the plain load's, in this process and in kernels (which
-# inherit this). MKL may pick another kernel for an operand at another address, and a hit's tensors lie
-# page-aligned in the arena where the plain load's lie wherever torch's allocator put them: on some CPUs
-# (these machines' AMD EPYC) a GEMV of the same bits then rounds differently in the last place. Strict
-# conditional reproducibility makes MKL's results independent of alignment, so the comparisons check the
-# weights and the model, not where MKL found them (README, Limits).
-os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 
 def _cuda_available() -> bool:

@@ -163,7 +163,7 @@ class WarmProvisioner(LocalProvisioner):
                             "kernel manager's polling takes over (Note [What a restart waits for]).")
 
     start_ahead = Bool(True, config=True,
-                       help="Keep the next kernel started ahead (a waiting process, about 45 MB), so that a "
+                       help="Keep the next kernel started ahead (a waiting process, about 40 MB of its own), so that a "
                             "restart only binds its ports (Note [Kernels started ahead] in zygote.py).")
 
     _key: SpareKey | None = None
