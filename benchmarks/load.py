@@ -23,12 +23,13 @@ their total PSS, plain against overmind.
     .venv/bin/python benchmarks/load.py --hit-calls --quick   # the same, 0.1B model, 8 calls a variant
 
 --hit-calls times only the first `from_pretrained` hit of a fresh process, after `enable()` (as in a kernel
-that ran `%load_ext overmind_jupyter` and `%overmind on`), --calls processes per variant, median, p90 and
-max, and call + first forward, in four variants: the package's bytecode present or not (a copy of
-overmind_jupyter and kernel_server compiled with compileall, or one never compiled, run with
-PYTHONDONTWRITEBYTECODE=1, as on machines that set it), each alone and with a CPU-bound process running
-beside it. The plain load's first call in such a process is measured in the same rounds (alone and beside
-the CPU-bound process), and the hits' figures are given as ratios of it.
+that ran `%load_ext overmind_jupyter` and `%overmind on`), --calls processes per variant, median, p90 and max,
+and call + first forward (with the excess of that first forward over a second one in the same process, the
+model's steady forward: what the first forward still pays for the load), in four variants: the package's
+bytecode present or not (a copy of overmind_jupyter and kernel_server compiled with compileall, or one never
+compiled, run with PYTHONDONTWRITEBYTECODE=1, as on machines that set it), each alone and with a CPU-bound
+process running beside it. The plain load's first call in such a process is measured in the same rounds (alone
+and beside the CPU-bound process), and the hits' figures are given as ratios of it.
 Each process is forked, per call, from a parent that imported torch, transformers and the Llama modeling
 module and ran no torch operation (docs: a fork of such a process is safe and takes ~15 ms; a fresh
 interpreter takes ~7 s here). The parent imports nothing of overmind_jupyter or kernel_server: each call's
@@ -158,10 +159,13 @@ def first_call(call: dict) -> dict:
     imported = sorted(name for name in set(sys.modules) - before if name.split(".")[0] in ours)
     with torch.inference_mode():
         logits = model(x).logits
-    t2 = time.perf_counter()
+        t2 = time.perf_counter()
+        model(x)  # the steady forward: the floor under the first (no load and no page fault left in it)
+        t3 = time.perf_counter()
     if call["case"] == "hit" and loading.calls() != {"hit": 1}:
         raise RuntimeError(f"the hit call was not a hit: {loading.calls()} {loading.fallbacks()}")
-    return {"call": t1 - t0, "first": t2 - t0, "checksum": float(logits.double().sum()), "imported": imported}
+    return {"call": t1 - t0, "first": t2 - t0, "second": t3 - t2, "checksum": float(logits.double().sum()),
+            "imported": imported}
 
 
 def fork_parent(spec: dict) -> None:
@@ -320,9 +324,13 @@ def summarize_calls(runs: dict[str, list[dict]]) -> dict:
     for variant, results in runs.items():
         ms = [r["call"] * 1000 for r in results]
         first = [r["first"] for r in results]
+        # what the first forward costs beyond the same process's steady forward: page faults, lazy setup
+        excess = [(r["first"] - r["call"] - r["second"]) * 1000 for r in results]
         rows[variant] = {"calls": len(results), "median_ms": statistics.median(ms), "p90_ms": percentile(ms, 0.9),
                          "max_ms": max(ms), "first_median_s": statistics.median(first),
                          "first_p90_s": percentile(first, 0.9), "call_ms": ms,
+                         "second_median_s": statistics.median(r["second"] for r in results),
+                         "first_excess_median_ms": statistics.median(excess),
                          "imported_in_call": sorted({m for r in results for m in r["imported"]})}
     for variant, row in rows.items():
         plain = rows["plain+cpu" if variant.endswith("+cpu") else "plain"]
@@ -338,12 +346,12 @@ def print_hit_calls(report: dict) -> None:
     for size, rows in report["models"].items():
         print(f"\n{size} model, bf16: the first from_pretrained of a fresh process")
         print(f"{'variant':17} {'calls':>5} {'median ms':>10} {'p90 ms':>8} {'max ms':>8} {'x plain':>8} "
-              f"{'call+fwd s (median/p90)':>24} {'x plain':>8}")
+              f"{'call+fwd s (median/p90)':>24} {'x plain':>8} {'fwd s':>6} {'1st fwd excess ms':>17}")
         for name, r in rows.items():
             flag = "" if r["checksums_agree"] else "  CHECKSUM MISMATCH"
             print(f"{name:17} {r['calls']:5d} {r['median_ms']:10.2f} {r['p90_ms']:8.2f} {r['max_ms']:8.2f} "
                   f"{r['call_x_plain']:8.3f} {r['first_median_s']:12.3f} / {r['first_p90_s']:.3f} "
-                  f"{r['first_x_plain']:8.2f}{flag}")
+                  f"{r['first_x_plain']:8.2f} {r['second_median_s']:6.3f} {r['first_excess_median_ms']:17.1f}{flag}")
         lazy = sorted({m for name, r in rows.items() if not name.startswith("plain") for m in r["imported_in_call"]})
         print(f"  imported during the hit call: {', '.join(lazy) or 'nothing of overmind_jupyter or kernel_server'}")
 

@@ -623,12 +623,14 @@ def _close_written_files() -> None:
 
     files = []
     for obj in gc.get_objects():  # objects frozen in the spare (see main) are not listed: not the user's
-        if not isinstance(obj, _io._IOBase):
+        # The type, not isinstance: that reads `__class__`, which a weakref.proxy forwards, and a dead
+        # one raises ReferenceError (a kernel that had loaded a model held one, and so never exited fast)
+        if not issubclass(type(obj), _io._IOBase):
             continue
         try:
             if obj.closed or not obj.writable() or not stat.S_ISREG(os.fstat(obj.fileno()).st_mode):
                 continue
-        except (OSError, ValueError, AttributeError):  # io.UnsupportedOperation is both
+        except Exception:  # noqa: BLE001 - not a file to close (io.UnsupportedOperation, a user's class)
             continue
         files.append(obj)
     for obj in sorted(files, key=order):
@@ -656,7 +658,10 @@ def fast_exit(code: int) -> None:
     except Exception:  # noqa: BLE001 - a failing thread must not keep the kernel alive
         traceback.print_exc()
     atexit._run_exitfuncs()
-    _close_written_files()
+    try:
+        _close_written_files()
+    except Exception:  # noqa: BLE001 - reported; the exit goes on, as the interpreter's would
+        traceback.print_exc()
     for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
         try:
             if stream is not None:
