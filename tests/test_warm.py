@@ -305,6 +305,21 @@ def test_a_restarted_warm_kernel_is_a_fresh_process_with_nothing_of_the_old_one(
         km.shutdown_kernel(now=True)
 
 
+def first_polls(km) -> list[int | None]:  # type: ignore[no-untyped-def]
+    """What the manager's first poll sees at each graceful shutdown of `km`'s kernel from now on (its exit
+    status, or None while it runs), with the kernel's own exit deciding, however loaded the machine."""
+    polls: list[int | None] = []
+    km.provisioner.exit_grace = 30.0
+    poll, finish = km.provisioner.poll, km._async_finish_shutdown
+
+    async def finish_shutdown(*args: Any, **kwargs: Any) -> None:
+        polls.append(await poll())
+        await finish(*args, **kwargs)
+
+    km._async_finish_shutdown = finish_shutdown
+    return polls
+
+
 def test_a_graceful_restart_waits_for_the_old_kernel_exit_not_for_a_poll_tick_and_returns_once_listening(
         warm: dict[str, str]) -> None:
     """Note [What a restart waits for] and Note [Launched means listening] in provisioner.py: the manager
@@ -313,17 +328,8 @@ def test_a_graceful_restart_waits_for_the_old_kernel_exit_not_for_a_poll_tick_an
     from overmind_jupyter.warm.provisioner import listening_ports
 
     km, kc = start(LIGHT, warm)
-    polls: list[int | None] = []
     try:
-        km.provisioner.exit_grace = 30.0  # however loaded the machine, the kernel's own exit decides
-        poll = km.provisioner.poll
-        finish = km._async_finish_shutdown
-
-        async def finish_shutdown(*args: Any, **kwargs: Any) -> None:
-            polls.append(await poll())  # what the manager's first poll, right after the request, sees
-            await finish(*args, **kwargs)
-
-        km._async_finish_shutdown = finish_shutdown
+        polls = first_polls(km)
         for _ in range(3):
             old = km.provisioner.pid
             km.restart_kernel(now=False)
@@ -360,17 +366,8 @@ def test_a_kernel_that_holds_a_dead_weak_proxy_still_ends_by_the_fast_exit(warm:
     more) and ended with status 1. It must end by the fast exit, status 0, its files flushed."""
     scratch = tmp_path / "scratch.txt"
     km, kc = start(LIGHT, warm)
-    codes: list[int | None] = []
     try:
-        km.provisioner.exit_grace = 30.0  # the kernel's own exit decides, however loaded the machine
-        poll = km.provisioner.poll
-        finish = km._async_finish_shutdown
-
-        async def finish_shutdown(*args: Any, **kwargs: Any) -> None:
-            codes.append(await poll())  # the old kernel's exit status, as the manager first sees it
-            await finish(*args, **kwargs)
-
-        km._async_finish_shutdown = finish_shutdown
+        codes = first_polls(km)
         execute(kc, DEAD_PROXY.format(scratch=str(scratch)))
         km.restart_kernel(now=False)
         kc.wait_for_ready(timeout=60)
