@@ -50,6 +50,7 @@ __all__ = ["ANSWER_TIMEOUT", "Client", "Response", "existing_shared_client", "re
 # holds a lookup for another kernel's load.
 ANSWER_TIMEOUT = 3.0
 _TURN = 0.002  # see Note [Who reads the socket]
+_BRIEF = 0.05  # see Note [Requests from finalizers]
 
 # Note [Who reads the socket]
 # A hit is one round trip, and a handoff between threads can wait a scheduler slice (milliseconds on a
@@ -68,6 +69,15 @@ _TURN = 0.002  # see Note [Who reads the socket]
 # reads itself once the other one is done (its reply may come after the other's).
 # A thread must not wait for a reply while it reads the socket (a finalizer that requests: none does;
 # unpins go through the unpin thread of overmind_jupyter's results.py); such a wait would end in its timeout.
+
+# Note [Requests from finalizers]
+# The collector can run a finalizer at any allocation, so also inside a send of this client, with
+# `_send_lock` held by the same thread. A tqdm bar dies that way (the progress relay of
+# overmind_jupyter's progress.py holds it in a reference cycle), and its `__del__` closes it, which
+# reports progress: through `submit`, it waited forever for the lock its own thread held, and the
+# kernel hung at the end of a load. Reports that such code makes use `try_submit`, which waits for a
+# lock at most _BRIEF seconds (another thread holds one for the microseconds of a send, or a scheduler
+# slice), then drops the report: a progress report is worth less than a collection that ends.
 
 
 
@@ -177,6 +187,30 @@ class Client:
                 raise self._failure from exc
             raise DaemonLost(f"the daemon went away: {exc}") from exc
         return request_id, fut
+
+    def try_submit(self, op: str, **fields: Any) -> bool:
+        """Send a request whose reply nobody waits for, if this client's locks come free within
+        `_BRIEF` seconds; False, with nothing sent, if they do not or the connection is gone. For
+        reports that code may make from inside a send of this very thread (Note [Requests from
+        finalizers])."""
+        if not self._send_lock.acquire(timeout=_BRIEF):
+            return False
+        try:
+            if not self._lock.acquire(timeout=_BRIEF):
+                return False
+            try:
+                if self._failure is not None or self._closed:
+                    return False
+                request_id = next(self._ids)
+                self._pending[request_id] = Future()  # its reply, read by whoever reads next, ends here
+            finally:
+                self._lock.release()
+            send_frame(self._sock, FrameKind.REQUEST, {"op": op, "id": request_id, **fields}, ())
+            return True
+        except OSError:
+            return False  # the next request finds the connection gone, and says so
+        finally:
+            self._send_lock.release()
 
     def request(self, op: str, *, fds: Sequence[int] = (), timeout: float | None = 60.0,
                 **fields: Any) -> Response:

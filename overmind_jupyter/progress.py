@@ -69,9 +69,11 @@ class Reporter:
         if not force and now - self._last < REPORT_S:
             return
         self._last = now
+        # Never waiting for the connection: a bar's close may run inside one of this thread's sends
+        # (Note [Requests from finalizers] in kernel_server/client.py).
         try:
-            self.client.submit(Op.PROGRESS, key=self.key, label=f"{what} {self.name}", done=max(0.0, float(done)),
-                               total=max(0.0, float(total or 0)), unit=unit)
+            self.client.try_submit(Op.PROGRESS, key=self.key, label=f"{what} {self.name}", done=max(0.0, float(done)),
+                                   total=max(0.0, float(total or 0)), unit=unit)
         except Exception:  # noqa: BLE001 - progress never fails a load (Note [Load progress])
             pass
 

@@ -4,6 +4,7 @@ hit's time reaches the daemon's hits log after the hit, never on its path."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -128,3 +129,31 @@ def test_disable_gives_transformers_back_the_tqdm_hook_it_had(overmind_home: Pat
     assert proc.stdout.split()[:2] == ["False", "True"], proc.stdout + proc.stderr
     assert "miss" in proc.stdout, proc.stdout
     assert "user: Loading weights (tiny-llama)" in proc.stderr, "the user's hook saw the named bar"
+
+
+def test_a_bar_collected_inside_a_send_of_its_own_thread_ends_without_a_hang(overmind_home: Path) -> None:
+    """Note [Requests from finalizers] in kernel_server/client.py: a load's bar is freed by the collector
+    (the relay holds it in a cycle), and the collector can run at any allocation, also inside a send of
+    the same connection. The bar's close still reports, and the process goes on. The test holds the
+    connection's send lock around a collection, where a send's allocation would have started it."""
+    code = """
+        import gc, json, weakref
+        from transformers.utils import logging
+        from kernel_server.client import shared_client
+        from overmind_jupyter import progress
+
+        client = shared_client()
+        with progress.loading(client, "0" * 64, "LlamaForCausalLM.from_pretrained('/models/tiny')"):
+            bar = logging.tqdm(range(3), desc="Loading weights")  # through transformers' hook, as a load's
+            for _ in bar:
+                pass
+        gc.disable()
+        freed = weakref.ref(bar)
+        del bar  # only the collector frees it
+        with client._send_lock:  # inside a send of this thread
+            gc.collect()
+        print(json.dumps({"freed": freed() is None, "ping": client.request("ping")["ok"]}))
+    """
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=120, check=True)
+    assert json.loads(proc.stdout.splitlines()[-1]) == {"freed": True, "ping": True}
