@@ -157,7 +157,9 @@ class _Placer:
         self.seen[untyped._cdata] = _Call(_STORAGE_OF, t)  # later users of the storage take this tensor's
         count = nbytes // itemsize
         size, stride, offset = tuple(t.shape), t.stride(), t.storage_offset()
-        shape = None if (size, stride, offset) == ((count,), (1,), 0) else (size, stride, offset)
+        shape: _Shape = None  # the whole storage, flat
+        if (size, stride, offset) != ((count,), (1,), 0):
+            shape = (size, stride, offset) if offset else (size, stride)  # Note [Cheap rebuild]
         if type(t) is torch.nn.Parameter:
             return (_fresh_parameter, (at, count, t.dtype, shape, t.requires_grad, attributes))
         return (_fresh_tensor, (at, count, t.dtype, shape))
@@ -254,10 +256,14 @@ def _plain_module_class(cls: type) -> bool:
 #   unpickler turns into `OrderedDict()` in C: a fresh one per module and name, as nn.Module makes them.
 # - The first plain tensor met on a storage of the entry's own arena on the CPU (nearly every parameter
 #   and buffer) is one Python call: `torch.frombuffer` over the arena's mapping makes the tensor and its
-#   storage at once, `as_strided_` gives it its shape where it is not the whole storage flat, and a
-#   parameter is `_make_subclass`, as `nn.Parameter()` does. Later tensors on that storage (views, a
-#   tensor pickled by torch's own reduction) take that tensor's storage (`_STORAGE_OF`, in C); storages
-#   in other entries, on other devices or of no bytes go through `_storage_at` and `_Rebuild.storage`.
+#   storage at once, `as_strided_` gives it its shape where it is not the whole storage flat (without
+#   the storage offset where it is 0: a quarter of its cost), and a parameter is that same tensor given
+#   the class Parameter, as torch's own `UninitializedParameter.materialize` turns its object into a
+#   Parameter. `nn.Parameter(t)` (`_make_subclass`) would make a detached alias of `t` instead, three
+#   times the cost of assigning the class and setting requires_grad; `t` is this rebuild's own, so
+#   nothing else sees it change. Later tensors on that storage (views, a tensor pickled by torch's own
+#   reduction) take that tensor's storage (`_STORAGE_OF`, in C); storages in other entries, on other
+#   devices or of no bytes go through `_storage_at` and `_Rebuild.storage`.
 # Every object the graph needs is still made and given its state: nothing is shared between modules or
 # with other rebuilds. CorruptEntry's checks stay where they were (`_Rebuild.locate` for any storage
 # not in the own arena's single mapping; `torch.frombuffer` refuses bytes beyond a mapping).
@@ -573,16 +579,19 @@ def _parameter(untyped: torch.UntypedStorage, dtype: torch.dtype, offset: int, s
 
 
 def _as_parameter(tensor: torch.Tensor, requires_grad: bool, attributes: dict[str, Any] | None) -> torch.nn.Parameter:
-    """What `nn.Parameter(tensor, requires_grad)` makes, with the parameter's Python attributes."""
-    param = _make_subclass(torch.nn.Parameter, tensor, requires_grad)
+    """`tensor`, a new one of this rebuild, made the parameter `nn.Parameter(tensor, requires_grad)` would
+    make (Note [Cheap rebuild]), with the parameter's Python attributes."""
+    tensor.__class__ = _Parameter
+    if requires_grad:
+        tensor.requires_grad_()
     if attributes:
         # Not setattr, which interns each name and so changes which strings the object shares
         # (Note [References] in results.py compares pickles, memo and all)
-        param.__dict__.update(attributes)
-    return param
+        tensor.__dict__.update(attributes)
+    return tensor  # type: ignore[return-value]  # (its class is Parameter now)
 
 
-_Shape = tuple[tuple[int, ...], tuple[int, ...], int] | None  # size, stride and storage offset, or None: flat
+_Shape = tuple[Any, ...] | None  # size and stride, and the storage offset where it is not 0; or None: flat
 
 
 def _fresh_tensor(at: int, count: int, dtype: torch.dtype, shape: _Shape) -> torch.Tensor:
@@ -609,14 +618,15 @@ def _fresh_parameter(at: int, count: int, dtype: torch.dtype, shape: _Shape, req
     tensor = _frombuffer(mapping, dtype=dtype, count=count, offset=at)
     if shape is not None:
         tensor.as_strided_(*shape)
-    param = _make_subclass(_Parameter, tensor, requires_grad)
+    tensor.__class__ = _Parameter  # as `_as_parameter` does
+    if requires_grad:
+        tensor.requires_grad_()
     if attributes:
-        param.__dict__.update(attributes)  # not setattr: see `_as_parameter`
-    return param
+        tensor.__dict__.update(attributes)  # not setattr: see `_as_parameter`
+    return tensor  # type: ignore[return-value]
 
 
 _frombuffer = torch.frombuffer
-_make_subclass = torch.Tensor._make_subclass
 _Parameter = torch.nn.Parameter
 
 
@@ -645,7 +655,7 @@ def warm() -> None:
     _as_parameter(tensor, False, {"warm": True})
     _parameter(tensor.untyped_storage(), torch.float32, 0, (1,), (1,), False, None)
     module = torch.nn.Module()
-    module.weight = torch.nn.Parameter(torch.zeros(2, 2), requires_grad=False)
+    module.weight = torch.nn.Parameter(torch.zeros(2, 2))  # a 2-D parameter that requires grad, as most do
     packed = pack((module, [], None))
     fd = os.memfd_create("overmind-warm", os.MFD_CLOEXEC)
     try:

@@ -131,6 +131,45 @@ def test_bf16_parameters_buffers_and_flags_are_the_plain_ones(overmind_home: Pat
     assert second.proj.weight.grad is not None and plain.proj.weight.grad is None
 
 
+def test_a_hit_parameter_takes_what_a_plain_one_takes(overmind_home: Path) -> None:
+    """A hit's parameter is the tensor made over the arena, given the Parameter class (Note [Cheap
+    rebuild]), not a detached alias of it: the ways code replaces, converts, copies and trains
+    parameters give the plain model's results, and the entry stays as it was."""
+    import copy
+    import io
+
+    _, hit = load_twice("mlp")
+    plain = tiny_modules.build("mlp")
+    assert rebuild.entry_of(hit.layers[0].weight.data_ptr()) is not None, "the second load is a hit"
+    x = torch.randn(4, 256)
+
+    def exercise(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        for p in model.parameters():
+            assert type(p) is torch.nn.Parameter and p.requires_grad and p.is_leaf and p.grad_fn is None
+            assert p._base is None
+        model.layers[1].bias.data = torch.full((256,), 0.5)  # replaced through .data
+        twin = copy.deepcopy(model)
+        assert all(type(p) is torch.nn.Parameter for p in twin.parameters())
+        model.requires_grad_(False)
+        model.requires_grad_(True)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1, foreach=False)
+        model(x).square().mean().backward()
+        opt.step()  # in place, on the hit's copy-on-write pages
+        wide = model.to(torch.float64)  # each parameter converted through .data, as Module._apply does
+        assert all(p.dtype == torch.float64 and type(p) is torch.nn.Parameter for p in wide.parameters())
+        buf = io.BytesIO()
+        torch.save(wide.state_dict(), buf)
+        buf.seek(0)
+        return torch.load(buf), twin(x)
+
+    got, got_twin = exercise(hit)
+    want, want_twin = exercise(plain)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert torch.equal(got_twin, want_twin)
+    again = loading.cached(tiny_modules.build, "mlp")  # the entry did not see the training
+    assert_same_state(tiny_modules.build("mlp"), again)
+
+
 def test_hook_dicts_are_new_per_module_and_hooks_registered_after_a_hit_stay_on_it(overmind_home: Path) -> None:
     first, second = load_twice("mlp")
     assert rebuild.entry_of(second.layers[0].weight.data_ptr()) is not None, "the second load is a hit"
@@ -531,10 +570,11 @@ def test_enable_leaves_the_first_hit_no_first_torch_call_and_no_collection_of_th
         def faults():
             return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
-        def torch_calls():  # what a rebuild does per tensor
+        def torch_calls():  # what a rebuild does per tensor (rebuild._fresh_parameter)
             page = mmap.mmap(-1, mmap.PAGESIZE)
-            t = torch.frombuffer(page, dtype=torch.bfloat16, count=4, offset=8).as_strided_((2,), (2,), 0)
-            torch.Tensor._make_subclass(torch.nn.Parameter, t, False)
+            t = torch.frombuffer(page, dtype=torch.bfloat16, count=4, offset=8).as_strided_((2, 2), (2, 1))
+            t.__class__ = torch.nn.Parameter
+            t.requires_grad_()
 
         r, w = os.pipe()
         pid = os.fork()
