@@ -6,9 +6,11 @@ A first load runs the library's own loading, which shows its own tqdm bars (tran
 weights"; `tqdm.auto`, so an ipywidgets bar in a notebook). While a miss loads, `loading(...)` makes the
 bars that transformers creates on this thread (through its public `set_tqdm_hook`) carry the model's
 name, and passes their progress on to the daemon as `progress` reports of the load's key (Note [Progress]
-in kernel_server/store.py), sent without waiting for the answer and at most every `REPORT_S`. The copy of
-a miss into shared memory reports the same way (publishing.py). Bars of other threads, and bars outside a
-miss, are left exactly as they were. A failure to report is ignored: progress never fails a load.
+in kernel_server/store.py), sent without waiting for the answer and at most every `REPORT_S`, and never
+waiting long for the connection: a bar's close can run inside a send of its own thread (Note [Requests
+from finalizers] in kernel_server/client.py), and a report that cannot be sent at once is dropped. The copy
+of a miss into shared memory reports the same way (publishing.py). Bars of other threads, and bars outside
+a miss, are left exactly as they were. A failure to report is ignored: progress never fails a load.
 
 # Note [Hit times]
 The daemon logs each hit with the plain load time it saved (Note [Load time saved] in
