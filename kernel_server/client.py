@@ -202,7 +202,7 @@ class Client:
                 if self._failure is not None or self._closed:
                     return False
                 request_id = next(self._ids)
-                self._pending[request_id] = Future()  # its reply, read by whoever reads next, ends here
+                self._pending[request_id] = Future()  # for its reply, which whoever reads next takes
             finally:
                 self._lock.release()
             send_frame(self._sock, FrameKind.REQUEST, {"op": op, "id": request_id, **fields}, ())

@@ -134,8 +134,9 @@ def test_disable_gives_transformers_back_the_tqdm_hook_it_had(overmind_home: Pat
 def test_a_bar_collected_inside_a_send_of_its_own_thread_ends_without_a_hang(overmind_home: Path) -> None:
     """Note [Requests from finalizers] in kernel_server/client.py: a load's bar is freed by the collector
     (the relay holds it in a cycle), and the collector can run at any allocation, also inside a send of
-    the same connection. The bar's close still reports, and the process goes on. The test holds the
-    connection's send lock around a collection, where a send's allocation would have started it."""
+    the same connection. The bar's close then gives up its report after a moment, and the process goes
+    on. The test holds the connection's send lock around a collection, where a send's allocation would
+    have started it."""
     code = """
         import gc, json, weakref
         from transformers.utils import logging
