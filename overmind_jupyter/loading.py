@@ -84,9 +84,10 @@ def flush_warnings() -> None:
 # automatic collection is a generation-1 one over all of them; a hit pauses the collector while it
 # unpickles, and the first allocation after it paid that collection: 2-3 ms of the first hit of a
 # process (measured in a child forked from a parent that imported torch and transformers, as
-# benchmarks/load.py --hit-calls makes them). Collected here, the hit's own collection is of
-# generation 0: the objects it made (0.2 ms). Never `gc.collect()` of everything: in a forked kernel
-# that visits the whole heap (0.35 s) and writes to every object's page, unsharing them.
+# benchmarks/load.py --hit-calls makes them). Collected here, the hit's own young collection is of
+# what was made since, while the daemon answers, and its objects skip the young generations (Note [Old
+# at birth]). Never `gc.collect()` of everything: in a forked kernel that visits the whole heap (0.35 s)
+# and writes to every object's page, unsharing them.
 _prepared = False
 
 
@@ -301,9 +302,14 @@ def _from_hit(client: Client, ck: keys.CallKey, reply: Response, replay: Replay,
             arenas[e["key"]] = rebuild.ArenaRef(e["key"], fds[at], e["arena_bytes"], e.get("pieces", []), sources)
             at += 1 + len(sources)
 
-        rebuilt = rebuild.rebuild(graph, arenas, ck.key, on_unmap=unpin,
-                                  populate=settings.populate and threads.allowed(),  # Note [Helper threads]
-                                  arguments=replay.paths, reuse=reuse)
+        born_old = _born_old()
+        with rebuild.gc_paused():
+            rebuilt = rebuild.rebuild(graph, arenas, ck.key, on_unmap=unpin,
+                                      populate=settings.populate and threads.allowed(),  # Note [Helper threads]
+                                      arguments=replay.paths, reuse=reuse)
+            if born_old:
+                gc.freeze()  # Note [Old at birth]: every tracked object to the oldest generation,
+                gc.unfreeze()  # visiting none
         if not (isinstance(rebuilt, tuple) and len(rebuilt) == 3 and isinstance(rebuilt[1], list)
                 and (rebuilt[2] is None or isinstance(rebuilt[2], tuple))):
             raise CorruptEntry(f"the entry holds a {type(rebuilt).__name__}, not (result, arguments, random state)")
@@ -317,6 +323,24 @@ def _from_hit(client: Client, ck: keys.CallKey, reply: Response, replay: Replay,
         randomness.set_random_state(random_after)  # as the plain load leaves the generators (Note [Random loads])
     count("hit")
     return obj
+
+
+# Note [Old at birth]
+# A hit's objects (about 5,000 for a 1.1B Llama: modules, their hook dicts, parameters) are made while
+# the collector is paused (rebuild.gc_paused), and they outlive the call. Left in generation 0, the
+# first allocation after the hit ran a young collection over all of them (0.4-0.5 ms of a 1.1B hit),
+# and a generation-1 collection visited them again later, to find them all alive both times. So they go
+# to the oldest generation at once: `gc.freeze()` then `gc.unfreeze()` moves every tracked object there
+# without visiting one. For that to promote nothing but live objects, the young generations are
+# collected first, in `_lookup`, while the daemon answers (the thread would only wait; 0.2 ms here);
+# between that and the promotion runs only the hit's own code (and whatever another thread makes, whose
+# garbage then waits for a full collection rather than a young one). Not where something is frozen:
+# a warm kernel's zygote froze its heap before forking it (Note [Frozen imports] in warm/zygote.py),
+# and `gc.unfreeze()` would hand all of it back to the collector, whose next full collection would
+# write to every page of it; there, and where the user disabled the collector, the hit's objects stay
+# young, and the first young collection after the hit visits them.
+def _born_old() -> bool:
+    return gc.isenabled() and not gc.get_freeze_count()
 
 
 def _abandon(client: Client, key: str) -> None:
@@ -343,8 +367,11 @@ def _lookup(key: str) -> tuple[Client, Response]:
     for attempt in (1, 2):
         try:
             client = shared_client()
+            request = client.submit(Op.LOOKUP, key=key, wait=True)
+            if _born_old():
+                gc.collect(1)  # while the daemon answers (Note [Old at birth])
             # a long wait for another kernel's load, a short one for the daemon (Note [Two kinds of waiting])
-            return client, client.wait_alive(*client.submit(Op.LOOKUP, key=key, wait=True), settings.wait_timeout)
+            return client, client.wait_alive(*request, settings.wait_timeout)
         except DaemonLost:
             if attempt == 2:
                 raise

@@ -597,3 +597,51 @@ def test_enable_leaves_the_first_hit_no_first_torch_call_and_no_collection_of_th
     assert out["mapped"] == [], "the warm-up's rebuild left its arena mapped"
     assert out["generation1"] == 0, "the imports' young objects are left for the first hit to collect"
     assert out["faults"] <= 20, f"the first torch calls after enable() took {out['faults']} page faults"
+
+
+def test_a_hit_leaves_its_objects_old_and_young_garbage_collected(env: dict[str, str], tiny_llama: Path) -> None:
+    """Note [Old at birth] in loading.py: after a hit, the rebuilt model is in the collector's oldest
+    generation (no young collection visits it), a garbage cycle made just before the call was collected
+    rather than promoted with it, and where something is frozen (a warm kernel's zygote froze its heap)
+    it stays frozen and the hit's objects are left to the young collections."""
+    code = f"""
+        import gc, json, sys, weakref, torch
+        from transformers import AutoModelForCausalLM
+        from overmind_jupyter import loading
+
+        def load():
+            return loading.cached(AutoModelForCausalLM.from_pretrained, {str(tiny_llama)!r}, dtype=torch.float32)
+
+        load()  # the miss, or a hit of an earlier run
+        class Cycle:
+            pass
+        garbage = Cycle()
+        garbage.self = garbage
+        gone = weakref.ref(garbage)
+        del garbage
+        if sys.argv[-1] == "frozen":
+            gc.freeze()
+        frozen = gc.get_freeze_count()
+        model = load()
+
+        def generation(obj):
+            return next(g for g in range(3) if any(o is obj for o in gc.get_objects(generation=g)))
+
+        layer = model.model.layers[0]
+        print(json.dumps({{"calls": loading.calls(), "model": generation(model), "layer": generation(layer),
+                           "hooks": generation(layer._forward_hooks),
+                           "weight": generation(layer.self_attn.q_proj.weight),
+                           "garbage_alive": gone() is not None, "frozen_before": frozen,
+                           "frozen_after": gc.get_freeze_count(), "enabled": gc.isenabled()}}))
+    """
+    run_py(code, env=env)  # publishes
+    out = last_json(run_py(code, env=env))
+    assert out["calls"] == {"hit": 2}, out
+    assert (out["model"], out["layer"], out["hooks"], out["weight"]) == (2, 2, 2, 2), out
+    assert not out["garbage_alive"], "a young garbage cycle was promoted with the hit's objects"
+    frozen = last_json(run_py(code.replace("sys.argv[-1] == \"frozen\"", "True"), env=env))
+    assert frozen["calls"] == {"hit": 2}, frozen
+    # (what was frozen and has since been freed leaves the count; `gc.unfreeze()` would make it 0)
+    assert frozen["frozen_after"] > frozen["frozen_before"] * 0.9 > 0, "the hit unfroze what the process froze"
+    assert frozen["model"] < 2, frozen
+    assert frozen["enabled"]
