@@ -603,7 +603,8 @@ def test_a_hit_leaves_its_objects_old_and_young_garbage_collected(env: dict[str,
     """Note [Old at birth] in loading.py: after a hit, the rebuilt model is in the collector's oldest
     generation (no young collection visits it), a garbage cycle made just before the call was collected
     rather than promoted with it, and where something is frozen (a warm kernel's zygote froze its heap)
-    it stays frozen and the hit's objects are left to the young collections."""
+    it stays frozen, the hit's objects are left to the young collections, and the next hit does not count
+    the frozen objects again."""
     code = f"""
         import gc, json, sys, weakref, torch
         from transformers import AutoModelForCausalLM
@@ -628,20 +629,27 @@ def test_a_hit_leaves_its_objects_old_and_young_garbage_collected(env: dict[str,
             return next(g for g in range(3) if any(o is obj for o in gc.get_objects(generation=g)))
 
         layer = model.model.layers[0]
+        counted, count = [], gc.get_freeze_count
+        gc.get_freeze_count = lambda: counted.append(1) or count()
+        again = load()
+        gc.get_freeze_count = count
         print(json.dumps({{"calls": loading.calls(), "model": generation(model), "layer": generation(layer),
                            "hooks": generation(layer._forward_hooks),
                            "weight": generation(layer.self_attn.q_proj.weight),
                            "garbage_alive": gone() is not None, "frozen_before": frozen,
-                           "frozen_after": gc.get_freeze_count(), "enabled": gc.isenabled()}}))
+                           "frozen_after": gc.get_freeze_count(), "enabled": gc.isenabled(),
+                           "counted": len(counted)}}))
     """
     run_py(code, env=env)  # publishes
     out = last_json(run_py(code, env=env))
-    assert out["calls"] == {"hit": 2}, out
+    assert out["calls"] == {"hit": 3}, out
     assert (out["model"], out["layer"], out["hooks"], out["weight"]) == (2, 2, 2, 2), out
     assert not out["garbage_alive"], "a young garbage cycle was promoted with the hit's objects"
     frozen = last_json(run_py(code.replace("sys.argv[-1] == \"frozen\"", "True"), env=env))
-    assert frozen["calls"] == {"hit": 2}, frozen
+    assert frozen["calls"] == {"hit": 3}, frozen
     # (what was frozen and has since been freed leaves the count; `gc.unfreeze()` would make it 0)
     assert frozen["frozen_after"] > frozen["frozen_before"] * 0.9 > 0, "the hit unfroze what the process froze"
     assert frozen["model"] < 2, frozen
     assert frozen["enabled"]
+    # counting what is frozen walks all of it: once found, it is remembered, and the next hit asks nothing
+    assert frozen["counted"] == 0, frozen
