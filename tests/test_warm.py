@@ -429,7 +429,8 @@ def test_a_restart_starts_the_kernel_started_ahead_which_ran_nothing_of_the_user
     assert set(ran_startup()) == {first, ahead, other["pid"]}
 
 
-def test_the_sockets_of_a_warm_kernels_manager_reconnect_soon_and_no_other_kernels_do(warm: dict[str, str]) -> None:
+def test_the_sockets_of_a_warm_kernels_manager_reconnect_soon_and_no_other_kernels_do(warm: dict[str, str],
+                                                                                     tmp_path: Path) -> None:
     """Note [Reconnecting clients] in provisioner.py, with a MultiKernelManager's shared context as in
     jupyter_server: the warm kernel's manager makes sockets that try again after 10 ms (zmq's default is
     100 ms), the shared context and what other kernels make from it keep zmq's defaults, and a channel made
@@ -438,7 +439,7 @@ def test_the_sockets_of_a_warm_kernels_manager_reconnect_soon_and_no_other_kerne
     from jupyter_client.multikernelmanager import MultiKernelManager
     from jupyter_client.session import Session
 
-    mkm = MultiKernelManager()
+    mkm = MultiKernelManager(connection_dir=str(tmp_path))  # as jupyter_server's runtime dir, not the cwd
     kernel_id = mkm.start_kernel(kernel_name=LIGHT, env=warm)
     km = mkm.get_kernel(kernel_id)
     stream = km.connect_iopub()  # a ZMQStream, as jupyter_server's channels
