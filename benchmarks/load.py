@@ -255,11 +255,22 @@ def package_copy(root: Path, bytecode: bool) -> Path:
     return root
 
 
+_HOG = """
+import os
+parent = os.getppid()
+while os.getppid() == parent:
+    for _ in range(100_000):
+        pass
+"""
+
+
 class CpuHog:
     """A CPU-bound process, running only while a call of a "+cpu" variant is measured."""
 
     def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        # It ends when this process is gone, however it ends: one left spinning after a killed run took a
+        # core from every later measurement on the machine.
+        self.proc = subprocess.Popen([sys.executable, "-c", _HOG])
         self.proc.send_signal(signal.SIGSTOP)
 
     @contextlib.contextmanager
