@@ -28,6 +28,7 @@ import mmap
 import operator
 import os
 import pickle
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -161,8 +162,8 @@ class _Placer:
         if (size, stride, offset) != ((count,), (1,), 0):
             shape = (size, stride, offset) if offset else (size, stride)  # Note [Cheap rebuild]
         if type(t) is torch.nn.Parameter:
-            return (_fresh_parameter, (at, count, t.dtype, shape, t.requires_grad, attributes))
-        return (_fresh_tensor, (at, count, t.dtype, shape))
+            return (_fresh_parameter, (_OWN_MAPPING, at, count, t.dtype, shape, t.requires_grad, attributes))
+        return (_fresh_tensor, (_OWN_MAPPING, at, count, t.dtype, shape))
 
     def source(self, untyped: torch.UntypedStorage) -> _Call:
         """What unpickles to `untyped`'s storage: one object per storage, so that the pickler's memo
@@ -261,7 +262,10 @@ def _plain_module_class(cls: type) -> bool:
 #   the class Parameter, as torch's own `UninitializedParameter.materialize` turns its object into a
 #   Parameter. `nn.Parameter(t)` (`_make_subclass`) would make a detached alias of `t` instead, three
 #   times the cost of assigning the class and setting requires_grad; `t` is this rebuild's own, so
-#   nothing else sees it change. Later tensors on that storage (views, a tensor pickled by torch's own
+#   nothing else sees it change. The mapping is an argument of each call, which the graph fetches once
+#   (`_OWN_MAPPING`, memoized), and a parameter's Python attributes become its __dict__ as the graph
+#   made them (a dict of its own): 0.3 us less per parameter than asking the rebuild's state for the
+#   mapping and copying the dict. Later tensors on that storage (views, a tensor pickled by torch's own
 #   reduction) take that tensor's storage (`_STORAGE_OF`, in C); storages in other entries, on other
 #   devices or of no bytes go through `_storage_at` and `_Rebuild.storage`.
 # Every object the graph needs is still made and given its state: nothing is shared between modules or
@@ -585,21 +589,30 @@ def _as_parameter(tensor: torch.Tensor, requires_grad: bool, attributes: dict[st
     if requires_grad:
         tensor.requires_grad_()
     if attributes:
-        # Not setattr, which interns each name and so changes which strings the object shares
-        # (Note [References] in results.py compares pickles, memo and all)
-        tensor.__dict__.update(attributes)
+        # The graph's own dict, made for this tensor alone; not setattr, which interns each name and so
+        # changes which strings the object shares (Note [References] in results.py compares pickles, memo
+        # and all)
+        tensor.__dict__ = attributes
     return tensor  # type: ignore[return-value]  # (its class is Parameter now)
 
 
 _Shape = tuple[Any, ...] | None  # size and stride, and the storage offset where it is not 0; or None: flat
 
 
-def _fresh_tensor(at: int, count: int, dtype: torch.dtype, shape: _Shape) -> torch.Tensor:
+def _own_mapping() -> mmap.mmap | None:
+    """Called by the unpickler once per graph: the mapping of the own arena, when it holds every byte
+    of it, which `_fresh_tensor` and `_fresh_parameter` are then given (Note [Cheap rebuild])."""
+    return _state().own_mapping
+
+
+_OWN_MAPPING = _Call(_own_mapping)
+
+
+def _fresh_tensor(mapping: mmap.mmap | None, at: int, count: int, dtype: torch.dtype, shape: _Shape) -> torch.Tensor:
     """Called by the unpickler for the first tensor on a storage of the entry's own arena: the tensor
     and its storage of `count` elements at arena offset `at`, in one call (Note [Cheap rebuild])."""
-    state = _state()
-    mapping = state.own_mapping
     if mapping is None:  # a skeleton, or an arena with pending pieces
+        state = _state()
         mapping, at = state.locate(state.own_key, at, count * dtype.itemsize)
     tensor = _frombuffer(mapping, dtype=dtype, count=count, offset=at)
     if shape is not None:
@@ -607,13 +620,12 @@ def _fresh_tensor(at: int, count: int, dtype: torch.dtype, shape: _Shape) -> tor
     return tensor
 
 
-def _fresh_parameter(at: int, count: int, dtype: torch.dtype, shape: _Shape, requires_grad: bool,
-                     attributes: dict[str, Any] | None) -> torch.nn.Parameter:
+def _fresh_parameter(mapping: mmap.mmap | None, at: int, count: int, dtype: torch.dtype, shape: _Shape,
+                     requires_grad: bool, attributes: dict[str, Any] | None) -> torch.nn.Parameter:
     """`_fresh_tensor`, as a parameter (`_as_parameter`): written out in this one frame, since nearly
     every tensor of a model comes this way (Note [Cheap rebuild])."""
-    state = _state()
-    mapping = state.own_mapping
     if mapping is None:
+        state = _state()
         mapping, at = state.locate(state.own_key, at, count * dtype.itemsize)
     tensor = _frombuffer(mapping, dtype=dtype, count=count, offset=at)
     if shape is not None:
@@ -622,7 +634,7 @@ def _fresh_parameter(at: int, count: int, dtype: torch.dtype, shape: _Shape, req
     if requires_grad:
         tensor.requires_grad_()
     if attributes:
-        tensor.__dict__.update(attributes)  # not setattr: see `_as_parameter`
+        tensor.__dict__ = attributes  # the graph's, and not setattr: see `_as_parameter`
     return tensor  # type: ignore[return-value]
 
 
@@ -716,6 +728,31 @@ _PLAIN_DTYPES = frozenset({
 })
 
 
+# Note [Globals]
+# The graph names about twenty globals (the model's classes, torch's, this module's functions), and
+# pickle's own `find_class` imports each through `__import__`: it asks the module for its `__spec__` and
+# whether it is still initializing, every time. In a forked process (a warm kernel, benchmarks/load.py)
+# each of those first touches writes a reference count on a page still shared with the parent: about a
+# dozen copy-on-write faults of a hit (5 us each here) and the import machinery's calls. `_Unpickler`
+# takes a global straight from its module in `sys.modules`, and leaves everything else to pickle: a
+# module not imported yet (code in the checkpoint, Note [Code in the checkpoint] in
+# dynamic_modules.py), a dotted name, a name the module lacks (one still initializing in another thread,
+# where pickle waits for its import).
+class _Unpickler(pickle.Unpickler):
+    """pickle's C unpickler, with globals taken from the modules already imported (Note [Globals])."""
+
+    def find_class(self, module_name: str, name: str) -> Any:
+        module = sys.modules.get(module_name)
+        if module is None or "." in name:
+            return super().find_class(module_name, name)
+        sys.audit("pickle.find_class", module_name, name)  # as pickle's own does, before the lookup
+        found = getattr(module, name, _MISSING)
+        return found if found is not _MISSING else super().find_class(module_name, name)
+
+
+_MISSING = object()
+
+
 def _unpickle(graph: bytes, state: _Rebuild) -> Any:
     if not graph or graph[0] != _FORMAT:
         raise CorruptEntry(f"graph format {graph[:1]!r} is not {_FORMAT}; evict the entry")
@@ -723,7 +760,9 @@ def _unpickle(graph: bytes, state: _Rebuild) -> Any:
     _current.rebuild = state
     try:
         with gc_paused():
-            return pickle.loads(memoryview(graph)[1:])  # not graph[1:], a copy of it
+            source = io.BytesIO(graph)  # shares the bytes (read-only), no copy
+            source.seek(1)
+            return _Unpickler(source).load()
     except CorruptEntry:
         state.roll_back()
         raise

@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import tempfile
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -653,3 +654,53 @@ def test_a_hit_leaves_its_objects_old_and_young_garbage_collected(env: dict[str,
     assert frozen["enabled"]
     # counting what is frozen walks all of it: once found, it is remembered, and the next hit asks nothing
     assert frozen["counted"] == 0, frozen
+
+
+def test_the_graphs_globals_come_from_their_modules_and_pickle_imports_the_others(tmp_path: Path) -> None:
+    """Note [Globals]: a rebuild takes the graph's classes and functions from the modules already
+    imported, without pickle's import machinery (`__import__` for each of them), still raising the
+    audit event pickle raises; a module not imported yet, and a nested class, are left to pickle."""
+    (tmp_path / "late_module.py").write_text(textwrap.dedent("""
+        import torch
+
+        class Block(torch.nn.Module):
+            class Part:
+                pass
+
+            def __init__(self):
+                super().__init__()
+                self.part = Block.Part()
+                self.inner = torch.nn.Identity()
+    """))
+    env = dict(os.environ, PYTHONPATH=str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    graph = tmp_path / "graph"
+    run_py(f"""
+        import late_module
+        from overmind_jupyter import rebuild
+        open({str(graph)!r}, "wb").write(rebuild.pack(late_module.Block()).graph)
+    """, env=env)
+    out = last_json(run_py(f"""
+        import builtins, json, sys
+        import torch
+        from overmind_jupyter import rebuild
+
+        imported, found = [], []
+        sys.addaudithook(lambda event, args: found.append(".".join(args)) if event == "pickle.find_class" else None)
+        plain_import = builtins.__import__
+        def counting_import(name, *args, **kwargs):
+            imported.append(name)
+            return plain_import(name, *args, **kwargs)
+
+        graph = open({str(graph)!r}, "rb").read()
+        builtins.__import__ = counting_import
+        obj = rebuild.rebuild(graph, {{}}, "k")
+        builtins.__import__ = plain_import
+        print(json.dumps({{"imported": imported, "found": found, "class": type(obj).__qualname__,
+                          "part": type(obj.part).__qualname__, "inner": type(obj.inner).__qualname__}}))
+    """, env=env))
+    assert (out["class"], out["part"], out["inner"]) == ("Block", "Block.Part", "Identity")
+    assert out["imported"][0] == "late_module", out["imported"]
+    assert not {"torch.nn.modules.module", "torch.nn.modules.linear", "collections", "builtins",
+                "overmind_jupyter.rebuild"} & set(out["imported"]), out["imported"]
+    assert {"late_module.Block", "late_module.Block.Part", "torch.nn.modules.linear.Identity",
+            "collections.OrderedDict"} <= set(out["found"]), out["found"]
