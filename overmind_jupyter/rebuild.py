@@ -734,11 +734,10 @@ _PLAIN_DTYPES = frozenset({
 # whether it is still initializing, every time. In a forked process (a warm kernel, benchmarks/load.py)
 # each of those first touches writes a reference count on a page still shared with the parent (perf
 # found about a dozen of a 1.1B hit's copy-on-write faults there, 5 us each here), on top of the import
-# machinery's calls (0.1 ms of a 0.1B rebuild in a warm process). `_Unpickler`
-# takes a global straight from its module in `sys.modules`, and leaves everything else to pickle: a
-# module not imported yet (code in the checkpoint, Note [Code in the checkpoint] in
-# dynamic_modules.py), a dotted name, a name the module lacks (one still initializing in another thread,
-# where pickle waits for its import).
+# machinery's calls (0.1 ms of a 0.1B rebuild in a warm process). `_Unpickler` takes a global straight
+# from its module in `sys.modules`, and leaves everything else to pickle: a module not imported yet
+# (code in the checkpoint, Note [Code in the checkpoint] in dynamic_modules.py), a dotted name, a name
+# the module lacks (one still initializing in another thread, where pickle waits for its import).
 class _Unpickler(pickle.Unpickler):
     """pickle's C unpickler, with globals taken from the modules already imported (Note [Globals])."""
 
