@@ -1,17 +1,30 @@
 # The two commands of the README:  make demo  and  make test.  Both create .venv themselves.
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# Both install from a lock (scripts/locks/, one per Python version): the exact versions the suite and the
+# conformance run last passed with, so that a library's new release changes nothing until `make upgrade`
+# has tested it. pyproject.toml keeps ranges, for users who pip install the package into their own
+# environment.
+PYVER := $(shell if test -x $(PY); then $(PY) -V; else python3 -V; fi | sed -E 's/Python ([0-9]+\.[0-9]+).*/\1/')
+LOCK := scripts/locks/py$(PYVER).txt
+TORCH_LOCK := scripts/locks/torch-py$(PYVER).txt
 # A CPU build of torch lies on these machines' disk; with CUDA, install your own torch into .venv first
-# (it is kept), or run e.g.  make test TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cu124"
-TORCH_SPEC ?= torch==2.13.0
+# (it is kept, and the lock names neither torch nor what only torch needs), or run e.g.
+#   make test TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cu124"
+TORCH_SPEC ?= torch==2.13.0 $(if $(wildcard $(TORCH_LOCK)),-c $(TORCH_LOCK))
 PYTEST_ARGS ?=
+# The suite's tests mostly wait (kernels, servers, browsers, daemons): two workers halve its wall time on
+# two cores. Each takes whole files (--dist loadfile), so a file's module fixtures are built once.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 4 ? n : 4 )))
+BUILD_DEPS := hatchling jupyter-builder hatch-jupyter-builder
 
-.PHONY: setup lint test demo demo-headless clean chromium
+.PHONY: setup lint test demo demo-headless clean chromium upgrade
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml $(wildcard $(LOCK))
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install $(TORCH_SPEC)
-	$(PY) -m pip install -e ".[test]"
+	@test -f $(LOCK) || echo "No lock for Python $(PYVER) ($(LOCK)): installing the newest versions pyproject.toml allows, untested; make upgrade tests them and writes one."
+	$(if $(wildcard $(LOCK)),PIP_CONSTRAINT=$(abspath $(LOCK))) $(PY) -m pip install -e ".[test]"
 	touch $@
 
 # Debian's chromium for the browser tests (Playwright drives it; it never downloads a browser of its own).
@@ -30,7 +43,22 @@ lint: setup
 	$(PY) -m mypy
 
 test: lint
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(if $(wildcard $(LOCK)),OVERMIND_LOCK=$(LOCK)) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+
+# The newest versions pyproject.toml's ranges allow (torch stays the one installed): install them, write
+# the lock, run the linters, the suite and the conformance run, and re-record the conformance outcomes.
+# Commit scripts/locks/ and tests/conformance/expected.json if it passes; if not, `git checkout
+# scripts/locks tests/conformance/expected.json` goes back to the versions that passed.
+upgrade: chromium
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
+	$(PY) -m pip install --upgrade --upgrade-strategy eager -e ".[test]" $(BUILD_DEPS) \
+		"torch==$$($(PY) -c 'import importlib.metadata as m; print(m.version("torch"))')"
+	$(PY) scripts/lock.py
+	touch $(VENV)/.installed
+	$(MAKE) test
+	$(PY) tests/conformance/fetch.py
+	$(PY) tests/conformance/run.py record
 
 # The libraries' own tests (peft, transformers, diffusers; from their sdists at the installed versions) with
 # the cache on, against their outcomes without it (tests/conformance/expected.json): fails on a regression.

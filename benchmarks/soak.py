@@ -45,11 +45,10 @@ def main() -> int:
     os.chmod(home, 0o700)
     os.environ["OVERMIND_HOME"] = str(home)
 
-    import faults_load
-    from faults_helpers import daemon_pid
-
     from kernel_server import Client
     from kernel_server.lifecycle import process_gone
+    from tests.helpers import faults_load
+    from tests.helpers.faults_helpers import daemon_pid
 
     refs = faults_load.references()
     budget = faults_load.budget_for(refs)

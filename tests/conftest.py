@@ -15,7 +15,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
+# The suite is the package `tests` (pytest puts the repository's root first on sys.path); every process a
+# test starts (snippets, kernels, workers) imports its helpers the same way, as `tests.helpers.*`. No
+# directory of the suite itself goes on the path: its modules would hide installed ones (test_shadowing.py).
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -16,14 +16,14 @@ import time
 from pathlib import Path
 
 import pytest
-import tiny_modules
 import torch
-from faults_helpers import wait_until
-from kernels import USER_THREAD, execute, kernel, kernel_env
-from snippets import last_json, run_py
 
 from kernel_server import Client
 from overmind_jupyter import demo_models, loading, rebuild
+from tests.helpers import tiny_modules
+from tests.helpers.faults_helpers import wait_until
+from tests.helpers.kernels import USER_THREAD, execute, kernel, kernel_env
+from tests.helpers.snippets import last_json, run_py
 
 # -- write routes, in the loading kernel ----------------------------------------------------------------
 

@@ -11,10 +11,10 @@ import signal
 from pathlib import Path
 
 import pytest
-from kernels import USER_THREAD, execute, execute_all, kernel, kernel_env
 
 from kernel_server import Client
 from overmind_jupyter import demo_models
+from tests.helpers.kernels import USER_THREAD, execute, execute_all, kernel, kernel_env
 
 ANON = """
 def anon():

@@ -14,12 +14,12 @@ import time
 from pathlib import Path
 
 import pytest
-from snippets import run_py, start_py
 
 from kernel_server import Client, arena, lifecycle
 from kernel_server.errors import BudgetExceeded, DaemonUnavailable, RemoteError, StateDirError
 from kernel_server.protocol import HEADER, MAGIC, MAX_PAYLOAD, PROTOCOL_VERSION, FrameKind, encode
 from kernel_server.transport import recv_frame, send_frame
+from tests.helpers.snippets import run_py, start_py
 
 PAGE = arena.PAGE
 

@@ -20,15 +20,13 @@ from typing import Any
 
 import pytest
 import safetensors.torch
-import tiny_modules
-from faults_helpers import daemon_fds, daemon_log, daemon_pid, digest, wait_until
 
 from kernel_server import Client, arena, descriptors, lifecycle
 from kernel_server.errors import DescriptorsExhausted
 from overmind_jupyter import loading
 from overmind_jupyter.errors import FallbackWarning
-
-TESTS = Path(__file__).resolve().parent
+from tests.helpers import tiny_modules
+from tests.helpers.faults_helpers import daemon_fds, daemon_log, daemon_pid, digest, wait_until
 
 # Run the daemon's starter with RLIMIT_NOFILE set (no preexec_fn: the test process has threads).
 _LIMITED = ("import os, resource, sys; soft, hard = int(sys.argv[1]), int(sys.argv[2]); "
@@ -115,10 +113,9 @@ def test_four_kernels_make_3000_entries_under_256_descriptors(overmind_home: Pat
     safetensors.torch.save_file(tiny_modules.build("mlp", seed=7, width=64).state_dict(), str(checkpoint))
     pinger = Pinger(overmind_home, pid)
     pinger.start()
-    env = dict(os.environ, OVERMIND_HOME=str(overmind_home), PYTHONFAULTHANDLER="1",
-               PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, OVERMIND_HOME=str(overmind_home), PYTHONFAULTHANDLER="1")
     started = time.monotonic()
-    procs = [subprocess.Popen([sys.executable, str(TESTS / "descriptors_worker.py"), str(seed), str(entries),
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.helpers.descriptors_worker", str(seed), str(entries),
                                str(checkpoint)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for seed in range(workers)]
     results: list[dict[str, Any]] = []

@@ -12,12 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from kernels import magic_json
-from snippets import last_json, run_py
 
 from overmind_jupyter import demo_models
-
-TESTS = str(Path(__file__).resolve().parent)
+from tests.helpers.kernels import magic_json
+from tests.helpers.snippets import last_json, run_py
 
 
 @pytest.fixture
@@ -194,9 +192,8 @@ def test_a_rewritten_checkpoint_is_loaded_fresh(overmind_home: Path, tmp_path: P
     assert first["cached"] == first["plain"] and second["cached"] == second["plain"]
     assert second["cached"] != first["cached"], "the rewritten checkpoint was served stale"
     assert second["entries"] in (1, 2), "its own entry, and the old one until the daemon drops it"
-    from faults_helpers import wait_until
-
     from kernel_server import Client
+    from tests.helpers.faults_helpers import wait_until
 
     with Client(overmind_home, spawn=False, role="test") as client:  # Note [Orphaned entries]
         wait_until(lambda: client.request("status")["stats"].get("orphaned") == 1, 15,

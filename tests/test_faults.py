@@ -30,12 +30,8 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
-import faults_helpers
 import pytest
-import tiny_modules
 import torch
-from faults_helpers import Gate, daemon_log, daemon_pid, digest, kill_daemon, wait_until
-from snippets import last_json, run_py, start_py
 
 from kernel_server import Client, arena
 from kernel_server.client import reset_shared_client
@@ -43,13 +39,14 @@ from kernel_server.lifecycle import process_gone
 from overmind_jupyter import keys, loading, rebuild
 from overmind_jupyter.errors import FallbackWarning
 from overmind_jupyter.preloading import PreloadError, preload
-
-TESTS = str(Path(__file__).resolve().parent)
+from tests.helpers import faults_helpers, tiny_modules
+from tests.helpers.faults_helpers import Gate, daemon_log, daemon_pid, digest, kill_daemon, wait_until
+from tests.helpers.snippets import last_json, run_py, start_py
 
 
 def kernel_env(**extra: str) -> dict[str, str]:
     """The environment of a kernel process started now: this test's, with the tests importable."""
-    return dict(os.environ, PYTHONPATH=TESTS + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra)
+    return dict(os.environ, **extra)
 
 
 @pytest.fixture
@@ -192,7 +189,8 @@ def test_a_sigkilled_kernel_frees_its_units_pins_and_load_within_1s(
     ref = digest(tiny_modules.build("mlp", 42, width=64))
     gate.close()
     victim = start_py("""
-        import sys, threading, tiny_modules, faults_helpers
+        import sys, threading
+        from tests.helpers import faults_helpers, tiny_modules
         from overmind_jupyter import loading, units
         model = loading.cached(tiny_modules.build, "mlp", 41, width=64)  # a hit: its entry is pinned
         units.place(model, units=4)                                       # 4 simulated GPU units
@@ -243,7 +241,7 @@ def test_a_sigkilled_kernel_frees_its_units_pins_and_load_within_1s(
 @pytest.fixture
 def tiny_tmpfs(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """OVERMIND_HOME on a fresh 2 MiB tmpfs (needs root and mount); unmounted at the end."""
-    from conftest import stop_daemon
+    from tests.conftest import stop_daemon
 
     if os.getuid() != 0 or not shutil.which("mount"):
         pytest.skip("mounting a tmpfs needs root and mount(8); "
@@ -268,8 +266,9 @@ def tiny_tmpfs(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
 
 
 FULL_DISK_KERNEL = """
-    import json, tiny_modules
-    from faults_helpers import digest
+    import json
+    from tests.helpers import tiny_modules
+    from tests.helpers.faults_helpers import digest
     from overmind_jupyter import loading, rebuild
 
     def load(seed, width):

@@ -28,9 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import tiny_modules
 import torch
-from faults_helpers import daemon_fds, daemon_log, digest, wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -40,6 +38,8 @@ from kernel_server.protocol import HEADER, MAGIC, MAX_PAYLOAD, PROTOCOL_VERSION,
 from kernel_server.transport import close_fds, recv_frame
 from overmind_jupyter import loading, rebuild
 from overmind_jupyter.errors import FallbackWarning
+from tests.helpers import tiny_modules
+from tests.helpers.faults_helpers import daemon_fds, daemon_log, digest, wait_until
 
 PAGE = arena.PAGE
 SURVIVOR = "5" * 64  # published before the fuzz; no fuzzed key is a prefix of it, so `evict` cannot reach it

@@ -11,9 +11,9 @@ import os
 from pathlib import Path
 
 import pytest
-from snippets import last_json, run_py
 
 from overmind_jupyter import demo_models
+from tests.helpers.snippets import last_json, run_py
 
 # Records the name of every thread the process starts from the first line on: threading's threads by
 # their name, `_thread` ones by their function. Nothing is changed about how they start. The loads run

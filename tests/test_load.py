@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import faults_load
 import pytest
 
 from kernel_server import Client
+from tests.helpers import faults_load
 
 
 def test_four_kernels_load_at_random_through_a_full_budget(overmind_home: Path,

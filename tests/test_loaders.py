@@ -9,9 +9,9 @@ import os
 from pathlib import Path
 
 import pytest
-from snippets import last_json, run_py
 
 from overmind_jupyter import demo_models
+from tests.helpers.snippets import last_json, run_py
 
 
 @pytest.fixture(scope="module")
@@ -94,9 +94,8 @@ def test_an_entry_whose_checkpoint_is_deleted_is_dropped(overmind_home: Path, tm
     checkpoint stays, stays."""
     import shutil
 
-    from faults_helpers import wait_until
-
     from kernel_server import Client
+    from tests.helpers.faults_helpers import wait_until
 
     kept = demo_models.build_llama(tmp_path / "kept", "tiny")
     deleted = demo_models.build_llama(tmp_path / "gone", "tiny")

@@ -13,15 +13,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import tiny_modules
 import torch
-from faults_helpers import wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from snippets import last_json, run_py
 
 from kernel_server import Client
 from overmind_jupyter import demo_models, loading
+from tests.helpers import tiny_modules
+from tests.helpers.faults_helpers import wait_until
+from tests.helpers.snippets import last_json, run_py
 
 IDS = torch.arange(10)[None]
 
@@ -213,10 +213,10 @@ def test_a_notebook_class_edited_under_its_function_is_a_miss(overmind_home: Pat
 
 def test_another_notebooks_function_of_the_same_name(overmind_home: Path) -> None:
     """Two notebooks (processes), each with its own `load`: each gets its own result."""
-    tests = str(Path(__file__).resolve().parent)
-    env = dict(os.environ, PYTHONPATH=tests + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ)
     code = """
-        import json, torch, tiny_modules
+        import json, torch
+        from tests.helpers import tiny_modules
         from overmind_jupyter import loading
         SEED = {seed}
         def load():

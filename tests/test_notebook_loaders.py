@@ -11,8 +11,9 @@ import json
 from pathlib import Path
 
 import pytest
-from kernels import USER_THREAD, execute, kernel, kernel_env
-from notebook_checkpoints import REMOTE_CODE, build_all
+
+from tests.helpers.kernels import USER_THREAD, execute, kernel, kernel_env
+from tests.helpers.notebook_checkpoints import REMOTE_CODE, build_all
 
 # Each loader as a notebook cell runs it, with an output of its result: a digest of float32 outputs.
 LOADERS = """

@@ -32,7 +32,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from browser_lab import (
+
+from tests.conftest import stop_daemon
+from tests.helpers.browser_lab import (
     ARTIFACTS,
     JupyterLab,
     chromium,
@@ -41,7 +43,6 @@ from browser_lab import (
     launch,
     set_theme,
 )
-from conftest import stop_daemon
 
 pytestmark = pytest.mark.browser
 

@@ -13,21 +13,19 @@ import time
 from pathlib import Path
 
 import pytest
-import tiny_modules
 import torch
-from snippets import last_json, run_py, start_py
 
 from kernel_server import arena
 from kernel_server.client import Client
 from overmind_jupyter import loading, rebuild
 from overmind_jupyter.errors import FallbackWarning
-
-TESTS = str(Path(__file__).resolve().parent)
+from tests.helpers import tiny_modules
+from tests.helpers.snippets import last_json, run_py, start_py
 
 
 @pytest.fixture
 def env(overmind_home: Path) -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=TESTS + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return dict(os.environ)
 
 
 def load_twice(kind: str) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -247,7 +245,8 @@ def test_zero_copy_rebuild_and_private_memory(env: dict[str, str], backing: str,
     has returned: its model lies in the entry it published (Note [Atomic miss])."""
     env = env | {"OVERMIND_ARENA": backing}
     code = """
-        import json, torch, tiny_modules
+        import json, torch
+        from tests.helpers import tiny_modules
         from overmind_jupyter import loading, rebuild
         def anon():
             for line in open("/proc/self/smaps_rollup"):
@@ -512,7 +511,8 @@ def test_daemon_killed_mid_load_falls_back_and_next_call_starts_a_new_daemon(ove
 def test_single_flight_across_processes(env: dict[str, str], overmind_home: Path) -> None:
     env = env | {"LOAD_COUNTER": str(overmind_home / "count")}
     code = """
-        import json, tiny_modules, torch
+        import json, torch
+        from tests.helpers import tiny_modules
         from overmind_jupyter import loading
         m = loading.cached(tiny_modules.counted_build, "tied", delay=1.0)
         print(json.dumps({"sum": float(m(torch.arange(4)).double().sum())}))

@@ -15,10 +15,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from snippets import last_json, run_py
 
 from kernel_server import Client, settings
 from kernel_server.lifecycle import log_path
+from tests.helpers.snippets import last_json, run_py
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -228,7 +228,7 @@ def memory_cgroup() -> Iterator[Path]:
 
 def test_the_default_budget_of_a_daemon_in_a_memory_cgroup_is_half_its_limit(
         overmind_home: Path, memory_cgroup: Path) -> None:
-    from conftest import stop_daemon
+    from tests.conftest import stop_daemon
 
     def into_cgroup() -> None:
         (memory_cgroup / "cgroup.procs").write_text(str(os.getpid()))

@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
-from snippets import run_py
 
 from kernel_server import Client, arena, formats
 from kernel_server.cli import main as cli_main
+from tests.helpers.snippets import run_py
 
 
 def miss_and_publish(client: Client, key: str, label: str, *, load_s: float = 0.0) -> None:

@@ -14,11 +14,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import tiny_modules
 import torch
 
 from kernel_server.client import reset_shared_client
 from overmind_jupyter import loading
+from tests.helpers import tiny_modules
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -106,7 +106,8 @@ def test_a_socket_served_by_another_user_is_refused_before_anything_is_sent(
 
 
 STOPPED = """
-    import json, time, warnings, tiny_modules
+    import json, time, warnings
+    from tests.helpers import tiny_modules
     from overmind_jupyter import loading
     warnings.simplefilter("ignore")
     t0 = time.monotonic()
@@ -136,7 +137,7 @@ def test_a_stopped_daemon_costs_a_load_3_s_at_most_and_caching_resumes(overmind_
         assert same(model, tiny_modules.build("mlp", 5, width=16))
         assert took < 3.5, f"a kernel holding its connection waited {took:.1f} s for a stopped daemon"
         assert [f["kind"] for f in fallbacks] == ["daemon"] and "did not answer within 3 s" in fallbacks[0]["reason"]
-        env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent))
+        env = dict(os.environ, PYTHONPATH=str(REPO))
         proc = subprocess.run([sys.executable, "-c", textwrap.dedent(STOPPED)], env=env, capture_output=True,
                               text=True, timeout=60, check=True)
         new = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -18,13 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import tiny_modules
 import torch
-from faults_helpers import wait_until
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
-from snippets import run_py, start_py
 
 from kernel_server import Client
 from kernel_server.errors import RemoteError
@@ -32,8 +29,9 @@ from kernel_server.ledger import Ledger
 from kernel_server.settings import GiB, parse_fake_gpus
 from overmind_jupyter import loading, rebuild, units
 from overmind_jupyter.units.transfer import to_device
-
-TESTS = Path(__file__).resolve().parent
+from tests.helpers import tiny_modules
+from tests.helpers.faults_helpers import wait_until
+from tests.helpers.snippets import run_py, start_py
 
 
 @pytest.fixture
@@ -56,7 +54,7 @@ class Peer:
     """Another kernel: tests/units_peer.py in its own process, sending the requests it is given."""
 
     def __init__(self, label: str = "peer") -> None:
-        self.proc = subprocess.Popen([sys.executable, str(TESTS / "units_peer.py"), label],
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.helpers.units_peer", label],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True)
         hello = self._read()
@@ -380,7 +378,7 @@ def test_processes_acquiring_at_random_never_exceed_capacity(fake_gpus: Callable
     client = fake_gpus("2x6", reserve=0)
     belief = tmp_path / "belief.json"
     belief.write_text("{}")
-    worker = [sys.executable, str(TESTS / "units_worker.py")]
+    worker = [sys.executable, "-m", "tests.helpers.units_worker"]
     workers = [subprocess.Popen([*worker, str(seed), "80", str(belief)], stderr=subprocess.PIPE, text=True)
                for seed in range(4)]
     checks = 0

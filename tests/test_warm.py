@@ -25,8 +25,9 @@ from typing import Any
 
 import psutil
 import pytest
-from conftest import stop_daemon
-from faults_helpers import wait_until as _wait_until
+
+from tests.conftest import stop_daemon
+from tests.helpers.faults_helpers import wait_until as _wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
@@ -102,7 +103,7 @@ def warm(entry_point: str, tmp_path_factory: pytest.TempPathFactory):
 
     data = tmp_path_factory.mktemp("jupyter-data")
     probe = tmp_path_factory.mktemp("probe")  # a copy, so a test may rewrite it
-    shutil.copy(TESTS / "warm_probe.py", probe / "warm_probe.py")
+    shutil.copy(TESTS / "helpers" / "warm_probe.py", probe / "warm_probe.py")
     home = Path(tempfile.mkdtemp(prefix="om-w-", dir="/tmp"))
     os.chmod(home, 0o700)
     with pytest.MonkeyPatch.context() as mp:
@@ -740,7 +741,7 @@ def test_after_a_restart_the_first_cell_imports_and_loads_a_cached_model_sooner(
     cell = CELL.format(path=str(tiny_llama))
     figures, probes, counted = {}, {}, {}
     for name in (PLAIN, WARM):
-        km, kc = start(name, warm, cwd=TESTS)
+        km, kc = start(name, warm, cwd=REPO)
         try:
             execute(kc, SETUP)
             run_json(kc, cell)  # the first load of the day: a miss for the first kernel, then hits

@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kernels import magic_json
-from snippets import run_py
 
 from kernel_server import Client
+from tests.helpers.kernels import magic_json
+from tests.helpers.snippets import run_py
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 DEADLINE = 2.0  # seconds: the issue's bound for a widget to reflect a state change
@@ -166,7 +166,7 @@ def test_units_bar_reads_the_ledger_and_never_starts_a_daemon(sim_daemon: Client
     home = Path(os.environ["OVERMIND_HOME"])
     sim_daemon.close()
     reset_shared_client()
-    from conftest import stop_daemon
+    from tests.conftest import stop_daemon
 
     stop_daemon(home)
     within("units bar: the daemon went", lambda: "no daemon" in bar.error or "not available" in bar.error)
@@ -206,8 +206,7 @@ def peft_model() -> Iterator[Any]:
     """A tiny PEFT Llama with LoRA adapters fr, de, es (tests/adapters/adapter_models.py), one torch thread."""
     import torch
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent / "adapters"))
-    from adapter_models import build_peft
+    from tests.adapters.adapter_models import build_peft
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)

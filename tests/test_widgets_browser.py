@@ -19,7 +19,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from browser_lab import ARTIFACTS, JupyterLab, chromium, closing_browser, contrast_failures, launch, set_theme
+
+from tests.helpers.browser_lab import (
+    ARTIFACTS,
+    JupyterLab,
+    chromium,
+    closing_browser,
+    contrast_failures,
+    launch,
+    set_theme,
+)
 
 pytestmark = pytest.mark.browser
 

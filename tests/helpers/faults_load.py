@@ -2,7 +2,7 @@
 at random through one daemon whose budget is too small for all of them, each load bit-compared with a
 plain load, while a sampler checks the budget from outside.
 
-    python tests/faults_load.py worker SEED (--loads N | --seconds S) REFS.json
+    python -m tests.helpers.faults_load worker SEED (--loads N | --seconds S) REFS.json
 
 A worker is one kernel: it calls `loading.cached(tiny_modules.build, ...)` for a random model, checks
 the result's `digest` against the reference, keeps its last few results alive (so their entries stay
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-TESTS = Path(__file__).resolve().parent
+REPO = Path(__file__).resolve().parents[2]
 
 # name -> (args, kwargs) of tiny_modules.build; five models of different shapes (tied weights, views at
 # storage offsets, non-contiguous buffers, plain layers of three sizes).
@@ -39,10 +39,9 @@ MODELS: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
 
 def references() -> dict[str, dict[str, Any]]:
     """Per model: the digest of a plain load, and the bytes its entry takes in the store."""
-    import tiny_modules
-    from faults_helpers import digest
-
     from overmind_jupyter import rebuild
+    from tests.helpers import tiny_modules
+    from tests.helpers.faults_helpers import digest
 
     out = {}
     for name, (args, kwargs) in MODELS.items():
@@ -61,11 +60,11 @@ def budget_for(refs: dict[str, dict[str, Any]]) -> int:
 # -- one kernel ---------------------------------------------------------------------------------------
 
 def worker(seed: int, loads: int | None, seconds: float | None, refs_path: str) -> dict[str, Any]:
-    import tiny_modules
     import torch
-    from faults_helpers import digest
 
     from overmind_jupyter import loading, notices, rebuild
+    from tests.helpers import tiny_modules
+    from tests.helpers.faults_helpers import digest
 
     refs = json.loads(Path(refs_path).read_text())
     rng = random.Random(seed)
@@ -176,7 +175,7 @@ def _kill_daemons(home: Path, every: float, stop: threading.Event, killed: list[
     """SIGKILL whatever daemon serves `home`, every `every` seconds."""
     import signal
 
-    from faults_helpers import daemon_pid
+    from tests.helpers.faults_helpers import daemon_pid
 
     while not stop.wait(every):
         pid = daemon_pid(home)
@@ -194,9 +193,8 @@ def run_load(home: Path, refs: dict[str, dict[str, Any]], *, workers: int = 4, l
     """Run `workers` kernel processes against the daemon of `home` (started by the caller, with the budget
     it wants) and return the counts. The caller asserts on them. `kill_every` SIGKILLs the daemon every so
     many seconds (the kernels start the next one)."""
-    from faults_helpers import daemon_log, daemon_pid
-
     from kernel_server import Client
+    from tests.helpers.faults_helpers import daemon_log, daemon_pid
 
     refs_path = home / "refs.json"
     refs_path.write_text(json.dumps(refs))
@@ -206,11 +204,11 @@ def run_load(home: Path, refs: dict[str, dict[str, Any]], *, workers: int = 4, l
     stop_killing, killed = threading.Event(), []
     if kill_every:
         threading.Thread(target=_kill_daemons, args=(home, kill_every, stop_killing, killed), daemon=True).start()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
                OVERMIND_HOME=str(home), PYTHONFAULTHANDLER="1")  # a worker that crashes shows its threads
     limit = ["--loads", str(loads)] if loads is not None else ["--seconds", str(seconds)]
     started = time.monotonic()
-    procs = [subprocess.Popen([sys.executable, str(TESTS / "faults_load.py"), "worker", str(seed), *limit,
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.helpers.faults_load", "worker", str(seed), *limit,
                                str(refs_path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for seed in range(workers)]
     results, failures = [], []
@@ -280,5 +278,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(TESTS))
     sys.exit(main())

@@ -18,9 +18,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import tiny_modules
 import torch
 from torch import nn
+
+from tests.helpers import tiny_modules
 
 __all__ = [
     "Gate",

@@ -1,6 +1,6 @@
 """One of several processes that acquire, touch and release GPU units at random (tests/test_units.py).
 
-    python tests/units_worker.py SEED STEPS BELIEF_FILE
+    python -m tests.helpers.units_worker SEED STEPS BELIEF_FILE
 
 Besides checking the ledger's own record after every step (no device over capacity, its used units the
 sum of its holders', this process's holdings exactly the ones it was granted), it keeps an independent

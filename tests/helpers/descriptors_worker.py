@@ -1,7 +1,7 @@
 """One kernel of the descriptor test (tests/test_descriptors.py): many distinct entries through a daemon
 whose descriptor limit holds only some of them, while this kernel holds a GPU units lease.
 
-    python tests/descriptors_worker.py SEED ENTRIES CHECKPOINT
+    python -m tests.helpers.descriptors_worker SEED ENTRIES CHECKPOINT
 
 It takes one unit of the simulated ledger, then makes ENTRIES distinct entries through the real cached
 call: tiny models, and every 25th a load of the safetensors file CHECKPOINT (an entry that refers to
@@ -20,12 +20,12 @@ import sys
 from typing import Any
 
 import safetensors.torch
-import tiny_modules
 import torch
-from faults_helpers import digest
 
 from kernel_server.client import shared_client
 from overmind_jupyter import loading, notices
+from tests.helpers import tiny_modules
+from tests.helpers.faults_helpers import digest
 
 CHECKPOINT_EVERY = 25
 

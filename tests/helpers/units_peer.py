@@ -1,6 +1,6 @@
 """A stand-in kernel for the units tests: a bare client of the daemon (no torch), driven by JSON lines.
 
-    python tests/units_peer.py LABEL
+    python -m tests.helpers.units_peer LABEL
 stdin:  {"op": "units_acquire", "units": 5, "timeout_s": 2, "busy": true}   (any request, one per line)
 stdout: {"ready": CONN, "pid": PID} first, then one JSON answer per request: the reply, or
         {"ok": false, "code": ..., "message": ...}. Release requests from the daemon are ignored.
