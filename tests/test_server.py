@@ -7,6 +7,7 @@ escaping) talking to a real daemon on the test's OVERMIND_HOME. The installation
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -37,6 +38,10 @@ def jp_server_config() -> dict[str, Any]:
 @pytest.fixture
 def fetch(jp_fetch, jp_asyncio_loop, jp_serverapp):
     """`fetch(*path, method=, body=, token=)` -> (status, JSON body), from a synchronous test."""
+    # jp_fetch makes its Future in asyncio's current loop, and jp_asyncio_loop returns the loop
+    # jupyter_core keeps for this thread without making it current: a test of another file run before
+    # in this worker that ended with asyncio.run() (which unsets the current loop) left none.
+    asyncio.set_event_loop(jp_asyncio_loop)
 
     def call(*parts: str, method: str = "GET", body: Any = None, token: bool = True) -> tuple[int, Any]:
         headers = None if token else {"Authorization": "token not-the-token"}

@@ -607,7 +607,11 @@ def test_the_spare_answers_bad_requests_with_errors_and_goes_on(warm: dict[str, 
 
     spare = Spare(SpareKey("protocol-test", (sys.executable,), ()), warm, str(tmp_path))
     try:
-        asyncio.run(spare.wait_ready(60))
+        loop = asyncio.new_event_loop()  # not asyncio.run, which leaves this thread without a current loop
+        try:
+            loop.run_until_complete(spare.wait_ready(60))
+        finally:
+            loop.close()
         for bad in (b"not json", b"[1]", b'{"kind": "nope"}', b'{"kind": "status"}', b'{"kind": "status", "pid": "x"}',
                     b'{"kind": "fork", "module": "m"}'):
             spare.sock.send(bad)
