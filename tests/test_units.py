@@ -28,7 +28,7 @@ from kernel_server.errors import RemoteError
 from kernel_server.ledger import Ledger
 from kernel_server.settings import GiB, parse_fake_gpus
 from overmind_jupyter import loading, rebuild, units
-from overmind_jupyter.units.transfer import to_device
+from overmind_jupyter.units.transfer import Reader, to_device
 from tests.helpers import tiny_modules
 from tests.helpers.faults_helpers import wait_until
 from tests.helpers.snippets import run_py, start_py
@@ -589,7 +589,7 @@ def test_importing_units_imports_no_torch(fake_gpus: Callable[..., Client]) -> N
     assert out == [header, "False"]
 
 
-# -- the way back to the host: Note [Lazy release without copies] -----------------------------------------
+# -- the way back to the host: Note [Lazy release to the cached weights] -------------------------------
 
 def arena_backed(kind: str) -> torch.nn.Module:
     """A module rebuilt from the cache: its CPU storages are private mappings of the daemon's arena."""
@@ -620,6 +620,36 @@ def test_way_back_reuses_unchanged_arena_tensors_and_copies_written_ones(overmin
     assert second.bias.dtype == torch.float64 and not in_arena(second.bias)
     assert torch.equal(second.weight, expected["layers.1.weight"])
     assert isinstance(first.weight, torch.nn.Parameter) and first.weight.requires_grad
+
+
+def test_way_back_keeps_writes_made_through_data(overmind_home: Path) -> None:
+    """A write through `.data` (PEFT's merge_adapter, a hand edit) leaves the version counter where it was;
+    the way back decides by the bytes, so it keeps the write, and an in-place no-op costs no copy."""
+    model = arena_backed("mlp")
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    transfer = to_device(model, "cpu", copy=True)
+    first, second = model.layers[0], model.layers[1]
+    first.weight.data += 1  # as `weight.data += delta` in merge_adapter
+    with torch.no_grad():
+        second.weight.mul_(1.0)  # its version counter moves, its bytes do not
+    moved = transfer.to_host(model)
+    assert torch.equal(first.weight, expected["layers.0.weight"] + 1), "the write is kept"
+    assert not in_arena(first.weight) and in_arena(second.weight) and in_arena(first.bias)
+    assert moved["reused"] == 3 and moved["copied"] == 0, moved
+
+
+def test_way_back_compares_bytes_not_values() -> None:
+    """The comparison is of bytes, to the last one and through several staging chunks: -0.0 is not 0.0,
+    and a NaN is itself."""
+    host = torch.zeros(300_000)  # 1.2 MB: five chunks
+    device = host.clone()
+    reader = Reader()
+    assert reader.same_bytes(device, host)
+    device[-1] = -0.0
+    assert not reader.same_bytes(device, host) and torch.equal(device, host)
+    odd = torch.full((3,), float("nan"), dtype=torch.bfloat16)  # 6 bytes: compared byte by byte
+    assert reader.same_bytes(odd.clone(), odd) and not torch.equal(odd, odd)
+    assert not reader.same_bytes(host.view(1000, 300), host) and not reader.same_bytes(host.double(), host)
 
 
 def test_way_back_keeps_ties_and_can_be_turned_off(overmind_home: Path) -> None:

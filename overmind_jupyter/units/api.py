@@ -27,8 +27,9 @@ def place(model: Any, device: Any = None, *, units: int | None = None, timeout: 
         timeout: seconds to wait for units held by busy models elsewhere; default OVERMIND_UNITS_TIMEOUT
             (600); `float("inf")` waits for ever, 0 not at all.
         label: the name shown in `units.state()`; default the model's class and checkpoint.
-        reuse_host: on the way back to the CPU, reuse the cached CPU weights of unchanged tensors instead of
-            copying (see Note [Lazy release without copies] in units/transfer.py).
+        reuse_host: on the way back to the CPU, put the cached CPU weights back where the device tensor's
+            bytes are still theirs instead of copying (see Note [Lazy release to the cached weights] in
+            units/transfer.py); False copies every tensor back.
 
     Returns:
         The device the model is on, as this kernel names it ("cuda:0"). On a simulated device

@@ -1,18 +1,26 @@
-"""Moving a placed model to its device, and back to the host without copies where the weights allow.
+"""Moving a placed model to its device, and back to the host onto the cached weights where its bytes allow.
 
-# Note [Lazy release without copies]
+# Note [Lazy release to the cached weights]
 A model rebuilt from the cache holds its CPU weights in private mappings of the daemon's arena (see
 Note [Copy-on-write mappings] in kernel_server/arena.py). When `to_device` moves such a model, it keeps
 a reference to every CPU tensor that lies in an arena mapping (they cost no memory: the pages are the
-daemon's shared ones) and records, for every tensor the model holds on the device, its storage address,
-layout and version counter. `Transfer.to_host` puts the kept CPU tensor back for each device tensor that
-is still the same (same storage, dtype, shape, strides and offset, same version: nothing wrote to it in
-place and nothing replaced it), and copies the others from the device. So a model used for inference
-comes back with no device-to-host copy, and a fine-tuned one brings its new weights back.
+daemon's shared ones). `Transfer.to_host` compares each device tensor, byte for byte, with the CPU tensor
+it was made from, and puts the kept CPU tensor back where they are equal: a model used for inference
+comes back onto the shared pages, with no memory of its own. Every other tensor (written, replaced, of
+another dtype or shape) is copied from the device, so every write the kernel made is kept, by whatever
+route it was made.
 
-Version counters see in-place writes made through the tensor itself (optimizer steps, `load_state_dict`,
-`add_` under `no_grad`), but not writes through `.data`, which bypass autograd's bookkeeping; code that
-writes that way should place the model with `reuse_host=False`.
+Version counters decide nothing here (docs/design.md invariant 3): writes through `.data` (PEFT's
+`merge_adapter` and `merge_and_unload` write `weight.data += delta`), numpy or ctypes leave them where they
+were, and an in-place no-op moves them. The comparison reads the device tensor once, through one staging
+buffer (pinned for CUDA, so the read runs at the link's speed), chunk by chunk against the kept tensor in
+8-byte words, stopping at the first difference: it costs a device-to-host read of the model, as copying
+it back would, but writes no new host memory (fresh pages fault at 2.8 GB/s here, docs/design.md section
+5), and the model keeps sharing the daemon's pages. Measured on the CPU stand-in (benchmarks/release.py,
+a 7B Llama's 13.5 GB of bf16, 8 of its 32 layers measured and scaled, 2 shared cores): comparing an
+unchanged model 3.5 s (3.9 GB/s), copying it back 6.0-6.9 s (1.9-2.2 GB/s), a model written everywhere
+(compared to its last chunk, then copied) 1.45 times the copy. Deciding by version counters cost nothing,
+and lost writes. `reuse_host=False` skips the comparison and copies everything back.
 """
 
 from __future__ import annotations
@@ -25,28 +33,13 @@ import torch
 
 from .. import rebuild
 
-__all__ = ["Transfer", "to_device"]
+__all__ = ["Reader", "Transfer", "to_device"]
 
-
-@dataclass
-class _Slot:
-    host: torch.Tensor | None  # the CPU tensor before the move, when it lies in an arena mapping
-    ptr: int
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int
-    version: int
-
-    @classmethod
-    def of(cls, t: torch.Tensor, host: torch.Tensor | None) -> _Slot:
-        return cls(host, t.untyped_storage().data_ptr(), t.dtype, tuple(t.shape), t.stride(),
-                   int(t.storage_offset()), t._version)
-
-    def unchanged(self, t: torch.Tensor) -> bool:
-        return (t._version == self.version and t.untyped_storage().data_ptr() == self.ptr
-                and t.dtype == self.dtype and tuple(t.shape) == self.shape and t.stride() == self.stride
-                and t.storage_offset() == self.offset)
+# Bytes of the staging buffer: 16 MiB copies from a GPU run at the link's speed (a copy's fixed cost is
+# some microseconds); from the CPU (the tests' stand-in device) 256 KiB stay in the core's cache, which
+# compared at 3.8-3.9 GB/s here against 2.2 GB/s for 64 MiB (benchmarks/release.py's tensors).
+_CHUNK = {"cpu": 256 << 10}
+_DEVICE_CHUNK = 16 << 20
 
 
 @dataclass
@@ -54,24 +47,28 @@ class Transfer:
     """A model's move to `device`: what to put back on the host, and how it went."""
 
     device: str
-    slots: dict[int, tuple[weakref.ref[torch.Tensor], _Slot]] = field(repr=False)
+    # id of each device tensor -> (the tensor, the CPU tensor it was made from when that lies in an arena)
+    slots: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor | None]] = field(repr=False)
     kept: int  # device tensors with a kept host tensor
     moved_bytes: int
 
     def to_host(self, model: Any) -> dict[str, int]:
-        """Move `model` back to the CPU: kept host tensors where unchanged, copies elsewhere.
+        """Move `model` back to the CPU: the kept host tensor where the bytes are the same, a copy elsewhere
+        (see Note [Lazy release to the cached weights]).
 
         Returns:
-            Counts and bytes of tensors `reused` (no copy) and `copied`.
+            Counts and bytes of tensors `reused` (the kept host tensor) and `copied` (from a device).
         """
         reused: dict[int, int] = {}
         copied: dict[int, int] = {}
+        reader = Reader()
 
         def back(t: torch.Tensor) -> torch.Tensor:
             entry = self.slots.get(id(t))
-            if entry is not None and entry[0]() is t and entry[1].host is not None and entry[1].unchanged(t):
+            host = entry[1] if entry is not None and entry[0]() is t else None
+            if host is not None and reader.same_bytes(t, host):
                 reused[id(t)] = t.nelement() * t.element_size()
-                return entry[1].host
+                return host
             if t.device.type != "cpu":
                 copied[id(t)] = t.nelement() * t.element_size()
             return t.to("cpu")
@@ -80,6 +77,53 @@ class Transfer:
             model._apply(back)
         return {"reused": len(reused), "reused_bytes": sum(reused.values()), "copied": len(copied),
                 "copied_bytes": sum(copied.values())}
+
+
+class Reader:
+    """Reads tensors of a device to the host through one staging buffer, made at the first read (pinned
+    for CUDA), to compare them with host tensors (Note [Lazy release to the cached weights])."""
+
+    def __init__(self) -> None:
+        self._staging: torch.Tensor | None = None
+
+    def same_bytes(self, t: torch.Tensor, host: torch.Tensor) -> bool:
+        """Whether `t` holds the same dtype, shape and bytes as the CPU tensor `host`; reads `t` up to the
+        first difference.
+
+        Args:
+            t: a tensor on any device.
+            host: a CPU tensor.
+        """
+        if t.dtype != host.dtype or t.shape != host.shape or not (_plain(t) and _plain(host)):
+            return False
+        src, ref = _as_bytes(t), _as_bytes(host)
+        # in 8-byte words where both allow: torch.equal compares those about 4 times faster than bytes
+        word = torch.int64 if _aligned(src) and _aligned(ref) else torch.uint8
+        src, ref = src.view(word), ref.view(word)
+        if self._staging is None:
+            self._staging = torch.empty(_CHUNK.get(src.device.type, _DEVICE_CHUNK), dtype=torch.uint8,
+                                        pin_memory=src.device.type == "cuda")
+        staging = self._staging.view(word)
+        for start in range(0, src.numel(), staging.numel()):
+            part = src[start:start + staging.numel()]
+            n = part.numel()
+            staging[:n].copy_(part)  # synchronous: the bytes are on the host when it returns
+            if not torch.equal(staging[:n], ref[start:start + n]):
+                return False
+        return True
+
+
+def _plain(t: torch.Tensor) -> bool:
+    return t.layout == torch.strided and not t.is_quantized and t.device.type != "meta"
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The elements of `t` in order, as a flat uint8 tensor (a view where `t` is contiguous)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _aligned(flat: torch.Tensor) -> bool:
+    return flat.numel() % 8 == 0 and flat.storage_offset() % 8 == 0
 
 
 def _slots(model: Any) -> dict[tuple[int, str, str], torch.Tensor]:
@@ -93,12 +137,13 @@ def _slots(model: Any) -> dict[tuple[int, str, str], torch.Tensor]:
 
 
 def to_device(model: Any, device: str, *, reuse_host: bool = True, copy: bool = False) -> Transfer:
-    """Move `model` to `device`, keeping its arena-backed CPU tensors for a copy-free way back.
+    """Move `model` to `device`, keeping its arena-backed CPU tensors for the way back.
 
     Args:
         model: a `torch.nn.Module`.
         device: where to ("cuda:0").
-        reuse_host: keep host tensors that lie in an arena mapping (see Note [Lazy release without copies]).
+        reuse_host: keep host tensors that lie in an arena mapping, to put back where the device tensor's
+            bytes are the same (see Note [Lazy release to the cached weights]); False copies everything back.
         copy: copy every tensor even where `device` is where it already is (the tests move to "cpu"
             this way to exercise the way back without a GPU).
     """
@@ -112,11 +157,11 @@ def to_device(model: Any, device: str, *, reuse_host: bool = True, copy: bool = 
             model._apply(lambda t: t.to(device, copy=True))
         else:
             model.to(device)
-    slots: dict[int, tuple[weakref.ref[torch.Tensor], _Slot]] = {}
+    slots: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor | None]] = {}
     moved = 0
     for where, t in _slots(model).items():
         if id(t) in slots:
             continue
-        slots[id(t)] = (weakref.ref(t), _Slot.of(t, hosts.get(where)))
+        slots[id(t)] = (weakref.ref(t), hosts.get(where))
         moved += t.nelement() * t.element_size()
-    return Transfer(device, slots, sum(1 for _, s in slots.values() if s.host is not None), moved)
+    return Transfer(device, slots, sum(1 for _, host in slots.values() if host is not None), moved)
