@@ -11,10 +11,12 @@ Operations (JSON requests, see kernel_server/protocol.py; all ids are integers):
   unit_bytes, reserve_gib}`. `id` names the physical device (a CUDA UUID), `name` is how the reporting
   kernel addresses it ("cuda:0"). The first report of an id fixes its capacity. A daemon that simulates
   devices ignores the report and answers with its own.
-- `units_acquire {units, devices: [id] | null, timeout_s: seconds | null, label, busy}` -> answered when
-  granted: `{holding, device, units}`; or an error `units_timeout`, `units_too_large`, `no_device`,
-  `unknown_device`; or `{status: "cancelled"}`. `devices` lists the acceptable devices in order of
-  preference (null: all); the first that fits is taken. A timeout of 0 never waits.
+- `units_acquire {units, devices: [id] | null, timeout_s: seconds | null, label, busy, context_units}` ->
+  answered when granted: `{holding, device, units, context}`; or an error `units_timeout`,
+  `units_too_large`, `no_device`, `unknown_device`; or `{status: "cancelled"}`. `devices` lists the
+  acceptable devices in order of preference (null: all); the first that fits is taken. A timeout of 0 never
+  waits. `context_units` (default 0) are the units of the connection's CUDA context, counted with its first
+  grant on each device (`context`: the units counted with this one; Note [CUDA contexts]).
 - `units_release {holding}` -> `{released: units}`. `units_touch {holding, busy}` -> `{}`: marks a holding
   busy or idle and makes it the most recently used. `units_cancel {request}` -> `{cancelled, revoked}`:
   withdraws a waiting acquire (it is answered `cancelled`), or gives back the holding an acquire was
@@ -25,9 +27,19 @@ Operations (JSON requests, see kernel_server/protocol.py; all ids are integers):
 # Note [Units accounting]
 For every device, the units of its holdings never exceed its capacity: a holding is only created by
 `_grant`, which runs only when the device's free units cover the request. Capacity is the device's
-memory in whole GiB minus a reserve (OVERMIND_GPU_RESERVE, GiB, default 1, for the CUDA context and
-activations), and is fixed by the first report of a device, so it never shrinks under its holdings.
-Holdings and waiters belong to the connection that took them and die with it (docs/design.md invariant 5).
+memory in whole GiB minus a reserve (OVERMIND_GPU_RESERVE, GiB, default 1, for allocator slack and what
+the ledger does not see), and is fixed by the first report of a device, so it never shrinks under its
+holdings. Holdings and waiters belong to the connection that took them and die with it (docs/design.md
+invariant 5).
+
+# Note [CUDA contexts]
+Every process that uses a device holds a CUDA context there, device memory of its own that no model's
+units cover and that stays until the process ends. So a kernel's acquire says how many units its context
+takes (`context_units`), and the grant that first gives the connection units on a device also makes a
+context holding of those units there: one per connection and device, always busy (never asked to
+release), gone with the connection. The waiter needs its units plus the context's wherever it has no
+context yet, and that is what fits, what is asked for, and what is too large. What it costs, and which
+kernels ask for it, is the kernel's to say (overmind_jupyter/units/devices.py, Note [Context units]).
 
 # Note [Units fairness]
 Waiting acquires are served in arrival order. One that cannot be served holds back every later one on
@@ -99,6 +111,7 @@ class Holding:
     busy: bool
     last_used: int  # the ledger's tick: higher is more recent
     push: Callable[[str, dict[str, Any]], bool]
+    context: bool = False  # the connection's CUDA context on the device (Note [CUDA contexts])
     granted: float = field(default_factory=time.time)
     idle_since: float = field(default_factory=time.monotonic)
     asked: float | None = None  # when a release was requested; cleared when it turns busy
@@ -117,6 +130,7 @@ class _Waiter:
     timeout: float | None
     answer: Callable[[dict[str, Any] | RemoteError], Any]
     push: Callable[[str, dict[str, Any]], bool]
+    context: int = 0  # units of its CUDA context, counted where it has none yet (Note [CUDA contexts])
     arrived: float = field(default_factory=time.monotonic)
 
 
@@ -201,7 +215,7 @@ class Ledger:
     def acquire(self, conn: ConnId, pid: int, request_id: int, *, units: int, devices: list[str] | None,
                 timeout: float | None, label: str, busy: bool,
                 answer: Callable[[dict[str, Any] | RemoteError], Any],
-                push: Callable[[str, dict[str, Any]], bool]) -> None:
+                push: Callable[[str, dict[str, Any]], bool], context: int = 0) -> None:
         """Queue an acquire; `answer` is called (outside the lock) with the grant or the error, maybe
         before this returns. Raises RemoteError for a request that can never be served."""
         with self._cond:
@@ -214,12 +228,11 @@ class Ledger:
             if unknown or not names:
                 raise RemoteError("unknown_device", f"no device {unknown or names}; the ledger knows "
                                                     f"{self._known()}")
-            largest = max(self._devices[d].capacity for d in names)
-            if units > largest:
-                raise RemoteError("units_too_large", self._too_large(units, names))
             now = self._clock()
             waiter = _Waiter(conn, pid, request_id, list(dict.fromkeys(names)), units, label, busy,
-                             None if timeout is None else now + timeout, timeout, answer, push, now)
+                             None if timeout is None else now + timeout, timeout, answer, push, context, now)
+            if all(self._need(waiter, d) > self._devices[d].capacity for d in waiter.devices):
+                raise RemoteError("units_too_large", self._too_large(waiter))
             self._waiters.append(waiter)
             self.stats["acquires"] += 1
             effects = self._schedule()
@@ -313,7 +326,7 @@ class Ledger:
                         "holding": h.id, "kernel": (k := self.kernels(h.conn)), "pid": k.get("pid"),
                         "label": h.label, "model": h.label, "units": h.units,
                         "busy": h.busy, "idle_s": None if h.busy else round(mono - h.idle_since, 3),
-                        "granted": h.granted, "release_requested": h.asked is not None,
+                        "granted": h.granted, "release_requested": h.asked is not None, "context": h.context,
                     } for h in holders],
                 })
             waiters = [{"kernel": self.kernels(w.conn), "model": w.label, "units": w.units,
@@ -346,20 +359,25 @@ class Ledger:
         blocked: set[str] = set()
         for w in list(self._waiters):
             usable = [d for d in w.devices if d not in blocked]
-            fit = next((d for d in usable if self._devices[d].free >= w.units), None)
+            fit = next((d for d in usable if self._devices[d].free >= self._need(w, d)), None)
             if fit is not None:
                 self._waiters.remove(w)
                 effects.append(self._grant(w, fit))
                 continue
             if w.timeout == 0:
                 continue  # answered by `acquire` at once; it neither waits nor holds anyone back
-            target = next((d for d in usable if self._devices[d].free + self._idle(d) >= w.units), None)
+            target = next((d for d in usable if self._devices[d].free + self._idle(d) >= self._need(w, d)), None)
             if target is not None:
                 effects += self._ask(target, w)
                 blocked.add(target)
             else:
-                blocked.update(d for d in w.devices if self._devices[d].capacity >= w.units)
+                blocked.update(d for d in w.devices if self._devices[d].capacity >= self._need(w, d))
         return effects
+
+    def _need(self, w: _Waiter, device: str) -> int:
+        """The units `w` takes on `device`: its own, and its connection's context there if it has none yet."""
+        held = w.context and any(h.context and h.conn == w.conn for h in self._devices[device].holdings.values())
+        return w.units + (0 if held else w.context)
 
     def _idle(self, device: str) -> int:
         return sum(h.units for h in self._devices[device].holdings.values() if not h.busy)
@@ -370,9 +388,10 @@ class Ledger:
         now = self._clock()
         answering = [h for h in idle if h.asked is not None and now - h.asked < self.ask_patience]
         coming = dev.free + sum(h.units for h in answering)
+        need = self._need(w, device)
         effects: list[Effect] = []
         for h in idle:
-            if coming >= w.units:
+            if coming >= need:
                 break
             if h.asked is not None:
                 continue  # asked already: making room, or given up on
@@ -385,11 +404,16 @@ class Ledger:
         return effects
 
     def _grant(self, w: _Waiter, device: str) -> Effect:
+        context = self._need(w, device) - w.units
+        if context:  # the connection's first units here: its CUDA context too (Note [CUDA contexts])
+            c = Holding(next(self._holding_ids), w.conn, device, context, "CUDA context", w.request_id, True,
+                        next(self._ticks), w.push, context=True)
+            self._devices[device].holdings[c.id] = c
         h = Holding(next(self._holding_ids), w.conn, device, w.units, w.label, w.request_id, w.busy,
                     next(self._ticks), w.push)
         self._devices[device].holdings[h.id] = h
         self.stats["granted"] += 1
-        grant = {"holding": h.id, "device": device, "units": h.units,
+        grant = {"holding": h.id, "device": device, "units": h.units, "context": context,
                  "waited_s": round(self._clock() - w.arrived, 6)}
         answer = w.answer
         return lambda: answer(grant)
@@ -409,8 +433,7 @@ class Ledger:
         for d in w.devices:
             dev = self._devices[d]
             holders = ", ".join(
-                f"pid {self.kernels(h.conn).get('pid')} {h.label or 'model'} {h.units} "
-                f"({'busy' if h.busy else 'idle, asked to release' if h.asked else 'idle'})"
+                f"pid {self.kernels(h.conn).get('pid')} {h.label or 'model'} {h.units} ({_holder_state(h)})"
                 for h in sorted(dev.holdings.values(), key=lambda h: h.last_used)) or "nobody"
             parts.append(f"{dev.name} has {dev.free} of {dev.capacity} units free, held by {holders}")
         waited = "no waiting (timeout 0)" if w.timeout == 0 else f"{w.timeout:g} s"
@@ -421,11 +444,13 @@ class Ledger:
         answer = w.answer
         return lambda: answer(error)
 
-    def _too_large(self, units: int, names: list[str]) -> str:
-        devs = [self._devices[d] for d in names]
+    def _too_large(self, w: _Waiter) -> str:
+        devs = [self._devices[d] for d in w.devices]
         biggest = max(devs, key=lambda d: d.capacity)
         where = (f" (simulated by OVERMIND_FAKE_GPUS={self.fake_spec})" if biggest.simulated else "")
-        return (f"{units} units requested but the largest of {', '.join(d.name for d in devs)} has "
+        context = self._need(w, biggest.id) - w.units
+        asked = f"{w.units} units requested" + (f" and {context} for this kernel's CUDA context" if context else "")
+        return (f"{asked} but the largest of {', '.join(d.name for d in devs)} has "
                 f"{biggest.capacity} units: {biggest.total_bytes / GiB:.1f} GiB minus the "
                 f"{self.reserve_gib:g} GiB reserve{where}. Use a larger device, or lower "
                 "OVERMIND_GPU_RESERVE and restart the daemon with `overmind-daemon stop`")
@@ -454,6 +479,12 @@ class Ledger:
         """Raise the configuration error (a bad OVERMIND_FAKE_GPUS, say) for every units request."""
         if self.config_error is not None:
             raise RemoteError("bad_config", self.config_error)
+
+
+def _holder_state(h: Holding) -> str:
+    if h.context:
+        return "held while its kernel runs"
+    return "busy" if h.busy else "idle, asked to release" if h.asked else "idle"
 
 
 def _run(effects: list[Effect]) -> None:

@@ -178,6 +178,7 @@ class UnitsAcquireRequest(TypedDict):
     timeout_s: NotRequired[Annotated[float, Range(0, 1e9)] | None]  # null: wait forever
     label: NotRequired[str]
     busy: NotRequired[bool]
+    context_units: NotRequired[Annotated[int, Range(0, MAX_UNITS)]]  # Note [CUDA contexts] in ledger.py
 
 
 class HoldingRequest(TypedDict):

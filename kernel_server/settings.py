@@ -226,7 +226,8 @@ COMPACT = Setting("compact", "OVERMIND_COMPACT", flag, True, "on", "0",
 FAKE_GPUS = Setting("fake_gpus", "OVERMIND_FAKE_GPUS", fake_gpus, "", "none", "2x16",
                     "simulated devices for the units ledger, COUNTxGiB joined by commas", "both")
 GPU_RESERVE = Setting("gpu_reserve", "OVERMIND_GPU_RESERVE", gib, 1.0, "1", "0.5",
-                      "GiB of each device kept out of the ledger (CUDA context, allocator slack)", "daemon")
+                      "GiB of each device kept out of the ledger (allocator slack; kernels' CUDA contexts are "
+                      "held apart)", "daemon")
 UNITS_TIMEOUT = Setting("units_timeout", "OVERMIND_UNITS_TIMEOUT", seconds, 600.0, "600", "2m",
                         "seconds `units.place` waits for units held by busy models elsewhere", "kernel")
 WARM = Setting("warm", "OVERMIND_WARM", flag, True, "on", "0",

@@ -28,6 +28,7 @@ from kernel_server.errors import RemoteError
 from kernel_server.ledger import Ledger
 from kernel_server.settings import GiB, parse_fake_gpus
 from overmind_jupyter import loading, rebuild, units
+from overmind_jupyter.units.devices import CONTEXT_UNITS
 from overmind_jupyter.units.transfer import Reader, to_device
 from tests.helpers import tiny_modules
 from tests.helpers.faults_helpers import wait_until
@@ -371,6 +372,33 @@ def test_waiters_are_served_in_arrival_order(fake_gpus: Callable[..., Client], o
         second.close()
 
 
+def test_a_kernels_cuda_context_is_counted_once_per_device(fake_gpus: Callable[..., Client],
+                                                           peers: Callable[..., Peer]) -> None:
+    """A kernel on a real device asks for its CUDA context's units with its first model there: held by its
+    connection, once per device, never asked back, freed with the kernel (Note [CUDA contexts])."""
+    client = fake_gpus("2x8", reserve=0)  # 8 units each
+    kernel = peers("kernel")
+    first = kernel("units_acquire", units=3, context_units=1, devices=["sim:0"], label="first")
+    assert first["units"] == 3 and first["context"] == 1
+    kernel("units_acquire", units=2, context_units=1, devices=["sim:0"], label="second")
+    context, *models = holders(client)
+    assert context["context"] and context["units"] == 1 and context["pid"] == kernel.pid and context["busy"]
+    assert [(h["model"], h["units"]) for h in models] == [("first", 3), ("second", 2)], "one context"
+    assert client.request("units_state")["devices"][0]["used"] == 6
+    for h in models:
+        kernel("units_release", holding=h["holding"])
+    assert [h["units"] for h in holders(client)] == [1], "the context stays while the kernel lives"
+    with pytest.raises(RemoteError, match="CUDA context") as info:
+        client.request("units_acquire", units=8, devices=["sim:0"], timeout_s=0.2)
+    assert info.value.code == "units_timeout"
+    too_large = kernel("units_acquire", units=8, context_units=1, devices=["sim:1"], timeout_s=0)
+    assert too_large["code"] == "units_too_large", too_large
+    assert "8 units requested and 1 for this kernel's CUDA context" in too_large["message"]
+    kernel.close()
+    wait_until(lambda: not holders(client), 2.0)
+    assert client.request("units_acquire", units=8, devices=["sim:0"], timeout_s=1)["units"] == 8
+
+
 # -- several processes -------------------------------------------------------------------------------
 
 def test_processes_acquiring_at_random_never_exceed_capacity(fake_gpus: Callable[..., Client],
@@ -694,12 +722,36 @@ def test_gpu_place_moves_the_model_and_accounting_matches_mem_get_info(real_gpus
     reported = torch.cuda.get_device_properties(0).total_memory
     assert abs(reported - total) < GiB and dev["total_bytes"] == reported
     assert not dev["simulated"] and dev["capacity"] == (reported - GiB) // GiB, "whole GiB after the reserve"
-    assert dev["used"] == need and dev["holders"][0]["mine"]
-    units.release(model)
-    torch.cuda.empty_cache()
+    context, placed = dev["holders"]
+    assert context["context"] and context["mine"] and context["units"] == CONTEXT_UNITS
+    assert placed["mine"] and placed["units"] == need and dev["used"] == need + CONTEXT_UNITS
+    units.release(model)  # the release empties the allocator's cache (Note [Cached blocks of a released device])
     assert all(p.device.type == "cpu" for p in model.parameters())
-    assert torch.cuda.mem_get_info(0)[0] >= free_after + 1.2 * GiB
-    assert not next(d for d in units.state()["devices"] if d["here"] == "cuda:0")["holders"]
+    assert torch.cuda.mem_get_info(0)[0] >= free_after + 1.2 * GiB, "the device has the memory back"
+    released = [e for e in units.state()["kernel"]["events"] if e["event"] == "released"][-1]
+    assert released["freed_cache_bytes"] >= 1.2 * GiB
+    holders_left = next(d for d in units.state()["devices"] if d["here"] == "cuda:0")["holders"]
+    assert [h["context"] for h in holders_left] == [True], "the kernel's context stays counted"
+
+
+@pytest.mark.gpu
+def test_gpu_a_cuda_context_fits_its_units(real_gpus: Client) -> None:
+    """Note [Context units]: another process's CUDA context, cuBLAS ready, as `mem_get_info` sees it."""
+    torch.zeros(1, device="cuda:0")
+    before = torch.cuda.mem_get_info(0)[0]
+    other = start_py("""
+        import sys, torch
+        a = torch.ones(64, 64, device="cuda:0")
+        print((a @ a).sum().item(), flush=True)
+        sys.stdin.read()
+    """)
+    try:
+        assert other.stdout.readline().strip() == "262144.0", other.stderr.read() if other.poll() else ""
+        taken = before - torch.cuda.mem_get_info(0)[0]
+    finally:
+        other.kill()
+        other.wait()
+    assert 0 < taken <= CONTEXT_UNITS * GiB, f"a context took {taken / 2**20:.0f} MiB"
 
 
 @pytest.mark.gpu
@@ -712,7 +764,7 @@ def test_gpu_eviction_moves_back_without_copies_when_unchanged(real_gpus: Client
         out = model(torch.randn(2, 256, device="cuda:0"))
     assert out.device.type == "cuda"
     dev_id = next(d for d in units.state()["devices"] if d["here"] == "cuda:0")
-    capacity = dev_id["capacity"]
+    capacity = dev_id["capacity"] - CONTEXT_UNITS  # all but this kernel's context
     grant = real_gpus.request("units_acquire", units=capacity, devices=[dev_id["id"]], timeout_s=10)
     assert grant["units"] == capacity
     wait_until(lambda: units.device_of(model) is None, 5)

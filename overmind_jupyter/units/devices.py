@@ -17,7 +17,18 @@ from kernel_server.settings import GiB
 
 from ._errors import UnitsError
 
-__all__ = ["GiB", "local_devices", "model_bytes", "model_label", "units_for"]
+__all__ = ["CONTEXT_UNITS", "GiB", "context_units", "local_devices", "model_bytes", "model_label", "units_for"]
+
+# Note [Context units]
+# A kernel's CUDA context on a device is memory no model's units cover, held until the kernel ends; the
+# ledger counts it as a holding of the kernel's from its first units on the device (Note [CUDA contexts]
+# in kernel_server/ledger.py). Its size (the context, torch's kernels as they load, lazily by default
+# since CUDA 11.7, and cuBLAS's handle and workspace) is well under 1 GiB on current GPUs, so one unit
+# covers it. Not measured on this project's device machines yet: tests/test_units.py's
+# `test_gpu_a_cuda_context_fits_its_units` measures it (another process's context, as
+# `torch.cuda.mem_get_info` sees it) and fails if one unit does not cover it. A simulated device has no
+# context, and none is counted there.
+CONTEXT_UNITS = 1
 
 
 def local_devices() -> list[dict[str, Any]]:
@@ -46,6 +57,15 @@ def local_devices() -> list[dict[str, Any]]:
         out.append({"id": dev_id, "name": f"cuda:{i}", "total_bytes": int(props.total_memory),
                     "model": str(props.name), "simulated": False})
     return out
+
+
+def context_units(simulated: bool) -> int:
+    """The units to count for this kernel's CUDA context on a device (Note [Context units]).
+
+    Args:
+        simulated: whether the device is simulated (OVERMIND_FAKE_GPUS).
+    """
+    return 0 if simulated else CONTEXT_UNITS
 
 
 def model_bytes(model: Any) -> int:

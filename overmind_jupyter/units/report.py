@@ -18,7 +18,8 @@ def state() -> dict[str, Any]:
     Returns:
         A dict with `devices` (each with `name`, `here` (how this kernel addresses it), `capacity`, `used`,
         `free`, `simulated`, and `holders`, least recently used first, each with `kernel`, `model`, `units`,
-        `busy`, `idle_s`, `release_requested` and `mine`), `waiters`, `simulated`, `unit_bytes`,
+        `busy`, `idle_s`, `release_requested`, `context` (the kernel's CUDA context: Note [CUDA contexts] in
+        kernel_server/ledger.py) and `mine`), `waiters`, `simulated`, `unit_bytes`,
         `reserve_gib`, `stats`, and `kernel` (this kernel's placements and its recent placement events).
     """
     return instance().state()
@@ -51,7 +52,9 @@ def format_state(state: dict[str, Any]) -> str:
         rows = [("kernel", "model", "units", "state")]
         for h in dev["holders"]:
             who = f"pid {h['kernel'].get('pid')} (this kernel)" if h.get("mine") else kernel_name(h["kernel"])[0]
-            if h["busy"]:
+            if h.get("context"):
+                status = "held while its kernel runs"  # Note [CUDA contexts] in kernel_server/ledger.py
+            elif h["busy"]:
                 status = "busy"
             else:
                 status = f"idle {h['idle_s']:.0f} s"

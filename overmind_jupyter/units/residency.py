@@ -44,7 +44,7 @@ from ._errors import (
     UnitsError,
     UnitsTimeout,
 )
-from .devices import local_devices, model_label, units_for
+from .devices import context_units, local_devices, model_label, units_for
 
 if TYPE_CHECKING:
     from .transfer import Transfer
@@ -298,7 +298,8 @@ class Residency:
         daemon_timeout = None if timeout == float("inf") else max(0.0, float(timeout))
         try:
             request_id, fut = client.submit(Op.UNITS_ACQUIRE, units=units, devices=[d.id for d in candidates],
-                                            timeout_s=daemon_timeout, label=label, busy=True)
+                                            timeout_s=daemon_timeout, label=label, busy=True,
+                                            context_units=context_units(candidates[0].simulated))
         except DaemonError as exc:
             raise UnitsError(f"cannot ask the daemon for units: {exc}") from exc
         try:

@@ -21,6 +21,12 @@ a 7B Llama's 13.5 GB of bf16, 8 of its 32 layers measured and scaled, 2 shared c
 unchanged model 3.5 s (3.9 GB/s), copying it back 6.0-6.9 s (1.9-2.2 GB/s), a model written everywhere
 (compared to its last chunk, then copied) 1.45 times the copy. Deciding by version counters cost nothing,
 and lost writes. `reuse_host=False` skips the comparison and copies everything back.
+
+# Note [Cached blocks of a released device]
+The units a release gives back are the device's memory only once this process lets go of it: torch's
+caching allocator keeps freed blocks reserved for the process until `torch.cuda.empty_cache()`. So the way
+back empties the cache of the device it left, before the units go back to the ledger (residency.py), and
+reports what that returned.
 """
 
 from __future__ import annotations
@@ -54,10 +60,12 @@ class Transfer:
 
     def to_host(self, model: Any) -> dict[str, int]:
         """Move `model` back to the CPU: the kept host tensor where the bytes are the same, a copy elsewhere
-        (see Note [Lazy release to the cached weights]).
+        (see Note [Lazy release to the cached weights]); then give the device's cached blocks back (Note
+        [Cached blocks of a released device]).
 
         Returns:
-            Counts and bytes of tensors `reused` (the kept host tensor) and `copied` (from a device).
+            Counts and bytes of tensors `reused` (the kept host tensor) and `copied` (from a device), and
+            `freed_cache_bytes`, what the device's caching allocator gave back.
         """
         reused: dict[int, int] = {}
         copied: dict[int, int] = {}
@@ -76,7 +84,7 @@ class Transfer:
         with torch.no_grad():
             model._apply(back)
         return {"reused": len(reused), "reused_bytes": sum(reused.values()), "copied": len(copied),
-                "copied_bytes": sum(copied.values())}
+                "copied_bytes": sum(copied.values()), "freed_cache_bytes": _empty_cache(self.device)}
 
 
 class Reader:
@@ -124,6 +132,17 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def _aligned(flat: torch.Tensor) -> bool:
     return flat.numel() % 8 == 0 and flat.storage_offset() % 8 == 0
+
+
+def _empty_cache(device: str) -> int:
+    """Give the cached blocks of a CUDA `device` back to the driver; the bytes given back (0 elsewhere)."""
+    where = torch.device(device)
+    if where.type != "cuda":
+        return 0
+    with torch.cuda.device(where):
+        before = torch.cuda.memory_reserved()
+        torch.cuda.empty_cache()
+        return max(0, before - torch.cuda.memory_reserved())
 
 
 def _slots(model: Any) -> dict[tuple[int, str, str], torch.Tensor]:
