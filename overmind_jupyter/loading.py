@@ -35,7 +35,7 @@ from . import dynamic_modules, keys, notices, progress, randomness, results, thr
 from .errors import CorruptEntry, PackError, PublishError, Uncacheable
 from .load_log import load_log
 from .notices import calls, clear_fallbacks, count, fall_back, fallbacks, tell_once
-from .placement import place, split_placement
+from .placement import place, plain_only, split_placement
 from .results import NO_REPLAY, Replay, remember, result_key
 
 __all__ = [
@@ -131,7 +131,18 @@ def cached(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         What `fn` returns: rebuilt from the daemon's shared memory on a hit, or loaded and then
         published for the next kernel on a miss.
     """
+    if _runs_plainly(fn):
+        return fn(*args, **kwargs)
     return _cached_call(fn, args, kwargs)
+
+
+def _runs_plainly(fn: Callable[..., Any]) -> bool:
+    """Whether `fn` must run plainly where it is called (Note [Meta loads] in placement.py), said once."""
+    reason = plain_only()
+    if reason is None:
+        return False
+    fall_back(_label(fn), "empty_init", reason)
+    return True
 
 
 def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -401,6 +412,8 @@ def _lookup(key: str) -> tuple[Client, Response]:
 def patched_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """What a patched `from_pretrained` does: the cached call on CPU, then the placement the caller
     asked for with `device_map` (see Note [Devices] in placement.py)."""
+    if _runs_plainly(fn):
+        return fn(*args, **kwargs)
     try:
         cpu_kwargs, device = split_placement(kwargs)
     except Uncacheable as exc:

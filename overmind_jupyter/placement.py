@@ -1,21 +1,38 @@
-"""Where a cached result goes: the device a load asked for with `device_map` (Note [Devices])."""
+"""Where a cached result goes: the device a load asked for with `device_map` (Note [Devices]), and the loads
+that build their modules off the CPU, which run plainly (Note [Meta loads])."""
 
 from __future__ import annotations
 
+import functools
+import sys
 from typing import Any
 
 from .errors import Uncacheable
 from .notices import fall_back
 
-__all__ = ["place", "split_placement"]
+__all__ = ["place", "plain_only", "split_placement"]
 
 # Note [Devices]
 # Cached bytes are CPU bytes. A load asked onto one device (`device_map="cuda:0"`, `"cuda"`, `0`,
 # `{"": "cuda:1"}`, or `"auto"` where that means a single device) is cached as the CPU load and moved
-# after the rebuild, so it lands where it would have landed without overmind. A device map that spreads
-# a model over several devices is loaded plainly, and status says so.
+# after the rebuild, so it lands where it would have landed without overmind. Any other placement is
+# loaded plainly, and status says why: a device map that spreads a model over several devices or parts,
+# one that offloads ("disk", "meta", `max_memory`, `offload_folder`: accelerate decides what goes where,
+# by sizes the cache does not see), and a load run where torch builds modules off the CPU (Note [Meta
+# loads]).
+_OFFLOADING = ("max_memory", "offload_folder", "offload_state_dict", "offload_buffers")
+
 
 def split_placement(kwargs: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    """The arguments of the CPU load, and the device to move its result to (None: it stays on the CPU).
+
+    Raises:
+        Uncacheable: the placement asked for is not one device (Note [Devices]).
+    """
+    offloading = [k for k in _OFFLOADING if kwargs.get(k) not in (None, False)]
+    if offloading:
+        raise Uncacheable(f"{', '.join(f'{k}={kwargs[k]!r}' for k in offloading)} lets accelerate offload "
+                          "parts of the model, which the cache cannot reproduce")
     if kwargs.get("device_map") is None:
         return kwargs, None
     import torch
@@ -32,9 +49,45 @@ def split_placement(kwargs: dict[str, Any]) -> tuple[dict[str, Any], Any]:
         device = torch.device(device_map) if not isinstance(device_map, int) else torch.device("cuda", device_map)
     except (TypeError, RuntimeError):
         raise Uncacheable(f"device_map={kwargs['device_map']!r} places parts of the model on different "
-                          "devices") from None
+                          "devices, or on disk") from None
+    if device.type == "meta":
+        raise Uncacheable(f"device_map={kwargs['device_map']!r} asks for a model without weights")
     rest = {k: v for k, v in kwargs.items() if k != "device_map"}
     return rest, None if device.type == "cpu" else device
+
+
+# Note [Meta loads]
+# Under `with torch.device("meta")` (or any default device but the CPU: `torch.set_default_device`) and
+# under accelerate's `init_empty_weights()`, which replaces `nn.Module.register_parameter` for the block,
+# a load builds its modules elsewhere than on the CPU: transformers refuses the first (RuntimeError) and
+# fails on the second (ValueError), and a load to another default device lands there. A hit would return
+# the CPU model of the entry instead, so such a call runs plainly, as it would without overmind.
+def plain_only() -> str | None:
+    """Why a load must run plainly where it is called (Note [Meta loads]), or None."""
+    torch = sys.modules.get("torch")
+    if torch is None:  # nothing can have changed where modules are built, and torch is not ours to import
+        return None
+    # a default device is a mode on torch's function-mode stack: none there, none to ask for (5 us saved)
+    modes = getattr(torch._C, "_len_torch_function_stack", None)
+    default = torch.get_default_device() if modes is None or modes() else None
+    if default is not None and default.type != "cpu":
+        return (f"torch's default device is {default.type} here (a `with torch.device(...)` block or "
+                "torch.set_default_device), where the load builds its modules")
+    register = torch.nn.Module.register_parameter
+    code = getattr(register, "__code__", None)
+    if code is None or code.co_filename != _module_file():
+        where = f"{getattr(register, '__module__', '?')}.{getattr(register, '__qualname__', '?')}"
+        return (f"nn.Module.register_parameter is replaced by {where} (accelerate's init_empty_weights or "
+                "init_on_device), so the load builds modules without weights")
+    return None
+
+
+@functools.cache
+def _module_file() -> str:
+    """Where torch's own `nn.Module` methods are compiled from."""
+    import torch.nn.modules.module
+
+    return torch.nn.modules.module.Module.__init__.__code__.co_filename
 
 
 def place(obj: Any, device: Any) -> Any:

@@ -262,6 +262,60 @@ def test_cpu_device_maps_share_the_cpu_entry(shell, tiny_llama: Path, overmind_h
     assert len(state["daemon"]["entries"]) == 1 and state["daemon"]["stats"]["hits"] == 3
 
 
+def test_offloading_device_maps_load_plainly_and_say_why_once(shell, tiny_llama: Path, overmind_home: Path,
+                                                              tmp_path: Path) -> None:
+    """`max_memory`, `offload_folder`, "disk" and "meta" ask for a split the cache cannot reproduce: the
+    call is the plain one (its parameters offloaded to disk, its exception), and the reason is told once."""
+    from transformers import AutoModelForCausalLM
+
+    from overmind_jupyter.errors import FallbackWarning
+
+    shell.run_line_magic("overmind", "on")
+    AutoModelForCausalLM.from_pretrained(str(tiny_llama))  # an entry these loads must not take
+    offloaded = {"device_map": "auto", "max_memory": {"cpu": 20_000}, "offload_folder": str(tmp_path / "a")}
+    with pytest.warns(FallbackWarning, match="max_memory"):
+        model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), **offloaded)
+    assert {p.device.type for p in model.parameters()} == {"meta"} and model.hf_device_map == {"": "disk"}
+    layers_on_disk = {"model.embed_tokens": "cpu", "model.layers": "disk", "model.norm": "cpu",
+                      "model.rotary_emb": "cpu", "lm_head": "cpu"}
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), device_map=layers_on_disk,
+                                                 offload_folder=str(tmp_path / "b"))  # told once: no warning
+    assert {n for n, p in model.named_parameters() if p.device.type == "meta"} == {
+        n for n, _ in model.named_parameters() if n.startswith("model.layers.")}
+    with pytest.raises(ValueError, match="meta"):
+        AutoModelForCausalLM.from_pretrained(str(tiny_llama), device_map="meta")
+    reasons = [f["reason"] for f in magic_json(shell, "status")["fallbacks"]]
+    assert len(reasons) == 3 and "max_memory" in reasons[0] and "offload_folder" in reasons[1], reasons
+    assert "'meta'" in reasons[2], reasons
+
+
+def test_a_load_under_a_meta_device_runs_plainly(shell, tiny_llama: Path, overmind_home: Path) -> None:
+    """`with torch.device("meta")` and accelerate's `init_empty_weights()` make the plain load raise; a hit
+    would return a whole CPU model, so the call runs plainly and raises what it raises."""
+    import accelerate
+    from transformers import AutoModelForCausalLM
+
+    from overmind_jupyter import loading
+    from overmind_jupyter.errors import FallbackWarning
+
+    shell.run_line_magic("overmind", "on")
+    before = loading.calls()
+    AutoModelForCausalLM.from_pretrained(str(tiny_llama))  # cached: the next call would be a hit
+    with pytest.warns(FallbackWarning, match="meta"), pytest.raises(RuntimeError, match="meta device"), \
+            torch.device("meta"):
+        AutoModelForCausalLM.from_pretrained(str(tiny_llama))
+    with pytest.raises(ValueError, match="meta"), accelerate.init_empty_weights():
+        AutoModelForCausalLM.from_pretrained(str(tiny_llama))  # the same kind of reason: told once
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama))
+    assert next(model.parameters()).device.type == "cpu"
+    reasons = [f["reason"] for f in loading.fallbacks()]
+    assert len(reasons) == 2 and "default device is meta" in reasons[0], reasons
+    assert "init_empty_weights" in reasons[1] and "register_parameter" in reasons[1], reasons
+    after = loading.calls()
+    assert {k: after.get(k, 0) - before.get(k, 0) for k in ("miss", "plain", "hit")} == {"miss": 1, "plain": 2,
+                                                                                       "hit": 1}
+
+
 @pytest.mark.gpu
 def test_a_cuda_device_map_lands_on_the_gpu(shell, tiny_llama: Path, overmind_home: Path) -> None:
     from transformers import AutoModelForCausalLM
