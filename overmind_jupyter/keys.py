@@ -2,11 +2,15 @@
 
 # Note [Never stale]
 A key is the SHA-256 of a JSON document holding (docs/design.md invariant 2):
-- the callable: `module.qualname` of the class a classmethod was called on, with the method's name; a
-  plain function (a notebook's `load`) by what it does: its code (bytecode, constants, names, nested
-  code), its defaults, the values of its closure and of the globals it reads (functions among them by
-  their own code), and the identity of its module's file; a `functools.partial` is keyed as the call it
-  makes; a callable object is uncacheable, since its state is not known;
+- the callable: `module.qualname` of the class a classmethod was called on, with the method's name, and
+  each class of the user's own in its MRO (defined in the notebook, or in a module beside it that no
+  installed distribution provides: `class Pruned(LlamaForCausalLM)`) by what it does: its methods by their
+  code, its class attributes, its bases; a plain function (a notebook's `load`) by what it does: its code
+  (bytecode, constants, names, nested code), its defaults, the values of its closure and of the globals
+  it reads (functions among them by their own code), the module attributes, environment variables and
+  literal paths it reads (Note [What a function reads] in reads.py), and the identity of its module's
+  file; a `functools.partial` is keyed as the call it makes; a callable object is uncacheable, since its
+  state is not known;
 - the arguments bound to the callable's signature (so positional and keyword spellings agree), each in
   a canonical form; an argument without one makes the call uncacheable (`Uncacheable`), never guessed.
   Objects with a `to_dict` (configs) are keyed by their whole state, every attribute, private ones
@@ -48,11 +52,12 @@ from pathlib import Path, PurePath
 from typing import Any
 
 from .errors import Uncacheable
+from .reads import is_users_module, path_constants, reads
 
 __all__ = ["GRAPH_FORMAT", "CallKey", "Resolve", "changed_since", "fingerprint", "make_key", "owner_name",
            "signature"]
 
-_KEY_FORMAT = 2  # bump on any change to what a key holds: old entries then simply miss
+_KEY_FORMAT = 3  # bump on any change to what a key holds: old entries then simply miss
 # The format of the graphs rebuild.py packs, named by every key: an entry packed in another format is a miss
 # (a daemon that outlived an upgrade keeps such entries), not a corrupt entry with a fallback warning.
 # Bump when the storage or tensor references, or what a graph holds, change.
@@ -129,6 +134,10 @@ def make_key(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
     if owner is not None and not isinstance(owner, type):
         arguments["self"] = owner  # a method of a loaded object (load_adapter): the object is an input
     canon = _Canonical(os.getcwd(), resolve)
+    classes = []
+    if owner is not None:  # the class a method was called on, and the user's classes it derives from
+        cls = owner if isinstance(owner, type) else type(owner)
+        classes = [canon.cls(f"class {c.__qualname__}", c, 0) for c in cls.__mro__ if is_users_module(c.__module__)]
     doc_args = {}
     config_sources = _CONFIG_SOURCES.get(getattr(fn, "__name__", ""), ())
     for name in sorted(arguments, key=lambda n: (n not in _SOURCE_PARAMS, n)):  # the checkpoint labels the call
@@ -144,6 +153,7 @@ def make_key(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
         "format": [_KEY_FORMAT, GRAPH_FORMAT],
         "callable": qualified,
         "arguments": doc_args,
+        "classes": classes,
         "versions": {"torch": _version("torch"), package: _version(package)},
     }
     text = json.dumps(document, sort_keys=True, separators=(",", ":"))
@@ -362,6 +372,8 @@ class _Canonical:
                 if g not in fn.__globals__:
                     continue  # a builtin, or an attribute name that is no global
                 x = fn.__globals__[g]
+                if x is os.environ or x is os.getenv:
+                    continue  # keyed by the variables read (Note [What a function reads])
                 read[g] = self._global(f"{fn.__qualname__}: global {g}", x, depth)
             closure = [self._global(f"{fn.__qualname__}: closure {v}", _contents(c), depth)
                        for v, c in zip(code.co_freevars, fn.__closure__ or (), strict=True)]
@@ -372,8 +384,11 @@ class _Canonical:
                 "kwdefaults": self.value(f"{fn.__qualname__}: defaults", dict(fn.__kwdefaults__ or {}), depth + 1),
                 "closure": closure,
                 "globals": read,
+                **self._code_reads(fn, depth),
             }
-            file = _module_file(fn.__module__)
+            # A library's function also by its file (its code is its version); the user's by its code alone,
+            # so that a module beside the notebook edited and edited back is a hit again.
+            file = None if is_users_module(fn.__module__) else _module_file(fn.__module__)
             if file is not None:
                 out["file"] = _identity(os.stat(file))
             return out
@@ -387,26 +402,77 @@ class _Canonical:
         if isinstance(x, types.ModuleType):
             return {"module": x.__name__}
         if isinstance(x, (types.FunctionType, type)):
+            if id(x) in self._functions:  # a method's `__class__` cell: the class being keyed
+                return {"recursive": x.__qualname__}
             file = _module_file(x.__module__)
             if file is not None:
                 return {"name": f"{x.__module__}.{x.__qualname__}", "file": _identity(os.stat(file))}
             if isinstance(x, types.FunctionType):
                 return {"function": self.function(name, x, depth + 1)}
-            if id(x) in self._functions:  # a method's `__class__` cell: the class being keyed
-                return {"recursive": x.__qualname__}
-            self._functions.add(id(x))
-            try:
-                methods = {k: self.function(f"{name}.{k}", f, depth + 1) for k, f in sorted(vars(x).items())
-                           if isinstance(f, types.FunctionType)}
-            finally:
-                self._functions.discard(id(x))
-            return {"class": f"{x.__module__}.{x.__qualname__}", "bases": [_qualname_of(b) for b in x.__mro__[1:]],
-                    "methods": methods}
+            return self.cls(name, x, depth)
         if callable(x) and hasattr(x, "__qualname__"):  # builtins, bound methods, functools wrappers
             owner = getattr(x, "__self__", None)
             where = _qualname(owner) if owner is not None and not isinstance(owner, types.ModuleType) else ""
             return {"callable": f"{where}{getattr(x, '__module__', '')}.{x.__qualname__}"}
         return self.value(name, x, depth + 1)
+
+    def cls(self, name: str, x: type, depth: int) -> Any:
+        """A class of the user's by what it does: its methods by their code, its class attributes, its bases
+        (those of the user's are keyed where they stand in the MRO of the class a loader is called on)."""
+        if id(x) in self._functions:  # a method's `__class__` cell: the class being keyed
+            return {"recursive": x.__qualname__}
+        self._functions.add(id(x))
+        try:
+            methods, attributes = {}, {}
+            for k, attr in sorted(vars(x).items()):
+                if k in _CLASS_BOOKKEEPING:
+                    continue
+                v = attr.__func__ if isinstance(attr, (staticmethod, classmethod)) else attr
+                if isinstance(v, property):
+                    methods[k] = [None if f is None else self._global(f"{name}.{k}", f, depth + 1)
+                                  for f in (v.fget, v.fset, v.fdel)]
+                elif isinstance(v, types.FunctionType):
+                    methods[k] = self.function(f"{name}.{k}", v, depth + 1)
+                else:
+                    attributes[k] = self._global(f"{name}.{k}", v, depth + 1)
+        finally:
+            self._functions.discard(id(x))
+        return {"class": f"{x.__module__}.{x.__qualname__}", "bases": [_qualname_of(b) for b in x.__mro__[1:]],
+                "methods": methods, "attributes": attributes}
+
+    def _code_reads(self, fn: types.FunctionType, depth: int) -> dict[str, Any]:
+        """The module attributes, environment variables and literal paths `fn`'s code reads (Note [What a
+        function reads]); Uncacheable, naming the read, for one that cannot be keyed."""
+        where = fn.__qualname__
+        attributes: dict[str, Any] = {}
+        environment: dict[str, str | None] = {}
+        for r in reads(fn.__code__):
+            # A module the function imports itself and is not imported yet is imported by the call.
+            obj: Any = sys.modules.get(r.root) if r.imported else fn.__globals__.get(r.root)
+            name, rest = r.root, list(r.attrs)
+            while obj is not None:
+                if obj is os.environ or obj is os.getenv:
+                    if r.constant is None:
+                        raise Uncacheable(
+                            f"{where} reads the environment in a way a cache key cannot follow ({r.text} with a "
+                            "name computed when it runs, or all of it); write the name out, as "
+                            "os.environ['NAME'], os.environ.get('NAME') or os.getenv('NAME')")
+                    environment[r.constant] = os.environ.get(r.constant)
+                    break
+                if not rest or not isinstance(obj, types.ModuleType):
+                    break
+                attr = rest.pop(0)
+                nxt = getattr(obj, attr, _MISSING)
+                name = f"{name}.{attr}"
+                if is_users_module(obj.__name__) and not isinstance(nxt, types.ModuleType) and \
+                        nxt is not os.environ and nxt is not os.getenv:
+                    attributes[name] = ({"missing": True} if nxt is _MISSING
+                                        else self._global(f"{where}: {name}", nxt, depth))
+                    break
+                obj = None if nxt is _MISSING else nxt
+        paths = {text: self._path(f"{where}: {text!r}", real)
+                 for text, real in sorted(path_constants(fn.__code__, self.cwd).items())}
+        return {"attributes": attributes, "environment": environment, "paths": paths}
 
     def _container(self, name: str, v: Any, depth: int) -> Any:
         if isinstance(v, (list, tuple)):
@@ -457,6 +523,14 @@ class _Canonical:
             raise Uncacheable(f"argument {name} ({_qualname(v)}) is not a cached result, or changed since it was "
                               "loaded, so this call has no canonical form for a cache key")
         raise Uncacheable(f"argument {name} of type {_qualname(v)} has no canonical form for a cache key")
+
+
+_MISSING = object()
+# What Python keeps in every class's namespace, not what the class does.
+_CLASS_BOOKKEEPING = frozenset({
+    "__module__", "__qualname__", "__doc__", "__dict__", "__weakref__", "__annotations__", "__orig_bases__",
+    "__parameters__", "__static_attributes__", "__firstlineno__", "__slots__", "__abstractmethods__", "_abc_impl",
+    "__annotate__", "__annotate_func__", "__annotations_cache__"})
 
 
 def _qualname(v: Any) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
@@ -229,6 +230,115 @@ def test_another_notebooks_function_of_the_same_name(overmind_home: Path) -> Non
     want = float(sum(p.double().sum() for p in tiny_modules.build("mlp", width=16, seed=2).parameters()))
     assert one["calls"] == two["calls"] == {"miss": 1}, "a global the function reads is part of its key"
     assert two["sum"] == want != one["sum"]
+
+
+# -- 3b. what a function reads, and the user's classes (issue 38) --------------------------------------------
+
+# A kernel: loads through the cache (or plainly), and says what it got. {prelude} is the notebook's own code.
+KERNEL = """
+    import json, os, sys, torch, warnings
+    sys.path.insert(0, os.getcwd())  # a module beside the notebook, as a kernel's cwd is on its path
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+    from overmind_jupyter import loading
+{prelude}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        m = {call}
+    print(json.dumps({{"layers": len(m.model.layers), "head": list(m.lm_head.weight.shape),
+                       "sum": float(sum(p.double().sum() for p in m.parameters())), "calls": loading.calls(),
+                       "warnings": [str(w.message) for w in caught]}}))
+"""
+
+
+def kernel_load(prelude: str, call: str, cwd: Path, **env: str) -> dict:
+    code = KERNEL.format(prelude=textwrap.indent(textwrap.dedent(prelude), "    "), call=call)
+    return last_json(run_py(code, env=dict(os.environ, **env), cwd=cwd))
+
+
+PRUNED = """
+    class Pruned(LlamaForCausalLM):
+        def __init__(self, config):
+            config.num_hidden_layers = {layers}
+            super().__init__(config)
+"""
+
+
+@pytest.mark.parametrize("where", ["notebook", "module beside it"])
+def test_an_edited_model_subclass_is_a_miss(overmind_home: Path, tiny_llama: Path, tmp_path: Path,
+                                            where: str) -> None:
+    """`class Pruned(LlamaForCausalLM)`, defined in the notebook or in a module beside it, then edited:
+    the next kernel gets the edited class's model, not the entry of the old one."""
+    call = f"loading.cached(Pruned.from_pretrained, {str(tiny_llama)!r})"
+
+    def load(layers: int) -> dict:
+        if where == "notebook":
+            return kernel_load(PRUNED.format(layers=layers), call, tmp_path)
+        (tmp_path / "pruned_models.py").write_text("from transformers import LlamaForCausalLM\n"
+                                                   + textwrap.dedent(PRUNED.format(layers=layers)))
+        return kernel_load("from pruned_models import Pruned", call, tmp_path)
+
+    one, two, again = load(1), load(2), load(1)
+    assert (one["layers"], two["layers"], again["layers"]) == (1, 2, 1)
+    assert (one["calls"], two["calls"], again["calls"]) == ({"miss": 1}, {"miss": 1}, {"hit": 1})
+
+
+def test_a_function_is_keyed_by_the_environment_it_reads(overmind_home: Path, tiny_llama: Path,
+                                                        tmp_path: Path) -> None:
+    """A path taken from os.environ: another value is another model, never the first one's entry."""
+    other = demo_models.build_llama(tmp_path / "other", "tiny", seed=1)
+    prelude = "def load():\n    return AutoModelForCausalLM.from_pretrained(os.environ['CHECKPOINT'])\n"
+    first = kernel_load(prelude, "loading.cached(load)", tmp_path, CHECKPOINT=str(tiny_llama))
+    second = kernel_load(prelude, "loading.cached(load)", tmp_path, CHECKPOINT=str(other))
+    plain = kernel_load(prelude, "load()", tmp_path, CHECKPOINT=str(other))
+    assert first["calls"] == second["calls"] == {"miss": 1}
+    assert second["sum"] == plain["sum"] != first["sum"]
+    # os.getenv and a module imported in the function are read the same way: a hit for the same value
+    prelude = ("def load():\n    import os as o\n"
+               "    return AutoModelForCausalLM.from_pretrained(o.getenv('CHECKPOINT'))\n")
+    assert kernel_load(prelude, "loading.cached(load)", tmp_path, CHECKPOINT=str(other))["calls"] == {"miss": 1}
+    assert kernel_load(prelude, "loading.cached(load)", tmp_path, CHECKPOINT=str(other))["calls"] == {"hit": 1}
+
+
+def test_an_environment_read_that_cannot_be_keyed_loads_plainly_and_says_which(overmind_home: Path,
+                                                                              tiny_llama: Path,
+                                                                              tmp_path: Path) -> None:
+    prelude = ("NAME = 'CHECKPOINT'\n"
+               "def load():\n    return AutoModelForCausalLM.from_pretrained(os.environ[NAME])\n")
+    got = kernel_load(prelude, "loading.cached(load)", tmp_path, CHECKPOINT=str(tiny_llama))
+    assert got["calls"] == {"plain": 1}
+    assert any("reads the environment" in w and "os.environ" in w for w in got["warnings"]), got["warnings"]
+
+
+def test_a_function_is_keyed_by_the_module_attributes_it_reads(overmind_home: Path, tmp_path: Path) -> None:
+    """`helpers.LAYERS` of a module beside the notebook, edited between two kernels: another key."""
+    prelude = ("import helpers\nfrom transformers import LlamaConfig\n"
+               "torch.manual_seed(0)  # the load draws its weights: one state for every kernel\n"
+               "def load():\n"
+               "    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_attention_heads=2,\n"
+               "                         num_key_value_heads=2, num_hidden_layers=helpers.LAYERS)\n"
+               "    return LlamaForCausalLM(config)\n")
+    got = []
+    for layers in (1, 3, 1):
+        (tmp_path / "helpers.py").write_text(f"LAYERS = {layers}\n")
+        got.append(kernel_load(prelude, "loading.cached(load)", tmp_path))
+    assert [g["layers"] for g in got] == [1, 3, 1]
+    assert [g["calls"] for g in got] == [{"miss": 1}, {"miss": 1}, {"hit": 1}]
+
+
+def test_a_checkpoint_replaced_under_a_literal_path_is_a_miss(overmind_home: Path, tmp_path: Path) -> None:
+    """The path written in the function's body names a checkpoint that is replaced between two kernels."""
+    checkpoint, other = tmp_path / "model", demo_models.build_llama(tmp_path / "other", "tiny", seed=1)
+    demo_models.build_llama(checkpoint, "tiny")
+    # converted to fp32: the entry holds its own copy of the weights, not references to the checkpoint's
+    prelude = (f"def load():\n"
+               f"    return AutoModelForCausalLM.from_pretrained({str(checkpoint)!r}, dtype=torch.float32)\n")
+    first = kernel_load(prelude, "loading.cached(load)", tmp_path)
+    shutil.rmtree(checkpoint)
+    shutil.copytree(other, checkpoint)
+    second = kernel_load(prelude, "loading.cached(load)", tmp_path)
+    plain = kernel_load(prelude, "load()", tmp_path)
+    assert (first["calls"], second["calls"]) == ({"miss": 1}, {"miss": 1})
+    assert second["sum"] == plain["sum"] != first["sum"]
 
 
 # -- 4. random weights follow the caller's seed -------------------------------------------------------------

@@ -1,0 +1,151 @@
+"""What a function's code reads besides its arguments and globals: module attributes, the environment,
+paths written in it. keys.py keys each read (Note [What a function reads]).
+
+# Note [What a function reads]
+`cached(fn)` keys a function by its code, defaults, closure and the globals it names (Note [Never stale]
+in keys.py). Three more reads decide what it returns, and each is found in its bytecode:
+- an attribute reached through a module of the user's own (`helpers.SCALE`, `helpers.sub.PATH`, a module
+  beside the notebook, which no installed distribution provides): keyed by the value it has now, so an
+  edited module, reloaded, or an attribute set in a cell, is another key. A library's or the standard
+  library's module stays keyed by its name: its version is in the key;
+- the environment: `os.environ[NAME]`, `os.environ.get(NAME)`, `os.getenv(NAME)`, `NAME in os.environ`,
+  with `os` imported at the top or in the function, keyed by the variable's value or its absence. A name
+  computed at run time, or the whole environment handed on, cannot be keyed: the call runs plainly, and
+  the fallback names the read;
+- a string constant naming a file or folder that exists: keyed by its files' identity, as a path argument
+  is, so a checkpoint replaced under a literal path is a miss. Never the working directory, one of its
+  ancestors or the home folder, whose files the notebook's own autosave changes.
+These are read in the function keyed by its code and in every function of the notebook it calls (those are
+keyed by their code too); a function of a module with a file is keyed by that file's identity instead.
+"""
+
+from __future__ import annotations
+
+import dis
+import functools
+import os
+import sys
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass
+from importlib import metadata
+
+__all__ = ["Read", "is_users_module", "path_constants", "reads"]
+
+_ROOTS = {"LOAD_GLOBAL", "LOAD_NAME", "LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_BORROW"}
+_ATTRS = {"LOAD_ATTR", "LOAD_METHOD"}
+_STORES = {"STORE_FAST", "STORE_NAME", "STORE_GLOBAL"}
+# Libraries whose modules are never the user's, named without asking the installed metadata (the loaders'
+# own, on every key): their code is keyed by their versions.
+_LIBRARIES = frozenset({"transformers", "diffusers", "peft", "torch", "accelerate", "huggingface_hub",
+                        "safetensors", "sentence_transformers", "tokenizers", "numpy", "overmind_jupyter"})
+_MAX_PATH = 4096
+
+
+@dataclass(frozen=True)
+class Read:
+    """A chain of attribute loads in a function's code: `root.attrs[0].attrs[1]...`."""
+
+    root: str  # the global name the chain starts from, or the module an `import` in the function bound
+    imported: bool  # the root was bound by an `import` in the function (then `root` names the module)
+    attrs: tuple[str, ...]
+    constant: str | None  # the string constant that indexes or is passed to the chain's end, or tests `in` it
+
+    @property
+    def text(self) -> str:
+        return ".".join((self.root, *self.attrs))
+
+
+def reads(code: types.CodeType) -> list[Read]:
+    """The attribute chains `code` and the code nested in it load from a global or from a module it
+    imports itself, each with the string constant used on its end, if any."""
+    found = []
+    for c in _codes(code):
+        ops = list(dis.get_instructions(c))
+        imported = _imports(ops)
+        for i, op in enumerate(ops):
+            if op.opname not in _ROOTS:
+                continue
+            is_import = op.opname not in ("LOAD_GLOBAL", "LOAD_NAME")
+            if is_import and op.argval not in imported:
+                continue  # a local variable
+            root, attrs = imported[op.argval] if is_import else (str(op.argval), ())
+            j = i + 1
+            while j < len(ops) and ops[j].opname in _ATTRS:
+                attrs = (*attrs, str(ops[j].argval))
+                j += 1
+            after = ops[j] if j < len(ops) else None
+            before = ops[i - 1] if i > 0 else None
+            constant = None
+            if after is not None and after.opname == "LOAD_CONST" and isinstance(after.argval, str):
+                constant = after.argval
+            elif (before is not None and before.opname == "LOAD_CONST" and isinstance(before.argval, str)
+                  and after is not None and after.opname == "CONTAINS_OP"):
+                constant = before.argval
+            found.append(Read(root, is_import, attrs, constant))
+    return found
+
+
+def path_constants(code: types.CodeType, cwd: str) -> dict[str, str]:
+    """The string constants of `code` (nested code included) that name an existing file or folder, as
+    {constant: its real path}; never the working directory, its ancestors, or the home folder."""
+    skip = {os.path.realpath(cwd), os.path.realpath(os.path.expanduser("~"))}
+    parent = os.path.realpath(cwd)
+    while parent != os.path.dirname(parent):
+        parent = os.path.dirname(parent)
+        skip.add(parent)
+    found = {}
+    for c in _codes(code):
+        for const in c.co_consts:
+            if not isinstance(const, str) or not const or len(const) > _MAX_PATH or "\n" in const or "\0" in const:
+                continue
+            path = os.path.join(cwd, os.path.expanduser(const))
+            if os.path.exists(path):
+                real = os.path.realpath(path)
+                if real not in skip:
+                    found[const] = real
+    return found
+
+
+def is_users_module(module: str) -> bool:
+    """Whether `module` is the user's own code: the notebook (`__main__`), or a module that neither the
+    standard library nor an installed distribution provides (a module beside the notebook)."""
+    top = module.split(".")[0]
+    if top == "__main__":
+        return True
+    if top in _LIBRARIES or top in sys.stdlib_module_names or top in sys.builtin_module_names:
+        return False
+    return top not in _distributed()
+
+
+@functools.cache
+def _distributed() -> frozenset[str]:
+    """The top-level names installed distributions provide, read once per process (tens of ms: only a
+    module the names above do not settle asks)."""
+    return frozenset(metadata.packages_distributions())
+
+
+def _codes(code: types.CodeType) -> Iterator[types.CodeType]:
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _codes(const)
+
+
+def _imports(ops: list[dis.Instruction]) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """The local names an `import` in this code binds: name -> (module, attributes taken from it).
+    `import a.b` binds `a`; `import a as x` binds `x` to `a`; `from a import b` binds `b` to `a.b`."""
+    bound: dict[str, tuple[str, tuple[str, ...]]] = {}
+    for i, op in enumerate(ops):
+        if op.opname != "IMPORT_NAME":
+            continue
+        module = str(op.argval)
+        nxt = ops[i + 1] if i + 1 < len(ops) else None
+        if nxt is not None and nxt.opname in _STORES:
+            bound[str(nxt.argval)] = (module.split(".")[0], ())
+        j = i + 1
+        while j + 1 < len(ops) and ops[j].opname == "IMPORT_FROM":
+            if ops[j + 1].opname in _STORES:
+                bound[str(ops[j + 1].argval)] = (module, (str(ops[j].argval),))
+            j += 2 if ops[j + 1].opname in _STORES else 1
+    return bound
