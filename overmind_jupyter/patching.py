@@ -62,18 +62,21 @@ def _rebuild(owner: Any, name: str, above: int) -> None:
     setattr(owner, name, current)
 
 
-def patch(owner: Any, name: str, make: Callable[[Any], Any], *, layer: int = 0) -> bool:
+def patch(owner: Any, name: str, make: Callable[[Any], Any], *, layer: int = 0, original: Any = None) -> bool:
     """Replace `owner.name` by `make(what it wraps)`; False if this layer of it is patched already.
 
     `layer` (see Note [Patch layers]): a higher layer wraps the lower ones of the same attribute.
+    `original`: what `owner` defines there had nothing been patched, where its own attribute is not that
+    (a library copied a patched attribute of a base class when it made `owner`); restored on unpatch.
     """
     with _lock:
         if (owner, name, layer) in _records:
             return False
         key = (owner, name)
         if key not in _bases:
-            local = name in owner.__dict__
-            original = owner.__dict__[name] if local else inspect.getattr_static(owner, name)
+            local = original is not None or name in owner.__dict__
+            if original is None:
+                original = owner.__dict__[name] if local else inspect.getattr_static(owner, name)
             _bases[key] = _Base(original, local)
         try:
             below = [r for r in _stack(owner, name) if r.layer < layer]

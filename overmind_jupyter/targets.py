@@ -15,7 +15,7 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import FunctionType, MethodType, ModuleType
+from types import CodeType, FunctionType, MethodType, ModuleType
 from typing import Any
 
 from . import keys, patching
@@ -102,6 +102,10 @@ def _cached_loader(original: Any, owner: type) -> Any:
     return method
 
 
+# The code of `_cached_loader`'s classmethod wrapper, which a copy of it shares (Note [Copied wrappers]).
+_LOADER = next(c for c in _cached_loader.__code__.co_consts if isinstance(c, CodeType) and c.co_name == "loader")
+
+
 def _build_signature(original: Any, owner: type) -> None:
     """Build the signature a load's key uses now rather than in the first load (Note [Signatures] in keys.py)."""
     try:
@@ -137,8 +141,32 @@ def _owners(module: ModuleType, target: Target) -> list[type]:
 def _patch_module(module: ModuleType) -> None:
     for target in _BY_MODULE.get(module.__name__, ()):
         for owner in _owners(module, target):
-            if isinstance(owner.__dict__.get(target.method), (classmethod, FunctionType)):
-                patching.patch(owner, target.method, functools.partial(_cached_loader, owner=owner))
+            current = owner.__dict__.get(target.method)
+            if isinstance(current, (classmethod, FunctionType)):
+                patching.patch(owner, target.method, functools.partial(_cached_loader, owner=owner),
+                               original=_uncopied(current))
+
+
+# Note [Copied wrappers]
+# transformers gives each Auto model class a copy of `_BaseAutoModelClass.from_pretrained` when the class
+# is made (auto_class_update: a new function over the same code and closure, with a docstring of its own).
+# An Auto class made while `%overmind on` holds the base class patched copies our wrapper, and restoring
+# "its own" attribute at `%overmind off` would leave the wrapper there: a plain load's traceback would pass
+# through this module. So a copy of our wrapper found on a class is recorded with the original it would
+# have copied instead: the same copy made of the function our wrapper wraps, with the copy's docstring.
+def _uncopied(descriptor: Any) -> Any:
+    """What a library's copy of our `loader` wrapper (Note [Copied wrappers]) copied had nothing been
+    patched, or None for any other descriptor."""
+    func = getattr(descriptor, "__func__", None)
+    if not isinstance(descriptor, classmethod) or not isinstance(func, FunctionType) or func.__code__ is not _LOADER:
+        return None
+    cells = dict(zip(func.__code__.co_freevars, func.__closure__ or (), strict=True))
+    original = cells["original"].cell_contents.__func__
+    copy = FunctionType(original.__code__, original.__globals__, original.__name__, original.__defaults__,
+                        original.__closure__)
+    functools.update_wrapper(copy, original)
+    copy.__kwdefaults__, copy.__doc__ = original.__kwdefaults__, func.__doc__
+    return classmethod(copy)
 
 
 class _Finder(importlib.abc.MetaPathFinder):

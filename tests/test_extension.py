@@ -82,6 +82,29 @@ def test_on_off_restores_every_descriptor_and_reload_is_idempotent(shell, overmi
     shell.run_line_magic("load_ext", "overmind_jupyter")  # for the fixture's unload
 
 
+def test_after_off_a_plain_loads_traceback_holds_no_frame_of_ours(overmind_home: Path, tmp_path: Path) -> None:
+    """Off restores the originals, not wrappers that pass through: also where transformers copied our
+    wrapper into an Auto class made while on (Note [Copied wrappers] in targets.py)."""
+    out = last_json(run_py(f"""
+        import json, traceback
+        import overmind_jupyter
+        overmind_jupyter.enable()
+        from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM  # made while on
+        overmind_jupyter.disable()
+        ours = {{}}
+        for loader in (AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM):
+            try:
+                loader.from_pretrained({str(tmp_path / "absent")!r})
+            except Exception as exc:
+                ours[loader.__name__] = [f"{{f.filename}}:{{f.name}}" for f in traceback.extract_tb(exc.__traceback__)
+                                         if "overmind_jupyter" in f.filename]
+        doc = AutoModelForCausalLM.from_pretrained.__doc__
+        print(json.dumps({{"ours": ours, "doc": "AutoModelForCausalLM" in doc or "causal" in doc}}))
+    """))
+    assert out["ours"] == {"AutoModelForCausalLM": [], "AutoTokenizer": [], "LlamaForCausalLM": []}
+    assert out["doc"], "the Auto class keeps the docstring transformers wrote for it"
+
+
 def test_libraries_imported_after_on_are_patched(overmind_home: Path) -> None:
     out = last_json(run_py("""
         import json, sys

@@ -52,7 +52,7 @@ def fake_gpus(overmind_home: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[
 
 
 class Peer:
-    """Another kernel: tests/units_peer.py in its own process, sending the requests it is given."""
+    """Another kernel: tests/helpers/units_peer.py in its own process, sending the requests it is given."""
 
     def __init__(self, label: str = "peer") -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.helpers.units_peer", label],
