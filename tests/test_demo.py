@@ -41,6 +41,14 @@ def test_demo_setup_copies_the_notebooks_and_leaves_the_tracked_ones_alone(tmp_p
     assert sorted(p.name for p in workspace.glob("*.ipynb")) == names
     assert (workspace / "models" / "llama-tiny" / "config.json").exists()
     assert str(workspace) in out.stdout
+    # A copy edited since is kept on the next run (and said so); an unedited one is written again.
+    (workspace / "quickstart.ipynb").write_text((workspace / "quickstart.ipynb").read_text().replace("}", "} ", 1))
+    (workspace / "adapters.ipynb").unlink()
+    again = subprocess.run([sys.executable, str(DEMO), "--setup-only", "--workspace", str(workspace)],
+                           env=demo_env(), capture_output=True, text=True, timeout=600, check=True)
+    assert f"kept your edited {workspace / 'quickstart.ipynb'}" in again.stdout
+    assert "} " in (workspace / "quickstart.ipynb").read_text() and (workspace / "adapters.ipynb").exists()
+    assert json.loads((workspace / "adapters.ipynb").read_text())["metadata"]["kernelspec"]["name"] == "overmind-warm"
     refused = subprocess.run([sys.executable, str(DEMO), "--setup-only", "--workspace", str(REPO / "notebooks")],
                              env=demo_env(), capture_output=True, text=True, timeout=120, check=False)
     assert refused.returncode == 2 and "lies in the tracked notebooks/" in refused.stderr
@@ -65,26 +73,33 @@ def test_demo_lab_serves_the_copies_and_stops_its_daemon(tmp_path: Path) -> None
             assert proc.poll() is None, "the demo ended early:\n" + "".join(lines)
             time.sleep(0.2)
         assert url is not None, "".join(lines)
+        base, token = url
+        # printed once the server answers: the first request needs no retry
+        with urllib.request.urlopen(f"{base}/api/kernelspecs?token={token}", timeout=10) as r:
+            specs = json.load(r)
+        assert specs["default"] == "overmind-warm" and {"overmind-warm", "python3"} <= set(specs["kernelspecs"])
         text = "".join(lines)
         started = re.search(r"daemon pid (\d+) serves (\S+)", text)
         assert started, text
         daemon_pid, home = int(started.group(1)), started.group(2)
-        assert "left sidebar" in text
-        base, token = url
-        notebook = None
-        while notebook is None and time.monotonic() < deadline:  # the server comes up
-            try:
-                with urllib.request.urlopen(f"{base}/api/contents/quickstart.ipynb?token={token}", timeout=5) as r:
-                    notebook = json.load(r)
-            except OSError:
-                time.sleep(0.5)
-        assert notebook is not None
+        assert "left sidebar" in text and "Restart Kernel" in text and "warm" in text
+        with urllib.request.urlopen(f"{base}/api/contents/quickstart.ipynb?token={token}", timeout=10) as r:
+            notebook = json.load(r)
+        assert notebook["content"]["metadata"]["kernelspec"]["name"] == "overmind-warm"
+        # JupyterLab's settings (a theme picked in the demo) and workspaces (its open tabs) stay in the demo's
+        jupyter = workspace / ".jupyter"
+        put(f"{base}/lab/api/settings/@jupyterlab/apputils-extension:themes?token={token}",
+            {"raw": '{"theme": "JupyterLab Dark"}'})
+        put(f"{base}/lab/api/workspaces/demo-check?token={token}",
+            {"data": {}, "metadata": {"id": "demo-check"}})
+        assert "JupyterLab Dark" in (jupyter / "lab" / "user-settings" / "@jupyterlab" / "apputils-extension"
+                                     / "themes.jupyterlab-settings").read_text()
+        assert list((jupyter / "lab" / "workspaces").glob("demo-check*"))
+        assert (jupyter / "data" / "kernels" / "overmind-warm" / "kernel.json").exists()
         # What autosave does: write the notebook back through the server. Only the copy changes.
         notebook["content"]["cells"].append({"cell_type": "markdown", "metadata": {}, "source": "saved"})
         body = json.dumps({"type": "notebook", "format": "json", "content": notebook["content"]}).encode()
-        request = urllib.request.Request(f"{base}/api/contents/quickstart.ipynb?token={token}", data=body,
-                                         method="PUT", headers={"Content-Type": "application/json"})
-        urllib.request.urlopen(request, timeout=30).close()
+        put(f"{base}/api/contents/quickstart.ipynb?token={token}", body)
         assert "saved" in (workspace / "quickstart.ipynb").read_text()
         assert tracked_notebooks() == before
         assert not lifecycle.process_gone(daemon_pid)
@@ -96,3 +111,10 @@ def test_demo_lab_serves_the_copies_and_stops_its_daemon(tmp_path: Path) -> None
     assert f"stopped daemon pid {daemon_pid}" in text, text
     assert lifecycle.process_gone(daemon_pid)
     assert not Path(home).exists()
+    assert f"The demo's workspace stays at {workspace}" in text and f"rm -r {workspace}" in text
+
+
+def put(url: str, body: object) -> None:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method="PUT", headers={"Content-Type": "application/json"})
+    urllib.request.urlopen(request, timeout=30).close()
