@@ -163,8 +163,14 @@ def test_a_hit_parameter_takes_what_a_plain_one_takes(overmind_home: Path) -> No
 
     got, got_twin = exercise(hit)
     want, want_twin = exercise(plain)
-    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
-    assert torch.equal(got_twin, want_twin)
+    # Equal up to rounding: MKL rounds a product of the same bits differently when an operand is
+    # page-aligned (README, Limits), which the hit's arena tensors are and the plain load's may or may not
+    # be, as the heap of a process that ran other tests lays them out (seen once under two workers). A step
+    # or a write that did not happen moves values by about the learning rate, 0.1.
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
+    torch.testing.assert_close(got_twin, want_twin, rtol=1e-5, atol=1e-6)
     again = loading.cached(tiny_modules.build, "mlp")  # the entry did not see the training
     assert_same_state(tiny_modules.build("mlp"), again)
 
