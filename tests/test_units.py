@@ -631,6 +631,21 @@ def in_arena(t: torch.Tensor) -> bool:
     return rebuild.entry_of(t.untyped_storage().data_ptr()) is not None
 
 
+def test_the_tests_loader_seeds_no_cuda_generator() -> None:
+    """`tiny_modules.build` leaves every generator as it found it, as its docstring says and `arena_backed`
+    needs: `torch.manual_seed` inside `fork_rng(devices=[])` also seeded the CUDA generators, which the fork
+    does not restore, so on a GPU (CUDA initialised by an earlier test) the build was a load that changed
+    the CUDA generator, keyed by its state (Note [Random loads]), and the second build a miss with the
+    notice "cached for the state of the cuda generator" (issue 37, item 3). Without CUDA, torch queues the
+    seed for CUDA's initialisation instead: that queue is what this reads here."""
+    queued = list(torch.cuda._lazy_seed_tracker.get_calls())
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
+    tiny_modules.build("mlp")
+    assert torch.cuda._lazy_seed_tracker.get_calls() == queued, "a CUDA seed queued for CUDA's start"
+    after = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
+    assert len(after) == len(cuda) and all(torch.equal(a, b) for a, b in zip(after, cuda, strict=True))
+
+
 def test_way_back_reuses_unchanged_arena_tensors_and_copies_written_ones(overmind_home: Path) -> None:
     """The release logic on the CPU: `copy=True` makes the move to "cpu" a real copy, as to a GPU."""
     model = arena_backed("mlp")

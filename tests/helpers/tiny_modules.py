@@ -133,12 +133,20 @@ def hooked() -> nn.Module:
     return model
 
 
+def _seeded(seed: int) -> None:
+    """Seed the CPU generator only, inside `fork_rng(devices=[])`, which restores that one alone:
+    `torch.manual_seed` seeds every CUDA generator too (at once where CUDA is initialised, at its
+    initialisation otherwise), which would leave the CUDA generators changed by the load."""
+    torch.random.default_generator.manual_seed(seed)
+
+
 def build(kind: str, seed: int = 0, **kwargs: object) -> nn.Module:
     """The loader the tests cache: deterministic for (kind, seed, kwargs), and like a full checkpoint's
-    load it leaves the global generator as it found it (loads that draw from it are keyed by its state:
-    Note [Random loads] in overmind_jupyter/randomness.py, tested in test_never_stale.py)."""
+    load it leaves every global generator as it found it, the CUDA ones included (loads that draw from one
+    are keyed by its state: Note [Random loads] in overmind_jupyter/randomness.py, tested in
+    test_never_stale.py)."""
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        _seeded(seed)
         return {"tied": TiedWeights, "noncontig": NonContiguous, "dtypes": Dtypes, "mlp": Mlp,
                 "unpicklable": Unpicklable, "ordered": OrderedState, "hooked": hooked, "bf16": Bf16,
                 "stateful": Stateful}[kind](**kwargs)
@@ -146,7 +154,7 @@ def build(kind: str, seed: int = 0, **kwargs: object) -> nn.Module:
 
 def wrap(inner: nn.Module, seed: int = 0) -> Wrapper:
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        _seeded(seed)
         return Wrapper(inner)
 
 
@@ -166,7 +174,7 @@ def failing_build(kind: str) -> nn.Module:
 def attach(model: nn.Module, width: int = 4, seed: int = 0) -> nn.Module:
     """Loads more into `model` in place, as PeftModel.from_pretrained does with its base model."""
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        _seeded(seed)
         model.extra = nn.Linear(width, width)
     model.layers[0] = nn.Sequential(model.layers[0], nn.ReLU())
     return model.extra
