@@ -129,11 +129,11 @@ def cached(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
     Returns:
         What `fn` returns: rebuilt from the daemon's shared memory on a hit, or loaded and then
-        published for the next kernel on a miss.
+        published for the next kernel on a miss. A `device_map` is read as the patched loaders read it
+        (Note [Devices] in placement.py): the CPU load is cached and then placed on the one device
+        asked for; a placement the cache cannot reproduce runs the call as made.
     """
-    if _runs_plainly(fn):
-        return fn(*args, **kwargs)
-    return _cached_call(fn, args, kwargs)
+    return patched_call(fn, args, kwargs)
 
 
 def _runs_plainly(fn: Callable[..., Any]) -> bool:
@@ -145,7 +145,14 @@ def _runs_plainly(fn: Callable[..., Any]) -> bool:
     return True
 
 
-def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+# What `_cached_call` returns for a call that must run as it was made, device map included (its reason
+# told, the generators as the call found them): the caller makes it.
+_AS_CALLED = object()
+
+
+def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], device: Any = None) -> Any:
+    """`fn(*args, **kwargs)` through the cache, for a result that goes to `device` next (None: it stays
+    on the CPU); or `_AS_CALLED`."""
     started = time.perf_counter()  # a hit's time, sent later (Note [Hit times] in progress.py)
     flush_warnings()
     label = _label(fn)
@@ -167,6 +174,8 @@ def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
         # Note [Random loads] in randomness.py: the result depends on these generators' state
         if isinstance(drawn, list):
             _release_hit(client, reply)
+            if _draws_on_device(label, drawn, device):
+                return _AS_CALLED
             ck = randomness.under_random_state(ck, randomness.only(randomness.random_state(), drawn))
             client, reply = _lookup(ck.key)
             if reply["status"] == "load":
@@ -213,11 +222,35 @@ def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
     drawn = randomness.drawn(before, after)
     if drawn and not ck.meta.get("random"):  # it drew random numbers: Note [Random loads]
         keyed = _mark_random(client, ck, randomness.only(before, drawn), drawn)
-        if keyed is None:
-            return obj
-        ck = keyed
-    _publish(client, ck, obj, replay, randomness.only(after, drawn) if drawn else None)
+        if keyed is not None:
+            _publish(client, keyed, obj, replay, randomness.only(after, drawn))
+    else:
+        _publish(client, ck, obj, replay, randomness.only(after, drawn) if drawn else None)
+    if drawn and _draws_on_device(ck.label, drawn, device):
+        randomness.set_random_state(randomness.only(before, drawn))  # the call as made starts where this one did
+        return _AS_CALLED
     return obj
+
+
+# Note [Draws on a device]
+# A load that draws random numbers (weights the checkpoint lacks: a new head) draws them where the
+# weights are made. With a device map transformers makes the missing weights on the device the map
+# names and initialises them there, from that device's generator; the cache loads on the CPU, from the
+# CPU's generator: other weights, and another generator advanced than the plain load's. So a load onto a
+# device that draws from torch's generator runs as called. That it draws is known from the entry's
+# marker (Note [Random loads] in randomness.py) before anything is loaded; on a miss, only after the CPU
+# load, which is published (a CPU load of that state is a hit) before the generators are put back where
+# the call found them and the call runs as made.
+def _draws_on_device(label: str, drawn: list[str], device: Any) -> bool:
+    """Whether a load that drew from the generators `drawn` and goes to `device` must run as called
+    (Note [Draws on a device]); the reason is told."""
+    if device is None or "torch" not in drawn:
+        return False
+    fall_back(label, "random_device", f"it initialises weights the checkpoint lacks at random, which a load "
+                                      f"onto {device} draws from that device's generator and the cache from "
+                                      "the CPU's: load it without device_map to cache it and move it after, "
+                                      "or save_pretrained the model once and load that")
+    return True
 
 
 def _mark_random(client: Client, ck: keys.CallKey, state: tuple[Any, ...], drawn: list[str]) -> keys.CallKey | None:
@@ -410,8 +443,9 @@ def _lookup(key: str) -> tuple[Client, Response]:
 # -- the patched loaders' entry point --------------------------------------------------------------------
 
 def patched_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """What a patched `from_pretrained` does: the cached call on CPU, then the placement the caller
-    asked for with `device_map` (see Note [Devices] in placement.py)."""
+    """What a patched `from_pretrained` does, and `cached`: the cached call on CPU, then the placement
+    the caller asked for with `device_map` (see Note [Devices] in placement.py); the call as made where
+    the cache cannot reproduce it."""
     if _runs_plainly(fn):
         return fn(*args, **kwargs)
     try:
@@ -419,7 +453,9 @@ def patched_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
     except Uncacheable as exc:
         fall_back(_label(fn), "uncacheable", str(exc))
         return fn(*args, **kwargs)
-    obj = _cached_call(fn, args, cpu_kwargs)
+    obj = _cached_call(fn, args, cpu_kwargs, device)
+    if obj is _AS_CALLED:
+        return fn(*args, **kwargs)
     if device is not None:
         obj = place(obj, device)
     return obj

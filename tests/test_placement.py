@@ -1,0 +1,105 @@
+"""Loads asked onto a device (Note [Devices] in overmind_jupyter/placement.py): the explicit `cached` form
+and the patched loaders alike, the loads the cache cannot reproduce there (they run as called, and say why
+once), and the units a placement takes. Devices are simulated (OVERMIND_FAKE_GPUS, set before the test's
+daemon starts): a placed model stays on the CPU while the ledger counts it, and the plain load onto
+"cuda" raises here as it does on any machine without CUDA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from overmind_jupyter import loading, rebuild, units
+from overmind_jupyter.errors import FallbackWarning
+
+
+@pytest.fixture
+def shell(overmind_home: Path):
+    """A real IPython shell with the extension loaded and `%overmind on`; unloaded afterwards."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    ip = InteractiveShell.instance()
+    ip.run_line_magic("load_ext", "overmind_jupyter")
+    ip.run_line_magic("overmind", "on")
+    yield ip
+    ip.run_line_magic("unload_ext", "overmind_jupyter")
+
+
+@pytest.fixture
+def fake_gpus(overmind_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One simulated device of 16 GiB, for the daemon the test starts and for this kernel."""
+    monkeypatch.setenv("OVERMIND_FAKE_GPUS", "1x16")
+    monkeypatch.setenv("OVERMIND_GPU_RESERVE", "1")
+
+
+def in_arena(model: torch.nn.Module) -> bool:
+    return all(rebuild.entry_of(p.data_ptr()) is not None for p in model.parameters())
+
+
+def holders() -> list[dict]:
+    return [h for h in units.state()["devices"][0]["holders"] if h["mine"]]
+
+
+def plain_error(call) -> BaseException:
+    """What `call` raises without overmind."""
+    with pytest.raises(BaseException) as raised:
+        call()
+    return raised.value
+
+
+# -- g. the explicit form places as the patched loaders do -------------------------------------------
+
+def test_cached_with_a_device_map_splits_it_as_the_patched_loaders_do(fake_gpus: None, tiny_llama: Path,
+                                                                       tmp_path: Path) -> None:
+    """`cached(fn, ..., device_map=...)` is the patch-free form of `%overmind on`: a one-device map is the
+    CPU load placed through the ledger, and an offloading map loads as called and says why (issue 37, g)."""
+    from transformers import AutoModelForCausalLM
+
+    load = AutoModelForCausalLM.from_pretrained
+    model = loading.cached(load, str(tiny_llama), device_map="cuda")
+    assert units.device_of(model) == "cuda:0" and [h["units"] for h in holders()] == [1]
+    assert next(model.parameters()).device.type == "cpu", "a simulated device leaves it on the CPU"
+    with pytest.warns(FallbackWarning, match="max_memory"):
+        offloaded = loading.cached(load, str(tiny_llama), device_map="auto", max_memory={"cpu": 20_000},
+                                   offload_folder=str(tmp_path / "offload"))
+    assert offloaded.hf_device_map == {"": "disk"}, "the plain load, which offloads to disk"
+    assert [f["kind"] for f in loading.fallbacks()] == ["uncacheable"]
+
+
+# -- a. weights the checkpoint lacks, drawn on the device --------------------------------------------
+
+def test_a_load_that_draws_onto_a_device_runs_as_called(fake_gpus: None, tiny_llama: Path, shell) -> None:
+    """A causal-LM checkpoint loaded as a classifier lacks the head, which the load draws. With a device
+    map transformers makes the missing weights on the device and draws them from that device's generator;
+    the cache loads on the CPU and would draw from the CPU's, other weights and another generator advanced.
+    So the load runs as called (here it raises, as the plain load onto "cuda" does without CUDA), with the
+    generators as it found them, and says why once: after the CPU load that showed it draws, and then from
+    the entry's marker, without loading on the CPU. The CPU load of that seed stays cached (issue 37, a)."""
+    from transformers import LlamaForSequenceClassification
+
+    load = LlamaForSequenceClassification.from_pretrained
+    shell.run_line_magic("overmind", "off")
+    torch.manual_seed(0)
+    plain = plain_error(lambda: load(str(tiny_llama), device_map="cuda"))
+    plain_after = torch.random.get_rng_state()
+    shell.run_line_magic("overmind", "on")
+    before = loading.calls()
+    for first in (True, False):
+        torch.manual_seed(0)
+        told = pytest.warns(FallbackWarning, match="generator") if first else contextlib.nullcontext()
+        with told, pytest.raises(type(plain)):
+            load(str(tiny_llama), device_map="cuda")
+        assert torch.equal(torch.random.get_rng_state(), plain_after), "the generator as the plain load left it"
+    torch.manual_seed(0)
+    model = load(str(tiny_llama))
+    assert in_arena(model), "the CPU load of the same seed: a hit"
+    after = loading.calls()
+    assert {k: after.get(k, 0) - before.get(k, 0) for k in ("miss", "plain", "hit")} == {"miss": 1, "plain": 2,
+                                                                                       "hit": 1}
+    reasons = [f["reason"] for f in loading.fallbacks()]
+    assert len(reasons) == 2 and "onto cuda" in reasons[0] and "generator" in reasons[0], reasons
+
