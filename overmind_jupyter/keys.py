@@ -54,8 +54,8 @@ from typing import Any
 from .errors import Uncacheable
 from .reads import is_users_module, path_constants, reads
 
-__all__ = ["GRAPH_FORMAT", "CallKey", "Resolve", "changed_since", "fingerprint", "make_key", "owner_name",
-           "signature"]
+__all__ = ["GRAPH_FORMAT", "CallKey", "Resolve", "changed_since", "files_named", "fingerprint", "make_key",
+           "owner_name", "signature"]
 
 _KEY_FORMAT = 3  # bump on any change to what a key holds: old entries then simply miss
 # The format of the graphs rebuild.py packs, named by every key: an entry packed in another format is a miss
@@ -88,6 +88,8 @@ class CallKey:
     references: dict[str, Any] = field(default_factory=dict, repr=False)  # argument name -> cached result
     # what the call reads, as (label, how to read its fingerprint again, the fingerprint in the key)
     sources: list[tuple[str, Callable[[], Any], Any]] = field(default_factory=list, repr=False)
+    # where the files of each source lie, by its label: the path itself, or a hub id's snapshot folder
+    roots: dict[str, str] = field(default_factory=dict, repr=False)
 
 
 def changed_since(ck: CallKey) -> str | None:
@@ -164,7 +166,24 @@ def make_key(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
         "source": canon.source_label,
         "dtype": _dtype_label(arguments).removeprefix(", dtype=") or None,
     }
-    return CallKey(key, str(meta["label"]), meta, canon.references, canon.sources)
+    return CallKey(key, str(meta["label"]), meta, canon.references, canon.sources, canon.roots)
+
+
+def files_named(ck: CallKey, name: str) -> list[tuple[str, tuple[Any, ...]]]:
+    """The files called `name`, at any depth, among the files `ck`'s sources read, as (path, identity):
+    the identity (device, inode, size, mtime_ns, ctime_ns) the key holds, found without reading a
+    directory again."""
+    out = []
+    for label, _, seen in ck.sources:
+        root = ck.roots.get(label)
+        rows = seen.get("files") if isinstance(seen, dict) else seen
+        if root is None or not isinstance(rows, list):
+            continue
+        for rel, _link, *identity in rows:
+            path = root if rel == "." else os.path.join(root, rel)
+            if os.path.basename(path) == name and identity[0] is not None:
+                out.append((path, tuple(identity)))
+    return out
 
 
 def _check_named(fn: Callable[..., Any]) -> None:
@@ -290,6 +309,7 @@ class _Canonical:
         self.references: dict[str, Any] = {}
         self.source_label: str | None = None
         self.sources: list[tuple[str, Callable[[], Any], Any]] = []
+        self.roots: dict[str, str] = {}
         self._active: set[int] = set()
         self._functions: set[int] = set()
         self._values = 0
@@ -305,6 +325,7 @@ class _Canonical:
                 self.source_label = self.source_label or repr(value)
                 commit = _hub_commit(value, arguments)
                 self.sources.append((value, functools.partial(_hub_commit, value, arguments), commit))
+                self.roots[value] = str(_hub_folder(value, arguments) / "snapshots" / commit["commit"])
                 return {"hub": value, **commit}
             raise Uncacheable(f"argument {name}={text!r} is neither a local path nor a hub id")
         return self.value(name, value, 0)
@@ -316,6 +337,7 @@ class _Canonical:
         except OSError as exc:
             raise Uncacheable(f"cannot fingerprint {name}={path!r}: {exc}") from exc
         self.sources.append((real, functools.partial(fingerprint, real), files))
+        self.roots[real] = real
         return {"path": real, "files": files}
 
     def value(self, name: str, v: Any, depth: int) -> Any:
@@ -550,14 +572,11 @@ def _torch() -> Any:
 
 def _hub_commit(repo_id: str, arguments: dict[str, Any]) -> dict[str, Any]:
     """The commit the local HF cache resolves `revision` of `repo_id` to, read offline."""
-    from huggingface_hub import constants
-    from huggingface_hub.file_download import repo_folder_name
-
     revision = arguments.get("revision") or "main"
     if not isinstance(revision, str):
         raise Uncacheable(f"revision={revision!r} is not a string")
-    cache_dir = arguments.get("cache_dir") or constants.HF_HUB_CACHE
-    folder = Path(cache_dir) / repo_folder_name(repo_id=repo_id, repo_type="model")
+    cache_dir = arguments.get("cache_dir") or _hub_cache()
+    folder = _hub_folder(repo_id, arguments)
     if re.fullmatch(r"[0-9a-f]{40}", revision):
         commit = revision
     else:
@@ -573,6 +592,19 @@ def _hub_commit(repo_id: str, arguments: dict[str, Any]) -> dict[str, Any]:
     if not snapshot.is_dir():
         raise Uncacheable(f"{repo_id}@{commit[:8]} has no snapshot in {cache_dir}")
     return {"commit": commit, "files": fingerprint(str(snapshot))}
+
+
+def _hub_cache() -> str:
+    from huggingface_hub import constants
+
+    return str(constants.HF_HUB_CACHE)
+
+
+def _hub_folder(repo_id: str, arguments: dict[str, Any]) -> Path:
+    """The local Hugging Face cache's folder of model `repo_id` (its refs and snapshots)."""
+    from huggingface_hub.file_download import repo_folder_name
+
+    return Path(arguments.get("cache_dir") or _hub_cache()) / repo_folder_name(repo_id=repo_id, repo_type="model")
 
 
 def _module_file(module: str) -> str | None:

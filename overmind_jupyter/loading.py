@@ -35,7 +35,7 @@ from . import dynamic_modules, keys, notices, progress, randomness, results, thr
 from .errors import CorruptEntry, PackError, PublishError, Uncacheable
 from .load_log import load_log
 from .notices import calls, clear_fallbacks, count, fall_back, fallbacks, tell_once
-from .placement import place, plain_only, split_placement
+from .placement import place, plain_only, quantized, quantized_checkpoint, split_placement
 from .results import NO_REPLAY, Replay, remember, result_key
 
 __all__ = [
@@ -167,6 +167,10 @@ def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
         fall_back(label, "key_error", f"{type(exc).__name__}: {exc}")
         return fn(*args, **kwargs)
     label = ck.label
+    quantization = quantized_checkpoint(ck)
+    if quantization is not None:  # Note [Quantized loads] in placement.py
+        fall_back(label, "quantized", quantization)
+        return _AS_CALLED
     replay = Replay.of(ck.references) if ck.references else NO_REPLAY
     try:
         client, reply = _lookup(ck.key)
@@ -447,6 +451,10 @@ def patched_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
     the caller asked for with `device_map` (see Note [Devices] in placement.py); the call as made where
     the cache cannot reproduce it."""
     if _runs_plainly(fn):
+        return fn(*args, **kwargs)
+    quantization = quantized(kwargs)
+    if quantization is not None:  # Note [Quantized loads] in placement.py
+        fall_back(_label(fn), "quantized", quantization)
         return fn(*args, **kwargs)
     try:
         cpu_kwargs, device = split_placement(kwargs)

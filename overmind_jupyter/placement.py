@@ -1,16 +1,19 @@
 """Where a cached result goes: the device a load asked for with `device_map` (Note [Devices]), and the loads
-that build their modules off the CPU, which run plainly (Note [Meta loads])."""
+the cache cannot reproduce, which run as called: those that build their modules off the CPU (Note [Meta
+loads]) and quantized ones (Note [Quantized loads])."""
 
 from __future__ import annotations
 
 import functools
+import json
 import sys
 from typing import Any
 
+from . import keys
 from .errors import Uncacheable
 from .notices import fall_back
 
-__all__ = ["place", "plain_only", "split_placement"]
+__all__ = ["place", "plain_only", "quantized", "quantized_checkpoint", "split_placement"]
 
 # Note [Devices]
 # Cached bytes are CPU bytes. A load asked onto one device (`device_map="cuda:0"`, `"cuda"`, `0`,
@@ -88,6 +91,54 @@ def _module_file() -> str:
     import torch.nn.modules.module
 
     return torch.nn.modules.module.Module.__init__.__code__.co_filename
+
+
+# Note [Quantized loads]
+# A load asked to quantize (a `quantization_config=` argument, or a checkpoint whose config.json carries
+# one: a pre-quantized model, a pipeline's component) runs as called. bitsandbytes quantizes while it
+# loads onto the GPU, and `.to()` of its 8-bit and 4-bit models raises; the other methods (GPTQ, AWQ,
+# torchao, fp8, ...) place and pack their weights their own way. The cache's CPU load and move reproduces
+# none of it. The checkpoint's configs are found among the files its key fingerprinted, and each is read
+# once per identity (device, inode, size, mtime_ns, ctime_ns), so a hit reads none again.
+_QUANTIZING = ("quantization_config", "load_in_8bit", "load_in_4bit")
+
+
+def quantized(kwargs: dict[str, Any]) -> str | None:
+    """Why a call's arguments ask for a quantized load (Note [Quantized loads]), or None."""
+    asked = [k for k in _QUANTIZING if kwargs.get(k) not in (None, False)]
+    if not asked:
+        return None
+    method = getattr(kwargs.get("quantization_config"), "quant_method", None)
+    named = f" ({getattr(method, 'value', method)})" if method is not None else ""
+    return f"{', '.join(f'{k}=' for k in asked)}{named} asks for a quantized load, {_QUANTIZED}"
+
+
+def quantized_checkpoint(ck: keys.CallKey) -> str | None:
+    """Why the checkpoint a call reads is quantized (a config.json with a `quantization_config`), or None."""
+    for path, identity in keys.files_named(ck, "config.json"):
+        method = _quant_method(path, identity)
+        if method is not None:
+            return f"{path} has a quantization_config ({method}), {_QUANTIZED}"
+    return None
+
+
+_QUANTIZED = ("which the cache's CPU load and move cannot reproduce (bitsandbytes quantizes while it loads onto "
+              "the GPU, and its models refuse .to())")
+
+
+@functools.lru_cache(maxsize=256)
+def _quant_method(path: str, identity: tuple[Any, ...]) -> str | None:
+    """The `quant_method` of the `quantization_config` in config.json `path` ("unnamed" without one), or
+    None; cached by the file's identity, which the call's key holds."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None  # not a config this cache can read: the load reads it, and says what is wrong
+    quantization = config.get("quantization_config") if isinstance(config, dict) else None
+    if not isinstance(quantization, dict):
+        return None
+    return str(quantization.get("quant_method") or "unnamed")
 
 
 def place(obj: Any, device: Any) -> Any:

@@ -103,3 +103,37 @@ def test_a_load_that_draws_onto_a_device_runs_as_called(fake_gpus: None, tiny_ll
     reasons = [f["reason"] for f in loading.fallbacks()]
     assert len(reasons) == 2 and "onto cuda" in reasons[0] and "generator" in reasons[0], reasons
 
+
+# -- b. quantized loads ------------------------------------------------------------------------------
+
+def test_quantized_loads_run_as_called_and_say_why_once(tiny_llama: Path, tmp_path: Path, shell) -> None:
+    """A checkpoint whose config.json carries a `quantization_config`, or a `quantization_config=` argument,
+    asks for a quantized load: bitsandbytes quantizes as it loads onto the GPU and its models refuse
+    `.to()`, which the cache's CPU load and move cannot reproduce. Both run as called (here they raise
+    ImportError: no bitsandbytes), and the reason, naming quantization, is told once (issue 37, b)."""
+    import json
+    import shutil
+
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    quantized = Path(shutil.copytree(tiny_llama, tmp_path / "quantized"))
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_8bit": True}
+    (quantized / "config.json").write_text(json.dumps(config))
+    load = AutoModelForCausalLM.from_pretrained
+    shell.run_line_magic("overmind", "off")
+    in_config = plain_error(lambda: load(str(quantized), device_map="cuda"))
+    in_argument = plain_error(lambda: load(str(tiny_llama), quantization_config=BitsAndBytesConfig(load_in_8bit=True)))
+    shell.run_line_magic("overmind", "on")
+    with pytest.warns(FallbackWarning, match="quantiz"), pytest.raises(type(in_config)):
+        load(str(quantized), device_map="cuda")
+    with pytest.raises(type(in_argument)):
+        load(str(tiny_llama), quantization_config=BitsAndBytesConfig(load_in_8bit=True))  # told once
+    shell.run_line_magic("overmind", "off")
+    with pytest.raises(type(in_config)):
+        loading.cached(AutoModelForCausalLM.from_pretrained, str(quantized))  # the explicit form too
+    fallbacks = loading.fallbacks()
+    assert [f["kind"] for f in fallbacks] == ["quantized"] * 3, fallbacks
+    assert "bitsandbytes" in fallbacks[0]["reason"] and "config.json" in fallbacks[0]["reason"], fallbacks
+    assert "quantization_config=" in fallbacks[1]["reason"], fallbacks
+    assert loading.shared_client().request("ls")["entries"] == [], "nothing cached, nothing left loading"
