@@ -142,12 +142,12 @@ def _quant_method(path: str, identity: tuple[Any, ...]) -> str | None:
 
 
 def place(obj: Any, device: Any) -> Any:
-    """Move a loaded result to `device`: a model through the GPU units ledger (units.place), anything
-    else that can move (a pipeline) with `.to`. Units that cannot be had in time leave the move to
-    `.to`, as the plain load would have done, and say so."""
-    import torch
+    """Move a loaded result to `device`: a model or a pipeline through the GPU units ledger (units.place,
+    Note [Pipelines] in units/devices.py), anything else that can move with `.to`. Units that cannot be
+    had in time leave the move to `.to`, as the plain load would have done, and say so."""
+    from .units.devices import placeable
 
-    if isinstance(obj, torch.nn.Module) and device.type == "cuda":
+    if device.type == "cuda" and placeable(obj):
         from . import units
 
         try:

@@ -137,3 +137,25 @@ def test_quantized_loads_run_as_called_and_say_why_once(tiny_llama: Path, tmp_pa
     assert "bitsandbytes" in fallbacks[0]["reason"] and "config.json" in fallbacks[0]["reason"], fallbacks
     assert "quantization_config=" in fallbacks[1]["reason"], fallbacks
     assert loading.shared_client().request("ls")["entries"] == [], "nothing cached, nothing left loading"
+
+
+# -- c. pipelines take units -------------------------------------------------------------------------
+
+def test_a_pipeline_placed_on_a_device_holds_its_units(fake_gpus: None, tmp_path: Path, shell) -> None:
+    """A pipeline asked onto a device is placed through the ledger as a model is (issue 37, c): one holding
+    for all its modules, which the ledger can ask back; released, it is placed again by `using`."""
+    from diffusers import DiffusionPipeline
+
+    from overmind_jupyter import demo_models
+
+    sd = str(demo_models.build_sd_pipeline(tmp_path / "sd"))
+    DiffusionPipeline.from_pretrained(sd)
+    pipe = DiffusionPipeline.from_pretrained(sd, device_map="cuda")  # a hit, then placed
+    assert units.device_of(pipe) == "cuda:0"
+    (held,) = holders()
+    assert held["units"] == units.units_for(pipe) == 1 and held["model"] == "StableDiffusionPipeline(sd)", held
+    assert units.release(pipe) and units.device_of(pipe) is None and holders() == []
+    assert in_arena(pipe.unet), "back on the cached weights (Note [Lazy release to the cached weights])"
+    with units.using(pipe):
+        assert units.device_of(pipe) == "cuda:0" and holders()[0]["busy"]
+    assert not loading.fallbacks()

@@ -20,7 +20,8 @@ def place(model: Any, device: Any = None, *, units: int | None = None, timeout: 
     `release`, when the model is garbage-collected, or when the kernel ends.
 
     Args:
-        model: a `torch.nn.Module`.
+        model: a `torch.nn.Module`, or a pipeline of them (a diffusers pipeline: one holding for all its
+            modules, see Note [Pipelines] in units/devices.py).
         device: "cuda:1", 1 or a `torch.device`, or None for the first device (in index order) that fits.
         units: 1 GiB units to take; default ceil(bytes of parameters and buffers / GiB). Give more to keep
             room for activations and caches.

@@ -17,7 +17,8 @@ from kernel_server.settings import GiB
 
 from ._errors import UnitsError
 
-__all__ = ["CONTEXT_UNITS", "GiB", "context_units", "local_devices", "model_bytes", "model_label", "units_for"]
+__all__ = ["CONTEXT_UNITS", "GiB", "context_units", "local_devices", "model_bytes", "model_label", "modules_of",
+           "placeable", "units_for"]
 
 # Note [Context units]
 # A kernel's CUDA context on a device is memory no model's units cover, held until the kernel ends; the
@@ -68,8 +69,46 @@ def context_units(simulated: bool) -> int:
     return 0 if simulated else CONTEXT_UNITS
 
 
+# Note [Pipelines]
+# A pipeline (diffusers' DiffusionPipeline: an object whose `components` hold its modules, a unet, a vae,
+# text encoders, beside a tokenizer and a scheduler) is placed as one model: one holding for all its
+# modules, moved together and given back together, so that a release never leaves a pipeline split over
+# two devices. Units see its modules as one `nn.ModuleList` made for each move, which holds them without
+# changing them; the pipeline itself is what the residency keeps (weakly) and what `using` and `release`
+# take. A pipeline's own `.to("cuda")` takes no units, as a model's own `.to` takes none: a load asked
+# onto a device is placed through the ledger (loading.patched_call), and `units.place(pipe)` places one.
+def modules_of(obj: Any) -> Any:
+    """What units move for `obj`, as one `torch.nn.Module`: a model itself, or a pipeline's modules
+    (Note [Pipelines]).
+
+    Raises:
+        UnitsError: `obj` is neither.
+    """
+    import torch
+
+    if isinstance(obj, torch.nn.Module):
+        return obj
+    components = getattr(obj, "components", None)
+    modules = [m for m in components.values() if isinstance(m, torch.nn.Module)] if isinstance(components, dict) else []
+    if not modules:
+        raise UnitsError(f"units place torch.nn.Module objects (a model) and pipelines of them (a diffusers "
+                         f"pipeline); got {type(obj).__name__}")
+    return torch.nn.ModuleList(modules)
+
+
+def placeable(obj: Any) -> bool:
+    """Whether units can place `obj`: a model, or a pipeline of them (Note [Pipelines])."""
+    try:
+        modules_of(obj)
+    except UnitsError:
+        return False
+    return True
+
+
 def model_bytes(model: Any) -> int:
-    """Bytes the model's parameters and buffers take once moved to a device (tied tensors once)."""
+    """Bytes the model's (or the pipeline's) parameters and buffers take once moved to a device (tied
+    tensors once)."""
+    model = modules_of(model)
     seen: set[int] = set()
     total = 0
     tensors = [*model.parameters(), *model.buffers()]
@@ -85,7 +124,7 @@ def units_for(model: Any) -> int:
     """The units (1 GiB each) a model needs on a device: ceil(bytes / GiB), at least 1.
 
     Args:
-        model: a `torch.nn.Module`.
+        model: a `torch.nn.Module`, or a pipeline of them (Note [Pipelines]).
     """
     return max(1, math.ceil(model_bytes(model) / GiB))
 
@@ -93,5 +132,5 @@ def units_for(model: Any) -> int:
 def model_label(model: Any) -> str:
     """A short name for ledgers and tables: the class, and the checkpoint it came from if known."""
     name = type(model).__name__
-    path = getattr(getattr(model, "config", None), "name_or_path", "") or ""
+    path = getattr(getattr(model, "config", None), "name_or_path", "") or getattr(model, "name_or_path", "") or ""
     return f"{name}({PurePath(str(path)).name})" if path else name

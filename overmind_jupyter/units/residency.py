@@ -44,7 +44,7 @@ from ._errors import (
     UnitsError,
     UnitsTimeout,
 )
-from .devices import context_units, local_devices, model_label, units_for
+from .devices import context_units, local_devices, model_label, modules_of, units_for
 
 if TYPE_CHECKING:
     from .transfer import Transfer
@@ -275,7 +275,7 @@ class Residency:
             elif transfer is None:
                 from .transfer import to_device
 
-                transfer = to_device(model, target.name, reuse_host=reuse_host)
+                transfer = to_device(modules_of(model), target.name, reuse_host=reuse_host)
         except BaseException:
             self._give_back(client, grant["holding"])
             raise
@@ -385,7 +385,7 @@ class Residency:
             model = placement.model_ref()
             moved = None
             if model is not None and placement.transfer is not None:
-                moved = placement.transfer.to_host(model)
+                moved = placement.transfer.to_host(modules_of(model))
             placement.released = True
             if placement.finalizer is not None:
                 placement.finalizer.detach()
@@ -433,9 +433,7 @@ class Residency:
 
 
 def _check_model(model: Any) -> None:
-    if not (callable(getattr(model, "parameters", None)) and callable(getattr(model, "_apply", None))):
-        raise UnitsError(f"units place torch.nn.Module objects (a model, a pipeline's unet); "
-                         f"got {type(model).__name__}")
+    modules_of(model)  # a model, or a pipeline of them (Note [Pipelines] in devices.py); else UnitsError
 
 
 def _current_cuda_device() -> int:
