@@ -18,6 +18,7 @@ __all__ = [
     "CorruptEntry",
     "DaemonError",
     "DaemonUnavailable",
+    "EntryElsewhere",
     "FallbackWarning",
     "OvermindError",
     "OvermindWarning",
@@ -56,6 +57,11 @@ class PublishError(OvermindError):
 
 class CorruptEntry(OvermindError):
     """A cache entry could not be rebuilt; it is evicted and the call runs as a plain load."""
+
+
+class EntryElsewhere(OvermindError):
+    """A cache entry this kernel cannot rebuild though others can (its tensors lie on a device this kernel
+    does not see as the one they were on); the call runs as a plain load and the entry stays."""
 
 
 class PreloadError(OvermindError):

@@ -32,10 +32,10 @@ from kernel_server.operations import Op
 from kernel_server.transport import close_fds
 
 from . import dynamic_modules, keys, notices, progress, randomness, results, threads
-from .errors import CorruptEntry, PackError, PublishError, Uncacheable
+from .errors import CorruptEntry, EntryElsewhere, PackError, PublishError, Uncacheable
 from .load_log import load_log
 from .notices import calls, clear_fallbacks, count, fall_back, fallbacks, tell_once
-from .placement import place, plain_only, quantized, quantized_checkpoint, split_placement
+from .placement import device_identities, elsewhere, place, plain_only, quantized, quantized_checkpoint, split_placement
 from .results import NO_REPLAY, Replay, remember, result_key
 
 __all__ = [
@@ -200,6 +200,9 @@ def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
             _evict_quietly(client, ck.key)
             fall_back(label, "corrupt", f"{exc}; the entry was evicted")
             return fn(*args, **kwargs)
+        except EntryElsewhere as exc:  # Note [Tensors on a device] in placement.py
+            fall_back(label, "device", f"{exc}; the entry stays for the kernels that see that device")
+            return fn(*args, **kwargs)
     if reply["status"] != "load":
         fall_back(label, "daemon", f"unexpected lookup answer {reply['status']!r}")
         return fn(*args, **kwargs)
@@ -291,11 +294,14 @@ def _publish(client: Client, ck: keys.CallKey, obj: Any, replay: Replay, random_
 
     try:
         packed = rebuild.pack((obj, replay.roots, random_after), substitutes=replay.paths)
+        devices = device_identities(packed.devices)  # Note [Tensors on a device] in placement.py
     except PackError as exc:
         _abandon(client, ck.key)
         fall_back(ck.label, "unpicklable", f"{exc}; it was loaded normally and will not be cached")
         return
     meta = ck.meta | dynamic_modules.describe(packed.graph, ck.sources[0][0] if ck.sources else None)
+    if devices:
+        meta["devices"] = devices
     try:
         with progress.loading(client, ck.key, ck.label):  # the copy reports too (Note [Load progress])
             publishing.publish(client, ck.key, ck.label, meta, packed, backing=settings.backing,
@@ -328,6 +334,11 @@ def _from_hit(client: Client, ck: keys.CallKey, reply: Response, replay: Replay,
         results.unpin(client, key)
 
     try:
+        cannot = elsewhere(entries[0]["meta"].get("devices") or {})
+        if cannot is not None:  # before anything is mapped (Note [Tensors on a device] in placement.py)
+            for e in entries:
+                unpin(e["key"])
+            raise EntryElsewhere(cannot)
         try:
             for e in reversed(entries):  # the entries it builds on first: Note [Code in the checkpoint]
                 dynamic_modules.prepare(e["meta"])

@@ -1,6 +1,7 @@
-"""Where a cached result goes: the device a load asked for with `device_map` (Note [Devices]), and the loads
+"""Where a cached result goes: the device a load asked for with `device_map` (Note [Devices]); the loads
 the cache cannot reproduce, which run as called: those that build their modules off the CPU (Note [Meta
-loads]) and quantized ones (Note [Quantized loads])."""
+loads]) and quantized ones (Note [Quantized loads]); and the kernels that can rebuild an entry whose
+tensors lie on a device (Note [Tensors on a device])."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ import sys
 from typing import Any
 
 from . import keys
-from .errors import Uncacheable
+from .errors import PackError, Uncacheable
 from .notices import fall_back
 
-__all__ = ["place", "plain_only", "quantized", "quantized_checkpoint", "split_placement"]
+__all__ = ["device_identities", "elsewhere", "place", "plain_only", "quantized", "quantized_checkpoint",
+           "split_placement"]
 
 # Note [Devices]
 # Cached bytes are CPU bytes. A load asked onto one device (`device_map="cuda:0"`, `"cuda"`, `0`,
@@ -139,6 +141,54 @@ def _quant_method(path: str, identity: tuple[Any, ...]) -> str | None:
     if not isinstance(quantization, dict):
         return None
     return str(quantization.get("quant_method") or "unnamed")
+
+
+# Note [Tensors on a device]
+# A cached function may return tensors on a CUDA device (its own `.to("cuda")`; a load asked onto a device
+# with `device_map` is cached as the CPU load). Its graph names their device by ordinal, "cuda:1", which is
+# another physical device under another CUDA_VISIBLE_DEVICES, and none in a kernel without CUDA. So the
+# entry holds the physical identity (the UUID, units/devices.py) of each device its storages lie on, and
+# a hit checks first that this kernel's device of that ordinal is that one; where it is not (another
+# order, another device, no CUDA) the call loads plainly and the entry stays for the kernels that can
+# rebuild it, where the rebuild used to fail and evict it, as corrupt, for everyone. The ordinal must name
+# that same device, not merely the device be visible: the call named the ordinal, which a plain run here
+# would read as this kernel's. Storages on a device without such an identity (anything but the CPU and
+# CUDA) are not cached.
+def device_identities(devices: list[str]) -> dict[str, str]:
+    """The physical identity of each device a graph's storages lie on ("cuda:0" -> "GPU-<uuid>"), for
+    its entry (Note [Tensors on a device]).
+
+    Raises:
+        PackError: a storage lies on a device other than a CUDA one.
+    """
+    from .units.devices import cuda_identity
+
+    out = {}
+    for name in devices:
+        if not name.startswith("cuda:"):
+            raise PackError(f"a storage on {name} cannot be cached: only CPU and CUDA storages are")
+        out[name] = cuda_identity(int(name.removeprefix("cuda:")))
+    return out
+
+
+def elsewhere(identities: dict[str, str]) -> str | None:
+    """Why this kernel cannot rebuild an entry whose storages lie on the devices `identities` (by ordinal,
+    with the identity each had where the entry was made), or None (Note [Tensors on a device])."""
+    if not identities:
+        return None
+    import torch
+
+    from .units.devices import cuda_identity
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for name, identity in identities.items():
+        index = int(name.removeprefix("cuda:")) if name.startswith("cuda:") else -1
+        here = cuda_identity(index) if 0 <= index < count else None
+        if here != identity:
+            where = f"{here} here" if here is not None else (
+                "absent here" if count else "on no device here: this kernel has no CUDA")
+            return f"the entry's tensors lie on {name}, which was {identity} where it was cached and is {where}"
+    return None
 
 
 def place(obj: Any, device: Any) -> Any:

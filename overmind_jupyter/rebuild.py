@@ -68,6 +68,7 @@ class Packed:
     pickler: str = "pickle"
     # storages that lie, unwritten, in entries' mappings: (entry key, offset, bytes, device) -> storage
     mapped: dict[tuple[str, int, int, str], torch.UntypedStorage] = field(default_factory=dict, repr=False)
+    devices: list[str] = field(default_factory=list)  # the devices but the CPU its storages lie on ("cuda:0")
 
 
 @dataclass
@@ -112,6 +113,7 @@ class _Placer:
         self.seen: dict[int, _Call] = {}  # storage -> what unpickles to it (Note [Cheap rebuild])
         self.deps: list[str] = []
         self.tensors: list[torch.Tensor] = []
+        self.devices: dict[str, None] = {}  # the devices but the CPU met, in order
 
     def dispatch_table(self) -> dict[type, Callable[[Any], Any]]:
         table = _Dispatch(copyreg.dispatch_table)
@@ -178,6 +180,8 @@ class _Placer:
             raise PackError("a storage on the meta device cannot be cached")
         nbytes = untyped.nbytes()
         device = str(untyped.device)
+        if untyped.device.type != "cpu":
+            self.devices[device] = None
         if untyped.device.type == "cpu" and nbytes:
             address = untyped.data_ptr()
             span = mappings.span_of(address)
@@ -422,7 +426,8 @@ def pack(obj: Any, *, self_key: str | None = None, trust_mappings: bool = False,
         except Exception as exc:  # noqa: BLE001 (any reason a graph does not pickle: try the next)
             errors.append(f"{name}: {type(exc).__name__}: {exc}")
             continue
-        return Packed(buf.getvalue(), placer.own, placer.deps, placer.offset, placer.tensors, name, placer.mapped)
+        return Packed(buf.getvalue(), placer.own, placer.deps, placer.offset, placer.tensors, name, placer.mapped,
+                      list(placer.devices))
     raise PackError(f"{type(obj).__name__} cannot be pickled ({'; '.join(errors)})")
 
 

@@ -159,3 +159,70 @@ def test_a_pipeline_placed_on_a_device_holds_its_units(fake_gpus: None, tmp_path
     with units.using(pipe):
         assert units.device_of(pipe) == "cuda:0" and holders()[0]["busy"]
     assert not loading.fallbacks()
+
+
+# -- d. an entry with tensors on a device --------------------------------------------------------------
+
+class _OnCuda0:
+    """Unpickles, in a rebuild, to a storage of 64 bytes on cuda:0: what a cached function that returns
+    CUDA tensors leaves in its graph."""
+
+    def __reduce__(self) -> tuple:
+        return (rebuild._storage_at, ("own", None, 0, 64, "cuda:0"))
+
+
+def test_an_entry_on_a_device_this_kernel_lacks_loads_plainly_and_stays(overmind_home: Path) -> None:
+    """An entry whose tensors lie on a CUDA device is checked by that device's identity (its UUID, not its
+    ordinal, which names another device under another CUDA_VISIBLE_DEVICES): a kernel that does not see
+    that device as that ordinal, here one without CUDA, loads plainly and leaves the entry to the kernels
+    that can rebuild it, where it used to evict it for everyone as corrupt (issue 37, d)."""
+    from kernel_server import arena
+    from overmind_jupyter import keys
+    from tests.helpers import tiny_modules
+
+    key = keys.make_key(tiny_modules.build, ("tied",), {}).key
+    client = loading.shared_client()
+    assert client.request("lookup", key=key, wait=False)["status"] == "load"
+    body = rebuild.pack((_OnCuda0(), [], None)).graph
+    graph, data = arena.ArenaWriter(len(body)), arena.ArenaWriter(64)
+    graph.view[:] = body
+    client.request("reserve", key=key, bytes=len(body) + 64)
+    client.request("publish", key=key, fds=[graph.seal(), data.seal()], graph_bytes=len(body), arena_bytes=64,
+                   meta={"label": "tied", "devices": {"cuda:0": "GPU-5e1f0000-0000-0000-0000-000000000000"}})
+    for told in (pytest.warns(FallbackWarning, match="GPU-5e1f"), contextlib.nullcontext()):
+        with told:
+            model = loading.cached(tiny_modules.build, "tied")
+        assert isinstance(model, tiny_modules.TiedWeights) and not in_arena(model)
+    assert [f["kind"] for f in loading.fallbacks()] == ["device"] * 2
+    assert [e["key"] for e in client.request("ls")["entries"]] == [key], "the entry stays"
+
+
+ON_CUDA = """
+    import json
+    from overmind_jupyter import loading
+    from tests.helpers import tiny_modules
+    try:
+        where = str(next(loading.cached(tiny_modules.build_on, "mlp", "cuda:0").parameters()).device)
+    except Exception as exc:  # no CUDA here: the plain call raises
+        where = type(exc).__name__
+    print(json.dumps({"where": where, "calls": loading.calls(), "kinds": [f["kind"] for f in loading.fallbacks()]}))
+"""
+
+
+@pytest.mark.gpu
+def test_gpu_an_entry_on_a_device_is_checked_by_its_identity(daemon) -> None:
+    """The entry of a function that returns CUDA tensors names the device's UUID; a kernel whose cuda:0 is
+    that device hits it, one without CUDA loads plainly and leaves it (Note [Tensors on a device])."""
+    import os
+
+    from overmind_jupyter.units.devices import cuda_identity
+    from tests.helpers.snippets import last_json, run_py
+
+    first = last_json(run_py(ON_CUDA))
+    assert first == {"where": "cuda:0", "calls": {"miss": 1}, "kinds": []}, first
+    (entry,) = daemon.request("ls")["entries"]
+    assert entry["meta"]["devices"] == {"cuda:0": cuda_identity(0)}
+    assert last_json(run_py(ON_CUDA))["calls"] == {"hit": 1}
+    hidden = last_json(run_py(ON_CUDA, env=dict(os.environ, CUDA_VISIBLE_DEVICES="")))
+    assert hidden["kinds"] == ["device"] and hidden["calls"] == {"plain": 1}, hidden
+    assert [e["key"] for e in daemon.request("ls")["entries"]] == [entry["key"]], "the entry stays"

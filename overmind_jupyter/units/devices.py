@@ -17,8 +17,8 @@ from kernel_server.settings import GiB
 
 from ._errors import UnitsError
 
-__all__ = ["CONTEXT_UNITS", "GiB", "context_units", "local_devices", "model_bytes", "model_label", "modules_of",
-           "placeable", "units_for"]
+__all__ = ["CONTEXT_UNITS", "GiB", "context_units", "cuda_identity", "local_devices", "model_bytes", "model_label",
+           "modules_of", "placeable", "units_for"]
 
 # Note [Context units]
 # A kernel's CUDA context on a device is memory no model's units cover, held until the kernel ends; the
@@ -49,15 +49,29 @@ def local_devices() -> list[dict[str, Any]]:
     out = []
     for i in range(torch.cuda.device_count()):
         props = torch.cuda.get_device_properties(i)
-        uuid = getattr(props, "uuid", None)
-        if uuid is not None:
-            dev_id = f"GPU-{uuid}"
-        else:  # older torch: the PCI address is as stable across CUDA_VISIBLE_DEVICES
-            parts = (getattr(props, f"pci_{n}_id", "?") for n in ("domain", "bus", "device"))
-            dev_id = "pci-{}:{}:{}".format(*parts)
-        out.append({"id": dev_id, "name": f"cuda:{i}", "total_bytes": int(props.total_memory),
+        out.append({"id": _identity(props), "name": f"cuda:{i}", "total_bytes": int(props.total_memory),
                     "model": str(props.name), "simulated": False})
     return out
+
+
+def cuda_identity(index: int) -> str:
+    """The physical identity of this process's CUDA device `index`: the same under any CUDA_VISIBLE_DEVICES.
+
+    Args:
+        index: the device's ordinal here (`cuda:1` is 1).
+    """
+    import torch
+
+    return _identity(torch.cuda.get_device_properties(index))
+
+
+def _identity(props: Any) -> str:
+    uuid = getattr(props, "uuid", None)
+    if uuid is not None:
+        return f"GPU-{uuid}"
+    # older torch: the PCI address is as stable across CUDA_VISIBLE_DEVICES
+    parts = (getattr(props, f"pci_{n}_id", "?") for n in ("domain", "bus", "device"))
+    return "pci-{}:{}:{}".format(*parts)
 
 
 def context_units(simulated: bool) -> int:

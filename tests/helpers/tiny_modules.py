@@ -152,6 +152,11 @@ def build(kind: str, seed: int = 0, **kwargs: object) -> nn.Module:
                 "stateful": Stateful}[kind](**kwargs)
 
 
+def build_on(kind: str, device: str) -> nn.Module:
+    """`build`, moved to `device` by the loader itself: a cached function whose result lies on a device."""
+    return build(kind).to(device)
+
+
 def wrap(inner: nn.Module, seed: int = 0) -> Wrapper:
     with torch.random.fork_rng(devices=[]):
         _seeded(seed)
