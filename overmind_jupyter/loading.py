@@ -35,7 +35,16 @@ from . import dynamic_modules, keys, notices, progress, randomness, results, thr
 from .errors import CorruptEntry, EntryElsewhere, PackError, PublishError, Uncacheable
 from .load_log import load_log
 from .notices import calls, clear_fallbacks, count, fall_back, fallbacks, tell_once
-from .placement import device_identities, elsewhere, place, plain_only, quantized, quantized_checkpoint, split_placement
+from .placement import (
+    device_identities,
+    elsewhere,
+    place,
+    plain_only,
+    quantized,
+    quantized_checkpoint,
+    split_placement,
+    too_large,
+)
 from .results import NO_REPLAY, Replay, remember, result_key
 
 __all__ = [
@@ -468,13 +477,18 @@ def patched_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
         fall_back(_label(fn), "quantized", quantization)
         return fn(*args, **kwargs)
     try:
-        cpu_kwargs, device = split_placement(kwargs)
+        split = split_placement(kwargs)
     except Uncacheable as exc:
         fall_back(_label(fn), "uncacheable", str(exc))
         return fn(*args, **kwargs)
-    obj = _cached_call(fn, args, cpu_kwargs, device)
+    obj = _cached_call(fn, args, split.kwargs, split.device)
     if obj is _AS_CALLED:
         return fn(*args, **kwargs)
-    if device is not None:
-        obj = place(obj, device)
-    return obj
+    if split.device is None:
+        return obj
+    too_big = too_large(obj, split.device) if split.by_sizes else None
+    if too_big is not None:  # Note [Auto on one device] in placement.py
+        fall_back(_label(fn), "too_large", too_big)
+        del obj
+        return fn(*args, **kwargs)
+    return place(obj, split.device)

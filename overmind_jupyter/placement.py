@@ -8,14 +8,16 @@ from __future__ import annotations
 import functools
 import json
 import sys
-from typing import Any
+from typing import Any, NamedTuple
+
+from kernel_server import settings
 
 from . import keys
 from .errors import PackError, Uncacheable
 from .notices import fall_back
 
-__all__ = ["device_identities", "elsewhere", "place", "plain_only", "quantized", "quantized_checkpoint",
-           "split_placement"]
+__all__ = ["Split", "device_identities", "elsewhere", "place", "plain_only", "quantized", "quantized_checkpoint",
+           "split_placement", "too_large"]
 
 # Note [Devices]
 # Cached bytes are CPU bytes. A load asked onto one device (`device_map="cuda:0"`, `"cuda"`, `0`,
@@ -24,29 +26,45 @@ __all__ = ["device_identities", "elsewhere", "place", "plain_only", "quantized",
 # loaded plainly, and status says why: a device map that spreads a model over several devices or parts,
 # one that offloads ("disk", "meta", `max_memory`, `offload_folder`: accelerate decides what goes where,
 # by sizes the cache does not see), and a load run where torch builds modules off the CPU (Note [Meta
-# loads]).
+# loads]). Where OVERMIND_FAKE_GPUS stands in for devices, "auto" counts the simulated ones, as it counts
+# real ones: the stand-in places (and leaves on the CPU) what a machine with those devices would place.
 _OFFLOADING = ("max_memory", "offload_folder", "offload_state_dict", "offload_buffers")
+_BY_SIZES = ("auto", "balanced", "balanced_low_0", "sequential")  # maps accelerate fills by the devices' memory
 
 
-def split_placement(kwargs: dict[str, Any]) -> tuple[dict[str, Any], Any]:
-    """The arguments of the CPU load, and the device to move its result to (None: it stays on the CPU).
+class Split(NamedTuple):
+    """A load's placement split from it: the arguments of the CPU load, the device to move its result to
+    (None: it stays on the CPU), and whether that device was chosen by sizes (`"auto"`: Note [Auto on one
+    device])."""
+
+    kwargs: dict[str, Any]
+    device: Any
+    by_sizes: bool = False
+
+
+def split_placement(kwargs: dict[str, Any]) -> Split:
+    """Split the placement a load asks for from it (Note [Devices]).
+
+    Args:
+        kwargs: the load's keyword arguments.
 
     Raises:
-        Uncacheable: the placement asked for is not one device (Note [Devices]).
+        Uncacheable: the placement asked for is not one device.
     """
     offloading = [k for k in _OFFLOADING if kwargs.get(k) not in (None, False)]
     if offloading:
         raise Uncacheable(f"{', '.join(f'{k}={kwargs[k]!r}' for k in offloading)} lets accelerate offload "
                           "parts of the model, which the cache cannot reproduce")
     if kwargs.get("device_map") is None:
-        return kwargs, None
+        return Split(kwargs, None)
     import torch
 
     device_map = kwargs["device_map"]
     if isinstance(device_map, dict) and set(device_map) == {""}:
         device_map = device_map[""]
-    if device_map in ("auto", "balanced", "balanced_low_0", "sequential"):
-        count = torch.cuda.device_count()
+    by_sizes = device_map in _BY_SIZES
+    if by_sizes:
+        count = _gpu_count()
         if count > 1:
             raise Uncacheable(f"device_map={device_map!r} spreads the model over {count} GPUs")
         device_map = "cuda:0" if count == 1 else "cpu"
@@ -58,7 +76,69 @@ def split_placement(kwargs: dict[str, Any]) -> tuple[dict[str, Any], Any]:
     if device.type == "meta":
         raise Uncacheable(f"device_map={kwargs['device_map']!r} asks for a model without weights")
     rest = {k: v for k, v in kwargs.items() if k != "device_map"}
-    return rest, None if device.type == "cpu" else device
+    return Split(rest, None, False) if device.type == "cpu" else Split(rest, device, by_sizes)
+
+
+def _gpu_count() -> int:
+    """The GPUs a map by sizes may use: the simulated ones where OVERMIND_FAKE_GPUS is set, else CUDA's."""
+    try:
+        spec = settings.FAKE_GPUS.read()
+        if spec:
+            return len(settings.parse_fake_gpus(spec))
+    except (settings.SettingError, ValueError):
+        pass  # reported where the units read it; here it simulates nothing
+    import torch
+
+    return torch.cuda.device_count()
+
+
+# Note [Auto on one device]
+# `device_map="auto"` (or "balanced", "sequential") with one GPU puts the model there whole only if it
+# fits: accelerate fills the device up to 90% of what is free on it now and puts the rest on the CPU or
+# disk. The cache moves the model whole, so first it checks that it fits: in what the ledger can grant on
+# the device (its capacity, less this kernel's CUDA context), and on a real device in what accelerate
+# would give it (90% of the free memory and of what the allocator holds unused, as transformers counts).
+# A model that does not fit loads as called, and spills as it would have. The decision is accelerate's
+# only to that approximation: a model that fits by under its largest layer's size may still be split by
+# the plain load, which keeps that much free for offloaded layers.
+_AUTO_SHARE = 0.9  # transformers' share of one device's free memory that `"auto"` fills
+
+
+def too_large(obj: Any, device: Any) -> str | None:
+    """Why `obj`, placed on `device` by a map by sizes, must load as called (Note [Auto on one device]),
+    or None: it fits."""
+    from .units import UnitsError
+    from .units.devices import GiB, model_bytes, placeable, units_for
+    from .units.residency import instance
+
+    if not placeable(obj):
+        return None
+    try:
+        grantable = instance().grantable(device)
+    except UnitsError:
+        grantable = None  # no ledger: `place` moves it with `.to` and says why
+    need = units_for(obj)
+    if grantable is not None and need > grantable:
+        return (f"it needs {need} unit{'s' * (need != 1)} of {device} and the ledger can grant {grantable} units "
+                "there, so the plain load puts part of it on the CPU or disk")
+    free = _free_for_auto(device)
+    size = model_bytes(obj)
+    if free is not None and size > free:
+        return (f"its {size / GiB:.2f} GiB exceed the {free / GiB:.2f} GiB device_map='auto' may fill on {device} "
+                "now, so the plain load puts part of it on the CPU or disk")
+    return None
+
+
+def _free_for_auto(device: Any) -> int | None:
+    """What `"auto"` may fill of a real CUDA device now (Note [Auto on one device]); None elsewhere."""
+    import torch
+
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    free, _total = torch.cuda.mem_get_info(index)
+    unused = torch.cuda.memory_reserved(index) - torch.cuda.memory_allocated(index)
+    return int((free + unused) * _AUTO_SHARE)
 
 
 # Note [Meta loads]

@@ -29,7 +29,7 @@ def main() -> int:
     notebook = os.path.basename(os.environ.get("JPY_SESSION_NAME", ""))  # the kernel's, inherited
     shared_client(role="worker", label=f"preload for {notebook} (pid {job['parent']})" if notebook
                   else f"preload for pid {job['parent']}")
-    kwargs, _device = placement.split_placement(job["kwargs"])  # the cache holds CPU bytes
+    kwargs = placement.split_placement(job["kwargs"]).kwargs  # the cache holds CPU bytes
     loading.cached(job["fn"], *job["args"], **kwargs)  # published before it returns
     for fallback in loading.fallbacks():
         print(f"overmind preload: {fallback['call']}: {fallback['reason']}", file=sys.stderr)

@@ -226,3 +226,111 @@ def test_gpu_an_entry_on_a_device_is_checked_by_its_identity(daemon) -> None:
     hidden = last_json(run_py(ON_CUDA, env=dict(os.environ, CUDA_VISIBLE_DEVICES="")))
     assert hidden["kinds"] == ["device"] and hidden["calls"] == {"plain": 1}, hidden
     assert [e["key"] for e in daemon.request("ls")["entries"]] == [entry["key"]], "the entry stays"
+
+
+# -- f. device_map="auto" on one device ----------------------------------------------------------------
+
+def test_auto_on_one_device_places_a_model_that_fits(fake_gpus: None, tiny_llama: Path, shell) -> None:
+    """`device_map="auto"` with one device puts a model that fits there whole, as the plain load does:
+    the cached model is placed through the ledger (with simulated devices standing in for real ones)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), device_map="auto")
+    assert units.device_of(model) == "cuda:0" and [h["units"] for h in holders()] == [1]
+    assert not loading.fallbacks()
+
+
+def test_auto_on_one_device_loads_plainly_a_model_that_does_not_fit(tiny_llama: Path, overmind_home: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch,
+                                                                    shell) -> None:
+    """A model larger than what the device can take (here: the units the ledger can grant on a simulated
+    device of half a GiB, none) is one the plain `device_map="auto"` load spreads over the device, the CPU
+    and the disk; moved whole onto the device, it would not fit. So it loads as called, and says why once
+    (issue 37, f)."""
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("OVERMIND_FAKE_GPUS", "1x0.5")
+    monkeypatch.setenv("OVERMIND_GPU_RESERVE", "0")
+    AutoModelForCausalLM.from_pretrained(str(tiny_llama))  # cached: the loads below find the entry
+    with pytest.warns(FallbackWarning, match="units"):
+        model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), device_map="auto")
+    AutoModelForCausalLM.from_pretrained(str(tiny_llama), device_map="auto")  # told once
+    assert units.device_of(model) is None and not in_arena(model), "the plain load's model"
+    fallbacks = loading.fallbacks()
+    assert [f["kind"] for f in fallbacks] == ["too_large"] * 2, fallbacks
+    assert "needs 1 unit" in fallbacks[0]["reason"] and "0 units" in fallbacks[0]["reason"], fallbacks
+
+
+# -- on a real device ----------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_gpu_a_load_that_draws_onto_a_device_is_the_plain_one(overmind_home: Path, tiny_llama: Path,
+                                                              shell) -> None:
+    """Item a on a GPU: the head the checkpoint lacks, and both generators after the load, are the plain
+    `device_map="cuda"` load's, the first time (a miss) and the next (the marker)."""
+    from transformers import LlamaForSequenceClassification
+
+    load = LlamaForSequenceClassification.from_pretrained
+
+    def run() -> tuple[torch.Tensor, ...]:
+        torch.manual_seed(0)
+        model = load(str(tiny_llama), device_map="cuda")
+        assert model.score.weight.device.type == "cuda"
+        return model.score.weight.detach().cpu(), torch.rand(3, device="cuda").cpu(), torch.rand(3)
+
+    shell.run_line_magic("overmind", "off")
+    plain = run()
+    shell.run_line_magic("overmind", "on")
+    for _ in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(run(), plain, strict=True))
+    assert [f["kind"] for f in loading.fallbacks()] == ["random_device"] * 2
+
+
+@pytest.mark.gpu
+def test_gpu_a_pipeline_placed_on_a_device_moves_and_comes_back_whole(overmind_home: Path, tmp_path: Path,
+                                                                      shell) -> None:
+    """Item c on a GPU: every module of the pipeline on the device under one holding, the pipeline runs
+    there, and a release brings all of it back onto the cached weights."""
+    from diffusers import DiffusionPipeline
+
+    from overmind_jupyter import demo_models
+
+    sd = str(demo_models.build_sd_pipeline(tmp_path / "sd"))
+    DiffusionPipeline.from_pretrained(sd)
+    pipe = DiffusionPipeline.from_pretrained(sd, device_map="cuda")
+    modules = [m for m in pipe.components.values() if isinstance(m, torch.nn.Module)]
+    assert {p.device.type for m in modules for p in m.parameters()} == {"cuda"}
+    assert [h["units"] for h in holders() if not h["context"]] == [units.units_for(pipe)]
+    with units.using(pipe):
+        image = pipe("hello world", num_inference_steps=2, height=16, width=16, output_type="np",
+                     generator=torch.manual_seed(0)).images
+    assert image.shape[-1] == 3
+    units.release(pipe)
+    assert {p.device.type for m in modules for p in m.parameters()} == {"cpu"} and in_arena(pipe.unet)
+
+
+@pytest.mark.gpu
+def test_gpu_auto_loads_plainly_a_model_the_device_has_no_room_for(overmind_home: Path, tmp_path: Path,
+                                                                   shell) -> None:
+    """Item f on a GPU: with the device filled but for less than the model, `device_map="auto"` loads as
+    called and spills to the CPU; with room, the cached model is placed whole."""
+    from transformers import AutoModelForCausalLM
+
+    from overmind_jupyter import demo_models
+
+    path = str(demo_models.build_llama(tmp_path / "wide", "tiny", vocab_size=262_144))  # 32 MiB of bf16
+    model = AutoModelForCausalLM.from_pretrained(path, device_map="auto")
+    assert units.device_of(model) == "cuda:0" and {p.device.type for p in model.parameters()} == {"cuda"}
+    units.release(model)
+    del model
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info(0)
+    filler = torch.empty(free - (24 << 20), dtype=torch.uint8, device="cuda:0")  # leaves 24 MiB
+    try:
+        with pytest.warns(FallbackWarning, match="device_map='auto' may fill"):
+            model = AutoModelForCausalLM.from_pretrained(path, device_map="auto")
+        assert "cpu" in set(model.hf_device_map.values()) or "disk" in set(model.hf_device_map.values())
+        assert units.device_of(model) is None
+    finally:
+        del filler
+        torch.cuda.empty_cache()

@@ -153,6 +153,16 @@ class Residency:
         placement = self._by_model.get(model)
         return placement.device.name if placement is not None and placement.live else None
 
+    def grantable(self, device: Any) -> int:
+        """The most units one model can hold on `device`: its capacity, less this kernel's CUDA context.
+
+        Raises:
+            UnitsError: no ledger, or no such device here.
+        """
+        _, devices = self._bind()
+        found = self._resolve(device, devices)[0]
+        return found.capacity - context_units(found.simulated)
+
     def state(self) -> dict[str, Any]:
         client, devices = self._bind()
         try:
