@@ -15,7 +15,7 @@ from typing import Any
 from . import lifecycle
 from .client import Client
 from .errors import DaemonError, RemoteError
-from .formats import byte_text, kernel_name, pending_text, progress_text
+from .formats import byte_text, disk_text, kernel_name, pending_text, progress_text
 from .operations import Op
 
 __all__ = ["main"]
@@ -145,6 +145,8 @@ def _STATUS_TEXT(p: dict[str, Any]) -> str:
         f"kernels {len(p['kernels'])}" + ("" if p["kernels"] else " connected"),
     ]
     lines += [f"  {kernel_name(k)[0]}  ({k['role']}; {kernel_name(k)[1]})" for k in p["kernels"]]
+    if p.get("disk"):
+        lines.insert(2, "       " + disk_text(p["disk"]))
     fds = p.get("descriptors")
     if fds:  # Note [Descriptor budget] in descriptors.py
         lines.insert(2, f"fds    {fds.get('open') if fds.get('open') is not None else '?'} open of the limit "

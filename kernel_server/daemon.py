@@ -25,6 +25,7 @@ from typing import Any
 from . import arena, descriptors, settings
 from ._version import __version__
 from .compaction import Compactor
+from .disk import DiskRoom
 from .errors import DaemonError, DescriptorsLost, ProtocolError, RemoteError
 from .ledger import Ledger
 from .lifecycle import DaemonLock, socket_path
@@ -93,7 +94,10 @@ class Connection:
 class Daemon:
     def __init__(self, home: Path, budget: int | None = None) -> None:
         self.home = home
-        self.store = Store(settings.get(settings.BUDGET) if budget is None else budget)
+        directory = arena.arena_directory(home)
+        on_disk = arena.choose_backing(settings.get(settings.ARENA), directory) == "file"
+        self.store = Store(settings.get(settings.BUDGET) if budget is None else budget,
+                           DiskRoom(directory, settings.get(settings.DISK_RESERVE)) if on_disk else None)
         self.started = time.time()
         self._conns: dict[int, Connection] = {}
         self._conn_ids = itertools.count(1)
@@ -159,11 +163,16 @@ class Daemon:
             time.sleep(0.05)  # everything pinned: try again shortly, without spinning
 
     def _drop_orphans(self) -> None:
-        """Every few seconds, drop the entries whose checkpoints are gone (Note [Orphaned entries])."""
+        """Every few seconds, drop the entries whose checkpoints are gone (Note [Orphaned entries]), and give
+        back unpinned entries while the disk under the arenas is short of its reserve (Note [Disk room])."""
         while not self._stopping.wait(ORPHAN_SWEEP_S):
             dropped = self.store.drop_orphaned()
             if dropped:
                 log.info("dropped %d entries whose checkpoint files are gone", len(dropped))
+            evicted = self.store.make_disk_room()  # Note [Disk room] in disk.py
+            if evicted:
+                log.warning("the disk under the arenas fell below its reserve: evicted %d unpinned entries",
+                            len(evicted))
 
     def count_error(self, code: str) -> None:
         with self._lock:

@@ -46,6 +46,14 @@ def byte_text(n: float | None) -> str:
     raise AssertionError("unreachable")
 
 
+def disk_text(disk: dict[str, Any] | None) -> str:
+    """The disk under the cache's file arenas (Note [Disk room] in disk.py), or "" where they take memory."""
+    if not disk:
+        return ""
+    return (f"disk: {byte_text(disk['used'])} of arenas in {disk['directory']}; {byte_text(disk['free'])} free, "
+            f"{byte_text(disk['reserve'])} kept free for you")
+
+
 def seconds_text(s: float) -> str:
     """A duration: "4 ms", "1.4 s", "42 s", "12 min", "3 h", "2 d" (Note [One format])."""
     s = max(0.0, float(s))

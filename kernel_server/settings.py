@@ -129,6 +129,18 @@ def budget(value: Any) -> int:
     return nbytes
 
 
+def disk_reserve(value: Any) -> str:
+    """What the store leaves free on the disk its file arenas are on: sizes ("4G") and percentages of the
+    filesystem ("10%") joined by commas, the largest of them counting: "10%,3G"."""
+    parts = [p.strip().lower() for p in str(value).split(",")]
+    for part in parts:
+        if not re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([kmgt%]?)(?:i?b)?", part):
+            raise ValueError("is not a size or a percentage of the disk (4G, 10%, or both: 10%,4G)")
+        if part.endswith("%") and float(part[:-1]) >= 100:
+            raise ValueError("keeps the whole disk free: use less than 100%")
+    return ",".join(parts)
+
+
 def one_of(*choices: str) -> Callable[[Any], str]:
     def choice(value: Any) -> str:
         text = str(value).strip().lower()
@@ -218,6 +230,10 @@ ARENA = Setting("arena", "OVERMIND_ARENA", one_of("auto", "memfd", "file"), "aut
 ARENA_DIR = Setting("arena_dir", "OVERMIND_ARENA_DIR", directory, "",
                     "the state directory, or `~/.cache/overmind/arenas` when that is a tmpfs", "/scratch/overmind",
                     "where file arenas live; they have no name and vanish with their entry", "both")
+DISK_RESERVE = Setting("disk_reserve", "OVERMIND_DISK_RESERVE", disk_reserve, "10%,3g", "10% of the disk or 3 GiB, "
+                      "the larger", "20%,8G",
+                      "what the cache leaves free on the disk its file arenas are on: it evicts, then loads run "
+                      "plainly, before the disk's free space falls below this", "daemon")
 POPULATE = Setting("populate", "OVERMIND_POPULATE", flag, True, "on", "0",
                    "map a hit's pages ahead of the first forward, in the background", "kernel")
 COMPACT = Setting("compact", "OVERMIND_COMPACT", flag, True, "on", "0",
@@ -234,7 +250,7 @@ WARM = Setting("warm", "OVERMIND_WARM", flag, True, "on", "0",
                "start kernels of the overmind kernelspec forked from a warm spare (`c.WarmProvisioner.enabled` "
                "in the server's config)", "server")
 
-SETTINGS: tuple[Setting, ...] = (ENABLED, HOME, BUDGET, WAIT_TIMEOUT, ARENA, ARENA_DIR, POPULATE, COMPACT,
+SETTINGS: tuple[Setting, ...] = (ENABLED, HOME, BUDGET, WAIT_TIMEOUT, ARENA, ARENA_DIR, DISK_RESERVE, POPULATE, COMPACT,
                                  FAKE_GPUS, GPU_RESERVE, UNITS_TIMEOUT, WARM)
 
 _reported: set[str] = set()

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from . import arena, descriptors
+from .disk import DiskRoom
 from .errors import BudgetExceeded, DescriptorsExhausted, RemoteError
 from .formats import byte_text
 
@@ -215,8 +216,9 @@ HITS_LOG = 200
 
 
 class Store:
-    def __init__(self, budget: int) -> None:
+    def __init__(self, budget: int, disk: DiskRoom | None = None) -> None:
         self.budget = budget
+        self.disk = disk  # the disk under file arenas, when they are on one (Note [Disk room] in disk.py)
         self._lock = threading.Lock()
         self._entries: dict[str, Entry] = {}
         self._loads: dict[str, _Load] = {}
@@ -245,6 +247,8 @@ class Store:
             return {
                 "budget": self.budget,
                 "used": held.nbytes,
+                "disk": None if self.disk is None else self.disk.describe(
+                    sum(e.nbytes for e in self._entries.values() if e.backing == "file")),
                 "reserved": in_flight.nbytes,
                 "entries": [e.describe(kernels) for e in entries if not e.marker],
                 "loading": [
@@ -311,6 +315,9 @@ class Store:
             evicted = self._make_room(need, need_fds)
             if not self._fits_fds(need_fds):
                 raise self._refuse_for_descriptors(nfds)
+            if not self._fits_disk(need):
+                raise BudgetExceeded("budget_exceeded", self.disk.refusal(nbytes, self.in_flight.nbytes)
+                                     if self.disk is not None else "no room on the disk")
             if not self._fits_bytes(need):
                 held = self._held_by_pins()
                 pinned = sum(e.nbytes for e in self._entries.values() if e.key in held)
@@ -596,7 +603,21 @@ class Store:
         return held
 
     def _fits_bytes(self, need: int) -> bool:
-        return self.held.nbytes + self.in_flight.nbytes + need <= self.budget
+        return self.held.nbytes + self.in_flight.nbytes + need <= self.budget and self._fits_disk(need)
+
+    def _fits_disk(self, need: int) -> bool:
+        """Whether `need` more bytes leave the disk's free space above its reserve, counting what loads in
+        flight reserved as not written yet (Note [Disk room] in disk.py)."""
+        return self.disk is None or need + self.in_flight.nbytes <= self.disk.room()
+
+    def make_disk_room(self) -> list[str]:
+        """Evict unpinned entries while the disk's free space is below its reserve (something else filled
+        it); returns the keys evicted."""
+        with self._lock:
+            if self.disk is None or self.disk.room() >= 0:
+                return []
+            disk = self.disk
+            return self._evict_until(lambda: disk.room() >= 0)
 
     def _fits_fds(self, need_fds: int) -> bool:
         return self.held.nfds + self.in_flight.nfds + need_fds <= self.descriptors.cap

@@ -108,7 +108,7 @@ def _patched_text(s: dict[str, Any]) -> str:
 
 def format_status(s: dict[str, Any]) -> str:
     """`status()` as text, for terminals."""
-    from kernel_server.formats import byte_text, kernel_name, pending_text, progress_text
+    from kernel_server.formats import byte_text, disk_text, kernel_name, pending_text, progress_text
 
     lines = [f"overmind {'on' if s['enabled'] else 'off'}; " + _patched_text(s)]
     d = s.get("daemon")
@@ -118,6 +118,8 @@ def format_status(s: dict[str, Any]) -> str:
         lines.append(f"daemon pid {d['daemon']['pid']} at {d['daemon']['home']}: {byte_text(d['used'])} of "
                      f"{byte_text(d['budget'])} in {len(d['entries'])} entries; "
                      + ", ".join(f"{k} {v}" for k, v in sorted(d['stats'].items())))
+        if d.get("disk"):
+            lines.append(disk_text(d["disk"]))
         for e in d["entries"]:
             users = ", ".join(kernel_name(k)[0] for k in e["pinned_by"]) or "-"
             lines.append(f"  {e['key'][:12]}  {e['meta'].get('label', '')}  {byte_text(e['bytes'])}  "

@@ -49,6 +49,7 @@ class Overmind(Configurable):
     wait_timeout = _Declared(declared.WAIT_TIMEOUT)
     arena = _Declared(declared.ARENA)
     arena_dir = _Declared(declared.ARENA_DIR)
+    disk_reserve = _Declared(declared.DISK_RESERVE)
     populate = _Declared(declared.POPULATE)
     compact = _Declared(declared.COMPACT)
     fake_gpus = _Declared(declared.FAKE_GPUS)

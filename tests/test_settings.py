@@ -30,6 +30,7 @@ BAD = {
     "OVERMIND_WAIT_TIMEOUT": ("ten minutes", "not a duration"),
     "OVERMIND_ARENA": ("bogus", "not one of auto, memfd, file"),
     "OVERMIND_ARENA_DIR": ("arenas", "not an absolute path"),
+    "OVERMIND_DISK_RESERVE": ("lots", "not a size or a percentage of the disk"),
     "OVERMIND_POPULATE": ("sometimes", "neither on"),
     "OVERMIND_COMPACT": ("2", "neither on"),
     "OVERMIND_FAKE_GPUS": ("lots", "not a device list"),

@@ -6,6 +6,7 @@ The reply of `GET {base_url}overmind/state` (all sizes in bytes, times in second
       "state":     "ok",                                 # "down" (and "message", "home") without a daemon
       "daemon":    {"pid", "version", "protocol", "home", "started"},
       "budget", "used", "reserved",                      # the store's byte budget and its use
+      "disk":      null | {"directory", "used", "free", "size", "reserve"},  # under file arenas (disk.py)
       "stats":     {"hits", "misses", ...},              # the store's counters, as the daemon keeps them
       "entries":   [{"key", "label", "bytes", "hits", "last_used", "created", "backing", "load_s"?,
                      "pinned_by": [CONNECTION + {"pins"}], "progress"?, ...}],
@@ -14,7 +15,7 @@ The reply of `GET {base_url}overmind/state` (all sizes in bytes, times in second
       "fallbacks": [{"time", "pid", "label", "name", "detail", "call", "kind", "reason"}],
       "hits_log":  [{"t", "key", "label", "load_s", "hit_s"}],  # recent hits, oldest first (hit_s: null
                                                      # until the kernel reported it)
-      "texts":     {"used", "budget", "reserved", "unit_bytes",  # display strings of the sizes above
+      "texts":     {"used", "budget", "reserved", "unit_bytes", "disk",  # display strings of the sizes above
                     "plain", "hits", "saved"},           # and of the timed hits' sums
       "units":     null | {"simulated": bool, "unit_bytes": int, "error": str | null, "waiting": int,
                            "devices": [{"device", "id", "model", "total", "used", "free", "simulated",
@@ -42,7 +43,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from kernel_server.formats import byte_text, kernel_name, pending_text, percent, progress_text, seconds_text
+from kernel_server.formats import byte_text, disk_text, kernel_name, pending_text, percent, progress_text, seconds_text
 from kernel_server.settings import GiB
 
 __all__ = ["Names", "ServerKernel", "down_state", "panel_state", "units_view"]
@@ -147,6 +148,7 @@ def panel_state(status: dict[str, Any], own_conn: int | None = None, names: Name
         "budget": budget,
         "used": used,
         "reserved": reserved,
+        "disk": status.get("disk"),
         "stats": status.get("stats", {}),
         "entries": entries,
         "loading": loading,
@@ -155,7 +157,7 @@ def panel_state(status: dict[str, Any], own_conn: int | None = None, names: Name
         "hits_log": hits_log,
         "units": units,
         "texts": {"used": byte_text(used), "budget": byte_text(budget), "reserved": byte_text(reserved),
-                  "unit_bytes": byte_text(units["unit_bytes"]) if units else "",
+                  "unit_bytes": byte_text(units["unit_bytes"]) if units else "", "disk": disk_text(status.get("disk")),
                   "plain": seconds_text(plain), "hits": seconds_text(served), "saved": seconds_text(plain - served)},
     }
 

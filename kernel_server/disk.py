@@ -1,0 +1,76 @@
+"""The disk under the file arenas: how much of it the store may still take.
+
+# Note [Disk room]
+A file arena (Note [Arena backing] in arena.py) is an unnamed file: `du` shows nothing, and its blocks stay
+taken until the last kernel mapping it lets go. Where the state directory is on disk (no
+$XDG_RUNTIME_DIR: containers, JupyterHub's single-user servers, ssh sessions), the memory budget alone
+would let the cache fill a small disk the user needs: half of a 64 GB machine's memory is 32 GB of a 10 GB
+home. So a new arena must also leave the disk's free space at or above the reserve (OVERMIND_DISK_RESERVE,
+the largest of its sizes and percentages of the filesystem; by default 10% or 3 GiB): the store counts
+what loads in flight have reserved and not written yet against the free space it reads, evicts unpinned
+entries (least recently used first) while that falls short, and refuses the rest, and the kernel then
+loads plainly, saying so. The daemon looks again every few seconds, so that a disk filled by something
+else makes the cache give its unpinned entries back before the user runs out. An entry still mapped by a
+kernel frees its blocks when that kernel lets go of it. memfd arenas take memory, not disk: the budget
+bounds them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from .formats import byte_text
+
+__all__ = ["DiskRoom"]
+
+
+@dataclass(frozen=True)
+class DiskRoom:
+    """The filesystem holding `directory`, and what of it the cache leaves free (`reserve`, a setting's
+    value: "10%,3g")."""
+
+    directory: Path
+    reserve: str
+
+    def usage(self) -> tuple[int, int, int]:
+        """(size, free, kept free) in bytes, read now; free as an unprivileged user sees it."""
+        existing = self.directory
+        while not existing.exists() and existing != existing.parent:  # made at the first file arena
+            existing = existing.parent
+        st = os.statvfs(existing)
+        size, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+        return size, free, self.kept(size)
+
+    def kept(self, size: int) -> int:
+        """The reserve in bytes, for a filesystem of `size` bytes: the largest of its parts."""
+        kept = 0
+        for part in self.reserve.split(","):
+            m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([kmgt%]?)(?:i?b)?", part.strip().lower())
+            if m is None:
+                continue  # settings.disk_reserve checked it
+            number, unit = float(m.group(1)), m.group(2)
+            nbytes = int(size * number / 100) if unit == "%" else int(number * 1024 ** " kmgt".index(unit or " "))
+            kept = max(kept, nbytes)
+        return kept
+
+    def room(self) -> int:
+        """Bytes new arenas may still take before the free space falls below the reserve (negative when it
+        has already)."""
+        _, free, kept = self.usage()
+        return free - kept
+
+    def describe(self, used: int) -> dict[str, object]:
+        """What status shows: where, what the cache's arenas take there, what is free and kept free."""
+        size, free, kept = self.usage()
+        return {"directory": str(self.directory), "used": used, "free": free, "size": size, "reserve": kept}
+
+    def refusal(self, nbytes: int, unwritten: int) -> str:
+        """Why an arena of `nbytes` does not fit, and what to do."""
+        _, free, kept = self.usage()
+        return (f"no room on the disk for {byte_text(nbytes)}: {self.directory} has {byte_text(free)} free"
+                + (f", {byte_text(unwritten)} of it promised to loads in flight" if unwritten else "")
+                + f", and the cache leaves {byte_text(kept)} of it to you (OVERMIND_DISK_RESERVE); free disk "
+                  "space, evict entries other kernels hold, or put the arenas elsewhere (OVERMIND_ARENA_DIR)")

@@ -1,0 +1,103 @@
+"""The cache never takes the disk space the user needs (issue 38; Note [Disk room] in kernel_server/disk.py).
+
+Each test gives the file arenas a small filesystem of their own (a 64 MiB tmpfs mounted for the test; it
+needs root, as CI runs), with OVERMIND_ARENA=file so that the arenas are files there, as on a disk.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kernel_server import Client
+from tests.helpers.snippets import last_json, run_py
+
+SIZE, RESERVE = 64 << 20, 24 << 20
+MODEL = 4 * (1024 * 1024 + 1024) * 4  # tiny_modules.build("mlp", width=1024, depth=4): 16.8 MB
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small filesystem for the arenas needs root (CI runs as root)")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={SIZE}", "tmpfs", str(mount)], capture_output=True,
+                          text=True, check=False)
+    if done.returncode != 0:
+        pytest.skip(f"this machine lets no test mount a tmpfs: {done.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.fixture
+def disk_env(overmind_home: Path, small_disk: Path) -> dict[str, str]:
+    return dict(os.environ, OVERMIND_ARENA="file", OVERMIND_ARENA_DIR=str(small_disk),
+                OVERMIND_DISK_RESERVE=str(RESERVE))
+
+
+def free(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+# A kernel that loads `seeds` (different models, kept: their entries are pinned), and says how each went.
+LOADS = """
+    import json, os, warnings
+    from overmind_jupyter import loading
+    from tests.helpers import tiny_modules
+    kept, free = [], []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for seed in {seeds}:
+            kept.append(loading.cached(tiny_modules.build, "mlp", seed, width=1024, depth=4))
+            st = os.statvfs({disk!r})
+            free.append(st.f_bavail * st.f_frsize)
+    print(json.dumps({{"calls": loading.calls(), "free": free, "warnings": [str(w.message) for w in caught]}}))
+"""
+
+
+def test_a_load_that_would_take_the_reserve_runs_plainly_and_says_why(disk_env: dict[str, str],
+                                                                     small_disk: Path, overmind_home: Path) -> None:
+    """Two models fit above the reserve; the third, with the first two in use, would leave less free than
+    the reserve: it loads plainly, the warning says why, and the disk keeps its reserve."""
+    out = last_json(run_py(LOADS.format(seeds=[1, 2, 3], disk=str(small_disk)), env=disk_env))
+    assert out["calls"] == {"miss": 2, "plain": 1}, out
+    assert all(f >= RESERVE for f in out["free"]), f"the free space fell below the reserve: {out['free']}"
+    (warning,) = [w for w in out["warnings"] if "no room on the disk" in w]
+    assert str(small_disk) in warning and "OVERMIND_DISK_RESERVE" in warning
+    with Client(overmind_home, role="test") as client:
+        disk = client.request("status")["disk"]
+    assert disk["directory"] == str(small_disk) and disk["reserve"] == RESERVE
+    assert 2 * MODEL <= disk["used"] < 3 * MODEL and disk["free"] >= RESERVE
+
+
+def test_a_disk_filled_by_something_else_makes_the_cache_give_back_its_unpinned_entries(
+        disk_env: dict[str, str], small_disk: Path, overmind_home: Path) -> None:
+    out = last_json(run_py(LOADS.format(seeds=[1, 2], disk=str(small_disk)), env=disk_env))  # then it exits
+    assert out["calls"] == {"miss": 2}
+    with Client(overmind_home, role="test") as client:
+        assert len(client.request("status")["entries"]) == 2
+        (small_disk / "users-file").write_bytes(b"\0" * (28 << 20))  # the user's own data: 2 MB free now
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and (client.request("status")["entries"] or free(small_disk) < RESERVE):
+            time.sleep(0.2)
+        assert client.request("status")["entries"] == [], "the daemon evicted both entries to keep the reserve"
+    assert free(small_disk) >= RESERVE
+
+
+def test_status_says_where_the_bytes_live(disk_env: dict[str, str], small_disk: Path) -> None:
+    run_py(LOADS.format(seeds=[1], disk=str(small_disk)), env=disk_env)
+    text = run_py("from overmind_jupyter import api; print(api.format_status(api.status()))", env=disk_env).stdout
+    assert f"of arenas in {small_disk}" in text and "kept free for you" in text, text
+    cli = subprocess.run([sys.executable, "-m", "kernel_server", "status"], env=disk_env, capture_output=True,
+                         text=True, check=True).stdout
+    assert f"of arenas in {small_disk}" in cli and "kept free for you" in cli, cli
