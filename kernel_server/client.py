@@ -24,6 +24,7 @@ from typing import Any
 
 from . import lifecycle
 from .errors import (
+    DaemonError,
     DaemonHung,
     DaemonLost,
     DaemonUnavailable,
@@ -69,6 +70,20 @@ _BRIEF = 0.05  # see Note [Requests from finalizers]
 # reads itself once the other one is done (its reply may come after the other's).
 # A thread must not wait for a reply while it reads the socket (a finalizer that requests: none does;
 # unpins go through the unpin thread of overmind_jupyter's results.py); such a wait would end in its timeout.
+
+# Note [Interrupted waits]
+# A wait for another kernel's load can be cut short by anything but the daemon: a KeyboardInterrupt (the
+# user interrupts the cell), a SystemExit, a bug. The kernel lives on with its connection, so the daemon
+# would keep the request: still a waiter, it would be made the loader when the load failed, and never load
+# while the kernels behind it waited (for 10 minutes); served a hit, it would keep a pin, and the entry
+# could never be evicted. So `wait_alive` withdraws the request before the exception goes on to the cell:
+# it sends "cancel" and waits for the answer (a short wait: Note [Two kinds of waiting]). Cancelled, the
+# lookup's own reply ("cancelled") came first. Not cancelled, the daemon had decided already: its reply,
+# sent or on its way, is read, and what it granted is given back (each entry of a hit unpinned, a "load"
+# abandoned, so that the next waiter loads), then a ping makes sure the daemon did both, since it serves a
+# connection's requests in order. Should any of it fail or be interrupted in turn, the reply is left to the
+# reader thread, which gives it back whenever it comes (`_late_reply`). A daemon error needs none of this:
+# the request was answered, cancelled by the caller's timeout, or the connection and all it held are gone.
 
 # Note [Requests from finalizers]
 # The collector can run a finalizer at any allocation, so also inside a send of this client, with
@@ -214,13 +229,32 @@ class Client:
 
     def request(self, op: str, *, fds: Sequence[int] = (), timeout: float | None = 60.0,
                 **fields: Any) -> Response:
-        """Send a request and wait for its reply. Raises RemoteError (or a subclass) on an error reply."""
+        """Send a request and wait for its reply. Raises RemoteError (or a subclass) on an error reply. A
+        wait cut short by anything but the daemon leaves the reply to be given back when it comes (Note
+        [Interrupted waits])."""
         request_id, fut = self.submit(op, fds=fds, **fields)
-        return self.wait(request_id, fut, timeout)
+        try:
+            return self.wait(request_id, fut, timeout)
+        except DaemonError:
+            raise
+        except BaseException:
+            self._leave_reply(request_id, fut)
+            raise
 
     def wait_alive(self, request_id: int, fut: Future[Frame], timeout: float | None) -> Response:
         """Wait up to `timeout` for a reply that may take long (a lookup that waits for another kernel's
-        load), as long as the daemon keeps answering pings; see Note [Two kinds of waiting]."""
+        load), as long as the daemon keeps answering pings; see Note [Two kinds of waiting]. A wait cut
+        short by anything but the daemon (a KeyboardInterrupt) withdraws the lookup first, and gives back
+        what the daemon granted it (Note [Interrupted waits])."""
+        try:
+            return self._wait_alive(request_id, fut, timeout)
+        except DaemonError:  # answered, cancelled at the timeout, or the connection went with all it held
+            raise
+        except BaseException:
+            self._withdraw(request_id, fut)
+            raise
+
+    def _wait_alive(self, request_id: int, fut: Future[Frame], timeout: float | None) -> Response:
         deadline = None if timeout is None else time.monotonic() + timeout
         slice_ = ANSWER_TIMEOUT / 3
         while True:
@@ -253,6 +287,34 @@ class Client:
                 self._start_reader()  # its late reply gives back what it granted, soon
             raise WaitTimeout(f"no answer from the daemon within {timeout} s") from None
         return _response(frame)
+
+    def _withdraw(self, request_id: int, fut: Future[Frame]) -> None:
+        """Cancel the lookup `request_id` and give back what its reply granted, before returning; see Note
+        [Interrupted waits]."""
+        given_back = False
+        try:
+            if self._failure is None and not self._closed:
+                cancelled = self.request(Op.CANCEL, request=request_id, timeout=ANSWER_TIMEOUT)["cancelled"]
+                frame = self._result(fut, 0 if cancelled else ANSWER_TIMEOUT)  # cancelled: answered already
+                with self._lock:
+                    self._pending.pop(request_id, None)
+                self._late_reply(frame)
+                given_back = True
+                self.request(Op.PING, timeout=ANSWER_TIMEOUT)  # the daemon has done what came before it
+        except (DaemonError, FutureTimeout):
+            pass
+        finally:
+            if not given_back:
+                self._leave_reply(request_id, fut)
+
+    def _leave_reply(self, request_id: int, fut: Future[Frame]) -> None:
+        """Let the reply of `request_id` be given back whenever it comes, by the reader thread."""
+        with self._lock:
+            waiting = self._pending.pop(request_id, None) is not None
+        if not waiting:  # it came (or is being handed over): give back what it granted
+            fut.add_done_callback(lambda done: None if done.exception() else self._late_reply(done.result()))
+        elif not self._closed:
+            self._start_reader()  # the late reply, when it comes, is given back
 
     def _result(self, fut: Future[Frame], timeout: float | None) -> Frame:
         """The reply frame of `fut`, read by this thread if no other one reads (Note [Who reads the
@@ -426,13 +488,16 @@ class Client:
                                                    "error": {"code": "descriptors_exhausted", "message": message}}))
 
     def _late_reply(self, frame: Frame) -> None:
-        """A reply nobody waits for any more (its wait timed out): give back what it granted."""
-        close_fds(frame.fds)
+        """A reply nobody waits for any more (its wait timed out or was interrupted): give back what it
+        granted, once (its descriptors and status are taken out of it)."""
+        fds, frame.fds = frame.fds, []
+        close_fds(fds)
         payload = frame.payload
-        if payload.get("status") == "hit":
+        status = payload.pop("status", None)
+        if status == "hit":
             for entry in payload.get("entries", []):
                 self._fire_and_forget(Op.UNPIN, key=entry["key"])
-        elif payload.get("status") == "load":
+        elif status == "load":
             self._fire_and_forget(Op.ABANDON, key=payload.get("key", ""))
 
     def _fire_and_forget(self, op: str, **fields: Any) -> None:

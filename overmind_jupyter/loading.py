@@ -215,11 +215,11 @@ def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
     if reply["status"] != "load":
         fall_back(label, "daemon", f"unexpected lookup answer {reply['status']!r}")
         return fn(*args, **kwargs)
-    # The generators' state as the load starts: a plain hit needs none (nothing since the call began
-    # drew a random number), and reading them all costs a millisecond (Note [Random loads]).
-    before = randomness.random_state()
-    progress.flush_hit_times(client)
-    try:
+    try:  # this connection is the loader now: whatever ends the call abandons the load
+        # The generators' state as the load starts: a plain hit needs none (nothing since the call began
+        # drew a random number), and reading them all costs a millisecond (Note [Random loads]).
+        before = randomness.random_state()
+        progress.flush_hit_times(client)
         loaded = time.perf_counter()
         with load_log() as said, progress.loading(client, ck.key, ck.label):  # Note [Load progress]
             obj = fn(*args, **kwargs)

@@ -1,0 +1,126 @@
+"""A cell interrupted while it waits for another kernel's load of the same model (issue 38): its request and
+everything the daemon would grant it go before the KeyboardInterrupt reaches the cell (Note [Interrupted
+waits] in kernel_server/client.py).
+
+The interrupted kernel is a real process, interrupted by a real SIGINT while it waits in `loading.cached`,
+and it stays alive afterwards with its connection open, as a kernel does after an interrupted cell: its
+connection's end would release everything anyway (docs/design.md invariant 5) and hide the leak.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernel_server import Client
+from overmind_jupyter import keys, loading, rebuild
+from tests.helpers import faults_helpers, tiny_modules
+from tests.helpers.faults_helpers import Gate, digest, wait_until
+from tests.helpers.snippets import start_py
+
+# A kernel whose cell loads a model through the cache, is interrupted, and lives on: it says "waiting" once
+# its lookup is sent, "interrupted" from the except clause (the cell), and holds its connection until stdin ends.
+INTERRUPTED_KERNEL = """
+    import sys
+    from kernel_server.client import shared_client
+    from overmind_jupyter import loading
+    from tests.helpers import faults_helpers, tiny_modules
+
+    shared_client()  # connected before the cell, as a kernel with overmind on
+    print("waiting", flush=True)
+    try:
+        loading.cached({fn}, "mlp", 42, width=64)
+        print("loaded", flush=True)
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+    sys.stdin.read()
+"""
+
+
+@pytest.fixture
+def gate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
+    g = Gate(tmp_path / "gate")
+    monkeypatch.setenv("FAULTS_GATE", str(g.path))
+    yield g
+    g.open()
+
+
+def waiters(client: Client) -> list[int]:
+    return [load["waiters"] for load in client.request("status")["loading"]]
+
+
+def interrupt_while_waiting(fn: str, watcher: Client, already_waiting: int) -> subprocess.Popen[str]:
+    """Start a kernel that waits for the load in flight of `fn`'s model, SIGINT it once the daemon lists it
+    among the waiters, and return it alive once its cell got the KeyboardInterrupt."""
+    kernel = start_py(INTERRUPTED_KERNEL.format(fn=fn), env=dict(os.environ))
+    assert kernel.stdout is not None
+    assert kernel.stdout.readline().strip() == "waiting", kernel.stderr.read() if kernel.stderr else ""
+    wait_until(lambda: waiters(watcher) == [already_waiting + 1], 30, "the kernel waits for the load in flight")
+    kernel.send_signal(signal.SIGINT)
+    line = kernel.stdout.readline().strip()
+    assert line == "interrupted", f"the cell said {line!r}: {kernel.stderr.read() if kernel.stderr else ''}"
+    return kernel
+
+
+def test_an_interrupted_wait_leaves_no_waiter_and_the_next_waiter_loads_when_the_loader_fails(
+        overmind_home: Path, daemon: Client) -> None:
+    """The loader fails (abandons) after a kernel waiting before a third one was interrupted: the third one
+    is made the loader and loads, instead of the interrupted kernel, which would never load."""
+    key = keys.make_key(tiny_modules.build, ("mlp", 42), {"width": 64}).key
+    assert daemon.request("lookup", key=key, wait=False)["status"] == "load"  # the load in flight
+    results: list[torch.nn.Module] = []
+    third = threading.Thread(target=lambda: results.append(loading.cached(tiny_modules.build, "mlp", 42, width=64)))
+    kernel = start_py(INTERRUPTED_KERNEL.format(fn="tiny_modules.build"), env=dict(os.environ))
+    try:
+        assert kernel.stdout is not None and kernel.stdout.readline().strip() == "waiting"
+        wait_until(lambda: waiters(daemon) == [1], 30, "the kernel waits for the load in flight")
+        third.start()  # waits after the kernel: the kernel would be the next loader
+        wait_until(lambda: waiters(daemon) == [2], 30, "the third kernel waits too")
+        kernel.send_signal(signal.SIGINT)
+        assert kernel.stdout.readline().strip() == "interrupted"
+        assert waiters(daemon) == [1], "the interrupted kernel's wait is gone from the daemon before its cell goes on"
+
+        daemon.request("abandon", key=key)  # the load fails
+        third.join(30)
+        assert not third.is_alive(), "the third kernel was served: it became the loader and loaded"
+        assert len(results) == 1 and digest(results[0]) == digest(tiny_modules.build("mlp", 42, width=64))
+        assert [e["key"] for e in daemon.request("ls")["entries"]] == [key]
+        assert loading.fallbacks() == []
+        assert kernel.poll() is None, "the interrupted kernel lives on with its connection"
+    finally:
+        kernel.kill()
+        kernel.wait()
+        third.join(5)
+
+
+def test_an_interrupted_wait_takes_no_pin_when_the_load_succeeds(
+        overmind_home: Path, daemon: Client, gate: Gate) -> None:
+    """The loader publishes after the interrupt: the entry is pinned by nobody but the loader (its model), so
+    that the budget can evict it once the loader lets it go; the interrupted kernel was not served a hit."""
+    gate.close()
+    loaded: list[torch.nn.Module] = []
+    loader = threading.Thread(target=lambda: loaded.append(
+        loading.cached(faults_helpers.gated_build, "mlp", 42, width=64)))
+    loader.start()
+    gate.wait_for("started")
+    kernel = interrupt_while_waiting("faults_helpers.gated_build", daemon, already_waiting=0)
+    try:
+        assert waiters(daemon) == [0], "the interrupted kernel's wait is gone from the daemon before its cell goes on"
+        gate.open()
+        loader.join(60)
+        assert len(loaded) == 1 and all(rebuild.entry_of(p.data_ptr()) is not None for p in loaded[0].parameters())
+        [entry] = daemon.request("status")["entries"]
+        assert [k["pid"] for k in entry["pinned_by"]] == [os.getpid()], "only the loader's model pins it"
+        assert kernel.poll() is None, "the interrupted kernel lives on with its connection"
+    finally:
+        gate.open()
+        kernel.kill()
+        kernel.wait()
+        loader.join(5)
