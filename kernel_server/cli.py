@@ -103,7 +103,7 @@ def _read(op: str) -> Callable[[argparse.Namespace], int]:
                 print(f"no daemon runs at {home}")
             return 0 if op == "status" else 1
         with Client(home, spawn=False, role="cli") as client:
-            payload = client.request(op).payload
+            payload = client.request(op).payload if op == "status" else _every_entry(client)
         payload = {k: v for k, v in payload.items() if k not in ("id", "ok")}
         if args.json:
             print(json.dumps({"running": True, **payload} if op == "status" else payload, indent=2))
@@ -112,6 +112,21 @@ def _read(op: str) -> Callable[[argparse.Namespace], int]:
         return 0
 
     return command
+
+
+def _every_entry(client: Client) -> dict[str, Any]:
+    """Every entry, page by page (Note [Status with many entries] in catalogue.py), the most recently
+    used first: `{"entries": [...], "total": n}`."""
+    entries: list[dict[str, Any]] = []
+    after = ""
+    while True:
+        page = client.request(Op.LS, after=after)
+        entries += page["entries"]
+        if page["next"] is None:
+            break
+        after = page["next"]
+    entries.sort(key=lambda e: e["last_used"], reverse=True)
+    return {"entries": entries, "total": len(entries)}
 
 
 def _evict(args: argparse.Namespace) -> int:
@@ -140,7 +155,7 @@ def _STATUS_TEXT(p: dict[str, Any]) -> str:
     lines = [
         f"daemon pid {d['pid']}  version {d['version']}  protocol {d['protocol']}  home {d['home']}",
         f"store  {byte_text(p['used'])} used + {byte_text(p['reserved'])} reserved of "
-        f"{byte_text(p['budget'])}  ({len(p['entries'])} entries; "
+        f"{byte_text(p['budget'])}  ({p.get('entries_total', len(p['entries']))} entries; "
         + ", ".join(f"{k} {v}" for k, v in sorted(p["stats"].items())) + ")",
         f"kernels {len(p['kernels'])}" + ("" if p["kernels"] else " connected"),
     ]

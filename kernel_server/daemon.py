@@ -24,13 +24,23 @@ from typing import Any
 
 from . import arena, descriptors, settings
 from ._version import __version__
+from .catalogue import STATUS_ENTRIES
 from .compaction import Compactor
 from .disk import DiskRoom
 from .errors import DaemonError, DescriptorsLost, ProtocolError, RemoteError
 from .ledger import Ledger
 from .lifecycle import DaemonLock, socket_path
 from .operations import TAKES_DESCRIPTORS, Handler, Op, Peer, Reply, Request, parse
-from .payloads import Empty, FallbackRequest, HelloReply, HelloRequest, PingReply, ShutdownReply, Snapshot
+from .payloads import (
+    Empty,
+    FallbackRequest,
+    HelloReply,
+    HelloRequest,
+    PingReply,
+    ShutdownReply,
+    Snapshot,
+    StatusRequest,
+)
 from .protocol import PROTOCOL_VERSION, FrameKind
 from .store import Store
 from .store_service import StoreService
@@ -321,8 +331,8 @@ class Daemon:
     def ping(self, conn: Peer, req: Request[Empty]) -> Reply[PingReply]:
         return Reply({"pong": time.time()})
 
-    def status(self, conn: Peer, req: Request[Empty]) -> Reply[Snapshot]:
-        snap = self.store.snapshot(self.kernel_of)
+    def status(self, conn: Peer, req: Request[StatusRequest]) -> Reply[Snapshot]:
+        snap = self.store.snapshot(self.kernel_of, req.payload.get("limit", STATUS_ENTRIES))
         snap["descriptors"]["open"] = descriptors.open_descriptors()
         with self._lock:
             kernels = [c.describe() for c in self._conns.values() if c.greeted]

@@ -27,8 +27,8 @@ class Op(str, enum.Enum):
 
     HELLO = "hello"  # the first request on a connection: the protocol version is checked here
     PING = "ping"
-    STATUS = "status"  # the daemon, its kernels, entries, loads, budget, descriptors, units, fallbacks
-    LS = "ls"  # the entries
+    STATUS = "status"  # the daemon, its kernels, the largest and latest entries, loads, budget, units...
+    LS = "ls"  # a page of the entries, by key
     LOOKUP = "lookup"  # a hit (with descriptors), or the load is this connection's, or another's (wait)
     CANCEL = "cancel"  # stop waiting in a lookup
     RESERVE = "reserve"  # room for the load this connection owns
@@ -59,8 +59,8 @@ class Payloads:
 PAYLOADS: dict[Op, Payloads] = {
     Op.HELLO: Payloads(payloads.HelloRequest, payloads.HelloReply),
     Op.PING: Payloads(payloads.Empty, payloads.PingReply),
-    Op.STATUS: Payloads(payloads.Empty, payloads.Snapshot),
-    Op.LS: Payloads(payloads.Empty, payloads.LsReply),
+    Op.STATUS: Payloads(payloads.StatusRequest, payloads.Snapshot),
+    Op.LS: Payloads(payloads.LsRequest, payloads.LsReply),
     Op.LOOKUP: Payloads(payloads.LookupRequest, payloads.LookupReply),
     Op.CANCEL: Payloads(payloads.CancelRequest, payloads.CancelReply),
     Op.RESERVE: Payloads(payloads.ReserveRequest, payloads.EvictedReply),

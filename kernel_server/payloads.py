@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, NotRequired, TypedDict
 
+from .catalogue import MAX_LISTED
 from .errors import RemoteError
 from .ledger import MAX_DEVICES, MAX_UNITS
 from .protocol import MAX_FDS
@@ -67,6 +68,19 @@ class HelloRequest(TypedDict):
 
 class Empty(TypedDict):
     pass
+
+
+class StatusRequest(TypedDict):
+    """Note [Status with many entries] in catalogue.py."""
+
+    limit: NotRequired[Annotated[int, Range(0, MAX_LISTED)]]  # entries to carry at most (STATUS_ENTRIES if absent)
+
+
+class LsRequest(TypedDict):
+    """A page of the entries by key (Note [Status with many entries] in catalogue.py)."""
+
+    after: NotRequired[Annotated[str, Size(0, 256)]]  # the previous page's `next`; absent or "": the first page
+    limit: NotRequired[Annotated[int, Range(1, MAX_LISTED)]]  # entries on the page at most (LS_PAGE if absent)
 
 
 class LookupRequest(TypedDict):
@@ -192,7 +206,9 @@ class UnitsTouchRequest(TypedDict):
 
 # -- replies ------------------------------------------------------------------------------------------
 
-Snapshot = dict[str, Any]  # status and units_state: the daemon's, the store's and the ledger's snapshots
+# status and units_state: the daemon's, the store's and the ledger's snapshots. Status carries some of the
+# entries, with "entries_total" and "entries_more" (Note [Status with many entries] in catalogue.py).
+Snapshot = dict[str, Any]
 
 
 class HelloReply(TypedDict):
@@ -209,7 +225,9 @@ class PingReply(TypedDict):
 
 
 class LsReply(TypedDict):
-    entries: list[dict[str, Any]]
+    entries: list[dict[str, Any]]  # by key
+    total: int  # entries listed in all
+    next: str | None  # the `after` of the next page; null after the last one
 
 
 class HitEntry(TypedDict):

@@ -30,6 +30,11 @@ A frame is a fixed 12-byte header followed by a JSON payload::
   entry without bytes that status and "ls" do not list (Note [Random loads] in overmind_jupyter/randomness.py).
   A "publish" MAY name the checkpoint paths its load read ("watch": [{path, dev, ino, ctime_ns}]); the daemon drops
   the entry once one of them is gone or another file (Note [Orphaned entries] in store.py).
+- "status" carries at most "limit" entries (50 when absent): the largest, then the most recently used, with
+  "entries_total" and "entries_more" (how many it leaves out); "ls" answers a page of the entries by key,
+  those after the request's "after" (at most "limit"), with "total" and "next", the "after" of the next page
+  (null after the last). Neither reply grows with the number of entries (Note [Status with many entries]
+  in catalogue.py).
 - The "reserve" before a "publish" MAY say how many descriptors it will attach ("descriptors"; 2 when
   absent). A receiver whose descriptor table is full gets a frame whole but without its descriptors
   (MSG_CTRUNC, the header announcing at most MAX_FDS): that request alone fails, with the error
@@ -43,7 +48,7 @@ and "hits" are reports that clients send without waiting for the answer (a daemo
 answers "unknown_op", which nobody reads).
 
 The protocol version is independent of the package version; bump it on any change to this format or to
-the meaning of an existing operation.
+the meaning of an existing operation. 3: "status" carries some of the entries and "ls" is paged (issue 38).
 """
 
 from __future__ import annotations
@@ -71,7 +76,7 @@ __all__ = [
 ]
 
 MAGIC = b"OVMD"
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 HEADER = struct.Struct("!4sHBBI")
 MAX_PAYLOAD = 1 << 20
 MAX_FDS = 64

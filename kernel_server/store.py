@@ -19,7 +19,8 @@ own, reading only the files, and swaps it in; hits after that map the arena alon
 publishes, and dies with the load. Room is made by evicting least-recently-used entries that no
 connection pins; evicting an entry also evicts the entries built on top of it (its dependents), and an
 entry whose dependent is pinned counts as pinned. Descriptors are accounted the same way, against a cap
-the descriptor limit sets (Note [Descriptor budget] in descriptors.py).
+the descriptor limit sets (Note [Descriptor budget] in descriptors.py). Neither the sums nor the order of
+eviction are computed from every entry: the catalogue keeps them (Note [Eviction in O(log n)] in catalogue.py).
 
 # Note [Orphaned entries]
 An entry's key names the checkpoint files it was loaded from, by their identity: once they are deleted
@@ -30,6 +31,14 @@ them until the budget evicts them. The ctime counts because a file system may gi
 written anew the inode of the one deleted before it, and any change the ctime shows (a directory's
 listing, a file's bytes) changes the key too. Kernels that use such a model keep their mappings.
 
+# Note [Closing after the lock]
+Closing the last descriptor of an arena frees its memory, and that takes time: 49 ms for 1 GiB of shmem
+here, most of a second for a large model. Every kernel's hit waits for the store's lock, so the lock is
+not held for that: an entry dropped under it (evicted, stale, orphaned) leaves the catalogue at once, and
+its descriptors are closed once the lock is released (`_locked`). Only shedding, which evicts to get
+descriptors back for a connection or a reply when the table is full, closes them at once (Note
+[Descriptor budget] in descriptors.py).
+
 # Note [Single flight]
 The first connection that misses a key becomes its loader; later lookups of that key wait and are
 answered with the entry when the loader publishes. If the loader abandons the load or disconnects, the
@@ -39,106 +48,25 @@ connection that took them (docs/design.md invariant 5) and `release_connection` 
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 from . import arena, descriptors
+from .catalogue import LABEL_CHARS, REPLY_ENTRY_BYTES, STATUS_ENTRIES, Catalogue, ConnId, Entry, Usage
 from .disk import DiskRoom
 from .errors import BudgetExceeded, DescriptorsExhausted, RemoteError
 from .formats import byte_text
 
 __all__ = ["CompactionJob", "Entry", "LookupResult", "Store"]
 
-ConnId = int
 Notify = Callable[["LookupResult"], None]
-
-
-class Usage(NamedTuple):
-    """Bytes of the budget and file descriptors (Note [Descriptor budget] in descriptors.py)."""
-
-    nbytes: int
-    nfds: int
-
-
-@dataclass
-class Entry:
-    key: str
-    graph_fd: int
-    arena_fd: int
-    graph_bytes: int
-    arena_bytes: int
-    backing: str
-    meta: dict[str, Any]
-    deps: list[str]
-    loader_pid: int
-    created: float = field(default_factory=time.time)
-    last_used: float = field(default_factory=time.time)
-    hits: int = 0
-    pins: Counter[ConnId] = field(default_factory=Counter)
-    sources: list[arena.SourceFile] = field(default_factory=list)
-    pieces: list[list[int]] = field(default_factory=list)  # [arena offset, bytes, source index, file offset]
-    compaction: dict[str, float] | None = None  # {"total", "done", "started"} while the compactor copies
-    marker: bool = False  # no bytes: it tells the kernel where to look instead (its meta says why)
-    watch: list[dict[str, Any]] = field(default_factory=list)  # checkpoints read: Note [Orphaned entries]
-    load_s: float | None = None  # the plain load's wall time, measured at the miss (Note [Load time saved])
-
-    @property
-    def nbytes(self) -> int:
-        return self.graph_bytes + self.arena_bytes
-
-    @property
-    def pending_bytes(self) -> int:
-        return sum(p[1] for p in self.pieces)
-
-    @property
-    def nfds(self) -> int:
-        """How many descriptors this entry holds: graph, arena, source files (Note [Descriptor budget])."""
-        return 2 + len(self.sources)
-
-    def intact(self) -> bool:
-        return all(s.intact() for s in self.sources)
-
-    def pending(self) -> dict[str, Any] | None:
-        """What is left to copy into the arena (Note [Pending pieces]), for status: bytes, done, eta."""
-        if not self.pieces:
-            return None
-        total = self.pending_bytes
-        c = self.compaction
-        done = int(c["done"]) if c else 0
-        elapsed = time.time() - c["started"] if c else 0.0
-        eta = (total - done) * elapsed / done if done and elapsed > 0 else None
-        return {"bytes": total, "done": done, "copying": c is not None, "eta": eta,
-                "sources": [s.path for s in self.sources]}
-
-    def progress(self) -> dict[str, Any] | None:
-        """The compactor's work on this entry, as every long operation reports it (Note [Progress])."""
-        pending = self.pending()
-        if pending is None or not pending["copying"]:
-            return None
-        return {"label": f"copying {self.meta.get('label') or self.key[:12]} into shared memory",
-                "done": pending["done"], "total": pending["bytes"], "unit": "B", "eta_s": pending["eta"]}
-
-    def describe(self, kernels: Callable[[ConnId], dict[str, Any]]) -> dict[str, Any]:
-        return {
-            "key": self.key,
-            "meta": self.meta,
-            "bytes": self.nbytes,
-            "arena_bytes": self.arena_bytes,
-            "backing": self.backing,
-            "hits": self.hits,
-            "created": self.created,
-            "last_used": self.last_used,
-            "deps": self.deps,
-            "pending": self.pending(),
-            "progress": self.progress(),
-            "load_s": self.load_s,
-            "pinned_by": [kernels(c) | {"pins": n} for c, n in sorted(self.pins.items())],
-        }
 
 
 @dataclass
@@ -219,20 +147,37 @@ class Store:
     def __init__(self, budget: int, disk: DiskRoom | None = None) -> None:
         self.budget = budget
         self.disk = disk  # the disk under file arenas, when they are on one (Note [Disk room] in disk.py)
-        self._lock = threading.Lock()
-        self._entries: dict[str, Entry] = {}
+        self._lock = threading.Lock()  # taken through `_locked` (Note [Closing after the lock])
+        self._dropped: list[int] = []  # descriptors of entries dropped under the lock, closed after it
+        self._dropped_disk = 0  # bytes of file arenas among them: disk that closing them gives back
+        self._entries = Catalogue()  # Note [Eviction in O(log n)] in catalogue.py
         self._loads: dict[str, _Load] = {}
         self.stats = Counter[str]()
         self.hits_log: deque[dict[str, Any]] = deque(maxlen=HITS_LOG)  # Note [Load time saved]
         # The daemon keeps its count of connections current (Note [Descriptor budget]).
         self.descriptors = descriptors.DescriptorBudget.of_process()
 
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The store's lock; the descriptors of the entries dropped while it was held are closed once it
+        is released (Note [Closing after the lock])."""
+        dropped: list[int] = []
+        try:
+            with self._lock:
+                try:
+                    yield
+                finally:
+                    dropped, self._dropped, self._dropped_disk = self._dropped, [], 0
+        finally:
+            for fd in dropped:
+                os.close(fd)
+
     # -- reads ---------------------------------------------------------------------------------
 
     @property
     def held(self) -> Usage:
         """What the entries hold."""
-        return Usage(sum(e.nbytes for e in self._entries.values()), sum(e.nfds for e in self._entries.values()))
+        return Usage(self._entries.nbytes, self._entries.nfds)
 
     @property
     def in_flight(self) -> Usage:
@@ -240,17 +185,18 @@ class Store:
         return Usage(sum(load.reserved for load in self._loads.values()),
                      sum(load.nfds for load in self._loads.values()))
 
-    def snapshot(self, kernels: Callable[[ConnId], dict[str, Any]]) -> dict[str, Any]:
-        with self._lock:
-            entries = sorted(self._entries.values(), key=lambda e: e.last_used, reverse=True)
+    def snapshot(self, kernels: Callable[[ConnId], dict[str, Any]], limit: int = STATUS_ENTRIES) -> dict[str, Any]:
+        """The store for status: its totals, loads and counters, and at most `limit` of its entries, the
+        largest and the most recently used (Note [Status with many entries] in catalogue.py)."""
+        with self._locked():
+            shown = [e.describe(kernels) for e in self._entries.shown(limit)]
+            listed = self._entries.listed
             held, in_flight = self.held, self.in_flight
-            return {
+            snapshot = {
                 "budget": self.budget,
                 "used": held.nbytes,
-                "disk": None if self.disk is None else self.disk.describe(
-                    sum(e.nbytes for e in self._entries.values() if e.backing == "file")),
+                "disk": None if self.disk is None else self.disk.describe(self._entries.file_bytes),
                 "reserved": in_flight.nbytes,
-                "entries": [e.describe(kernels) for e in entries if not e.marker],
                 "loading": [
                     {"key": load.key, "since": load.started, "reserved": load.reserved,
                      "loader": kernels(load.owner), "waiters": len(load.waiters),
@@ -263,13 +209,30 @@ class Store:
                                 "entries": held.nfds, "reserved": in_flight.nfds,
                                 "connections": self.descriptors.connections},
             }
+        entries = _within(shown, REPLY_ENTRY_BYTES)
+        return snapshot | {"entries": entries, "entries_total": listed, "entries_more": listed - len(entries)}
+
+    def listing(self, kernels: Callable[[ConnId], dict[str, Any]], after: str, limit: int) -> dict[str, Any]:
+        """A page of `ls`: the listed entries whose keys sort after `after`, at most `limit`, with `total`
+        and the `next` page's `after` (None after the last page; Note [Status with many entries])."""
+        with self._locked():
+            page = [e.describe(kernels) for e in self._entries.page(after, limit + 1)]
+            listed = self._entries.listed
+        entries = _within(page[:limit], REPLY_ENTRY_BYTES, least=1)
+        more = len(entries) < len(page)
+        return {"entries": entries, "total": listed, "next": entries[-1]["key"] if more else None}
+
+    def keys_with_prefix(self, prefix: str, limit: int) -> list[str]:
+        """The keys of listed entries that start with `prefix`, at most `limit`."""
+        with self._locked():
+            return self._entries.with_prefix(prefix, limit)
 
     # -- lookups and loads ---------------------------------------------------------------------
 
     def lookup(self, conn: ConnId, pid: int, key: str, *, wait: bool, request_id: int,
                notify: Notify) -> LookupResult | None:
         """Decide a lookup; None means the caller waits and `notify` will be called with the result."""
-        with self._lock:
+        with self._locked():
             entry = self._entries.get(key)
             if entry is not None and not self._intact(entry):
                 entry = None
@@ -291,7 +254,7 @@ class Store:
             return None
 
     def cancel_wait(self, conn: ConnId, request_id: int) -> bool:
-        with self._lock:
+        with self._locked():
             for load in self._loads.values():
                 for waiter in list(load.waiters):
                     if waiter.conn == conn and waiter.request_id == request_id:
@@ -302,7 +265,7 @@ class Store:
     def reserve(self, conn: ConnId, key: str, nbytes: int, nfds: int = 2) -> list[str]:
         """Reserve room for the load of `key` owned by `conn`: `nbytes` of the budget and the `nfds`
         descriptors its entry will hold (Note [Descriptor budget]); returns the keys evicted to make it."""
-        with self._lock:
+        with self._locked():
             load = self._owned_load(conn, key)
             if nbytes > self.budget:
                 raise BudgetExceeded(
@@ -319,8 +282,7 @@ class Store:
                 raise BudgetExceeded("budget_exceeded", self.disk.refusal(nbytes, self.in_flight.nbytes)
                                      if self.disk is not None else "no room on the disk")
             if not self._fits_bytes(need):
-                held = self._held_by_pins()
-                pinned = sum(e.nbytes for e in self._entries.values() if e.key in held)
+                pinned = self._held_bytes().nbytes
                 raise BudgetExceeded(
                     "budget_exceeded",
                     f"no room for {byte_text(nbytes)}: {byte_text(pinned)} of the {byte_text(self.budget)} budget "
@@ -344,7 +306,7 @@ class Store:
         answer (outside any lock)."""
         sources = sources or []
         try:
-            with self._lock:
+            with self._locked():
                 load = self._owned_load(conn, key)
                 if graph_bytes + arena_bytes > load.reserved:
                     raise RemoteError(
@@ -365,7 +327,7 @@ class Store:
                 if pin:
                     entry.pins[conn] += 1
                 del self._loads[key]
-                self._entries[key] = entry
+                self._entries.add(entry)
                 self.stats["published"] += 1
                 answers = []
                 for waiter in load.waiters:
@@ -381,7 +343,7 @@ class Store:
             raise
 
     def abandon(self, conn: ConnId, key: str) -> list[tuple[Notify, LookupResult]]:
-        with self._lock:
+        with self._locked():
             load = self._loads.get(key)
             if load is None or load.owner != conn:
                 return []
@@ -390,7 +352,7 @@ class Store:
 
     def report_progress(self, conn: ConnId, key: str, label: str, done: float, total: float, unit: str) -> bool:
         """The loader of `key` says how far it got (Note [Progress]); False when it loads no such key."""
-        with self._lock:
+        with self._locked():
             load = self._loads.get(key)
             if load is None or load.owner != conn:
                 return False
@@ -401,7 +363,7 @@ class Store:
     def report_hits(self, pid: int, hits: list[tuple[str, float, float]]) -> None:
         """A kernel's hit times, `(key, when, hit_s)` each, filled into the hits it made (Note [Load time
         saved]); a hit that fell out of the log meanwhile is skipped."""
-        with self._lock:
+        with self._locked():
             for key, when, hit_s in hits:
                 for h in reversed(self.hits_log):
                     if h["key"] == key and h["pid"] == pid and h["hit_s"] is None and h["t"] <= when + 1:
@@ -413,7 +375,7 @@ class Store:
     def compaction_job(self, key: str) -> CompactionJob | None:
         """Start compacting `key`: its pieces and descriptors of its own; None when there is nothing
         (left) to do or the entry went stale. Raises OSError (EMFILE: try later) with nothing changed."""
-        with self._lock:
+        with self._locked():
             entry = self._entries.get(key)
             if entry is None or not entry.pieces or entry.compaction is not None or not self._intact(entry):
                 return None
@@ -425,14 +387,14 @@ class Store:
                                  [list(p) for p in entry.pieces], sources)
 
     def compaction_progress(self, job: CompactionJob, done: int) -> None:
-        with self._lock:
+        with self._locked():
             if job.entry.compaction is not None:
                 job.entry.compaction["done"] = done
 
     def compaction_finish(self, job: CompactionJob, arena_fd: int | None) -> bool:
         """Swap the compacted arena in (or, with None, give up: the entry stays servable from its
         sources). Takes ownership of `arena_fd`; False if the entry is gone, stale or changed."""
-        with self._lock:
+        with self._locked():
             entry = self._entries.get(job.key)
             current = entry is job.entry and entry is not None and self._intact(entry)
             if entry is job.entry and entry is not None:
@@ -440,10 +402,11 @@ class Store:
             if arena_fd is None:
                 return False
             if not current or entry is None:
-                os.close(arena_fd)
+                self._dropped.append(arena_fd)  # closed after the lock (Note [Closing after the lock])
                 return False
-            old, sources = entry.arena_fd, entry.sources
+            old, sources, nfds = entry.arena_fd, entry.sources, entry.nfds
             entry.arena_fd, entry.sources, entry.pieces = arena_fd, [], []
+            self._entries.recount(entry, nfds)
             self.stats["compacted"] += 1
         for fd in [old, *(s.fd for s in sources)]:
             os.close(fd)
@@ -453,29 +416,27 @@ class Store:
 
     def drop_orphaned(self) -> list[str]:
         """Drop the entries a checkpoint of which is gone or replaced (and what builds on them)."""
-        with self._lock:
-            watched = [(e.key, e.watch) for e in self._entries.values() if e.watch]
-        gone = [key for key, watch in watched if not all(_still_there(w) for w in watch)]
-        with self._lock:
-            dropped = [k for key in gone if key in self._entries for k in self._drop(key)]
+        with self._locked():
+            entries = self._entries.entries()  # a copy; what an entry watches never changes
+        gone = [e for e in entries if e.watch and not all(_still_there(w) for w in e.watch)]
+        with self._locked():
+            dropped = [k for e in gone if self._entries.get(e.key) is e for k in self._drop(e.key)]
             self.stats["orphaned"] += len(dropped)
         return dropped
 
     # -- pins and eviction ---------------------------------------------------------------------
 
     def unpin(self, conn: ConnId, key: str, count: int = 1) -> None:
-        with self._lock:
+        with self._locked():
             entry = self._entries.get(key)
             if entry is not None and entry.pins[conn] > 0:
-                entry.pins[conn] = max(0, entry.pins[conn] - count)
-                if not entry.pins[conn]:
-                    del entry.pins[conn]
+                self._entries.unpin(entry, conn, count)
 
     def evict(self, key: str | None) -> list[str]:
         """Evict one entry (and its dependents) or, with None, every entry. Explicit eviction ignores
         pins: kernels keep their mappings, and the memory goes with the last of them."""
-        with self._lock:
-            keys = list(self._entries) if key is None else [key]
+        with self._locked():
+            keys = self._entries.by_use() if key is None else [key]
             if key is not None and key not in self._entries:
                 return []
             evicted: list[str] = []
@@ -487,19 +448,18 @@ class Store:
 
     def count(self, stat: str) -> None:
         """Count an event of the daemon's in `stats` (shown by status)."""
-        with self._lock:
+        with self._locked():
             self.stats[stat] += 1
 
     def shed(self, fds: int) -> list[str]:
         """Evict least-recently-used unpinned entries until they gave back `fds` descriptors (or none
         is left to evict): room for a connection or a reply when the descriptor table is full."""
-        with self._lock:
+        with self._locked():
             return self._shed(fds)
 
     def release_connection(self, conn: ConnId) -> list[tuple[Notify, LookupResult]]:
-        with self._lock:
-            for entry in self._entries.values():
-                entry.pins.pop(conn, None)
+        with self._locked():
+            self._entries.release(conn)
             answers = []
             for load in list(self._loads.values()):
                 load.waiters = deque(w for w in load.waiters if w.conn != conn)
@@ -508,8 +468,8 @@ class Store:
             return answers
 
     def close(self) -> None:
-        with self._lock:
-            for key in list(self._entries):
+        with self._locked():
+            for key in self._entries.by_use():
                 self._drop(key)
 
     # -- internals (lock held) -------------------------------------------------------------------
@@ -518,8 +478,9 @@ class Store:
         if entry.marker:
             return
         self.stats["hits"] += 1
-        self.hits_log.append({"t": time.time(), "key": entry.key, "label": str(entry.meta.get("label") or ""),
-                              "pid": pid, "load_s": entry.load_s, "hit_s": None})
+        label = str(entry.meta.get("label") or "")[:LABEL_CHARS]  # Note [Status with many entries] in catalogue.py
+        self.hits_log.append({"t": time.time(), "key": entry.key, "label": label, "pid": pid,
+                              "load_s": entry.load_s, "hit_s": None})
 
     def _owned_load(self, conn: ConnId, key: str) -> _Load:
         load = self._loads.get(key)
@@ -532,18 +493,16 @@ class Store:
         Raises DescriptorsExhausted, with nothing pinned or left open, when none can be had."""
         chain = self._with_deps(entry)  # the entry first, then the entries it builds on
         for e in chain:
-            e.pins[conn] += 1  # first, so that shedding for the duplicates passes the chain over
+            self._entries.pin(e, conn)  # first, so that shedding for the duplicates passes the chain over
         try:
             fds = self._dup_for_sending(_sent_with_hit(chain))
         except DescriptorsExhausted:
             for e in chain:
-                e.pins[conn] -= 1
-                if not e.pins[conn]:
-                    del e.pins[conn]
+                self._entries.unpin(e, conn)
             raise
         now = time.time()
-        for e in chain:
-            e.last_used = now
+        for e in reversed(chain):  # the entry itself the most recently used
+            self._entries.used(e, now)
         entry.hits += int(not entry.marker)
         return LookupResult("hit", chain, fds)
 
@@ -569,18 +528,8 @@ class Store:
             if e.key in seen:
                 continue
             seen[e.key] = e
-            stack += [self._entries[d] for d in e.deps if d in self._entries]
+            stack += [dep for d in e.deps if (dep := self._entries.get(d)) is not None]
         return list(seen.values())
-
-    def _dependents(self, key: str) -> list[str]:
-        out, stack = [], [key]
-        while stack:
-            k = stack.pop()
-            for e in self._entries.values():
-                if k in e.deps and e.key not in out:
-                    out.append(e.key)
-                    stack.append(e.key)
-        return out
 
     def _intact(self, entry: Entry) -> bool:
         """Whether every source file of `entry` and of the entries it builds on is unchanged; drops
@@ -591,16 +540,10 @@ class Store:
             self._drop(key)
         return not stale
 
-    def _held_by_pins(self) -> set[str]:
-        """Keys eviction passes over: pinned entries and every entry they build on."""
-        held: set[str] = set()
-        stack = [e for e in self._entries.values() if e.pins]
-        while stack:
-            e = stack.pop()
-            if e.key not in held:
-                held.add(e.key)
-                stack += [self._entries[d] for d in e.deps if d in self._entries]
-        return held
+    def _held_bytes(self) -> Usage:
+        """What the entries that eviction passes over hold: the pinned ones and what they build on."""
+        held = [e for key in self._entries.held_by_pins() if (e := self._entries.get(key)) is not None]
+        return Usage(sum(e.nbytes for e in held), sum(e.nfds for e in held))
 
     def _fits_bytes(self, need: int) -> bool:
         return self.held.nbytes + self.in_flight.nbytes + need <= self.budget and self._fits_disk(need)
@@ -608,16 +551,16 @@ class Store:
     def _fits_disk(self, need: int) -> bool:
         """Whether `need` more bytes leave the disk's free space above its reserve, counting what loads in
         flight reserved as not written yet (Note [Disk room] in disk.py)."""
-        return self.disk is None or need + self.in_flight.nbytes <= self.disk.room()
+        return self.disk is None or need + self.in_flight.nbytes <= self.disk.room() + self._dropped_disk
 
     def make_disk_room(self) -> list[str]:
         """Evict unpinned entries while the disk's free space is below its reserve (something else filled
         it); returns the keys evicted."""
-        with self._lock:
-            if self.disk is None or self.disk.room() >= 0:
-                return []
+        with self._locked():
             disk = self.disk
-            return self._evict_until(lambda: disk.room() >= 0)
+            if disk is None or disk.room() >= 0:
+                return []
+            return self._evict_until(lambda: disk.room() + self._dropped_disk >= 0)
 
     def _fits_fds(self, need_fds: int) -> bool:
         return self.held.nfds + self.in_flight.nfds + need_fds <= self.descriptors.cap
@@ -628,24 +571,30 @@ class Store:
 
     def _shed(self, fds: int) -> list[str]:
         target = self.held.nfds - fds
-        return self._evict_until(lambda: self.held.nfds <= target)
+        evicted = self._evict_until(lambda: self.held.nfds <= target)
+        dropped, self._dropped, self._dropped_disk = self._dropped, [], 0  # wanted now, not after the lock
+        for fd in dropped:
+            os.close(fd)
+        return evicted
 
     def _evict_until(self, done: Callable[[], bool]) -> list[str]:
-        """Evict least-recently-used unpinned entries (dependents with them) until `done()`."""
-        held = self._held_by_pins()
+        """Evict least-recently-used unpinned entries (dependents with them) until `done()`, in O(log n)
+        per victim (Note [Eviction in O(log n)] in catalogue.py)."""
+        if done():
+            return []
+        held = self._entries.held_by_pins()
         evicted: list[str] = []
-        for victim in sorted((e for e in self._entries.values() if e.key not in held), key=lambda e: e.last_used):
+        for key in self._entries.by_use():  # the least recently used first
             if done():
                 break
-            if victim.key in self._entries:  # not gone with an entry it builds on
-                evicted += self._drop(victim.key)
+            if key not in held and key in self._entries:  # not gone with an entry it builds on
+                evicted += self._drop(key)
         self.stats["evicted"] += len(evicted)
         return evicted
 
     def _refuse_for_descriptors(self, fds: int) -> DescriptorsExhausted:
         self.stats["descriptors_refused"] += 1
-        d, held = self.descriptors, self._held_by_pins()
-        pinned = sum(e.nfds for e in self._entries.values() if e.key in held)
+        d, pinned = self.descriptors, self._held_bytes().nfds
         return DescriptorsExhausted(
             "descriptors_exhausted",
             f"the daemon has no file descriptors left for a new entry (it needs {fds}): its limit of {d.limit} "
@@ -663,12 +612,12 @@ class Store:
 
     def _drop(self, key: str) -> list[str]:
         dropped = []
-        for k in [*self._dependents(key), key]:
-            entry = self._entries.pop(k, None)
+        for k in [*self._entries.dependents(key), key]:
+            entry = self._entries.remove(k)
             if entry is None:
                 continue
-            for fd in (entry.graph_fd, entry.arena_fd, *(s.fd for s in entry.sources)):
-                os.close(fd)
+            self._dropped += [entry.graph_fd, entry.arena_fd, *(s.fd for s in entry.sources)]
+            self._dropped_disk += entry.arena_bytes if entry.backing == "file" else 0
             dropped.append(k)
         return dropped
 
@@ -714,3 +663,13 @@ def _still_there(watched: dict[str, Any]) -> bool:
         return False
     return (st.st_dev, st.st_ino, st.st_ctime_ns) == (watched["dev"], watched["ino"], watched["ctime_ns"])
 
+
+def _within(described: list[dict[str, Any]], budget: int, least: int = 0) -> list[dict[str, Any]]:
+    """The first of `described` whose JSON takes at most `budget` bytes together, and at least `least` of
+    them (Note [Status with many entries] in catalogue.py)."""
+    total = 0
+    for i, d in enumerate(described):
+        total += len(json.dumps(d, separators=(",", ":")))
+        if total > budget and i >= least:
+            return described[:i]
+    return described

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import arena
+from .catalogue import LS_PAGE
 from .compaction import Compactor
 from .errors import RemoteError
 from .operations import Handler, Op, Peer, Reply, Request
@@ -22,6 +23,7 @@ from .payloads import (
     LookupReply,
     LookupRequest,
     LsReply,
+    LsRequest,
     ProgressRequest,
     PublishReply,
     PublishRequest,
@@ -48,8 +50,11 @@ class StoreService:
                 Op.PUBLISH: self.publish, Op.ABANDON: self.abandon, Op.UNPIN: self.unpin, Op.EVICT: self.evict,
                 Op.PROGRESS: self.progress, Op.HITS: self.hits}
 
-    def ls(self, conn: Peer, req: Request[Nothing]) -> Reply[LsReply]:
-        return Reply({"entries": self.store.snapshot(self.kernel_of)["entries"]})
+    def ls(self, conn: Peer, req: Request[LsRequest]) -> Reply[LsReply]:
+        """A page of the entries, by key (Note [Status with many entries] in catalogue.py)."""
+        p = req.payload
+        page = self.store.listing(self.kernel_of, p.get("after", ""), p.get("limit", LS_PAGE))
+        return Reply(LsReply(entries=page["entries"], total=page["total"], next=page["next"]))
 
     def lookup(self, conn: Peer, req: Request[LookupRequest]) -> Reply[LookupReply] | None:
         key = req.payload["key"]
@@ -137,9 +142,10 @@ class StoreService:
         key = req.payload.get("key")
         if key is None:
             raise RemoteError("bad_request", "evict needs the 'key' of an entry (or a prefix of it), or 'all': true")
-        matches = [e["key"] for e in self.store.snapshot(self.kernel_of)["entries"] if e["key"].startswith(key)]
+        matches = self.store.keys_with_prefix(key, 2)
         if len(matches) > 1:
-            raise RemoteError("ambiguous_key", f"{key!r} matches {len(matches)} entries; give more of the key")
+            raise RemoteError("ambiguous_key", f"{key!r} matches more than one entry; give more of the key "
+                                               "(`overmind-daemon ls` lists the keys)")
         evicted = self.store.evict(matches[0]) if matches else []
         if not evicted:
             raise RemoteError("no_entry", f"no entry {key!r}; `overmind-daemon ls` lists the keys")

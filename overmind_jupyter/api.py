@@ -115,8 +115,10 @@ def format_status(s: dict[str, Any]) -> str:
     if d is None:
         lines.append(f"daemon: not running ({s.get('daemon_error', '')})")
     else:
+        # some of the entries when there are many (Note [Status with many entries] in kernel_server/catalogue.py)
+        total = d.get("entries_total", len(d["entries"]))
         lines.append(f"daemon pid {d['daemon']['pid']} at {d['daemon']['home']}: {byte_text(d['used'])} of "
-                     f"{byte_text(d['budget'])} in {len(d['entries'])} entries; "
+                     f"{byte_text(d['budget'])} in {total} entries; "
                      + ", ".join(f"{k} {v}" for k, v in sorted(d['stats'].items())))
         if d.get("disk"):
             lines.append(disk_text(d["disk"]))
@@ -125,6 +127,9 @@ def format_status(s: dict[str, Any]) -> str:
             lines.append(f"  {e['key'][:12]}  {e['meta'].get('label', '')}  {byte_text(e['bytes'])}  "
                          f"hits {e['hits']}  used by {users}"
                          + (f"  {pending_text(e['pending'])}" if e.get("pending") else ""))
+        if total > len(d["entries"]):
+            lines.append(f"  ... and {total - len(d['entries'])} more (the largest and the most recently used are "
+                         "shown; `overmind-daemon ls` lists every one)")
         for load in d.get("loading") or []:
             what = progress_text(load["progress"]) if load.get("progress") else f"{load['key'][:12]} loading"
             lines.append(f"  {what}  by {kernel_name(load['loader'])[0]}")

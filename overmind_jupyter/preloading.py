@@ -56,7 +56,7 @@ class Preload:
         try:
             while self._proc.poll() is None and (deadline is None or time.monotonic() < deadline):
                 try:
-                    status = shared_client(spawn=False).request(Op.STATUS, timeout=10)
+                    status = shared_client(spawn=False).request(Op.STATUS, limit=0, timeout=10)  # loads, no entries
                 except DaemonError:
                     status = None
                 load = next((x for x in (status["loading"] if status else []) if (x.get("loader") or {}).get("pid")

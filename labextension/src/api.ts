@@ -148,7 +148,12 @@ export interface IPanelState {
   used: number;
   reserved: number;
   stats: { hits?: number; misses?: number; [name: string]: number | undefined };
+  /** The largest entries, then the most recently used: not every one when the daemon holds many. */
   entries: IEntry[];
+  /** The entries cached in all, those not in `entries`, and the bytes these hold. */
+  entries_total: number;
+  entries_more: number;
+  more_bytes: number;
   loading: ILoad[];
   kernels: IConnection[];
   fallbacks: IFallback[];
@@ -159,6 +164,7 @@ export interface IPanelState {
     budget: string;
     reserved: string;
     unit_bytes: string;
+    more_bytes: string;
     /** Sums over `hits_log`: the plain loads' times, the hits' times, and what the hits saved. */
     plain: string;
     hits: string;

@@ -84,6 +84,21 @@ export function memoryChart(state: IPanelState): HTMLElement {
     bar.append(rect);
     x += Math.max(w, MIN_SEGMENT);
   });
+  if (state.entries_more > 0) {
+    // the entries status does not carry (the smaller and older ones), together
+    const rest = svg('rect', {
+      class: 'jp-Overmind-moreSegment',
+      x,
+      y: 0,
+      width: state.more_bytes * scale,
+      height
+    });
+    const tip = svg('title', {});
+    tip.textContent = `${state.entries_more} more entries: ${state.texts.more_bytes}`;
+    rest.append(tip);
+    bar.append(rest);
+    x += state.more_bytes * scale;
+  }
   if (state.reserved > 0) {
     bar.append(
       svg('rect', {

@@ -246,7 +246,8 @@ export class OvermindPanel extends Widget {
       },
       'Evict all'
     );
-    evictAll.addEventListener('click', () => void this._evictAll(state.entries.length));
+    const total = state.entries_total;
+    evictAll.addEventListener('click', () => void this._evictAll(total));
     const list =
       state.entries.length === 0
         ? h(
@@ -262,16 +263,25 @@ export class OvermindPanel extends Widget {
             { class: 'jp-Overmind-list', 'data-testid': 'overmind-entries' },
             ...state.entries.map(e => this._entry(e))
           );
+    const more =
+      state.entries_more > 0 &&
+      h(
+        'p',
+        { class: 'jp-Overmind-hint', 'data-testid': 'overmind-more' },
+        `and ${state.entries_more} more (${state.texts.more_bytes}): the largest and the most ` +
+          'recently used are shown; `overmind-daemon ls` lists every one'
+      );
     return h(
       'section',
       { class: 'jp-Overmind-section' },
       h(
         'h3',
         { class: 'jp-Overmind-heading' },
-        h('span', {}, `Cached models (${state.entries.length})`),
-        state.entries.length > 0 && evictAll
+        h('span', {}, `Cached models (${total})`),
+        total > 0 && evictAll
       ),
-      list
+      list,
+      more
     );
   }
 

@@ -33,7 +33,7 @@ export class OvermindStatus extends Widget {
     let text: string;
     let title: string;
     if (view.state === 'ok') {
-      const n = view.entries.length;
+      const n = view.entries_total;
       const rate = hitRate(view.stats).percent;
       text =
         `Overmind: ${n} model${n === 1 ? '' : 's'} · ${view.texts.used} / ${view.texts.budget}` +

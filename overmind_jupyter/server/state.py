@@ -9,13 +9,17 @@ The reply of `GET {base_url}overmind/state` (all sizes in bytes, times in second
       "disk":      null | {"directory", "used", "free", "size", "reserve"},  # under file arenas (disk.py)
       "stats":     {"hits", "misses", ...},              # the store's counters, as the daemon keeps them
       "entries":   [{"key", "label", "bytes", "hits", "last_used", "created", "backing", "load_s"?,
-                     "pinned_by": [CONNECTION + {"pins"}], "progress"?, ...}],
+                     "pinned_by": [CONNECTION + {"pins"}], "progress"?, ...}],  # the largest, then the
+                                                     # most recently used (at most 50)
+      "entries_total", "entries_more",               # entries cached in all, and those not in `entries`
+      "more_bytes":  int,                            # what those hold
       "loading":   [{"key", "since", "reserved", "loader": CONNECTION, "waiters", "progress"?}],
       "kernels":   [CONNECTION],                         # connected processes, this server left out
       "fallbacks": [{"time", "pid", "label", "name", "detail", "call", "kind", "reason"}],
       "hits_log":  [{"t", "key", "label", "load_s", "hit_s"}],  # recent hits, oldest first (hit_s: null
                                                      # until the kernel reported it)
-      "texts":     {"used", "budget", "reserved", "unit_bytes", "disk",  # display strings of the sizes above
+      "texts":     {"used", "budget", "reserved", "unit_bytes", "more_bytes", "disk",  # display strings of
+                                                     # the sizes above
                     "plain", "hits", "saved"},           # and of the timed hits' sums
       "units":     null | {"simulated": bool, "unit_bytes": int, "error": str | null, "waiting": int,
                            "devices": [{"device", "id", "model", "total", "used", "free", "simulated",
@@ -28,7 +32,9 @@ daemon's label, else the command) and `detail` ("pid 123", and the command of a 
 server), and, for this server's kernels, `path`, `session_type` and `kernel_id` (Note [Kernels by
 notebook]). `progress` is `{"label", "done", "total", "unit", "eta_s"}` while a load or a preload runs.
 Each entry carries `bytes_text`, each load `reserved_text`, each progress `text`: the sizes and times
-written by the one formatter the CLI and the widgets use.
+written by the one formatter the CLI and the widgets use. The daemon's status carries only some of the
+entries when it holds many (Note [Status with many entries] in kernel_server/catalogue.py): the panel shows
+those, and how many more there are.
 
 `units` is null while the daemon has no units ledger; its numbers count units of `unit_bytes` (1 GiB);
 `total` is what the ledger may hand out (the device's memory less its reserve).
@@ -139,6 +145,8 @@ def panel_state(status: dict[str, Any], own_conn: int | None = None, names: Name
             device["holders"] = [dict(h, **_named(names, {"pid": h["pid"], "label": h["kernel"]}))
                                  for h in device["holders"]]
     budget, used, reserved = (int(status.get(name, 0)) for name in ("budget", "used", "reserved"))
+    total = int(status.get("entries_total", len(entries)))  # a daemon before protocol 3 sends them all
+    more_bytes = max(0, used - sum(int(e.get("bytes", 0)) for e in entries)) if total > len(entries) else 0
     hits_log = _hits_log(status.get("hits_log"))
     timed = [h for h in hits_log if h["hit_s"] is not None]
     plain, served = sum(h["load_s"] for h in timed), sum(h["hit_s"] for h in timed)
@@ -151,13 +159,17 @@ def panel_state(status: dict[str, Any], own_conn: int | None = None, names: Name
         "disk": status.get("disk"),
         "stats": status.get("stats", {}),
         "entries": entries,
+        "entries_total": total,
+        "entries_more": total - len(entries),
+        "more_bytes": more_bytes,
         "loading": loading,
         "kernels": kernels,
         "fallbacks": fallbacks,
         "hits_log": hits_log,
         "units": units,
         "texts": {"used": byte_text(used), "budget": byte_text(budget), "reserved": byte_text(reserved),
-                  "unit_bytes": byte_text(units["unit_bytes"]) if units else "", "disk": disk_text(status.get("disk")),
+                  "more_bytes": byte_text(more_bytes), "disk": disk_text(status.get("disk")),
+                  "unit_bytes": byte_text(units["unit_bytes"]) if units else "",
                   "plain": seconds_text(plain), "hits": seconds_text(served), "saved": seconds_text(plain - served)},
     }
 

@@ -60,8 +60,11 @@ def cache_view(snapshot: dict[str, Any], my_conn: int | None = None) -> dict[str
         `last_used`, `created`, `load_s` (the plain load's time, measured at its miss), `kernels` (`pid`,
         `label`, `name` (the notebook's file name, or pid and command), `detail` (pid, path, command),
         `mine`), `pending` (what the daemon still copies from the checkpoint: `text` and `percent`, or
-        None)), `fallbacks` (each: `time`, `pid`, `kernel`, `call`, `kind`, `reason`, `here`), `summary`
-        (with `loads`: the loads in flight, each `key`, `text`, `percent` and `by`; and `hits`: the
+        None)): the largest and the most recently used when the daemon holds many (Note [Status with many
+        entries] in kernel_server/catalogue.py), `fallbacks` (each: `time`, `pid`, `kernel`, `call`, `kind`,
+        `reason`, `here`), `summary` (with `entries_total` and `entries_more`: the entries cached in all and
+        those not in `entries`, and `more_bytes`, what those hold; `loads`: the loads in flight, each `key`,
+        `text`, `percent` and `by`; and `hits`: the
         daemon's recent hits for the time-saved chart, each `model`, `label`, `t`, `load_s`, `hit_s`, and
         `saved_s`, their sum of plain load time minus hit time) and `gates`.
     """
@@ -81,6 +84,7 @@ def cache_view(snapshot: dict[str, Any], my_conn: int | None = None) -> dict[str
             "used": daemon.get("used", 0),
             "reserved": daemon.get("reserved", 0),
             "stats": dict(daemon.get("stats") or {}),
+            **_more(daemon, entries),
             "kernels": len(daemon.get("kernels") or []),
             "loading": len(daemon.get("loading") or []),
             "loads": [_load(load) for load in daemon.get("loading") or []],
@@ -88,6 +92,15 @@ def cache_view(snapshot: dict[str, Any], my_conn: int | None = None) -> dict[str
         })
     return {"entries": entries, "fallbacks": _fallbacks(snapshot, daemon, my_pid), "summary": summary,
             "gates": list(snapshot.get("gates") or [])}
+
+
+def _more(daemon: dict[str, Any], entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """How many entries the daemon holds beyond those shown, and their bytes (a daemon before protocol 3
+    sends every entry)."""
+    total = int(daemon.get("entries_total", len(entries)))
+    more = total - len(entries)
+    more_bytes = max(0, int(daemon.get("used") or 0) - sum(e["bytes"] for e in entries)) if more else 0
+    return {"entries_total": total, "entries_more": more, "more_bytes": more_bytes}
 
 
 def _load(load: dict[str, Any]) -> dict[str, Any]:
@@ -205,6 +218,9 @@ class CacheTable(LiveView):
 function plural(n, word) {
   return n + " " + (n === 1 ? word : word + (word.endsWith("s") ? "es" : "s"));
 }
+function entriesText(n, more) {
+  return n + (more ? " more" : "") + (n === 1 ? " entry" : " entries");
+}
 function kernelsOf(e) {
   if (!e.kernels.length) return h("span", { class: "om-muted" }, "-");
   return e.kernels.map((k, i) => h("div", { class: "om-kernel", title: k.detail, "data-testid": "overmind-widget-kernel" },
@@ -219,6 +235,8 @@ function memoryChart(s, entries) {
   const segs = entries.map((e, i) => h("div", { class: "om-seg om-c" + (i % PALETTE), style: width(e.bytes),
     title: e.model + ": " + fmtBytes(e.bytes) + ", used by " + users(e), "data-testid": "overmind-widget-memory-segment",
     "data-key": e.key }));
+  if (s.entries_more) segs.push(h("div", { class: "om-seg om-more", style: width(s.more_bytes || 0),
+    title: entriesText(s.entries_more, true) + ": " + fmtBytes(s.more_bytes || 0) }));
   if (s.reserved) segs.push(h("div", { class: "om-seg om-reserved", style: width(s.reserved),
     title: fmtBytes(s.reserved) + " reserved by loads in flight" }));
   return h("div", { class: "om-chart", "data-testid": "overmind-widget-memory" },
@@ -272,12 +290,13 @@ function draw(model, root) {
   const error = model.get("error");
   const notice = model.get("notice");
   const stats = s.stats || {};
+  const total = s.entries_total === undefined ? entries.length : s.entries_total;
   const parts = [];
   parts.push(h("div", { class: "om-head" },
     h("span", { class: "om-title" }, "overmind cache"),
     h("span", { "data-testid": "overmind-widget-enabled" }, s.enabled ? "on" : "off", " (", String(s.patched || 0), " loaders patched)"),
     s.daemon_pid ? h("span", { class: "om-muted" }, "daemon pid " + s.daemon_pid) : null,
-    s.daemon_pid ? h("span", { "data-testid": "overmind-widget-used" }, fmtBytes(s.used) + " of " + fmtBytes(s.budget) + " in " + entries.length + (entries.length === 1 ? " entry" : " entries")) : null,
+    s.daemon_pid ? h("span", { "data-testid": "overmind-widget-used" }, fmtBytes(s.used) + " of " + fmtBytes(s.budget) + " in " + entriesText(total, false)) : null,
     s.daemon_pid ? h("span", { class: "om-muted" }, plural(stats.hits || 0, "hit") + " / " + plural(stats.misses || 0, "miss")) : null,
     s.loading ? h("span", {}, s.loading + " loading") : null));
   for (const load of s.loads || []) {
@@ -294,6 +313,9 @@ function draw(model, root) {
       h("thead", {}, h("tr", {}, h("th", {}, "Model"), h("th", {}, "dtype"), h("th", { class: "om-num" }, "Size"),
         h("th", { class: "om-num" }, "Hits"), h("th", {}, "Last used"), h("th", {}, "Kernels using it"), h("th", {}, ""))),
       h("tbody", {}, entries.map((e) => entryRow(model, e)))));
+    if (s.entries_more) parts.push(h("div", { class: "om-muted", "data-testid": "overmind-widget-more" },
+      "and " + entriesText(s.entries_more, true) + " (" + fmtBytes(s.more_bytes || 0) + "): the largest and the most " +
+      "recently used are shown; `overmind-daemon ls` lists every one"));
   } else if (s.daemon_pid) {
     parts.push(h("div", { class: "om-muted", "data-testid": "overmind-widget-empty" }, "no cached models"));
   }
@@ -328,6 +350,7 @@ export default {
 .om-w .om-bar { display: flex; height: 14px; border: 1px solid var(--jp-border-color1, #bbb); border-radius: 3px;
   background: var(--jp-layout-color2, #eee); overflow: hidden; }
 .om-w .om-seg { height: 100%; border-right: 1px solid var(--jp-layout-color0, #fff); box-sizing: border-box; }
+.om-w .om-more { background: var(--jp-border-color2, #ccc); }
 .om-w .om-reserved { background: repeating-linear-gradient(45deg, var(--jp-border-color1, #bbb) 0 3px, transparent 3px 6px); }
 .om-w .om-c0 { background: var(--jp-brand-color1, #1976d2); }
 .om-w .om-c1 { background: var(--jp-accent-color1, #388e3c); }
