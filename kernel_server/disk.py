@@ -11,8 +11,9 @@ what loads in flight have reserved and not written yet against the free space it
 entries (least recently used first) while that falls short, and refuses the rest, and the kernel then
 loads plainly, saying so. The daemon looks again every few seconds, so that a disk filled by something
 else makes the cache give its unpinned entries back before the user runs out. An entry still mapped by a
-kernel frees its blocks when that kernel lets go of it. memfd arenas take memory, not disk: the budget
-bounds them.
+kernel frees its blocks when that kernel lets go of it; an entry evicted under the store's lock counts as
+given back at once, as its descriptors close when the lock is released (Note [Closing after the lock] in
+store.py). memfd arenas take memory, not disk: the budget bounds them.
 """
 
 from __future__ import annotations
