@@ -94,10 +94,20 @@ def test_a_disk_filled_by_something_else_makes_the_cache_give_back_its_unpinned_
     assert free(small_disk) >= RESERVE
 
 
-def test_status_says_where_the_bytes_live(disk_env: dict[str, str], small_disk: Path) -> None:
+def test_status_says_where_the_bytes_live(disk_env: dict[str, str], small_disk: Path, overmind_home: Path) -> None:
+    """The text status, the CLI, the widget's and the side panel's states name the disk and its use."""
     run_py(LOADS.format(seeds=[1], disk=str(small_disk)), env=disk_env)
     text = run_py("from overmind_jupyter import api; print(api.format_status(api.status()))", env=disk_env).stdout
     assert f"of arenas in {small_disk}" in text and "kept free for you" in text, text
+    widget = last_json(run_py("import json; from overmind_jupyter import api; from overmind_jupyter.widgets.cache "
+                              "import cache_view; print(json.dumps(cache_view(api.status())['summary']))",
+                              env=disk_env))
+    assert f"of arenas in {small_disk}" in widget["disk"]
+    from overmind_jupyter.server.state import panel_state
+
+    with Client(overmind_home, role="test") as client:
+        panel = panel_state(client.request("status"))
+    assert panel["disk"]["directory"] == str(small_disk) and f"of arenas in {small_disk}" in panel["texts"]["disk"]
     cli = subprocess.run([sys.executable, "-m", "kernel_server", "status"], env=disk_env, capture_output=True,
                          text=True, check=True).stdout
     assert f"of arenas in {small_disk}" in cli and "kept free for you" in cli, cli

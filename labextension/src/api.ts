@@ -165,6 +165,8 @@ export interface IPanelState {
     reserved: string;
     unit_bytes: string;
     more_bytes: string;
+    /** The disk under the file arenas: what they take there, what is free and kept free ('' in memory). */
+    disk: string;
     /** Sums over `hits_log`: the plain loads' times, the hits' times, and what the hits saved. */
     plain: string;
     hits: string;

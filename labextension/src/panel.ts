@@ -232,6 +232,13 @@ export class OvermindPanel extends Widget {
         h('span', {}, 'Hits / misses'),
         h('span', {}, hitRate(state.stats).text)
       ),
+      state.texts.disk &&
+        h(
+          'div',
+          { class: 'jp-Overmind-row', 'data-testid': 'overmind-disk' },
+          h('span', {}, 'Disk'),
+          h('span', { title: state.texts.disk }, state.texts.disk.replace(/^disk: /, ''))
+        ),
       memoryChart(state)
     );
   }

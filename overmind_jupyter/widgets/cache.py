@@ -63,11 +63,14 @@ def cache_view(snapshot: dict[str, Any], my_conn: int | None = None) -> dict[str
         None)): the largest and the most recently used when the daemon holds many (Note [Status with many
         entries] in kernel_server/catalogue.py), `fallbacks` (each: `time`, `pid`, `kernel`, `call`, `kind`,
         `reason`, `here`), `summary` (with `entries_total` and `entries_more`: the entries cached in all and
-        those not in `entries`, and `more_bytes`, what those hold; `loads`: the loads in flight, each `key`,
+        those not in `entries`, and `more_bytes`, what those hold; `disk`: the disk under the file arenas
+        as text, "" where they take memory; `loads`: the loads in flight, each `key`,
         `text`, `percent` and `by`; and `hits`: the
         daemon's recent hits for the time-saved chart, each `model`, `label`, `t`, `load_s`, `hit_s`, and
         `saved_s`, their sum of plain load time minus hit time) and `gates`.
     """
+    from kernel_server.formats import disk_text
+
     daemon = snapshot.get("daemon")
     my_pid = os.getpid()
     entries = [_entry(e, my_conn) for e in (daemon or {}).get("entries", [])]
@@ -83,6 +86,7 @@ def cache_view(snapshot: dict[str, Any], my_conn: int | None = None) -> dict[str
             "budget": daemon.get("budget", 0),
             "used": daemon.get("used", 0),
             "reserved": daemon.get("reserved", 0),
+            "disk": disk_text(daemon.get("disk")),  # "" where the arenas take memory (Note [Disk room])
             "stats": dict(daemon.get("stats") or {}),
             **_more(daemon, entries),
             "kernels": len(daemon.get("kernels") or []),
@@ -243,6 +247,7 @@ function memoryChart(s, entries) {
     h("div", { class: "om-section" }, "Memory per model: " + fmtBytes(s.used) + " of the " + fmtBytes(s.budget) + " budget",
       s.reserved ? " (+" + fmtBytes(s.reserved) + " reserved)" : ""),
     h("div", { class: "om-bar", role: "img", "aria-label": "memory per model against the budget" }, segs),
+    s.disk ? h("div", { class: "om-muted", "data-testid": "overmind-widget-disk" }, s.disk) : null,
     h("div", { class: "om-legend" }, entries.map((e, i) => h("span", { class: "om-legend-item" },
       h("span", { class: "om-swatch om-c" + (i % PALETTE) }), e.model + " " + fmtBytes(e.bytes) + " \u00b7 " + users(e)))));
 }
