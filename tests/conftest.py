@@ -81,6 +81,18 @@ def daemon(overmind_home: Path):
     client.close()
 
 
+@pytest.fixture
+def gate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A gate (tests/helpers/faults_helpers.py) that gated loaders in this test and its processes wait at;
+    opened at the end."""
+    from tests.helpers.faults_helpers import Gate
+
+    g = Gate(tmp_path / "gate")
+    monkeypatch.setenv("FAULTS_GATE", str(g.path))
+    yield g
+    g.open()
+
+
 @pytest.fixture(scope="session")
 def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("models")

@@ -49,14 +49,6 @@ def kernel_env(**extra: str) -> dict[str, str]:
     return dict(os.environ, **extra)
 
 
-@pytest.fixture
-def gate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
-    g = Gate(tmp_path / "gate")
-    monkeypatch.setenv("FAULTS_GATE", str(g.path))
-    yield g
-    g.open()
-
-
 def in_arena(model: torch.nn.Module) -> bool:
     return all(rebuild.entry_of(p.data_ptr()) is not None for p in model.parameters())
 

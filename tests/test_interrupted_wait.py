@@ -13,10 +13,8 @@ import os
 import signal
 import subprocess
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 import torch
 
 from kernel_server import Client
@@ -42,14 +40,6 @@ INTERRUPTED_KERNEL = """
         print("interrupted", flush=True)
     sys.stdin.read()
 """
-
-
-@pytest.fixture
-def gate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
-    g = Gate(tmp_path / "gate")
-    monkeypatch.setenv("FAULTS_GATE", str(g.path))
-    yield g
-    g.open()
 
 
 def waiters(client: Client) -> list[int]:
