@@ -26,6 +26,8 @@ LOCKS = Path(__file__).resolve().parent / "locks"
 PROJECT = "overmind_jupyter"
 ROOT_EXTRAS = ("test", "sentence-transformers")
 BUILD = ("hatchling", "jupyter-builder", "hatch-jupyter-builder")  # pyproject.toml's [build-system] and hook
+# Heads the pins only pip's isolated build environment installs (the venv need not have them).
+BUILD_ONLY = "# The build's own, for pip's isolated build environment:"
 
 
 def installed() -> dict[str, importlib.metadata.Distribution]:
@@ -57,7 +59,7 @@ def pins(names: set[str], dists: dict[str, importlib.metadata.Distribution]) -> 
 
 def write(path: Path, header: str, lines: list[str]) -> None:
     path.write_text(header + "\n".join(lines) + "\n")
-    print(f"wrote {path.relative_to(LOCKS.parent.parent)} ({len(lines)} pins)")
+    print(f"wrote {path.relative_to(LOCKS.parent.parent)} ({sum(not x.startswith('#') for x in lines)} pins)")
 
 
 def main() -> int:
@@ -65,8 +67,9 @@ def main() -> int:
     missing = [name for name in (PROJECT, *BUILD) if canonicalize_name(name) not in dists]
     if missing:
         raise SystemExit(f"not installed here: {', '.join(missing)}; run `make upgrade`, which installs them")
-    roots = [Requirement(f"{PROJECT}[{','.join(ROOT_EXTRAS)}]"), *(Requirement(b) for b in BUILD)]
-    without_torch = closure(roots, dists, stop=frozenset({"torch"})) - {canonicalize_name(PROJECT)}
+    project = closure([Requirement(f"{PROJECT}[{','.join(ROOT_EXTRAS)}]")], dists, stop=frozenset({"torch"}))
+    build_only = closure([Requirement(b) for b in BUILD], dists, stop=frozenset({"torch"})) - project
+    without_torch = (project | build_only) - {canonicalize_name(PROJECT)}
     torch_only = closure([Requirement("torch")], dists) - without_torch - {"torch"}
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     LOCKS.mkdir(exist_ok=True)
@@ -74,7 +77,7 @@ def main() -> int:
             f" on it; Python {version}, torch {dists['torch'].version}.\n")
     write(LOCKS / f"py{version}.txt",
           made + "# Everything the package, its test extra and its build need, but torch and what only torch needs.\n",
-          pins(without_torch, dists))
+          [*pins(without_torch - build_only, dists), BUILD_ONLY, *pins(build_only, dists)])
     write(LOCKS / f"torch-py{version}.txt",
           made + "# What only torch needs; used only when make installs its default CPU torch itself.\n",
           pins(torch_only, dists))

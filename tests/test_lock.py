@@ -12,12 +12,16 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 REPO = Path(__file__).resolve().parent.parent
+BUILD_ONLY = "# The build's own"  # the heading of scripts/lock.py's section of build-only pins
 VERSION = f"{sys.version_info.major}.{sys.version_info.minor}"
 
 
-def pins(path: Path) -> dict[str, str]:
+def pins(path: Path, *, build: bool = True) -> dict[str, str]:
+    """The exact versions `path` pins; without those of the build's own section unless `build`."""
     found = {}
     for line in path.read_text().splitlines():
+        if line.startswith(BUILD_ONLY) and not build:
+            break
         if line.strip() and not line.startswith("#"):
             req = Requirement(line)
             (spec,) = req.specifier
@@ -28,12 +32,13 @@ def pins(path: Path) -> dict[str, str]:
 
 def test_make_test_runs_on_the_locked_versions() -> None:
     """`make test` passes OVERMIND_LOCK: every version installed is the lock's (a stale venv, or an
-    install that ignored the lock, fails here rather than in some other test)."""
+    install that ignored the lock, fails here rather than in some other test); the build's own pins are
+    for pip's isolated build environment, not the venv."""
     lock = os.environ.get("OVERMIND_LOCK")
     if not lock:
         pytest.skip("not run by `make test` (OVERMIND_LOCK unset): this environment's versions are its own")
     installed = {canonicalize_name(d.metadata["Name"]): d.version for d in importlib.metadata.distributions()}
-    wrong = {name: (version, installed.get(name)) for name, version in pins(REPO / lock).items()
+    wrong = {name: (version, installed.get(name)) for name, version in pins(REPO / lock, build=False).items()
              if installed.get(name) != version}
     assert wrong == {}, f"locked != installed: {wrong}; `rm .venv/.installed && make setup` installs the lock"
 
@@ -50,3 +55,4 @@ def test_the_lock_leaves_torch_to_the_user() -> None:
     assert not [n for n in main if n.startswith(("nvidia-", "triton"))]
     assert {"sympy", "networkx"} <= set(torch_only) and not set(main) & set(torch_only)
     assert {"transformers", "diffusers", "peft", "hatchling", "pytest"} <= set(main)
+    assert "hatchling" not in pins(lock, build=False), "the build's own pins are in their own section"

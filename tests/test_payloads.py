@@ -31,10 +31,13 @@ VALID: dict[Op, dict[str, Any]] = {
     Op.FALLBACK: {"call": "c", "kind": "k", "reason": "r"},
     Op.UNITS_REGISTER: {"devices": [{"id": "sim:0", "total_bytes": 1 << 30, "name": "n", "model": "m",
                                      "simulated": True}]},
-    Op.UNITS_ACQUIRE: {"units": 1, "devices": ["sim:0"], "timeout_s": 1.5, "label": "x", "busy": False},
+    Op.UNITS_ACQUIRE: {"units": 1, "devices": ["sim:0"], "timeout_s": 1.5, "label": "x", "busy": False,
+                       "context_units": 1},
     Op.UNITS_RELEASE: {"holding": 1},
     Op.UNITS_TOUCH: {"holding": 1, "busy": True},
     Op.UNITS_CANCEL: {"request": 1},
+    Op.STATUS: {"limit": 50},
+    Op.LS: {"after": "k", "limit": 10},
 }
 WRONG = [None, "x", 1.5, -1, True, [], {}, ["x"], [{}]]
 
