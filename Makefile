@@ -13,9 +13,10 @@ TORCH_LOCK := scripts/locks/torch-py$(PYVER).txt
 #   make test TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cu124"
 TORCH_SPEC ?= torch==2.13.0 $(if $(wildcard $(TORCH_LOCK)),-c $(TORCH_LOCK))
 PYTEST_ARGS ?=
-# The suite's tests mostly wait (kernels, servers, browsers, daemons): two workers halve its wall time on
-# two cores. Each takes whole files (--dist loadfile), so a file's module fixtures are built once.
-TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 4 ? n : 4 )))
+# The suite's tests mostly wait (kernels, servers, browsers, daemons): one worker more than the cores (at
+# most 4) keeps both cores busy. Each takes whole files (--dist loadfile), so a file's module fixtures are
+# built once.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n + 1 < 4 ? n + 1 : 4 )))
 BUILD_DEPS := hatchling jupyter-builder hatch-jupyter-builder
 
 .PHONY: setup lint test demo demo-headless clean chromium upgrade

@@ -48,7 +48,7 @@ pytestmark = pytest.mark.browser
 
 TIMEOUT_MS = 120_000
 REFRESH_S = 0.5  # the panel's refresh interval in these tests (its setting)
-QUIET_S = 30  # the server must log no error over this long with the panel open and no daemon
+QUIET_S = 15  # the server must log no error over this long with the panel open and no daemon (3 polls)
 NOTEBOOKS = ("alpha.ipynb", "beta.ipynb", "work/gamma.ipynb")
 THEMES = {"light": "JupyterLab Light", "dark": "JupyterLab Dark"}
 PANEL = "#overmind-panel"
