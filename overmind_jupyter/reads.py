@@ -56,9 +56,11 @@ class Read:
         return ".".join((self.root, *self.attrs))
 
 
-def reads(code: types.CodeType) -> list[Read]:
+@functools.lru_cache(maxsize=1024)
+def reads(code: types.CodeType) -> tuple[Read, ...]:
     """The attribute chains `code` and the code nested in it load from a global or from a module it
-    imports itself, each with the string constant used on its end, if any."""
+    imports itself, each with the string constant used on its end, if any. Kept per code object (the
+    chains are the code's alone): disassembling is 0.1 ms for a small function, at every call's key."""
     found = []
     for c in _codes(code):
         ops = list(dis.get_instructions(c))
@@ -83,7 +85,7 @@ def reads(code: types.CodeType) -> list[Read]:
                   and after is not None and after.opname == "CONTAINS_OP"):
                 constant = before.argval
             found.append(Read(root, is_import, attrs, constant))
-    return found
+    return tuple(found)
 
 
 def path_constants(code: types.CodeType, cwd: str) -> dict[str, str]:
