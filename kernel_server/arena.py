@@ -338,9 +338,10 @@ def _address_of(mapping: mmap.mmap) -> int:
         del anchor  # an export left alive would make the mapping's close() fail
 
 
-def map_private(fd: int, nbytes: int) -> mmap.mmap:
-    """Map an arena copy-on-write (see Note [Copy-on-write mappings])."""
-    return mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+def map_private(fd: int, nbytes: int, offset: int = 0) -> mmap.mmap:
+    """Map `nbytes` of an arena from `offset` (a multiple of PAGE) copy-on-write (see Note
+    [Copy-on-write mappings])."""
+    return mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=offset)
 
 
 def populate(address: int, nbytes: int, *, background: bool = True) -> threading.Thread | None:

@@ -20,6 +20,8 @@ LLAMA_SIZES: dict[str, dict[str, Any]] = {
              "num_key_value_heads": 4, "vocab_size": 32000},
     "1.1b": {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22, "num_attention_heads": 32,
              "num_key_value_heads": 4, "vocab_size": 32000},
+    "3b": {"hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28, "num_attention_heads": 24,
+           "num_key_value_heads": 8, "vocab_size": 32000},
 }
 
 
@@ -29,7 +31,7 @@ def build_llama(path: str | os.PathLike[str], size: str = "tiny", *, dtype: str 
 
     Args:
         path: the directory to write.
-        size: a key of LLAMA_SIZES ("tiny", "0.1b" or "1.1b").
+        size: a key of LLAMA_SIZES ("tiny", "0.1b", "1.1b" or "3b").
         dtype: the stored dtype.
         seed: the initialisation seed.
         **overrides: more LlamaConfig fields.
@@ -44,7 +46,7 @@ def build_llama(path: str | os.PathLike[str], size: str = "tiny", *, dtype: str 
     config = LlamaConfig(**(LLAMA_SIZES[size] | overrides))
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    model = model.to_empty(device="cpu").to(getattr(torch, dtype))
+    model = model.to(getattr(torch, dtype)).to_empty(device="cpu")  # allocated in the stored dtype only
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.02)

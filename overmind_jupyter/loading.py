@@ -22,7 +22,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kernel_server import arena
 from kernel_server import settings as declared
@@ -46,6 +46,9 @@ from .placement import (
     too_large,
 )
 from .results import NO_REPLAY, Replay, remember, result_key
+
+if TYPE_CHECKING:
+    from .staging import Stage
 
 __all__ = [
     "Settings",
@@ -215,6 +218,16 @@ def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
     if reply["status"] != "load":
         fall_back(label, "daemon", f"unexpected lookup answer {reply['status']!r}")
         return fn(*args, **kwargs)
+    from . import staging
+
+    with staging.staged(client, ck.key, client.home, settings.backing) as stage:  # Note [Staged conversions]
+        return _miss(client, ck, fn, args, kwargs, replay, device, stage)
+
+
+def _miss(client: Client, ck: keys.CallKey, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+          replay: Replay, device: Any, stage: Stage | None) -> Any:
+    """Load `ck` (this connection is its loader) and publish it before returning; or `_AS_CALLED`."""
+    label = ck.label
     try:  # this connection is the loader now: whatever ends the call abandons the load
         # The generators' state as the load starts: a plain hit needs none (nothing since the call began
         # drew a random number), and reading them all costs a millisecond (Note [Random loads]).
@@ -239,9 +252,9 @@ def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
     if drawn and not ck.meta.get("random"):  # it drew random numbers: Note [Random loads]
         keyed = _mark_random(client, ck, randomness.only(before, drawn), drawn)
         if keyed is not None:
-            _publish(client, keyed, obj, replay, randomness.only(after, drawn))
+            _publish(client, keyed, obj, replay, randomness.only(after, drawn), stage)
     else:
-        _publish(client, ck, obj, replay, randomness.only(after, drawn) if drawn else None)
+        _publish(client, ck, obj, replay, randomness.only(after, drawn) if drawn else None, stage)
     if drawn and _draws_on_device(ck.label, drawn, device):
         randomness.set_random_state(randomness.only(before, drawn))  # the call as made starts where this one did
         return _AS_CALLED
@@ -296,13 +309,15 @@ def _release_hit(client: Client, reply: Response) -> None:
         results.unpin(client, e["key"])
 
 
-def _publish(client: Client, ck: keys.CallKey, obj: Any, replay: Replay, random_after: tuple[Any, ...] | None) -> None:
+def _publish(client: Client, ck: keys.CallKey, obj: Any, replay: Replay, random_after: tuple[Any, ...] | None,
+             stage: Stage | None) -> None:
     """Make `obj` the entry of `ck` before the call returns (Note [Atomic miss] in publishing.py), with
-    the generators' state after the call for a load that drew random numbers (Note [Random loads])."""
+    the generators' state after the call for a load that drew random numbers (Note [Random loads]);
+    `stage`: where the load's conversions were written (Note [Staged conversions] in staging.py)."""
     from . import publishing, rebuild
 
     try:
-        packed = rebuild.pack((obj, replay.roots, random_after), substitutes=replay.paths)
+        packed = rebuild.pack((obj, replay.roots, random_after), substitutes=replay.paths, stage=stage)
         devices = device_identities(packed.devices)  # Note [Tensors on a device] in placement.py
     except PackError as exc:
         _abandon(client, ck.key)
@@ -315,7 +330,7 @@ def _publish(client: Client, ck: keys.CallKey, obj: Any, replay: Replay, random_
         with progress.loading(client, ck.key, ck.label):  # the copy reports too (Note [Load progress])
             publishing.publish(client, ck.key, ck.label, meta, packed, backing=settings.backing,
                                watch=[path for path, _, _ in ck.sources if os.path.isabs(path)],
-                               unpin=lambda key: results.unpin(client, key))
+                               unpin=lambda key: results.unpin(client, key), stage=stage)
     except PublishError as exc:
         fall_back(ck.label, exc.kind, str(exc))
         return

@@ -41,7 +41,7 @@ from kernel_server.client import ANSWER_TIMEOUT, Client
 from kernel_server.errors import DaemonError, RemoteError
 from kernel_server.operations import Op
 
-from . import mappings, progress, rebuild, threads
+from . import mappings, progress, rebuild, staging, threads
 from .errors import PublishError
 
 __all__ = ["publish", "publish_marker"]
@@ -68,16 +68,27 @@ class _Source:
 class _Plan:
     copies: list[rebuild.Own]
     sources: list[_Source]
+    staged: list[rebuild.Own]  # in the arena already (Note [Staged conversions] in staging.py)
+
+    def made(self) -> dict[str, int]:
+        """How the entry's bytes are made, in bytes: written by the load into the arena (`staged`),
+        copied here (`copied`), read later from the checkpoint files by the daemon (`pieces`)."""
+        return {"staged": sum(own.nbytes for own in self.staged), "copied": sum(own.nbytes for own in self.copies),
+                "pieces": sum(own.nbytes for s in self.sources for own, _ in s.pieces)}
 
 
 def publish(client: Client, key: str, label: str, meta: dict[str, Any], packed: rebuild.Packed, *,
-            backing: str, unpin: Callable[[str], None], watch: Sequence[str] = ()) -> None:
+            backing: str, unpin: Callable[[str], None], watch: Sequence[str] = (),
+            stage: staging.Stage | None = None) -> None:
     """Make `packed` (the graph of a result just loaded) the entry `key`, moving the result's tensors
     onto private mappings of it (Note [Atomic miss]). `watch`: the checkpoint paths the load read, for
     the daemon to drop the entry once they are gone (Note [Orphaned entries] in kernel_server/store.py).
-    Raises PublishError (with a `kind` for fallbacks): the result is then still correct, only not cached."""
+    `stage`: the arena the load's conversions were written into, if `packed` was packed with it (Note
+    [Staged conversions] in staging.py). Raises PublishError (with a `kind` for fallbacks): the result is
+    then still correct, only not cached."""
     plan = _plan(packed)
     by_storage = _tensors_by_storage(packed)
+    meta = meta | {"made": plan.made()}
     pin = mappings.Pin(key, unpin)
     pin.hold()  # until the end of this call: released with no mapping made, it unpins at once
     forget: list[Callable[[], None]] = []
@@ -91,11 +102,16 @@ def publish(client: Client, key: str, label: str, meta: dict[str, Any], packed: 
                 # budget] in kernel_server/descriptors.py).
                 client.request(Op.RESERVE, key=key, bytes=packed.arena_bytes + len(packed.graph),
                                descriptors=2 + len(plan.sources), timeout=ANSWER_TIMEOUT)
-                new = _new_arena(packed.arena_bytes, key, client.home, backing)
+                new = (stage.finish(packed.arena_bytes) if stage is not None
+                       else staging.new_arena(packed.arena_bytes, key, client.home, backing))
                 data = stack.enter_context(contextlib.closing(new))
                 private = arena.map_private(data.fd, packed.arena_bytes) if packed.arena_bytes else None
                 if private is not None:
                     forget.append(mappings.register(private, key, pin))
+                    for own in plan.staged:
+                        _move_onto(private, own, by_storage)
+                if stage is not None:
+                    stage.give_back({own.offset for own in plan.staged})
                 _fill(data, plan.copies, private, label, by_storage)
                 graph = stack.enter_context(contextlib.closing(
                     arena.ArenaWriter(len(packed.graph), name=f"overmind-graph:{key[:12]}")))
@@ -159,9 +175,13 @@ def _plan(packed: rebuild.Packed) -> _Plan:
     written = mappings.WrittenPages()
     sources: dict[tuple[int, int], _Source | None] = {}
     copies: list[rebuild.Own] = []
+    staged: list[rebuild.Own] = []
     for own in packed.own:
         storage = own.storage
         assert storage is not None
+        if own.staged:
+            staged.append(own)
+            continue
         found = None
         if storage.device.type == "cpu" and own.nbytes:
             address = storage.data_ptr()
@@ -176,7 +196,7 @@ def _plan(packed: rebuild.Packed) -> _Plan:
                     src.pieces.append((own, at))
         if found is None:
             copies.append(own)
-    return _Plan(copies, [s for s in sources.values() if s is not None])
+    return _Plan(copies, [s for s in sources.values() if s is not None], staged)
 
 
 def _open_source(fm: mappings.FileMapping, count: int) -> _Source | None:
@@ -209,18 +229,22 @@ def _move(tensors: list[torch.Tensor], storage: torch.UntypedStorage) -> None:
             t.set_(typed, t.storage_offset(), t.size(), t.stride())
 
 
+def _move_onto(private: Any, own: rebuild.Own, by_storage: dict[int, list[torch.Tensor]]) -> None:
+    """Put the tensors of `own` onto its bytes in `private` (the arena's private mapping)."""
+    assert own.storage is not None
+    new = torch.frombuffer(private, dtype=torch.uint8, count=own.nbytes, offset=own.offset).untyped_storage()
+    _move(by_storage.pop(own.storage._cdata, []), new)
+    own.storage = None  # the last reference of ours: the old bytes go now, not at the end
+
+
 def _fill(writer: arena.ArenaWriter, copies: list[rebuild.Own], private: Any, label: str,
           by_storage: dict[int, list[torch.Tensor]]) -> None:
     """Copy `copies` into the arena; each CPU storage's tensors move onto `private` (the arena's
     private mapping) as soon as its bytes are there, and its own memory is freed."""
 
     def move(own: rebuild.Own) -> None:
-        storage = own.storage
-        if private is None or storage is None or storage.device.type != "cpu" or not own.nbytes:
-            return
-        new = torch.frombuffer(private, dtype=torch.uint8, count=own.nbytes, offset=own.offset).untyped_storage()
-        _move(by_storage.pop(storage._cdata, []), new)
-        own.storage = None  # the last reference of ours: the old bytes go now, not at the end
+        if private is not None and own.storage is not None and own.storage.device.type == "cpu" and own.nbytes:
+            _move_onto(private, own, by_storage)
 
     cpu = [own for own in copies if own.storage is not None and own.storage.device.type == "cpu" and own.nbytes]
     others = [own for own in copies if own not in cpu and own.nbytes]
@@ -294,23 +318,6 @@ def _remap(src: _Source, key: str, pin: mappings.Pin, by_storage: dict[int, list
         new = torch.frombuffer(m, dtype=torch.uint8, count=own.nbytes, offset=at).untyped_storage()
         _move(by_storage.pop(storage._cdata, []), new)
         own.storage = None
-
-
-def _new_arena(nbytes: int, key: str, home: str | os.PathLike[str], backing: str) -> arena.ArenaWriter:
-    """The arena of a new entry, backed as `backing` says (Note [Arena backing]); a file arena that
-    cannot be made (no O_TMPFILE there, a full disk) falls back to a memfd."""
-    name = f"overmind:{key[:12]}"
-    if backing != "memfd":
-        directory = arena.arena_directory(home)
-        try:
-            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-            if arena.choose_backing(backing, directory) == "file":
-                return arena.ArenaWriter(nbytes, name=name, backing="file", directory=directory)
-        except OSError as exc:
-            if backing == "file":
-                raise
-            _log.info("file arena in %s failed (%s); using a memfd", directory, exc)
-    return arena.ArenaWriter(nbytes, name=name, backing="memfd")
 
 
 def _abandon(client: Client, key: str) -> None:

@@ -32,7 +32,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -41,6 +41,9 @@ from kernel_server import arena
 from . import mappings
 from .errors import CorruptEntry, PackError
 from .keys import GRAPH_FORMAT
+
+if TYPE_CHECKING:
+    from .staging import Stage
 
 __all__ = ["ArenaRef", "Packed", "entry_of", "pack", "rebuild", "skeleton"]
 
@@ -54,6 +57,7 @@ class Own:
     storage: torch.UntypedStorage | None  # dropped once its bytes are in the arena (publishing.py)
     offset: int
     nbytes: int
+    staged: bool = False  # its bytes are in the arena already (Note [Staged conversions] in staging.py)
 
 
 @dataclass
@@ -102,13 +106,14 @@ class ArenaRef:
 class _Placer:
     """Assigns each storage met while pickling its reference, and records tensors' versions."""
 
-    def __init__(self, self_key: str | None, trust_mappings: bool) -> None:
+    def __init__(self, self_key: str | None, trust_mappings: bool, stage: Stage | None = None) -> None:
         self.self_key = self_key
         self.trust_mappings = trust_mappings
+        self.stage = stage
         self.written = mappings.WrittenPages()
         self.intact: dict[int, bool] = {}  # id(source file) -> whether it is unchanged
         self.mapped: dict[tuple[str, int, int, str], torch.UntypedStorage] = {}
-        self.offset = 0
+        self.offset = stage.top if stage is not None else 0  # the staged ranges come first
         self.own: list[Own] = []
         self.seen: dict[int, _Call] = {}  # storage -> what unpickles to it (Note [Cheap rebuild])
         self.deps: list[str] = []
@@ -183,6 +188,10 @@ class _Placer:
         if untyped.device.type != "cpu":
             self.devices[device] = None
         if untyped.device.type == "cpu" and nbytes:
+            staged = self.stage.offset_of(untyped) if self.stage is not None else None
+            if staged is not None:
+                self.own.append(Own(untyped, staged, nbytes, staged=True))
+                return ("own", None, staged, nbytes, device)
             address = untyped.data_ptr()
             span = mappings.span_of(address)
             if span is not None and address + nbytes <= span.end and self._trusted(span, address, nbytes):
@@ -396,7 +405,7 @@ def _picklers() -> list[tuple[str, type]]:
 
 
 def pack(obj: Any, *, self_key: str | None = None, trust_mappings: bool = False,
-         substitutes: dict[str, Any] | None = None) -> Packed:
+         substitutes: dict[str, Any] | None = None, stage: Stage | None = None) -> Packed:
     """Pickle `obj`'s graph, placing its storages; nothing is copied yet. Raises PackError.
 
     Args:
@@ -407,12 +416,14 @@ def pack(obj: Any, *, self_key: str | None = None, trust_mappings: bool = False,
         trust_mappings: skip the check that mapped pages were not written (right after a rebuild).
         substitutes: objects to pack as arguments of the call, by their path (see Note [Argument
             replay]).
+        stage: the stage of the miss being packed: its ranges keep their offsets (Note [Staged
+            conversions] in staging.py).
     """
     errors = []
     for name, cls in _picklers():
         buf = io.BytesIO()
         buf.write(_FORMAT.to_bytes(1, "little"))
-        placer = _Placer(self_key, trust_mappings)
+        placer = _Placer(self_key, trust_mappings, stage)
         pickler = cls(buf, protocol=pickle.HIGHEST_PROTOCOL)
         table = placer.dispatch_table()
         if substitutes:

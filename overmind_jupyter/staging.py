@@ -1,0 +1,281 @@
+"""Converted weights written once, straight into the new entry's arena.
+
+# Note [Staged conversions]
+A load that converts dtypes (a bf16 checkpoint loaded as fp32 or fp16) writes every converted byte into
+fresh memory; publishing then copied it into the arena, so each byte was written and faulted twice and the
+miss cost 2.1-2.7x the plain load (benchmarks/RESULTS.md, issue 39). Instead, while a miss loads, each
+conversion is written into the new arena (the *stage*) and the tensor the library gets is a private
+mapping of what was written; publishing only moves those tensors onto the arena's own private mapping
+(Note [Atomic miss] in publishing.py), and copies nothing of them:
+- Where: transformers (5.x) makes every checkpoint tensor in `core_model_loading.spawn_materialize`, in the
+  loading thread (the conversion itself may run in its thread pool). While a miss loads, a wrapper of it
+  stages a conversion on the CPU of a tensor that goes to the model as it is (no `tensor_idx`: no
+  WeightConverter merges it with others). Everything else goes the library's way: same-dtype tensors
+  (pieces of the checkpoint, nothing written), devices, sharding, merged weights. A library without that
+  function (diffusers, transformers 4) stages nothing: its converted weights are copied at publish.
+- How: a chunk at a time (8 MiB) into a buffer each converting thread reuses, then `pwrite` into the file
+  (page cache; for a memfd, shmem). Measured against a shared writable mapping of the file, which takes a
+  write fault per page or folio (0.2-1.7 s for 512 MiB on these VMs against 0.15 s for pwrite, RESULTS.md).
+  No writable shared mapping of the arena ever exists in the kernel: a tensor of the load that user code
+  keeps outside the result (a `.data` alias) is a private mapping, whose writes stay in this process.
+- Which backing: a memfd (shmem), unless the user chose `OVERMIND_ARENA=file`. A file arena on a disk
+  filesystem takes the converted gigabytes as dirty page cache, and past the kernel's dirty limits
+  (vm.dirty_ratio: 20% of memory) the writer is throttled to the disk's speed: a 1.1B fp32 miss took
+  10.5 s against plain's 1.3 s into a file, 2.0 s into a memfd. The price is the hit's first forward,
+  which takes 4 KiB shmem pages instead of a file's large folios (0.77 s against 0.60 s for call and
+  first forward of that model: Note [Arena backing] in kernel_server/arena.py; RESULTS.md, issue 39).
+- Whose load: a context variable set by the miss and read in the thread that calls `spawn_materialize`, so
+  a load in another thread of the user meanwhile goes the library's way.
+- Room: the stage grows in ranges, each reserved with the daemon first (the budget and the disk, as a
+  publish's reservation: Note [Disk room] in kernel_server/disk.py) and, for a file arena, with fallocate.
+  A refusal stages nothing more: the rest of the load converts into fresh memory and is copied at publish.
+- A staged range the entry does not hold, and no tensor refers to any more, is given back as a hole
+  (FALLOC_FL_PUNCH_HOLE); one still referred to stays, unused, in the arena.
+- A load that raises, or a result that is not published, keeps its tensors on the stage's file, which
+  only this process holds: memory of this process alone, as the plain load's would be, freed with its last
+  tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import inspect
+import logging
+import os
+import sys
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kernel_server import arena
+from kernel_server.client import ANSWER_TIMEOUT, Client
+from kernel_server.errors import DaemonError
+from kernel_server.operations import Op
+
+__all__ = ["Stage", "new_arena", "staged"]
+
+_log = logging.getLogger(__name__)
+
+_GRANULE = 256 << 20  # the stage is reserved with the daemon this much ahead
+_CHUNK = 8 << 20  # converted into a reused buffer this much at a time, then written
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+
+_ACTIVE: ContextVar[Stage | None] = ContextVar("overmind_stage", default=None)
+_MATERIALIZE_PARAMETERS = ("thread_pool", "tensor", "device", "dtype", "sharding_op", "tensor_idx")
+
+
+def new_arena(nbytes: int, key: str, home: str | os.PathLike[str], backing: str) -> arena.ArenaWriter:
+    """The arena of a new entry, backed as `backing` says (Note [Arena backing] in kernel_server/arena.py);
+    a file arena that cannot be made (no O_TMPFILE there, a full disk) falls back to a memfd."""
+    name = f"overmind:{key[:12]}"
+    if backing != "memfd":
+        directory = arena.arena_directory(home)
+        try:
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if arena.choose_backing(backing, directory) == "file":
+                return arena.ArenaWriter(nbytes, name=name, backing="file", directory=directory)
+        except OSError as exc:
+            if backing == "file":
+                raise
+            _log.info("file arena in %s failed (%s); using a memfd", directory, exc)
+    return arena.ArenaWriter(nbytes, name=name, backing="memfd")
+
+
+class Stage:
+    """The arena of the entry a miss is loading, written by the load's conversions (Note [Staged
+    conversions]). A sparse file as large as the physical memory (nothing is taken until written), cut
+    to the entry's size by `finish`."""
+
+    def __init__(self, client: Client, key: str, home: str | os.PathLike[str], backing: str) -> None:
+        self._client, self._key = client, key
+        self.capacity = arena.align(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        self.writer = new_arena(self.capacity, key, home, backing)
+        self._lock = threading.Lock()
+        self._buffers = threading.local()  # each converting thread's chunk buffer, reused
+        self.top = 0  # the end of the last range handed out, page-aligned
+        self._reserved = 0  # what the daemon (and fallocate) reserved
+        self._stopped = False
+        # offset -> (bytes, the view its tensor is made on: alive while any tensor of the range is)
+        self._ranges: dict[int, tuple[int, weakref.ref[memoryview]]] = {}
+        self._starts: dict[int, int] = {}  # the address of each range's mapping -> its offset
+
+    def convert(self, tensor: Any, dtype: torch.dtype,
+                fallback: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """`tensor` (a checkpoint slice) as `dtype` on the CPU, written into the stage if it has room;
+        else `fallback(tensor)` (the library's own conversion)."""
+        src = tensor[...]
+        if src.device.type != "cpu" or src.dtype == dtype or not src.is_contiguous():
+            return fallback(src)
+        try:
+            out = self._write(src, dtype)
+            if out is not None:
+                return out
+        except Exception as exc:  # noqa: BLE001 (never worse: the library's own conversion instead)
+            _log.info("staging a tensor of %s failed (%s); it converts as the library does", self._key[:12], exc)
+        return fallback(src)
+
+    def _write(self, src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        """Convert `src` a chunk at a time into this thread's buffer and write each chunk into the arena;
+        the result is a private mapping of what was written (None: no room)."""
+        nbytes = dtype.itemsize * src.numel()
+        at = self._take(nbytes)
+        if at is None:
+            return None
+        buffer = getattr(self._buffers, "chunk", None)
+        if buffer is None:
+            buffer = self._buffers.chunk = torch.empty(_CHUNK, dtype=torch.uint8)
+        flat, step = src.reshape(-1), _CHUNK // dtype.itemsize
+        for start in range(0, flat.numel(), step):
+            part = flat[start:start + step]
+            converted = buffer[:part.numel() * dtype.itemsize].view(dtype)
+            converted.copy_(part)
+            _pwrite_all(self.writer.fd, memoryview(converted.view(torch.uint8).numpy()), at + start * dtype.itemsize)
+        mapping = arena.map_private(self.writer.fd, arena.align(nbytes), offset=at)
+        view = memoryview(mapping)[:nbytes]
+        out = torch.frombuffer(view, dtype=torch.uint8).view(dtype).view(src.shape)
+        with self._lock:
+            self._ranges[at] = (nbytes, weakref.ref(view))
+            self._starts[out.data_ptr()] = at
+        return out
+
+    def _take(self, nbytes: int) -> int | None:
+        """The offset of a new range of `nbytes`, reserved; None once the stage stopped."""
+        with self._lock:
+            if self._stopped or not nbytes:
+                return None
+            at = self.top
+            end = arena.align(at + nbytes)
+            if end > self._reserved and not self._reserve(end):
+                return None
+            self.top = end
+            return at
+
+    def _reserve(self, end: int) -> bool:
+        """Reserve the stage up to at least `end` (lock held), a granule ahead where the budget allows;
+        False stops the staging."""
+        for want in dict.fromkeys((min(self.capacity, max(end, self._reserved + _GRANULE)), end)):
+            if end > self.capacity:
+                break
+            try:
+                self._client.request(Op.RESERVE, key=self._key, bytes=want, descriptors=2, timeout=ANSWER_TIMEOUT)
+                if self.writer.backing == "file":
+                    os.posix_fallocate(self.writer.fd, self._reserved, want - self._reserved)
+            except (DaemonError, OSError) as exc:
+                _log.info("the stage of %s cannot grow to %d bytes: %s", self._key[:12], want, exc)
+                continue
+            self._reserved = want
+            return True
+        self._stopped = True
+        return False
+
+    def offset_of(self, storage: torch.UntypedStorage) -> int | None:
+        """Where in the arena `storage` lies, if it is a whole range this stage wrote."""
+        at = self._starts.get(storage.data_ptr())
+        if at is None or self._ranges[at][0] != storage.nbytes():
+            return None
+        return at
+
+    def finish(self, nbytes: int) -> arena.ArenaWriter:
+        """The arena writer, cut to the entry's `nbytes` (the staged ranges first, then what publishing
+        copies)."""
+        assert nbytes >= self.top
+        os.ftruncate(self.writer.fd, nbytes)
+        self.writer.nbytes = nbytes
+        return self.writer
+
+    def give_back(self, kept: set[int]) -> None:
+        """Free the ranges (offsets) the entry does not hold and no tensor refers to any more (an
+        intermediate of a weight conversion): holes in the arena."""
+        for at, (nbytes, view) in self._ranges.items():
+            if at not in kept and view() is None and _libc.fallocate(
+                    self.writer.fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, at, nbytes):
+                _log.info("cannot punch a hole in the arena: %s", os.strerror(ctypes.get_errno()))
+
+    def close(self) -> None:
+        """Let go of the stage's file; tensors still on it keep their mappings (and its memory) alive."""
+        self.writer.close()
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    view = data.cast("B")
+    while view:
+        done = os.pwrite(fd, view, offset)
+        view, offset = view[done:], offset + done
+
+
+@contextlib.contextmanager
+def staged(client: Client, key: str, home: str | Path, backing: str) -> Iterator[Stage | None]:
+    """While the body loads the miss of `key` in this thread (and publishes it), conversions on the CPU
+    write into a `Stage` (yielded; None where the loader has no place to stage: Note [Staged
+    conversions]). The stage is let go of at the end; its tensors keep what they need of it."""
+    module = sys.modules.get("transformers.core_model_loading")
+    if module is None or not _wrappable(module):
+        yield None
+        return
+    try:
+        stage = Stage(client, key, home, "memfd" if backing == "auto" else backing)
+    except OSError as exc:
+        _log.info("no stage for %s: %s", key[:12], exc)
+        yield None
+        return
+    token = _ACTIVE.set(stage)
+    try:
+        with _wrapped(module):
+            yield stage
+    finally:
+        _ACTIVE.reset(token)
+        stage.close()
+
+
+_wrap_lock = threading.Lock()
+_wrap_users = 0
+
+
+def _wrappable(module: Any) -> bool:
+    function = getattr(module, "spawn_materialize", None)
+    if getattr(function, "__overmind_original__", None) is not None:
+        return True
+    if not callable(function) or not callable(getattr(module, "_materialize_copy", None)):
+        return False
+    return tuple(inspect.signature(function).parameters) == _MATERIALIZE_PARAMETERS
+
+
+@contextlib.contextmanager
+def _wrapped(module: Any) -> Iterator[None]:
+    """`module.spawn_materialize` wrapped while any staged load runs; the original afterwards."""
+    global _wrap_users
+    with _wrap_lock:
+        if not _wrap_users:
+            module.spawn_materialize = _wrapper(module, module.spawn_materialize)
+        _wrap_users += 1
+    try:
+        yield
+    finally:
+        with _wrap_lock:
+            _wrap_users -= 1
+            if not _wrap_users:
+                module.spawn_materialize = module.spawn_materialize.__overmind_original__
+
+
+def _wrapper(module: Any, original: Callable[..., Any]) -> Callable[..., Any]:
+    def spawn_materialize(thread_pool: Any, tensor: Any, device: Any = None, dtype: Any = None,
+                          sharding_op: Any = None, tensor_idx: Any = None) -> Any:
+        stage = _ACTIVE.get()
+        if stage is None or sharding_op is not None or dtype is None or not (device is None or str(device) == "cpu"):
+            return original(thread_pool, tensor, device, dtype, sharding_op=sharding_op, tensor_idx=tensor_idx)
+
+        def job() -> torch.Tensor:
+            return stage.convert(tensor, dtype, lambda src: module._materialize_copy(src, device, dtype))
+
+        return thread_pool.submit(job) if thread_pool is not None else job
+
+    spawn_materialize.__overmind_original__ = original  # type: ignore[attr-defined]
+    return spawn_materialize
