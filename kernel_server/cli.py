@@ -103,8 +103,7 @@ def _read(op: str) -> Callable[[argparse.Namespace], int]:
                 print(f"no daemon runs at {home}")
             return 0 if op == "status" else 1
         with Client(home, spawn=False, role="cli") as client:
-            payload = client.request(op).payload if op == "status" else _every_entry(client)
-        payload = {k: v for k, v in payload.items() if k not in ("id", "ok")}
+            payload = client.request(Op.STATUS).payload if op == "status" else _every_entry(client)
         if args.json:
             print(json.dumps({"running": True, **payload} if op == "status" else payload, indent=2))
         else:

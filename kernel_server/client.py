@@ -15,12 +15,12 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, Literal, TypeVar, overload
 
 from . import lifecycle
 from .errors import (
@@ -36,7 +36,23 @@ from .errors import (
     WaitTimeout,
 )
 from .operations import Op, error_for
-from .payloads import HelloRequest
+from .payloads import (
+    CancelReply,
+    Empty,
+    EvictedReply,
+    Grant,
+    HelloReply,
+    HelloRequest,
+    LookupReply,
+    LsReply,
+    PingReply,
+    PublishReply,
+    ShutdownReply,
+    Snapshot,
+    UnitsCancelReply,
+    UnitsRegisterReply,
+    UnitsReleaseReply,
+)
 from .protocol import PROTOCOL_VERSION, Frame, FrameKind
 from .transport import close_fds, recv_frame, send_frame
 
@@ -96,9 +112,18 @@ _BRIEF = 0.05  # see Note [Requests from finalizers]
 
 
 
+R = TypeVar("R", bound=Mapping[str, Any])
+
+
 @dataclass
-class Response:
-    payload: dict[str, Any]
+class Response(Generic[R]):
+    """A reply: its payload, of the reply type the operation declares (operations.PAYLOADS; the frame's
+    "id" and "ok" taken out), and the descriptors it carried, which the caller owns (`close`).
+
+    `reply["name"]` reads a field untyped; `reply.payload["name"]` reads it as its type declares.
+    """
+
+    payload: R
     fds: list[int] = field(default_factory=list)
 
     def __getitem__(self, name: str) -> Any:
@@ -167,9 +192,9 @@ class Client:
         except BaseException:
             self.close()
             raise
-        self.daemon_pid: int = hello["pid"]
-        self.conn_id: int = hello["conn"]
-        self.budget: int = hello["budget"]
+        self.daemon_pid = hello.payload["pid"]
+        self.conn_id = hello.payload["conn"]
+        self.budget = hello.payload["budget"]
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -227,11 +252,74 @@ class Client:
         finally:
             self._send_lock.release()
 
+    # The reply type of each operation, as operations.PAYLOADS declares it (tests/test_payloads.py checks
+    # that the two agree); an operation named by its string is untyped.
+    @overload
+    def request(self, op: Literal[Op.HELLO], *, fds: Sequence[int] = ...,
+                timeout: float | None = ..., **fields: Any) -> Response[HelloReply]: ...
+
+    @overload
+    def request(self, op: Literal[Op.PING], *, fds: Sequence[int] = ...,
+                timeout: float | None = ..., **fields: Any) -> Response[PingReply]: ...
+
+    @overload
+    def request(self, op: Literal[Op.STATUS, Op.UNITS_STATE], *, fds: Sequence[int] = ...,
+                timeout: float | None = ..., **fields: Any) -> Response[Snapshot]: ...
+
+    @overload
+    def request(self, op: Literal[Op.LS], *, fds: Sequence[int] = ...,
+                timeout: float | None = ..., **fields: Any) -> Response[LsReply]: ...
+
+    @overload
+    def request(self, op: Literal[Op.LOOKUP], *, fds: Sequence[int] = ...,
+                timeout: float | None = ..., **fields: Any) -> Response[LookupReply]: ...
+
+    @overload
+    def request(self, op: Literal[Op.CANCEL], *, fds: Sequence[int] = ...,
+                timeout: float | None = ..., **fields: Any) -> Response[CancelReply]: ...
+
+    @overload
+    def request(self, op: Literal[Op.RESERVE, Op.EVICT], *, fds: Sequence[int] = ...,
+                timeout: float | None = ..., **fields: Any) -> Response[EvictedReply]: ...
+
+    @overload
+    def request(self, op: Literal[Op.PUBLISH], *, fds: Sequence[int] = ...,
+                timeout: float | None = ..., **fields: Any) -> Response[PublishReply]: ...
+
+    @overload
+    def request(self, op: Literal[Op.ABANDON, Op.UNPIN, Op.PROGRESS, Op.HITS, Op.FALLBACK, Op.UNITS_TOUCH], *,
+                fds: Sequence[int] = ..., timeout: float | None = ..., **fields: Any) -> Response[Empty]: ...
+
+    @overload
+    def request(self, op: Literal[Op.SHUTDOWN], *, fds: Sequence[int] = ...,
+                timeout: float | None = ..., **fields: Any) -> Response[ShutdownReply]: ...
+
+    @overload
+    def request(self, op: Literal[Op.UNITS_REGISTER], *, fds: Sequence[int] = ...,
+                timeout: float | None = ..., **fields: Any) -> Response[UnitsRegisterReply]: ...
+
+    @overload
+    def request(self, op: Literal[Op.UNITS_ACQUIRE], *, fds: Sequence[int] = ...,
+                timeout: float | None = ..., **fields: Any) -> Response[Grant]: ...
+
+    @overload
+    def request(self, op: Literal[Op.UNITS_RELEASE], *, fds: Sequence[int] = ...,
+                timeout: float | None = ..., **fields: Any) -> Response[UnitsReleaseReply]: ...
+
+    @overload
+    def request(self, op: Literal[Op.UNITS_CANCEL], *, fds: Sequence[int] = ...,
+                timeout: float | None = ..., **fields: Any) -> Response[UnitsCancelReply]: ...
+
+    @overload
+    def request(self, op: str, *, fds: Sequence[int] = ..., timeout: float | None = ...,
+                **fields: Any) -> Response[Any]: ...
+
     def request(self, op: str, *, fds: Sequence[int] = (), timeout: float | None = 60.0,
-                **fields: Any) -> Response:
-        """Send a request and wait for its reply. Raises RemoteError (or a subclass) on an error reply. A
-        wait cut short by anything but the daemon leaves the reply to be given back when it comes (Note
-        [Interrupted waits])."""
+                **fields: Any) -> Response[Any]:
+        """Send a request and wait for its reply, a `Response` of the reply type the operation declares.
+
+        Raises RemoteError (or a subclass) on an error reply. A wait cut short by anything but the daemon
+        leaves the reply to be given back when it comes (Note [Interrupted waits])."""
         request_id, fut = self.submit(op, fds=fds, **fields)
         try:
             return self.wait(request_id, fut, timeout)
@@ -241,7 +329,7 @@ class Client:
             self._leave_reply(request_id, fut)
             raise
 
-    def wait_alive(self, request_id: int, fut: Future[Frame], timeout: float | None) -> Response:
+    def wait_alive(self, request_id: int, fut: Future[Frame], timeout: float | None) -> Response[Any]:
         """Wait up to `timeout` for a reply that may take long (a lookup that waits for another kernel's
         load), as long as the daemon keeps answering pings; see Note [Two kinds of waiting]. A wait cut
         short by anything but the daemon (a KeyboardInterrupt) withdraws the lookup first, and gives back
@@ -254,7 +342,7 @@ class Client:
             self._withdraw(request_id, fut)
             raise
 
-    def _wait_alive(self, request_id: int, fut: Future[Frame], timeout: float | None) -> Response:
+    def _wait_alive(self, request_id: int, fut: Future[Frame], timeout: float | None) -> Response[Any]:
         deadline = None if timeout is None else time.monotonic() + timeout
         slice_ = ANSWER_TIMEOUT / 3
         while True:
@@ -276,7 +364,7 @@ class Client:
                                  f"{ANSWER_TIMEOUT:.0f} s; this load runs plainly, and the next one asks again"
                                  ) from None
 
-    def wait(self, request_id: int, fut: Future[Frame], timeout: float | None) -> Response:
+    def wait(self, request_id: int, fut: Future[Frame], timeout: float | None) -> Response[Any]:
         try:
             frame = self._result(fut, timeout)
         except FutureTimeout:
@@ -527,10 +615,11 @@ class Client:
                     logging.getLogger("overmind").exception("push handler %r failed", handler)
 
 
-def _response(frame: Frame) -> Response:
+def _response(frame: Frame) -> Response[Any]:
+    """The reply `frame` carries, without the frame's "id" and "ok"; or the error it carries, raised."""
     payload = frame.payload
     if payload.get("ok"):
-        return Response(payload, frame.fds)
+        return Response({k: v for k, v in payload.items() if k not in ("id", "ok")}, frame.fds)
     close_fds(frame.fds)
     error = payload.get("error") or {}
     code = str(error.get("code", "error"))

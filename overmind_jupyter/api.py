@@ -80,8 +80,7 @@ def status() -> dict[str, Any]:
         out["home"] = str(lifecycle.state_dir(create=False))
         client = shared_client(spawn=False)
         progress.flush_hit_times(client)  # this kernel's hit times, for the time-saved figures (progress.py)
-        reply = client.request(Op.STATUS, timeout=10)
-        out["daemon"] = {k: v for k, v in reply.payload.items() if k not in ("id", "ok")}
+        out["daemon"] = client.request(Op.STATUS, timeout=10).payload
     except (DaemonError, OSError) as exc:
         out["daemon"] = None
         out["daemon_error"] = str(exc)
@@ -95,7 +94,7 @@ def evict(key: str | None = None) -> list[str]:
 
     client = shared_client(spawn=False)
     reply = client.request(Op.EVICT, all=True) if key is None else client.request(Op.EVICT, key=key)
-    return list(reply["evicted"])
+    return reply.payload["evicted"]
 
 
 def _patched_text(s: dict[str, Any]) -> str:

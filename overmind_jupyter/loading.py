@@ -29,6 +29,7 @@ from kernel_server import settings as declared
 from kernel_server.client import ANSWER_TIMEOUT, Client, Response, shared_client
 from kernel_server.errors import DaemonError, DaemonLost, RemoteError
 from kernel_server.operations import Op
+from kernel_server.payloads import LookupReply
 from kernel_server.transport import close_fds
 
 from . import dynamic_modules, keys, notices, progress, randomness, results, threads
@@ -301,7 +302,7 @@ def _mark_random(client: Client, ck: keys.CallKey, state: tuple[Any, ...], drawn
     return keyed if reply["status"] == "load" else None
 
 
-def _release_hit(client: Client, reply: Response) -> None:
+def _release_hit(client: Client, reply: Response[LookupReply]) -> None:
     """A hit that this process will not map (a marker's) pinned its entries and sent their descriptors:
     give both back now."""
     reply.close()
@@ -346,7 +347,7 @@ def _label(fn: Callable[..., Any]) -> str:
     return f"{keys.owner_name(fn)[1]}(...)"
 
 
-def _from_hit(client: Client, ck: keys.CallKey, reply: Response, replay: Replay,
+def _from_hit(client: Client, ck: keys.CallKey, reply: Response[LookupReply], replay: Replay,
               reuse: dict[tuple[str, int, int, str], Any]) -> Any:
     from . import rebuild
 
@@ -460,7 +461,7 @@ def _evict_quietly(client: Client, key: str) -> None:
 
 # -- the daemon ------------------------------------------------------------------------------------------
 
-def _lookup(key: str) -> tuple[Client, Response]:
+def _lookup(key: str) -> tuple[Client, Response[LookupReply]]:
     """Ask the daemon for `key` (waiting while another kernel loads it). When the connection breaks
     (the daemon was killed since the last request, or while we waited for another kernel's load), ask
     once more: the shared client starts the next daemon, and the load is cached there instead of

@@ -4,7 +4,9 @@ reply "bad_request" naming the operation and the field, and the daemon keeps ser
 
 from __future__ import annotations
 
-from typing import Any
+import sys
+import typing
+from typing import Any, Literal
 
 import pytest
 
@@ -62,6 +64,22 @@ def test_every_operation_declares_its_payloads_and_the_examples_fit_them() -> No
         check(PAYLOADS[op].request, payload, op.value)
     fieldless = {op for op in Op if not PAYLOADS[op].request.__annotations__}
     assert fieldless == set(Op) - set(VALID), "VALID has an example of every operation that has fields"
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="typing.get_overloads is Python 3.11's")
+def test_the_client_types_each_reply_as_the_operations_table_declares() -> None:
+    typed: dict[Op, Any] = {}
+    for overload in typing.get_overloads(Client.request):
+        hints = typing.get_type_hints(overload)
+        if typing.get_origin(hints["op"]) is Literal:
+            for op in typing.get_args(hints["op"]):
+                typed[op] = typing.get_args(hints["return"])[0]
+    assert typed == {op: PAYLOADS[op].reply for op in Op}
+
+
+def test_a_reply_carries_its_fields_without_the_frames_id_and_ok(daemon: Client) -> None:
+    assert set(daemon.request(Op.PING).payload) == {"pong"}
+    assert set(daemon.request(Op.EVICT, all=True).payload) == {"evicted"}
 
 
 def test_the_check_names_the_field_and_what_it_must_be() -> None:

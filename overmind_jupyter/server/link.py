@@ -58,7 +58,7 @@ class DaemonLink:
         client = self._client
         return None if client is None or client.closed else client.conn_id
 
-    def request(self, op: str, **fields: Any) -> Response:
+    def request(self, op: str, **fields: Any) -> Response[Any]:
         """Send `op` to the daemon and return its answer; a daemon that restarted since the last call
         is reached again once.
 

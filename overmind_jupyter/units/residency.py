@@ -31,9 +31,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kernel_server import settings
-from kernel_server.client import Client, shared_client
+from kernel_server.client import Client, Response, shared_client
 from kernel_server.errors import DaemonError, RemoteError
 from kernel_server.operations import Op
+from kernel_server.payloads import Grant
 
 from .._lazy import lazy_instance
 from ._errors import (
@@ -166,13 +167,11 @@ class Residency:
     def state(self) -> dict[str, Any]:
         client, devices = self._bind()
         try:
-            snap = dict(client.request(Op.UNITS_STATE, timeout=30).payload)
+            snap = client.request(Op.UNITS_STATE, timeout=30).payload
         except RemoteError as exc:
             raise _units_error(exc) from None
         except DaemonError as exc:
             raise UnitsError(f"cannot read the units ledger: {exc}") from exc
-        snap.pop("id", None)
-        snap.pop("ok", None)
         here = {d.id: d.name for d in devices}
         with self._lock:
             mine = dict(self._by_holding)
@@ -313,7 +312,8 @@ class Residency:
         except DaemonError as exc:
             raise UnitsError(f"cannot ask the daemon for units: {exc}") from exc
         try:
-            reply = client.wait(request_id, fut, None if daemon_timeout is None else daemon_timeout + _GRACE)
+            reply: Response[Grant] = client.wait(request_id, fut,
+                                                 None if daemon_timeout is None else daemon_timeout + _GRACE)
         except RemoteError as exc:
             raise _units_error(exc) from None
         except BaseException as exc:  # interrupted, or no answer: withdraw, and give back what may come
