@@ -2,7 +2,7 @@
 of this server process, and the handle on a kernel forked from one.
 
 A `Spare` starts `zygote.py` with the kernel's interpreter, environment and working directory and talks
-to it over a socket pair (Note [Spare wire format] in `zygote.py`). The registry (`spare_for`, `revive`,
+to it over a socket pair (the wire format in `zygote.py`'s docstring). The registry (`spare_for`, `revive`,
 `stop_spares`, `describe_spares`) keys spares by kernelspec, interpreter and preload list; a spare whose
 environment no longer matches the kernel's, or whose preloaded modules changed on disk, is replaced, one
 that died is replaced, one that failed to import stays failed (kernels then start plainly) until `stop_spares()`.
@@ -33,10 +33,13 @@ from .zygote import MAX_MESSAGE, PROTOCOL, expand_preload
 __all__ = ["PER_KERNEL_ENV", "ForkedKernel", "Spare", "SpareKey", "SpareUnavailable", "describe_spares", "revive",
            "spare_for", "stop_spares"]
 
-# Note [Per-kernel environment] (see also zygote.py): these variables differ from one kernel to the next
-# by design (jupyter_server and jupyter_client set them per kernel). A spare is started without them and
-# every kernel gets them from its own launch; any other difference between a kernel's environment and its
-# spare's means the preloaded modules saw a different environment, so the spare is replaced.
+# Note [Per-kernel environment]
+# Each kernel a spare forks gets its own whole environment, the one its launch asked for (`become_kernel`
+# in zygote.py); what the preloaded modules did to os.environ while they were imported is replayed on top
+# of it, as if they had been imported there. These variables differ from one kernel to the next by design
+# (jupyter_server and jupyter_client set them per kernel): a spare is started without them and every kernel
+# gets them from its own launch. Any other difference between a kernel's environment and its spare's means
+# the preloaded modules saw a different environment, so the spare is replaced.
 PER_KERNEL_ENV = ("JPY_SESSION_NAME", "JPY_PARENT_PID", "JPY_INTERRUPT_EVENT", "IPY_INTERRUPT_EVENT", "KERNEL_ID")
 
 _log = logging.getLogger(__name__)

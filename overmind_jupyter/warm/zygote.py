@@ -7,7 +7,7 @@ waits. On a "fork" request it forks; the child becomes the kernel (see `become_k
 on waiting. Beyond the standard library it imports only what every kernel would (ipykernel's machinery,
 the preload list, this package's extension): whatever it imports, every kernel inherits.
 
-Wire format (Note [Spare wire format]). One Unix SOCK_SEQPACKET socket pair; the spare holds fd N.
+Wire format. One Unix SOCK_SEQPACKET socket pair; the spare holds fd N.
 - A message MUST be one datagram holding one UTF-8 JSON object with a string `kind`; file descriptors
   MAY ride on it as SCM_RIGHTS. At most `MAX_MESSAGE` bytes.
 - The spare MUST send exactly one of these first, unasked, when its imports are done:
@@ -71,7 +71,7 @@ CORE = {
 # What a kernel imports before it answers its first request (15 modules beyond those below were left to each
 # forked kernel), so a forked kernel only runs ipykernel_launcher's own few lines. `ipykernel.kernelapp` reads
 # JPY_PARENT_PID and JPY_INTERRUPT_EVENT into trait defaults at import time; those belong to each kernel
-# (Note [Per-kernel environment]), so `become_kernel` sets them from the kernel's own environment.
+# (Note [Per-kernel environment] in spares.py), so `become_kernel` sets them from the kernel's own environment.
 KERNEL_MACHINERY = ("zmq", "tornado.ioloop", "tornado.platform.asyncio", "jupyter_client.session",
                     "jupyter_client.connect", "IPython.core.application", "IPython.core.profiledir",
                     "IPython.core.shellapp", "IPython.core.debugger", "IPython.core.oinspect",
@@ -131,15 +131,15 @@ def _import(name: str) -> None:
         getattr(importlib.import_module(parent), attr)
 
 
+# Note [Fork safety]
+# A process may be forked only while it has one thread and has not initialised a device driver: a Python
+# thread started at import does not exist in the forked kernels (its module then silently misbehaves), and
+# a CUDA context does not survive fork. Torch is safe to fork after import and before its first operation
+# (measured here: after any operation the forked children hung), so this process runs none. Each module is
+# checked right after its import, so the error names the culprit.
 def preload(names: list[str]) -> list[str]:
     """Import the kernel machinery and `names`; raise `ImportRefused` naming the module that failed or
-    that made forking unsafe. Returns the modules imported.
-
-    Note [Fork safety]: a process may be forked only while it has one thread and has not initialised a
-    device driver: a Python thread started at import does not exist in the forked kernels (its module then
-    silently misbehaves), and a CUDA context does not survive fork. Torch is safe to fork after import and
-    before its first operation (measured here: after any operation the forked children hung), so this
-    process runs none. Each module is checked right after its import, so the error names the culprit.
+    that made forking unsafe (see Note [Fork safety]). Returns the modules imported.
     """
     for name in KERNEL_MACHINERY:
         try:
@@ -341,15 +341,15 @@ class _Spare:
         return None
 
 
+# Note [Kernel lifetime]
+# A plain kernel is the Jupyter server's child and ipykernel's poller exits it when its parent changes. A
+# forked kernel is the spare's child, so that poller would either watch the spare (a spare killed or
+# replaced would take running kernels with it) or nothing. `ServerPoller` watches the server itself
+# (`JPY_PARENT_PID`, opened as a pidfd when the kernel was forked, so a reused pid cannot fool it) and
+# exits the same way: the same log line, `os._exit(1)`.
 class ServerPoller(threading.Thread):
-    """Stands in for ipykernel's `ParentPollerUnix` in a forked kernel (Note [Kernel lifetime]).
-
-    Note [Kernel lifetime]: a plain kernel is the Jupyter server's child and ipykernel's poller exits it
-    when its parent changes. A forked kernel is the spare's child, so that poller would either watch the
-    spare (a spare killed or replaced would take running kernels with it) or nothing. This poller watches
-    the server itself (`JPY_PARENT_PID`, opened as a pidfd when the kernel was forked, so a reused pid
-    cannot fool it) and exits the same way: the same log line, `os._exit(1)`.
-    """
+    """Stands in for ipykernel's `ParentPollerUnix` in a forked kernel: exits it when the Jupyter server
+    exits (see Note [Kernel lifetime])."""
 
     pidfd: int | None = None  # opened by `become_kernel`
 
@@ -388,15 +388,18 @@ def _reseed() -> None:
         torch.default_generator.seed()
 
 
+# Note [Finalizers of the spare]
+# `weakref.finalize(obj, ..., atexit=True)` callbacks that exist at the fork were registered by the spare's
+# imports, for the spare's objects: torch registers one per operator library (176 with transformers), and
+# running them at a kernel's exit took 60 ms of the 100 ms of its exit handlers (measured here), only to
+# unregister operators from torch's dispatcher in a process about to end. What such a callback cleans up
+# outside the process (a temporary directory an import made) is the spare's, still in use by the spare and
+# its other kernels, so a kernel must not run it either. The kernel leaves them to the spare: they no
+# longer run at its exit; they still run if their object dies while the kernel runs, and the finalizers
+# the kernel makes itself run at its exit as usual.
 def _leave_the_spares_finalizers() -> None:
-    """Note [Finalizers of the spare]: `weakref.finalize(obj, ..., atexit=True)` callbacks that exist at
-    the fork were registered by the spare's imports, for the spare's objects: torch registers one per
-    operator library (176 with transformers), and running them at a kernel's exit took 60 ms of the 100 ms
-    of its exit handlers (measured here), only to unregister operators from torch's dispatcher in a process
-    about to end. What such a callback cleans up outside the process (a temporary directory an import
-    made) is the spare's, still in use by the spare and its other kernels, so a kernel must not run it
-    either. The kernel leaves them to the spare: they no longer run at its exit; they still run if their
-    object dies while the kernel runs, and the finalizers the kernel makes itself run at its exit as usual."""
+    """Leave the finalizers that exist at the fork to the spare: none runs at this kernel's exit (see
+    Note [Finalizers of the spare])."""
     import weakref
 
     for finalizer in list(getattr(weakref.finalize, "_registry", {})):
@@ -412,22 +415,25 @@ def _can_start_ahead() -> bool:
         callable(getattr(app, name, None)) for name in ("_try_bind_socket", "init_heartbeat", "init_extensions"))
 
 
+# Note [Kernels started ahead]
+# A restart of a warm kernel used to wait for the next kernel's fork and for its whole start (ipykernel's
+# configuration, sockets, IPython's shell and history database: about 0.1 s of CPU) after the old kernel
+# had exited, because the ports the new kernel binds are the old one's. A kernel started ahead is forked
+# while the current kernel runs, with the argv, environment, working directory and connection file of the
+# current start, and builds everything of ipykernel's app that does not need the ports: configuration,
+# sockets created but not bound, threads, kernel, shell. Then, before anything of the user's runs (the
+# extensions and startup code of IPython's configuration, which may hold a GPU or a lock, run only at the
+# restart, as in a plain kernel), it waits on `go`. At the restart the provisioner checks that the start
+# asks for exactly the same (else it discards it and forks a kernel as before); the spare writes to `go`,
+# and the kernel binds its ports, starts its heartbeat, writes to `bound` (what the provisioner waits for:
+# Note [Launched means listening] in provisioner.py), runs the extensions and startup code, and answers.
+# EOF on `go` (discarded, or the spare or the server is gone) ends it at once: it bound nothing and ran
+# nothing of the user's. It is a new process, forked before the restart was asked for: its pid, random
+# state and IPython history session are its own; only its start time (and its history session's) is
+# earlier.
 def _bind_when_started(app_class: Any, go: socket.socket, bound: int) -> None:
-    """Note [Kernels started ahead]: a restart of a warm kernel used to wait for the next kernel's fork and
-    for its whole start (ipykernel's configuration, sockets, IPython's shell and history database: about
-    0.1 s of CPU) after the old kernel had exited, because the ports the new kernel binds are the old
-    one's. A kernel started ahead is forked while the current kernel runs, with the argv, environment,
-    working directory and connection file of the current start, and builds everything of ipykernel's app
-    that does not need the ports: configuration, sockets created but not bound, threads, kernel, shell.
-    Then, before anything of the user's runs (the extensions and startup code of IPython's configuration,
-    which may hold a GPU or a lock, run only at the restart, as in a plain kernel), it waits on `go`. At
-    the restart the provisioner checks that the start asks for exactly the same (else it discards it and
-    forks a kernel as before); the spare writes to `go`, and the kernel binds its ports, starts its
-    heartbeat, writes to `bound` (what the provisioner waits for: Note [Launched means listening]), runs the
-    extensions and startup code, and answers. EOF on `go` (discarded, or the spare or
-    the server is gone) ends it at once: it bound nothing and ran nothing of the user's. It is a new
-    process, forked before the restart was asked for: its pid, random state and IPython history session
-    are its own; only its start time (and its history session's) is earlier.
+    """Hold back the binds of `app_class` (ipykernel's app) until the spare writes to `go`, then bind, write
+    to `bound` and run on; EOF on `go` exits (see Note [Kernels started ahead]).
 
     This patches the app class of this process only (the kernel's own copy of ipykernel, from the spare).
     """
@@ -488,7 +494,7 @@ def become_kernel(plan: dict[str, Any], cwd_entry: bool) -> None:
 
     The kernel gets exactly what `Popen(argv, env=env, cwd=cwd, start_new_session=True)` would give it:
     its own session and process group (interrupts go to the group), the three stdio fds, the working
-    directory, the whole environment (Note [Per-kernel environment]), `sys.path[0]` and `sys.argv` as
+    directory, the whole environment (Note [Per-kernel environment] in spares.py), `sys.path[0]` and `sys.argv` as
     `python -m module` sets them, and fresh random seeds.
     """
     os.setsid()
@@ -562,8 +568,8 @@ def main(argv: list[str] | None = None) -> int:
         _send(sock, {"kind": "failed", "version": PROTOCOL, "error": str(exc), "module": exc.module,
                      "trace": traceback.format_exc(limit=-3)})
         return 3
-    # Note [Per-kernel environment]: each kernel gets its own whole environment. What the preloaded
-    # modules did to os.environ while importing is replayed on top of it, as if they had been imported there.
+    # What the preloaded modules did to os.environ while importing, replayed on top of each kernel's own
+    # environment (see Note [Per-kernel environment] in spares.py).
     changed = {k: v for k, v in os.environ.items() if env_before.get(k) != v}
     removed = [k for k in env_before if k not in os.environ]
     # Note [Frozen imports]: what the imports allocated moves to the collector's permanent generation, as
@@ -643,16 +649,20 @@ def _close_written_files() -> None:
             continue
 
 
+# Note [Fast exit]
+# A kernel that has imported torch and transformers spends about a second in interpreter finalization
+# (measured here: 1.06 s for `import torch, transformers.modeling_utils` then exit, 0.04 s with `os._exit`
+# after the atexit handlers), and a restart waits for it. A forked kernel instead joins its non-daemon
+# threads, runs the atexit handlers, closes the file objects still open (flushing what was buffered, as
+# their finalizers would), flushes stdio and calls `os._exit`. What it skips is what Python does not
+# promise to run at exit anyway: `__del__` of objects still alive. `WarmProvisioner.fast_exit = False`
+# restores the full shutdown.
 def fast_exit(code: int) -> None:
-    """End a forked kernel the way interpreter shutdown begins, then skip tearing down its modules.
+    """End a forked kernel the way interpreter shutdown begins, then skip tearing down its modules (see
+    Note [Fast exit]).
 
-    Note [Fast exit]: a kernel that has imported torch and transformers spends about a second in
-    interpreter finalization (measured here: 1.06 s for `import torch, transformers.modeling_utils` then
-    exit, 0.04 s with `os._exit` after the atexit handlers), and a restart waits for it. A forked kernel
-    instead joins its non-daemon threads, runs the atexit handlers, closes the file objects still open
-    (flushing what was buffered, as their finalizers would), flushes stdio and calls `os._exit`. What it
-    skips is what Python does not promise to run at exit anyway: `__del__` of objects still alive.
-    `WarmProvisioner.fast_exit = False` restores the full shutdown.
+    Args:
+        code: the exit status.
     """
     import atexit
 
