@@ -64,11 +64,11 @@ class Overmind(Configurable):
     def apply(self) -> None:
         """Hand the settings to the cached call, and write each that config changed into this process's
         environment, where the daemon and preload workers this kernel starts, and the units calls, read it."""
-        from .loading import settings
+        from .loading import options
 
-        settings.wait_timeout = self.wait_timeout
-        settings.backing = self.arena
-        settings.populate = self.populate
+        options.wait_timeout = self.wait_timeout
+        options.backing = self.arena
+        options.populate = self.populate
         for setting in declared.SETTINGS:
             if setting.read_by != "server":
                 value = getattr(self, setting.name)

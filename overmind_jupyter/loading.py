@@ -52,29 +52,30 @@ if TYPE_CHECKING:
     from .staging import Stage
 
 __all__ = [
-    "Settings",
+    "LoadOptions",
     "cached",
     "calls",
     "clear_fallbacks",
     "fallbacks",
     "flush_warnings",
+    "options",
     "patched_call",
     "result_key",
-    "settings",
 ]
 
 
 @dataclass
-class Settings:
-    """How the cached call behaves: from the environment (kernel_server/settings.py), then from
-    `overmind_jupyter.config` when the extension loads."""
+class LoadOptions:
+    """The options of the cached call: this process's values of the settings `wait_timeout`, `arena` (as
+    `backing`) and `populate` (kernel_server/settings.py says what each means), read from the environment,
+    then set from `overmind_jupyter.config` when the extension loads."""
 
     wait_timeout: float = field(default_factory=lambda: declared.get(declared.WAIT_TIMEOUT))
     backing: str = field(default_factory=lambda: declared.get(declared.ARENA))
     populate: bool = field(default_factory=lambda: declared.get(declared.POPULATE))
 
 
-settings = Settings()
+options = LoadOptions()
 
 
 def flush_warnings() -> None:
@@ -329,7 +330,7 @@ def _publish(client: Client, ck: keys.CallKey, obj: Any, replay: Replay, random_
         meta["devices"] = devices
     try:
         with progress.loading(client, ck.key, ck.label):  # the copy reports too (Note [Load progress])
-            publishing.publish(client, ck.key, ck.label, meta, packed, backing=settings.backing,
+            publishing.publish(client, ck.key, ck.label, meta, packed, backing=options.backing,
                                watch=[path for path, _, _ in ck.sources if os.path.isabs(path)],
                                unpin=lambda key: results.unpin(client, key), stage=stage)
     except PublishError as exc:
@@ -389,7 +390,7 @@ def _from_hit(client: Client, ck: keys.CallKey, reply: Response[LookupReply], re
         born_old = _born_old()
         with rebuild.gc_paused():
             rebuilt = rebuild.rebuild(graph, arenas, ck.key, on_unmap=unpin,
-                                      populate=settings.populate and threads.allowed(),  # Note [Helper threads]
+                                      populate=options.populate and threads.allowed(),  # Note [Helper threads]
                                       arguments=replay.paths, reuse=reuse)
             if born_old:
                 gc.freeze()  # Note [Old at birth]: every tracked object to the oldest generation,
@@ -473,7 +474,7 @@ def _lookup(key: str) -> tuple[Client, Response[LookupReply]]:
             if _born_old():
                 gc.collect(1)  # while the daemon answers (Note [Old at birth])
             # a long wait for another kernel's load, a short one for the daemon (Note [Two kinds of waiting])
-            return client, client.wait_alive(*request, settings.wait_timeout)
+            return client, client.wait_alive(*request, options.wait_timeout)
         except DaemonLost:
             if attempt == 2:
                 raise

@@ -275,7 +275,7 @@ FULL_DISK_KERNEL = """
     out["fallbacks"] = [f["kind"] for f in loading.fallbacks()]
     out["reasons"] = [f["reason"] for f in loading.fallbacks()]
     if {memfd_seed}:
-        loading.settings.backing = "memfd"      # shared memory, not the disk
+        loading.options.backing = "memfd"      # shared memory, not the disk
         out["memfd"] = load({memfd_seed}, 32)
         out["memfd_again"] = load({memfd_seed}, 32)
     print(json.dumps(out))

@@ -326,7 +326,7 @@ def test_auto_backing_takes_a_disk_file_and_a_memfd_on_tmpfs(overmind_home: Path
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """Note [Arena backing]: "auto" puts arenas in a file when their directory is on a disk filesystem,
     in a memfd when it is a tmpfs (where a file would be shmem anyway, under a size limit)."""
-    monkeypatch.setattr(loading.settings, "backing", "auto")
+    monkeypatch.setattr(loading.options, "backing", "auto")
     shm = Path(tempfile.mkdtemp(prefix="om-arenas-", dir="/dev/shm"))
     disk = Path(tempfile.mkdtemp(prefix="om-arenas-", dir=Path.home()))
     try:

@@ -50,8 +50,8 @@ LOAD_EXT = """
     import overmind_jupyter
     from overmind_jupyter import loading
     print(json.dumps({{"warnings": [str(w.message) for w in caught], "enabled": overmind_jupyter.is_enabled(),
-                      "wait_timeout": loading.settings.wait_timeout, "backing": loading.settings.backing,
-                      "populate": loading.settings.populate, "out": out}}))
+                      "wait_timeout": loading.options.wait_timeout, "backing": loading.options.backing,
+                      "populate": loading.options.populate, "out": out}}))
 """
 
 
