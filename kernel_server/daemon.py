@@ -89,6 +89,12 @@ class Connection:
         finally:
             close_fds(fds or [])
 
+    def stop_sending(self) -> None:
+        """Send nothing more on this connection: a send under way ends first, and every later one (a
+        lookup answered after the client went, a push) returns False, its descriptors closed."""
+        with self._send_lock:
+            self.alive = False
+
     def reply(self, request_id: int, reply: Reply[Any]) -> bool:
         return self.send(FrameKind.REPLY, {"id": request_id, "ok": True, **reply.payload}, reply.fds)
 
@@ -102,6 +108,17 @@ class Connection:
 
 
 class Daemon:
+    """The daemon of one state directory: serves the kernels that connect to the socket `serve` listens on,
+    each on a thread of its own that checks its requests and dispatches them to `handlers` (the store's, the
+    units ledger's and its own), and releases what a connection held when it ends (docs/design.md invariant
+    5). `run` makes one and serves until a signal or a "shutdown" request stops it.
+
+    Args:
+        home: the state directory (OVERMIND_HOME), named in replies and errors; file arenas live there when
+            it is on a disk and `arena_dir` is not set (arena.arena_directory).
+        budget: the bytes the store may hold; the `budget` setting when None.
+    """
+
     def __init__(self, home: Path, budget: int | None = None) -> None:
         self.home = home
         directory = arena.arena_directory(home)
@@ -217,8 +234,7 @@ class Daemon:
             with self._lock:
                 self._conns.pop(conn.id, None)
                 self.store.descriptors.connections = len(self._conns)
-            with conn._send_lock:
-                conn.alive = False
+            conn.stop_sending()
             self._release(conn)
             try:
                 sock.close()
