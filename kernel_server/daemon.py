@@ -260,11 +260,7 @@ class Daemon:
             request_id = frame.payload.get("id")
             try:
                 if frame.version != PROTOCOL_VERSION:
-                    raise RemoteError(
-                        "protocol_mismatch",
-                        f"daemon at {self.home} speaks protocol {PROTOCOL_VERSION}, this client "
-                        f"{frame.version}: run `overmind-daemon stop` and let the client start a new one",
-                    )
+                    raise self._protocol_mismatch(frame.version)
                 if frame.kind != FrameKind.REQUEST:
                     raise RemoteError("bad_frame", f"clients send requests, not {frame.kind.name.lower()}s")
                 if not isinstance(request_id, int) or isinstance(request_id, bool):
@@ -323,6 +319,13 @@ class Daemon:
         self.compactor.stop()
         self.store.close()
 
+    def _protocol_mismatch(self, version: int) -> RemoteError:
+        """The error a client that speaks protocol `version` gets (at hello, or in a frame's header), with
+        the fix; the client raises it as ProtocolMismatch."""
+        return RemoteError("protocol_mismatch", f"daemon at {self.home} speaks protocol {PROTOCOL_VERSION}, this "
+                                                f"client {version}: run `overmind-daemon stop` and let the client "
+                                                "start a new one")
+
     def kernel_of(self, conn_id: int) -> dict[str, Any]:
         conn = self._conns.get(conn_id)
         return conn.describe() if conn else {"conn": conn_id, "pid": None, "role": "gone", "label": ""}
@@ -330,13 +333,8 @@ class Daemon:
     # -- handlers -----------------------------------------------------------------------------
 
     def hello(self, conn: Peer, req: Request[HelloRequest]) -> Reply[HelloReply]:
-        version = req.payload["protocol"]
-        if version != PROTOCOL_VERSION:
-            raise RemoteError(
-                "protocol_mismatch",
-                f"daemon at {self.home} speaks protocol {PROTOCOL_VERSION}, this client {version}: "
-                "run `overmind-daemon stop` and let the client start a new one",
-            )
+        if req.payload["protocol"] != PROTOCOL_VERSION:
+            raise self._protocol_mismatch(req.payload["protocol"])
         assert isinstance(conn, Connection)  # the daemon's own handler: it names the connection
         conn.role = req.payload.get("role", "kernel")[:32]
         conn.label = req.payload.get("label", "")[:1024]  # a notebook's path
