@@ -1,4 +1,5 @@
-"""`%overmind`: a thin line magic over the functions of api.py."""
+"""`%overmind`: a thin line magic over the functions of api.py. Its docstring is its manual, as IPython's
+own magics' are: `%overmind?` shows it."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from .errors import DaemonError, OvermindError, RemoteError
 
 __all__ = ["OvermindMagics"]
 
+SUBCOMMANDS = ("on", "off", "status", "evict", "units", "adapters")  # each with a line of the manual
+
 
 @magics_class
 class OvermindMagics(Magics):
@@ -22,9 +25,7 @@ class OvermindMagics(Magics):
         self.session = session
 
     @magic_arguments()
-    @argument("command", choices=["on", "off", "status", "evict", "units", "adapters"],
-              help="on: cache from_pretrained; off: restore it; status: the cache; evict KEY|--all; "
-                   "units: GPU units; adapters VAR: the adapter panel of the model in VAR")
+    @argument("command", choices=SUBCOMMANDS, help="what to do (the subcommands above)")
     @argument("target", nargs="?", help="the KEY (or a unique prefix) for evict; the variable for adapters")
     @argument("--all", action="store_true", help="evict every entry")
     @argument("--json", action="store_true", help="print status or units as JSON")
@@ -32,7 +33,35 @@ class OvermindMagics(Magics):
               help="adapters: the variable holding the tokenizer of the prompt box")
     @line_magic
     def overmind(self, line: str) -> Any:
-        """Control the overmind cache of from_pretrained (see `%overmind?`)."""
+        """The overmind cache of `from_pretrained` in this kernel: turn it on and off, look at it, evict
+        from it, and look at the GPU units and at a PEFT model's adapters.
+
+        Subcommands:
+          on                  cache from_pretrained of transformers, diffusers and peft (libraries
+                              imported later too); start the daemon if none runs
+          off                 restore every patched loader exactly
+          status [--json]     the cache: entries, hits, kernels using them, loads in flight, budget,
+                              GPU units, and every call that fell back with its reason
+          evict KEY | --all   evict the entry KEY (or a unique prefix of it), or every entry; kernels
+                              using an evicted model keep it
+          units [--json]      GPU units per device: capacity, and each holder (kernel, model, units)
+          adapters VAR [--tokenizer TOKVAR]
+                              the adapter panel of the PEFT model in VAR: switch the default, mix
+                              adapters, compare outputs (TOKVAR: the tokenizer of its prompt box)
+
+        In a notebook status, units and adapters show a live widget; in a terminal they print text, and
+        with --json the state as JSON.
+
+        Examples::
+
+            %overmind on
+            %overmind status
+            %overmind evict 3fa9c2
+            %overmind evict --all
+            %overmind units --json
+            %overmind adapters model --tokenizer tokenizer
+            %overmind off
+        """
         args = parse_argstring(self.overmind, line)
         from . import api
 

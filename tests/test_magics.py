@@ -1,0 +1,16 @@
+"""`%overmind?` is the magic's manual, as IPython's own magics' docstrings are theirs (overmind_jupyter/magics.py):
+every subcommand with a line of its own and an example, above the arguments magic_arguments lists."""
+
+from __future__ import annotations
+
+import re
+
+from overmind_jupyter.magics import SUBCOMMANDS, OvermindMagics
+
+
+def test_the_magic_s_docstring_is_its_manual() -> None:
+    manual = OvermindMagics.overmind.__doc__ or ""
+    for command in SUBCOMMANDS:
+        assert re.search(rf"^  {command}\b.*\S", manual, re.M), f"the manual has a line for {command}"
+        assert re.search(rf"^ +%overmind {command}\b", manual, re.M), f"the manual has an example of {command}"
+    assert "positional arguments" in manual, "magic_arguments' list of the arguments follows it"
