@@ -43,6 +43,9 @@ class _Declared(TraitType[Any, Any]):
 class Overmind(Configurable):
     """Settings of the overmind_jupyter extension (README, "Settings")."""
 
+    # A trait for each setting not read by the server alone, named by hand: traits made in a loop over
+    # declared.SETTINGS would be unknown to mypy, which checks `config.wait_timeout` and the rest where
+    # they are read (tests/test_settings.py checks that the two lists agree).
     enabled = _Declared(declared.ENABLED)
     home = _Declared(declared.HOME)
     budget = _Declared(declared.BUDGET)

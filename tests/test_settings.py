@@ -74,6 +74,15 @@ def test_every_setting_is_declared_once_and_readme_lists_them_all() -> None:
     assert used <= set(envs), f"variables read but not declared: {sorted(used - set(envs))}"
 
 
+def test_the_configurable_has_a_trait_for_each_setting_a_kernel_reads_or_hands_on() -> None:
+    from overmind_jupyter.config import Overmind
+
+    traits = Overmind.class_traits(config=True)
+    declared = {s.name: s for s in settings.SETTINGS if s.read_by != "server"}
+    assert set(traits) == set(declared)
+    assert all(trait.setting is declared[name] for name, trait in traits.items()), "each made from its own setting"
+
+
 def test_every_bad_value_is_named_with_an_example_and_the_extension_still_loads(overmind_home: Path) -> None:
     """All twelve at once: `%load_ext` succeeds, each gives its own message (variable, value, example),
     and the cache stays off (`OVERMIND_ENABLED=maybe` is not a yes)."""
