@@ -222,7 +222,7 @@ def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
         return fn(*args, **kwargs)
     from . import staging
 
-    with staging.staged(client, ck.key, client.home, settings.backing) as stage:  # Note [Staged conversions]
+    with staging.staged(client, ck.key, client.home, options.backing) as stage:  # Note [Staged conversions]
         return _miss(client, ck, fn, args, kwargs, replay, device, stage)
 
 
