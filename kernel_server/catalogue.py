@@ -57,8 +57,8 @@ from typing import Any, Generic, NamedTuple, TypeVar
 
 from . import arena
 
-__all__ = ["LABEL_CHARS", "LS_PAGE", "MAX_LISTED", "REPLY_ENTRY_BYTES", "STATUS_ENTRIES", "Catalogue", "ConnId",
-           "Entry", "Usage"]
+__all__ = ["EVICTED_DESCRIBED", "LABEL_CHARS", "LS_PAGE", "MAX_LISTED", "REPLY_ENTRY_BYTES", "STATUS_ENTRIES",
+           "Catalogue", "ConnId", "Entry", "Usage"]
 
 ConnId = int
 T = TypeVar("T", str, tuple[int, float, str])
@@ -67,7 +67,8 @@ STATUS_ENTRIES = 50  # entries a status reply carries unless its request says (N
 LS_PAGE = 500  # entries an `ls` page holds unless its request says
 MAX_LISTED = 1000  # the most either request may ask for
 REPLY_ENTRY_BYTES = 512 * 1024  # JSON of described entries one reply carries at most
-LABEL_CHARS = 512  # of a hit's label in status's hits_log
+LABEL_CHARS = 512  # of a hit's label in status's hits_log, and of an evicted entry's in evict's reply
+EVICTED_DESCRIBED = 50  # the evicted entries an evict's reply names (it lists every key)
 
 
 class Usage(NamedTuple):

@@ -15,7 +15,7 @@ from typing import Any
 from . import lifecycle
 from .client import Client
 from .errors import DaemonError, RemoteError
-from .formats import byte_text, disk_text, kernel_name, pending_text, progress_text
+from .formats import byte_text, disk_text, evicted_text, kernel_name, pending_text, progress_text
 from .operations import Op
 
 __all__ = ["main"]
@@ -145,7 +145,7 @@ def _evict(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"evicted": reply["evicted"]}))
     else:
-        print(f"evicted {len(reply['evicted'])} entr{'y' if len(reply['evicted']) == 1 else 'ies'}")
+        print(evicted_text(reply.payload))
     return 0
 
 

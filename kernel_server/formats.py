@@ -22,8 +22,8 @@ import os
 import time
 from typing import Any
 
-__all__ = ["JS", "ago_text", "byte_text", "eta_text", "kernel_name", "pending_text", "percent", "progress_text",
-           "seconds_text"]
+__all__ = ["JS", "ago_text", "byte_text", "eta_text", "evicted_text", "kernel_name", "pending_text", "percent",
+           "progress_text", "seconds_text"]
 
 _BYTE_UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB")
 # (below this many seconds, divide by this, unit): the last step takes everything above
@@ -108,6 +108,28 @@ def pending_text(pending: dict[str, Any]) -> str:
         return "served from its checkpoint; copy queued"
     left = eta_text(pending.get("eta"))
     return f"copying from its checkpoint: {percent(pending['done'], pending['bytes'])}%" + (f", {left}" if left else "")
+
+
+def evicted_text(reply: dict[str, Any]) -> str:
+    """An evict's reply as text: how many entries went and their bytes, then a line per entry as
+    `%overmind status` shows it (its key's first 12 characters, its label, its size).
+
+    Args:
+        reply: the daemon's reply to evict: `evicted` (keys), and from this version on `entries` (the first
+            of them, each `key`, `label`, `bytes`) and `bytes` (of all of them).
+    """
+    keys = list(reply.get("evicted") or [])
+    entries = list(reply.get("entries") or [{"key": k, "label": "", "bytes": None} for k in keys])
+    head = f"evicted {len(keys)} entr{'y' if len(keys) == 1 else 'ies'}"
+    if reply.get("bytes") is not None and keys:
+        head += f" ({byte_text(reply['bytes'])})"
+    lines = [head + (":" if keys else "")]
+    for e in entries:
+        size = "" if e.get("bytes") is None else f"  {byte_text(e['bytes'])}"
+        lines.append(f"  {str(e['key'])[:12]}  {e.get('label') or '(no label)'}{size}")
+    if len(keys) > len(entries):
+        lines.append(f"  ... and {len(keys) - len(entries)} more")
+    return "\n".join(lines)
 
 
 def kernel_name(kernel: dict[str, Any]) -> tuple[str, str]:

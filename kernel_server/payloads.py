@@ -249,8 +249,18 @@ class CancelReply(TypedDict):
     cancelled: bool
 
 
+class EvictedEntry(TypedDict):
+    key: str
+    label: str  # its meta's label, cut at catalogue.LABEL_CHARS
+    bytes: int
+
+
 class EvictedReply(TypedDict):
-    evicted: list[str]
+    evicted: list[str]  # the keys, in the order they went
+    # an explicit evict's (not a reserve's): the first EVICTED_DESCRIBED of them as status names them, and
+    # the bytes of all of them; an older daemon sends neither
+    entries: NotRequired[list[EvictedEntry]]
+    bytes: NotRequired[int]
 
 
 class PublishReply(TypedDict):

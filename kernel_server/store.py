@@ -432,17 +432,26 @@ class Store:
             if entry is not None and entry.pins[conn] > 0:
                 self._entries.unpin(entry, conn, count)
 
-    def evict(self, key: str | None) -> list[str]:
+    def evict(self, key: str | None) -> list[dict[str, Any]]:
         """Evict one entry (and its dependents) or, with None, every entry. Explicit eviction ignores
-        pins: kernels keep their mappings, and the memory goes with the last of them."""
+        pins: kernels keep their mappings, and the memory goes with the last of them.
+
+        Returns:
+            What went, in the order it went: each `key`, `label` (its meta's, cut at LABEL_CHARS) and
+            `bytes`, so that the caller can say what it evicted (`%overmind evict`).
+        """
         with self._locked():
             keys = self._entries.by_use() if key is None else [key]
             if key is not None and key not in self._entries:
                 return []
-            evicted: list[str] = []
+            evicted: list[dict[str, Any]] = []
             for k in keys:
-                if k in self._entries:
-                    evicted += self._drop(k)
+                if k not in self._entries:
+                    continue
+                going = {e.key: e for e in (self._entries.get(d) for d in [*self._entries.dependents(k), k])
+                         if e is not None}
+                evicted += [{"key": d, "label": str(going[d].meta.get("label") or "")[:LABEL_CHARS],
+                             "bytes": going[d].nbytes} for d in self._drop(k)]
             self.stats["evicted"] += len(evicted)
             return evicted
 

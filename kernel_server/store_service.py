@@ -10,12 +10,13 @@ from collections.abc import Callable
 from typing import Any
 
 from . import arena
-from .catalogue import LS_PAGE
+from .catalogue import EVICTED_DESCRIBED, LS_PAGE
 from .compaction import Compactor
 from .errors import RemoteError
 from .operations import Handler, Op, Peer, Reply, Request
 from .payloads import (
     CancelReply,
+    EvictedEntry,
     EvictedReply,
     EvictRequest,
     HitsRequest,
@@ -138,7 +139,7 @@ class StoreService:
 
     def evict(self, conn: Peer, req: Request[EvictRequest]) -> Reply[EvictedReply]:
         if req.payload.get("all"):
-            return Reply({"evicted": self.store.evict(None)})
+            return _evicted(self.store.evict(None))
         key = req.payload.get("key")
         if key is None:
             raise RemoteError("bad_request", "evict needs the 'key' of an entry (or a prefix of it), or 'all': true")
@@ -149,7 +150,7 @@ class StoreService:
         evicted = self.store.evict(matches[0]) if matches else []
         if not evicted:
             raise RemoteError("no_entry", f"no entry {key!r}; `overmind-daemon ls` lists the keys")
-        return Reply({"evicted": evicted})
+        return _evicted(evicted)
 
 
 def _source(fd: int, raw: Source) -> arena.SourceFile:
@@ -174,6 +175,14 @@ def _check_pieces(pieces: list[list[int]], arena_bytes: int, sources: list[arena
         if offset < end or offset + nbytes > arena_bytes or file_offset + nbytes > sources[source].identity["size"]:
             raise ValueError(f"piece {piece!r} overlaps another or lies outside its arena or file")
         end = offset + nbytes
+
+
+def _evicted(evicted: list[dict[str, Any]]) -> Reply[EvictedReply]:
+    """An evict's reply: every key, the first EVICTED_DESCRIBED entries named as status names them, and the
+    bytes of all (so that `%overmind evict` says what went)."""
+    described = [EvictedEntry(key=e["key"], label=e["label"], bytes=e["bytes"]) for e in evicted[:EVICTED_DESCRIBED]]
+    return Reply(EvictedReply(evicted=[e["key"] for e in evicted], entries=described,
+                              bytes=sum(e["bytes"] for e in evicted)))
 
 
 def _lookup_reply(key: str, result: LookupResult) -> Reply[LookupReply]:

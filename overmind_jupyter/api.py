@@ -14,7 +14,7 @@ from kernel_server.operations import Op
 
 from .errors import DaemonError, FallbackWarning
 
-__all__ = ["disable", "enable", "evict", "format_status", "is_enabled", "status"]
+__all__ = ["disable", "enable", "evict", "evict_reply", "format_status", "is_enabled", "status"]
 
 _lock = threading.Lock()
 _enabled = False
@@ -90,11 +90,18 @@ def status() -> dict[str, Any]:
 def evict(key: str | None = None) -> list[str]:
     """Evict the entry `key` (or a unique prefix of it), or every entry when `key` is None. Kernels
     that use an evicted model keep it; the memory goes with the last of them. Returns evicted keys."""
+    return list(evict_reply(key)["evicted"])
+
+
+def evict_reply(key: str | None = None) -> dict[str, Any]:
+    """`evict`, returning the daemon's whole reply: `evicted` (the keys) and, from a daemon of this version,
+    `entries` (each `key`, `label`, `bytes`) and `bytes`, which `kernel_server.formats.evicted_text` words
+    as `%overmind evict` prints it."""
     from kernel_server.client import shared_client
 
     client = shared_client(spawn=False)
     reply = client.request(Op.EVICT, all=True) if key is None else client.request(Op.EVICT, key=key)
-    return reply.payload["evicted"]
+    return dict(reply.payload)
 
 
 def _patched_text(s: dict[str, Any]) -> str:

@@ -83,8 +83,10 @@ class OvermindMagics(Magics):
             if args.command == "evict":
                 if args.all == bool(args.target):
                     raise UsageError("%overmind evict takes a KEY or --all")
-                evicted = api.evict(None if args.all else args.target)
-                print(f"evicted {len(evicted)} entr{'y' if len(evicted) == 1 else 'ies'}")
+                from kernel_server.formats import evicted_text
+
+                reply = api.evict_reply(None if args.all else args.target)
+                print(evicted_text(reply))  # which entries went, named as `%overmind status` names them
                 return None
             if args.command == "units":
                 from . import units

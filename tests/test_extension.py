@@ -272,6 +272,26 @@ def test_uncacheable_argument_loads_plainly_and_status_says_why(shell, tiny_llam
     assert any("state_dict" in f["reason"] for f in state["daemon"]["fallbacks"]), "the daemon heard of it too"
 
 
+def test_evict_magic_names_what_it_evicted(shell, tiny_llama: Path, overmind_home: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """`%overmind evict KEY` names the entry as `%overmind status` shows it: its key, label and size."""
+    from transformers import AutoModelForCausalLM
+
+    from kernel_server.formats import byte_text
+
+    shell.run_line_magic("overmind", "on")
+    AutoModelForCausalLM.from_pretrained(str(tiny_llama))
+    (entry,) = magic_json(shell, "status")["daemon"]["entries"]
+    capsys.readouterr()
+    shell.run_line_magic("overmind", f"evict {entry['key'][:10]}")
+    said = capsys.readouterr().out
+    line = f"  {entry['key'][:12]}  {entry['meta']['label']}  {byte_text(entry['bytes'])}"
+    assert said == f"evicted 1 entry ({byte_text(entry['bytes'])}):\n{line}\n", said
+    assert "tiny" in entry["meta"]["label"] or "Llama" in entry["meta"]["label"], entry["meta"]
+    shell.run_line_magic("overmind", "evict --all")
+    assert capsys.readouterr().out == "evicted 0 entries\n", "nothing left to evict, and it says so"
+
+
 def test_cpu_device_maps_share_the_cpu_entry(shell, tiny_llama: Path, overmind_home: Path) -> None:
     from transformers import AutoModelForCausalLM
 
