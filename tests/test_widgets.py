@@ -315,6 +315,43 @@ def test_adapter_panel_switches_mixes_and_compares(peft_model: Any, tokenizer: A
     assert not gate.closed, "closing the panel leaves the gate to its owner"
 
 
+def test_adapter_panel_asks_for_a_prompt_and_counts_no_switch(peft_model: Any, tokenizer: Any,
+                                                              closing: list[Any]) -> None:
+    """Generate with an empty prompt says a prompt is needed and calls no model; generating and mixing through
+    a routed gate switches nothing, and the panel's count says so."""
+    from overmind_jupyter import widgets
+
+    panel = widgets.adapter_panel(peft_model, tokenizer)
+    closing.append(panel)
+    calls: list[int] = []
+    hook = peft_model.get_base_model().register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        for empty in ("", "  \n "):
+            panel.prompt.value = empty
+            panel.generate_button.click()
+            within("gate: the prompt is asked for", lambda: "prompt" in panel.outputs.notice)
+            assert panel.outputs.outputs == [] and not panel.generate_button.disabled
+            panel.outputs.notice = ""
+        assert calls == [], "an empty prompt calls no model"
+        panel.prompt.value = "hello world"
+        panel.choose.value = ("fr", "de", "__base__")
+        panel.max_new_tokens.value = 2
+        panel.generate_button.click()
+        within("gate: three outputs", lambda: len(panel.outputs.outputs) == 3
+               and all(o["status"] == "done" for o in panel.outputs.outputs), deadline=60)
+        panel.mix({"fr": 0.5, "de": 0.5}, name="fr_de").join()
+        within("gate: the controls know the mix", lambda: "fr_de" in panel.choose.options, deadline=30)
+        panel.choose.value = ("fr_de",)
+        panel.generate_button.click()
+        within("gate: the mix's output", lambda: [o["status"] for o in panel.outputs.outputs] == ["done"],
+               deadline=60)
+        within("gate: the count shown", lambda: _row(panel.gate_view, "fr_de") is not None)
+        assert calls, "the prompts ran"
+        assert panel.gate.state()["switches"] == panel.gate_view.gate["switches"] == 0, "the user switched nothing"
+    finally:
+        hook.remove()
+
+
 def test_adapter_panel_without_tokenizer_reads_token_ids(peft_model: Any, tokenizer: Any,
                                                          closing: list[Any]) -> None:
     from overmind_jupyter import adapters, widgets

@@ -301,10 +301,17 @@ class AdapterGate:
 
     # -- switched mode ---------------------------------------------------------------------------------------
 
-    def _switch(self, previous: str | None, key: str) -> None:
-        """Set the model to `key`, with no request in flight. See Note [Keyed admission]."""
+    def _switch(self, previous: str | None, key: str) -> bool:
+        """Set the model to `key`, with no request in flight. See Note [Keyed admission].
+
+        Returns:
+            Whether the layers changed: False when they already were as `key` needs (the first request, or
+            the first after an exclusive section such as a mix, which forgets the key), which
+            `state()["switches"]` does not count.
+        """
         token = _SWITCHING.set(_SWITCHING.get() | {id(self)})
         try:
+            before = self._host.layer_state()
             self._apply(key)
             state = self._host.layer_state()
             if not self._conforms(key, state):
@@ -319,6 +326,7 @@ class AdapterGate:
         # gate] in guarding.py). After an exclusive section the key is forgotten, so this runs again. A state that
         # is not what the key needs was changed behind the gate during the switch: no request may take it.
         self._known = state if self._conforms(key, state) else {}
+        return state != before
 
     def _conforms(self, key: str, state: dict[int, tuple[Any, ...]]) -> bool:
         """Whether the layers' state is one that requests of `key` are right with."""

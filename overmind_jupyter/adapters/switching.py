@@ -67,10 +67,12 @@ class KeyedSemaphore:
     See Note [Keyed admission].
 
     Args:
-        switch (`Callable[[str | None, str], None]`):
+        switch (`Callable[[str | None, str], bool | None]`):
             Called with `(previous_key, new_key)` when the model must change key; it runs with no holder.
             `previous_key` is `None` when the model's state is not known (at start, after an exclusive
-            section, after a failed switch).
+            section, after a failed switch). It returns False when the model was already right for the new
+            key (nothing changed): such a call is not counted in `state()["switches"]`, which counts the
+            switches a user would call switches.
         max_wait_s (`float`):
             The aging bound: once a waiter of another key has waited this long, the running key admits no
             more.
@@ -80,7 +82,7 @@ class KeyedSemaphore:
 
     def __init__(
         self,
-        switch: Callable[[str | None, str], None],
+        switch: Callable[[str | None, str], bool | None],
         *,
         max_wait_s: float = 0.1,
         clock: Callable[[], float] = time.monotonic,
@@ -156,7 +158,7 @@ class KeyedSemaphore:
                 previous, self._applied = self._applied, None
                 self._cond.release()
                 try:
-                    self._switch(previous, key)
+                    changed = self._switch(previous, key)
                 except BaseException:
                     self._cond.acquire()
                     self._holders -= 1
@@ -166,7 +168,7 @@ class KeyedSemaphore:
                 self._cond.acquire()
                 self._applied = key
                 self._switching = False
-                self._switches += 1
+                self._switches += changed is not False
                 self._cond.notify_all()
             waited = self._clock() - w.since
             for label in labels:

@@ -150,7 +150,7 @@ class Outputs(LiveView):
     Traits (synced): `prompt`, and `outputs`: one dict per adapter with `adapter`, `status` ("running",
     "done" or "error"), `text` (the new tokens decoded, or the error), `ids` (the new token ids, shown
     when they decode to nothing: special tokens, or a tokenizer that does not know them), `tokens` and
-    `seconds`.
+    `seconds`; `notice`: what Generate said instead of running (an empty prompt), shown above them.
     """
 
     prompt = traitlets.Unicode("").tag(sync=True)
@@ -159,8 +159,11 @@ class Outputs(LiveView):
     _esm = JS_HELPERS + r"""
 function draw(model, root) {
   const outs = model.get("outputs") || [];
-  if (!outs.length) { root.replaceChildren(); return; }
+  const notice = model.get("notice") ? h("div", { class: "om-notice", "data-testid": "overmind-widget-outputs-notice" },
+    model.get("notice")) : null;
+  if (!outs.length) { root.replaceChildren(...(notice ? [notice] : [])); return; }
   root.replaceChildren(
+    notice,
     h("div", { class: "om-muted" }, "prompt: ", h("span", { class: "om-mono" }, model.get("prompt"))),
     h("div", { class: "om-grid" }, outs.map((o) => h("div", {
         class: "om-out om-out-" + o.status, "data-testid": "overmind-widget-output", "data-adapter": o.adapter,
@@ -177,7 +180,7 @@ export default {
   render({ model, el }) {
     const root = h("div", { class: "om-w om-outputs", "data-testid": "overmind-widget-outputs" });
     el.append(root);
-    return live(model, el, ["outputs", "prompt"], () => draw(model, root));
+    return live(model, el, ["outputs", "prompt", "notice"], () => draw(model, root));
   },
 };
 """
@@ -310,9 +313,14 @@ class AdapterPanel(LivePanel):
             max_new_tokens: default: the slider.
 
         Returns:
-            The threads (one per adapter); `outputs.outputs` shows each result as it finishes.
+            The threads (one per adapter); `outputs.outputs` shows each result as it finishes; none for an
+            empty prompt: the panel says a prompt is needed, and the model is not called.
         """
         prompt = self.prompt.value if prompt is None else prompt
+        if not prompt.strip():
+            self.outputs.tell("type a prompt first: Generate continues it, once per selected adapter")
+            return []
+        self.outputs.tell("")  # a notice of an earlier empty prompt goes
         names = list(adapters if adapters is not None else self.choose.value) or [self.gate.default]
         limit = int(max_new_tokens if max_new_tokens is not None else self.max_new_tokens.value)
         with self._results_lock:
@@ -404,6 +412,8 @@ class AdapterPanel(LivePanel):
     def update(self, state: dict[str, Any] | None, error: Exception | None = None) -> None:
         """Show one `gate.state()`: the table, the adapter lists of the controls, the outputs."""
         view = self.gate_view
+        with self.outputs.hold_sync():
+            self.outputs.take_notice()
         with view.hold_sync():
             view.take_notice()
             if error is not None or state is None:

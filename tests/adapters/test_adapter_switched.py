@@ -105,6 +105,30 @@ def test_merged_adapter_switches_by_merging(peft_model: Any) -> None:
             torch.testing.assert_close(g(input_ids=ids, adapter=c).logits, expected[c], rtol=0, atol=1e-4)
 
 
+def test_switches_counts_only_changes_of_the_layers(peft_model: Any) -> None:
+    """`switches` counts the times the gate changed which adapter the layers apply: not a routed gate's first
+    request, nor the first after an exclusive section (a mix), which find the layers as they need them."""
+    ids = torch.randint(2, 128, (1, 4))
+    activate(peft_model, "fr")
+    with adapters.gate(peft_model) as g:
+        for c in ("fr", "de", BASE, "fr"):
+            g(input_ids=ids, adapter=c)
+        g.mix({"fr": 0.5, "de": 0.5}, name="fr_de")
+        g(input_ids=ids, adapter="fr_de")
+        assert g.state()["switches"] == 0, "a routed gate switches nothing"
+    activate(peft_model, "fr")
+    with adapters.gate(peft_model, mode="switched") as g:
+        g(input_ids=ids, adapter="fr")
+        assert g.state()["switches"] == 0, "the layers already applied fr"
+        for c in ("de", "de", "fr", BASE):
+            g(input_ids=ids, adapter=c)
+        assert g.state()["switches"] == 3
+        with g.exclusive():  # forgets the key: the next request re-checks the layers, which are still right
+            pass
+        g(input_ids=ids, adapter=BASE)
+        assert g.state()["switches"] == 3
+
+
 def test_model_merged_before_the_gate(peft_model: Any) -> None:
     ids = torch.randint(2, 128, (1, 4))
     expected = {c: serial_logits(peft_model, c, input_ids=ids) for c in CHOICES}
