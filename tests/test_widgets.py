@@ -238,6 +238,9 @@ def test_adapter_panel_switches_mixes_and_compares(peft_model: Any, tokenizer: A
     assert view.gate["mode"] == "routed" and view.gate["default"] == "fr"
     assert [r["name"] for r in view.gate["adapters"]] == ["de", "es", "fr", "__base__"]
     assert panel.default_picker.value == "fr" and gate.default == "fr", "showing the panel switches nothing"
+    # the adapters to compare: the base model first, every row in sight, and how to select several
+    assert panel.choose.options == ("__base__", "de", "es", "fr") and panel.choose.rows >= 4
+    assert "Ctrl-click" in panel.choose_hint.value and "__base__" in panel.choose_hint.value
 
     # the gate changes elsewhere (another thread, the user's code): the panel follows
     gate.switch("de")

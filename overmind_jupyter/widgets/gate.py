@@ -27,6 +27,7 @@ __all__ = ["AdapterPanel", "GateView", "Outputs", "gate_view"]
 
 BASE = "__base__"  # the gate's name of the base model (adapters.routing.BASE, without importing torch here)
 MIX_RANGE = (-1.0, 2.0)  # a mix slider's weights
+CHOOSE_ROWS = 8  # the adapter list shows this many rows at most before it scrolls (the base model is first)
 
 
 def gate_view(state: dict[str, Any]) -> dict[str, Any]:
@@ -197,8 +198,9 @@ class AdapterPanel(LivePanel):
 
     Parts (attributes): `gate_view` (`GateView`), `default_picker` (`ToggleButtons`), `mix_sliders` (name
     to `FloatSlider`), `mix_name` (`Text`), `mix_button`, `prompt` (`Textarea`), `choose`
-    (`SelectMultiple` of the adapters to run), `max_new_tokens` (`IntSlider`), `generate_button`, and
-    `outputs` (`Outputs`). `close()` stops the updates and closes every part; the gate stays open.
+    (`SelectMultiple` of the adapters to run: the base model first, then the adapters, every row shown up to
+    CHOOSE_ROWS), `choose_hint` (`HTML`: how to select several), `max_new_tokens` (`IntSlider`),
+    `generate_button`, and `outputs` (`Outputs`). `close()` stops the updates and closes every part; the gate stays open.
 
     Args:
         gate: an `AdapterGate`.
@@ -234,19 +236,24 @@ class AdapterPanel(LivePanel):
         self.mix_button.on_click(lambda _b: self.mix())
         self.prompt = ipywidgets.Textarea(placeholder="a prompt", description="prompt",
                                           layout=ipywidgets.Layout(width="60%", height="60px"))
-        self.choose = ipywidgets.SelectMultiple(options=[BASE], description="adapters", rows=4)
+        self.choose = ipywidgets.SelectMultiple(options=[BASE], description="adapters", rows=2,
+                                                tooltip="Ctrl-click (Cmd-click on a Mac) selects several")
+        self.choose_hint = ipywidgets.HTML(
+            f"<small>Ctrl-click (Cmd-click on a Mac) or Shift-click to select several; {BASE} is the base "
+            "model, without adapter</small>")
         self.max_new_tokens = ipywidgets.IntSlider(value=16, min=1, max=128, description="new tokens")
         self.generate_button = ipywidgets.Button(description="Generate", button_style="primary",
                                                  tooltip="one generation per selected adapter, side by side")
         self.generate_button.on_click(lambda _b: self.generate())
         self.outputs = Outputs()
 
+        choose_box = ipywidgets.VBox([self.choose, self.choose_hint])
         layout = [
             ipywidgets.HTML(f"<b>Mix</b> (a new adapter: each slider is an adapter's weight, from {MIX_RANGE[0]:g} "
                             f"to {MIX_RANGE[1]:g}; 0 leaves it out, 1 takes it whole, a negative weight subtracts it)"),
             ipywidgets.HBox([self.mix_name, self.mix_button]),
             ipywidgets.HTML("<b>Compare</b> (one generation per selected adapter)"),
-            ipywidgets.HBox([self.prompt, self.choose]),
+            ipywidgets.HBox([self.prompt, choose_box]),
             ipywidgets.HBox([self.max_new_tokens, self.generate_button]),
         ]
         mix_row = ipywidgets.VBox([layout[0], self._slider_box, layout[1]])
@@ -254,7 +261,8 @@ class AdapterPanel(LivePanel):
         super().__init__(children=[self.gate_view, self.default_picker, mix_row, prompt_row, self.outputs],
                          views=[self.gate_view, self.outputs], **kwargs)
         self.own(self.default_picker, self._slider_box, self.mix_name, self.mix_button, self.prompt,
-                 self.choose, self.max_new_tokens, self.generate_button, *layout, mix_row, prompt_row)
+                 self.choose, self.choose_hint, choose_box, self.max_new_tokens, self.generate_button, *layout,
+                 mix_row, prompt_row)
         self.update(gate.state())  # shown complete at once; the poller keeps it so
         self.subscribe(("gate", id(gate)), gate.state, self.update)
 
@@ -451,8 +459,10 @@ class AdapterPanel(LivePanel):
         if names != self._names:
             self._names = names
             selected = tuple(n for n in self.choose.value if n in names) or (state.get("default", BASE),)
-            self.choose.options = names
+            # the base model first and every row in sight: listed last, it hid below the fold
+            self.choose.options = [BASE, *(n for n in names if n != BASE)]
             self.choose.value = selected
+            self.choose.rows = max(2, min(len(names), CHOOSE_ROWS))
             self.default_picker.options = names
             for name in [n for n in self.mix_sliders if n not in names]:
                 self.mix_sliders.pop(name).close()
