@@ -259,8 +259,11 @@ def test_status_and_adapter_widgets_in_jupyterlab(overmind_home: Path, tiny_llam
                 expect(status.get_by_test_id("overmind-widget-gone")).to_have_count(0)
                 shown = page.locator(".jp-OutputArea-output", has=status)
                 page.evaluate("() => window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.restart()")
-                expect(shown.get_by_test_id("overmind-widget-gone").first).to_contain_text("kernel that is gone",
-                                                                                        timeout=30_000)
+                gone = shown.get_by_test_id("overmind-widget-gone")
+                expect(gone.first).to_contain_text("kernel that is gone", timeout=30_000)
+                # the cache table and the units bar both know, and the output says it once
+                expect(shown.locator(".om-view.om-dead")).to_have_count(2)
+                expect(gone).to_have_count(1)
                 expect(status.get_by_test_id("overmind-widget-evict")).to_be_disabled()
                 shown.screenshot(path=str(ARTIFACTS / "widgets-gone.png"))
                 errors = [line for line in console if line.startswith("error") and "overmind" in line.lower()]

@@ -185,6 +185,12 @@ def with_text(bundle: Any, text: str) -> Any:
 
 # -- shared by the ES modules (prepended to each widget's own code) -----------------------------------------
 
+# Note [One banner]
+# When a widget's kernel is gone, the widget manager marks every view of it disconnected: the panel's VBox
+# and each of our views inside it. `gone()` (below) disables each view's controls, but says "this shows a
+# kernel that is gone" once per output: on the first of our views (class `om-view`) inside the outermost
+# view marked, so that `%overmind status` (a cache table over a units bar) does not say it twice.
+
 JS_HELPERS = formats.JS + r"""
 function h(tag, attrs, ...children) {
   const el = document.createElement(tag);
@@ -211,24 +217,33 @@ function ages(el) {
 function gone(el) {
   // The kernel this widget belongs to is gone (restarted or shut down): the widget manager marks its
   // views disconnected. Say so, and disable every control, instead of showing a live-looking dead kernel.
-  const dead = !!el.closest(".jupyter-widgets-disconnected");
+  // A panel (`%overmind status`, the adapter panel) holds several of our views, each marked: the banner
+  // goes once, on the first of them in the outermost view marked (Note [One banner]).
+  let top = el.closest(".jupyter-widgets-disconnected");
+  for (let up = top; up && up.parentElement; ) {
+    up = up.parentElement.closest(".jupyter-widgets-disconnected");
+    if (up) top = up;
+  }
   const banner = el.querySelector(":scope > .om-gone");
-  if (dead) {
+  const first = top ? top.querySelector(".om-view") || el : null;
+  if (top) {
     el.classList.add("om-dead");
     for (const c of el.querySelectorAll("button, input, select, textarea")) c.disabled = true;
-    if (!banner) {
-      el.prepend(h("div", { class: "om-w om-gone", "data-testid": "overmind-widget-gone" },
-        "This shows a kernel that is gone (restarted or shut down): it no longer updates and its buttons " +
-        "do nothing. Run %overmind status again for the kernel running now."));
-    }
-  } else if (banner) {
+  } else {
     el.classList.remove("om-dead");
+  }
+  if (first === el && !banner) {
+    el.prepend(h("div", { class: "om-w om-gone", "data-testid": "overmind-widget-gone" },
+      "This shows a kernel that is gone (restarted or shut down): it no longer updates and its buttons " +
+      "do nothing. Run %overmind status again for the kernel running now."));
+  } else if (first !== el && banner) {
     banner.remove();
   }
 }
 function live(model, el, names, draw) {
   // draw now and on every change of the named traits; refresh relative times every second; tell the
   // kernel that this view exists, and that it went when the frontend disposes of it
+  el.classList.add("om-view");  // one of ours, for gone()
   try { model.send({ event: "view", shown: true }); } catch (e) { /* comm closed */ }
   const redraw = () => {
     try { draw(); ages(el); gone(el); } catch (e) { el.textContent = "overmind widget: " + e; }
