@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -85,6 +88,28 @@ def test_importing_widgets_is_light() -> None:
         print(heavy)
     """)
     assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_memory_segments_look_different_for_thirty_entries() -> None:
+    """Note [Segment colours]: the widget's and the side panel's palettes are one list, and the widget gives
+    30 entries 30 different fills (the theme's colours repeated from the fifth entry on)."""
+    from overmind_jupyter.widgets.cache import SEGMENT_COLOURS, SEGMENT_PATTERNS, CacheTable
+
+    charts = (Path(__file__).resolve().parent.parent / "labextension" / "src" / "charts.ts").read_text()
+    listed = re.search(r"export const SEGMENT_COLOURS = \[(.*?)\];", charts, re.S)
+    assert listed is not None and re.findall(r"'(#[0-9a-f]{6})'", listed.group(1)) == list(SEGMENT_COLOURS)
+    assert f"export const SEGMENT_PATTERNS = {SEGMENT_PATTERNS};" in charts
+    assert len(set(SEGMENT_COLOURS)) == len(SEGMENT_COLOURS) == 10
+    node = shutil.which("node") or shutil.which("nodejs")
+    if node is None:
+        pytest.skip("no node here to run the widget's code")
+    esm = CacheTable._esm
+    code = esm[esm.index("const OM_SEGMENTS"):esm.index("function plural")]
+    code += re.search(r"function segmentFill\(i\) \{.*?\n\}", esm, re.S).group(0)  # type: ignore[union-attr]
+    script = code + "\nconsole.log(JSON.stringify([...Array(30).keys()].map(segmentFill)));"
+    fills = json.loads(subprocess.run([node, "-e", script], capture_output=True, text=True, check=True).stdout)
+    assert len(set(fills)) == 30, fills
+    assert all(colour in fill for colour, fill in zip(SEGMENT_COLOURS * 3, fills, strict=True))
 
 
 def test_status_panel_follows_loads_units_and_evictions(sim_daemon: Client, tiny_llama: Path,

@@ -12,16 +12,64 @@ const SVG_NS = 'http://www.w3.org/2000/svg';
 /** The narrowest segment of the memory bar, in thousandths of its width: a small model stays visible. */
 const MIN_SEGMENT = 8;
 
-/** Colours of the entries' segments, from the theme, cycled. */
+/**
+ * Colours of the entries' segments: ten distinct hues, then the same with stripes one way and the other,
+ * so that the first 30 entries never look alike. The same list as the notebook widget's (see Note
+ * [Segment colours] in overmind_jupyter/widgets/cache.py; a test compares them).
+ */
 export const SEGMENT_COLOURS = [
-  'var(--jp-brand-color1)',
-  'var(--jp-accent-color1)',
-  'var(--jp-warn-color1)',
-  'var(--jp-success-color1)',
-  'var(--jp-error-color1)',
-  'var(--jp-brand-color3)',
-  'var(--jp-accent-color3)'
+  '#4e79a7',
+  '#f28e2b',
+  '#59a14f',
+  '#e15759',
+  '#b07aa1',
+  '#edc948',
+  '#76b7b2',
+  '#ff9da7',
+  '#9c755f',
+  '#1f3f8f'
 ];
+export const SEGMENT_PATTERNS = 3;
+/** Light stripes over a segment's colour, by pattern (none for the first). */
+const STRIPES = ['', 'jp-Overmind-stripes1', 'jp-Overmind-stripes2'];
+
+/** Entry i's colour, and its pattern: 0 plain, 1 and 2 stripes (Note [Segment colours]). */
+export function segmentFill(i: number): { colour: string; pattern: number } {
+  return {
+    colour: SEGMENT_COLOURS[i % SEGMENT_COLOURS.length],
+    pattern: Math.floor(i / SEGMENT_COLOURS.length) % SEGMENT_PATTERNS
+  };
+}
+
+/** Entry i's fill as a CSS background (the legend's swatches). */
+function segmentBackground(i: number): string {
+  const { colour, pattern } = segmentFill(i);
+  if (!pattern) {
+    return colour;
+  }
+  const angle = pattern === 1 ? 45 : -45;
+  return `repeating-linear-gradient(${angle}deg, ${colour} 0 3px, rgba(255, 255, 255, 0.6) 3px 5px), ${colour}`;
+}
+
+/** The SVG patterns of the stripes, white over transparent, for the memory bar's `<defs>`. */
+function stripeDefs(): SVGElement {
+  const defs = svg('defs', {});
+  STRIPES.forEach((id, pattern) => {
+    if (!id) {
+      return;
+    }
+    const stripes = svg('pattern', {
+      id,
+      width: 5,
+      height: 5,
+      patternUnits: 'userSpaceOnUse',
+      patternTransform: `rotate(${pattern === 1 ? 45 : -45})`
+    });
+    stripes.append(svg('rect', { x: 3, y: 0, width: 2, height: 5, fill: 'rgba(255, 255, 255, 0.6)' }));
+    defs.append(stripes);
+  });
+  return defs;
+}
 
 function svg(tag: string, attrs: Record<string, string | number>, ...children: SVGElement[]): SVGElement {
   const el = document.createElementNS(SVG_NS, tag);
@@ -65,23 +113,38 @@ export function memoryChart(state: IPanelState): HTMLElement {
     role: 'img',
     'aria-label': `${state.texts.used} of ${state.texts.budget} used`
   });
-  bar.append(svg('rect', { class: 'jp-Overmind-free', x: 0, y: 0, width, height }));
+  bar.append(stripeDefs(), svg('rect', { class: 'jp-Overmind-free', x: 0, y: 0, width, height }));
   let x = 0;
   state.entries.forEach((entry, i) => {
     const w = entry.bytes * scale;
+    const { colour, pattern } = segmentFill(i);
     const rect = svg('rect', {
       x,
       y: 0,
       width: Math.max(w, MIN_SEGMENT),
       height,
       'data-key': entry.key,
+      'data-colour': colour,
+      'data-pattern': pattern,
       'data-testid': 'overmind-segment'
     });
-    rect.style.fill = SEGMENT_COLOURS[i % SEGMENT_COLOURS.length];
+    rect.style.fill = colour;
     const tip = svg('title', {});
     tip.textContent = `${entry.label}: ${entry.bytes_text}`; // on hover
     rect.append(tip);
     bar.append(rect);
+    if (pattern) {
+      bar.append(
+        svg('rect', {
+          x,
+          y: 0,
+          width: Math.max(w, MIN_SEGMENT),
+          height,
+          fill: `url(#${STRIPES[pattern]})`,
+          'pointer-events': 'none'
+        })
+      );
+    }
     x += Math.max(w, MIN_SEGMENT);
   });
   if (state.entries_more > 0) {
@@ -110,9 +173,7 @@ export function memoryChart(state: IPanelState): HTMLElement {
       })
     );
   }
-  const legend: Child[] = state.entries.map((entry, i) =>
-    legendLine(entry, SEGMENT_COLOURS[i % SEGMENT_COLOURS.length])
-  );
+  const legend: Child[] = state.entries.map((entry, i) => legendLine(entry, segmentBackground(i)));
   if (state.reserved > 0) {
     legend.push(
       h(

@@ -7,6 +7,7 @@ read them as they are); `CacheTable` draws them.
 from __future__ import annotations
 
 import ast
+import json
 import os
 import sys
 import time
@@ -16,7 +17,17 @@ import traitlets
 
 from .live import CSS, JS_HELPERS, LiveView, run_action
 
-__all__ = ["CacheTable", "cache_view", "fetch_status", "open_gates"]
+__all__ = ["SEGMENT_COLOURS", "SEGMENT_PATTERNS", "CacheTable", "cache_view", "fetch_status", "open_gates"]
+
+# Note [Segment colours]
+# "Memory per model" gives each entry a colour, in the widget and in the side panel alike. The theme's
+# colours repeat (JupyterLab's accent and success colours are the same green), and six or seven of them
+# cycled; these ten have distinct hues, readable on light and dark backgrounds, and entry i takes colour
+# i % 10 with pattern i // 10 % 3 (plain, then light stripes one way, then the other), so the first 30
+# entries never look alike. labextension/src/charts.ts holds the same list (tests/test_widgets.py compares).
+SEGMENT_COLOURS = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#b07aa1", "#edc948", "#76b7b2", "#ff9da7",
+                   "#9c755f", "#1f3f8f")
+SEGMENT_PATTERNS = 3
 
 
 def fetch_status() -> dict[str, Any]:
@@ -218,7 +229,10 @@ class CacheTable(LiveView):
     summary = traitlets.Dict().tag(sync=True)
     gates = traitlets.List(traitlets.Dict()).tag(sync=True)
 
-    _esm = JS_HELPERS + r"""
+    _esm = JS_HELPERS + f"""
+const OM_SEGMENTS = {json.dumps(list(SEGMENT_COLOURS))};
+const OM_PATTERNS = {SEGMENT_PATTERNS};
+""" + r"""
 function plural(n, word) {
   return n + " " + (n === 1 ? word : word + (word.endsWith("s") ? "es" : "s"));
 }
@@ -230,13 +244,20 @@ function kernelsOf(e) {
   return e.kernels.map((k, i) => h("div", { class: "om-kernel", title: k.detail, "data-testid": "overmind-widget-kernel" },
     k.name, k.mine ? h("b", {}, " (this kernel)") : null));
 }
-const PALETTE = 6;
+function segmentFill(i) {
+  // an entry's colour and pattern (Note [Segment colours] in widgets/cache.py)
+  const colour = OM_SEGMENTS[i % OM_SEGMENTS.length];
+  const pattern = Math.floor(i / OM_SEGMENTS.length) % OM_PATTERNS;
+  if (!pattern) return "background: " + colour;
+  return "background: repeating-linear-gradient(" + (pattern === 1 ? 45 : -45) + "deg, " + colour +
+    " 0 3px, rgba(255, 255, 255, 0.6) 3px 5px), " + colour;
+}
 function memoryChart(s, entries) {
   // memory per entry against the budget: a stacked bar, a segment per entry, and who uses each
   const budget = Math.max(1, s.budget || 0);
   const width = (n) => "width:" + Math.min(100, 100 * n / budget).toFixed(2) + "%";
   const users = (e) => e.kernels.length ? e.kernels.map((k) => k.name).join(", ") : "no kernel now";
-  const segs = entries.map((e, i) => h("div", { class: "om-seg om-c" + (i % PALETTE), style: width(e.bytes),
+  const segs = entries.map((e, i) => h("div", { class: "om-seg", style: width(e.bytes) + "; " + segmentFill(i),
     title: e.model + ": " + fmtBytes(e.bytes) + ", used by " + users(e), "data-testid": "overmind-widget-memory-segment",
     "data-key": e.key }));
   if (s.entries_more) segs.push(h("div", { class: "om-seg om-more", style: width(s.more_bytes || 0),
@@ -249,7 +270,7 @@ function memoryChart(s, entries) {
     h("div", { class: "om-bar", role: "img", "aria-label": "memory per model against the budget" }, segs),
     s.disk ? h("div", { class: "om-muted", "data-testid": "overmind-widget-disk" }, s.disk) : null,
     h("div", { class: "om-legend" }, entries.map((e, i) => h("span", { class: "om-legend-item" },
-      h("span", { class: "om-swatch om-c" + (i % PALETTE) }), e.model + " " + fmtBytes(e.bytes) + " \u00b7 " + users(e)))));
+      h("span", { class: "om-swatch", style: segmentFill(i), "data-testid": "overmind-widget-swatch" }), e.model + " " + fmtBytes(e.bytes) + " \u00b7 " + users(e)))));
 }
 function savedChart(s) {
   // load time saved: each hit's plain load time (measured at its miss) against the hit's own time
@@ -357,12 +378,6 @@ export default {
 .om-w .om-seg { height: 100%; border-right: 1px solid var(--jp-layout-color0, #fff); box-sizing: border-box; }
 .om-w .om-more { background: var(--jp-border-color2, #ccc); }
 .om-w .om-reserved { background: repeating-linear-gradient(45deg, var(--jp-border-color1, #bbb) 0 3px, transparent 3px 6px); }
-.om-w .om-c0 { background: var(--jp-brand-color1, #1976d2); }
-.om-w .om-c1 { background: var(--jp-accent-color1, #388e3c); }
-.om-w .om-c2 { background: var(--jp-warn-color1, #f57c00); }
-.om-w .om-c3 { background: var(--jp-brand-color3, #90caf9); }
-.om-w .om-c4 { background: var(--jp-accent-color3, #a5d6a7); }
-.om-w .om-c5 { background: var(--jp-error-color1, #d32f2f); }
 .om-w .om-legend { display: flex; flex-wrap: wrap; gap: 2px 12px; margin-top: 3px; }
 .om-w .om-legend-item { display: inline-flex; align-items: center; gap: 4px; overflow-wrap: anywhere; }
 .om-w .om-swatch { display: inline-block; width: 10px; height: 10px; border-radius: 2px; flex: none; }
