@@ -169,6 +169,11 @@ def test_status_and_adapter_widgets_in_jupyterlab(overmind_home: Path, tiny_llam
                 expect(bar.first).to_contain_text("100%")
                 expect(rows.filter(has_text="AutoTokenizer")).to_have_count(1)
                 expect(entry).to_contain_text("this kernel")  # it uses the cached copy (`base`, a hit)
+                # "Last used" moves on while shown, the entry unchanged
+                last_used = entry.locator("td[data-ago]")
+                said, since = last_used.inner_text(), last_used.get_attribute("data-ago")
+                expect(last_used).not_to_have_text(said, timeout=5_000)
+                assert last_used.get_attribute("data-ago") == since
                 expect(entry.get_by_test_id("overmind-widget-model")).to_have_text("tiny-llama")
                 expect(entry).to_contain_text("KiB")
                 # the kernel by its notebook, the pid and command on hover
@@ -209,6 +214,18 @@ def test_status_and_adapter_widgets_in_jupyterlab(overmind_home: Path, tiny_llam
                 panel.locator(".widget-toggle-button", has_text=re.compile(r"^de$")).click()
                 expect(gate.get_by_test_id("overmind-widget-default")).to_have_text("de", timeout=CHANGE_MS)
                 assert _row_default(gate, "de")
+                # Generate with no prompt: the panel asks for one and runs nothing
+                panel.locator(".widget-button", has_text="Generate").click()
+                expect(panel.get_by_test_id("overmind-widget-outputs-notice")).to_contain_text("prompt")
+                expect(panel.get_by_test_id("overmind-widget-output")).to_have_count(0)
+                # the base model is in sight in the list of adapters to compare, with how to select several
+                listbox = panel.locator(".widget-select-multiple select")
+                assert listbox.evaluate("""(s) => {
+                    const o = [...s.options].find((o) => o.textContent === "__base__");
+                    const a = s.getBoundingClientRect(), b = o.getBoundingClientRect();
+                    return b.top >= a.top && b.bottom <= a.bottom && s.scrollHeight <= s.clientHeight;
+                }"""), "every adapter, __base__ first, in sight"
+                expect(panel).to_contain_text("Ctrl-click")
                 panel.locator(".widget-textarea textarea").fill("hello world the model")
                 panel.locator(".widget-select-multiple select").select_option(label=["de", "fr"])
                 panel.locator(".widget-button", has_text="Generate").click()
