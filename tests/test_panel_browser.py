@@ -260,6 +260,11 @@ def test_status_item_and_charts_change_after_a_load_and_an_evict(lab: Lab) -> No
     _run_cell(lab, _load(other, "other"))
     expect(memory).to_have_attribute("data-segments", "2")
     expect(lab.status_item).to_contain_text("Overmind: 2 models ·")
+    # its "last used N seconds ago" moves on while shown, without a change of state
+    fresh = lab.panel.get_by_test_id("overmind-entry").filter(has_text="gamma.ipynb").locator("[data-ago]")
+    said, since = fresh.inner_text(), fresh.get_attribute("data-ago")
+    expect(fresh).not_to_have_text(said, timeout=5_000)
+    assert fresh.get_attribute("data-ago") == since
     expect(lab.panel.get_by_test_id("overmind-used")).not_to_have_text(used_before)
     expect(memory.locator('[data-testid="overmind-segment"]')).to_have_count(2)
     lab.each_theme("panel-loaded")

@@ -31,14 +31,22 @@ import { breakable, Child, h, prose, who } from './dom';
 import { OvermindModel } from './model';
 
 const MAX_FALLBACKS = 20;
-/** Milliseconds between two renderings of unchanged state, for the relative times it shows. */
-const AGE_MS = 30000;
+/** Milliseconds between two refreshes of the relative times on show ("5 seconds ago"). */
+const AGE_MS = 1000;
 /** Milliseconds an error of an evict stays on show. */
 const MESSAGE_MS = 10000;
 
 /** Seconds since the epoch, as JupyterLab writes relative times ("2 minutes ago"). */
-function ago(seconds: number): string {
+function agoText(seconds: number): string {
   return Time.formatHuman(new Date(seconds * 1000));
+}
+
+/**
+ * A relative time that moves on while it is shown: the panel rewrites the text of every `data-ago` span
+ * each second, in place (rebuilding the body would move a button under the pointer).
+ */
+function ago(seconds: number): HTMLElement {
+  return h('span', { class: 'jp-Overmind-ago', 'data-ago': String(seconds) }, agoText(seconds));
 }
 
 /** A long operation: a bar, and the model's name, percent and time left (written by the server). */
@@ -133,6 +141,7 @@ export class OvermindPanel extends Widget {
     );
     this._setStatus('connecting', 'Asking the server…');
     this._model.changed.connect(this._update, this);
+    this._ages = window.setInterval(() => this._tick(), AGE_MS);
   }
 
   /** The latest state shown (null while the daemon is down or before the first answer). */
@@ -145,12 +154,23 @@ export class OvermindPanel extends Widget {
       return;
     }
     this._model.changed.disconnect(this._update, this);
+    window.clearInterval(this._ages);
     super.dispose();
   }
 
   protected onAfterShow(msg: Message): void {
     super.onAfterShow(msg);
     void this._model.refresh();
+  }
+
+  /** Move the relative times on while the panel is on show (see `ago`). */
+  private _tick(): void {
+    if (!this.isVisible) {
+      return;
+    }
+    this.node.querySelectorAll<HTMLElement>('[data-ago]').forEach(el => {
+      el.textContent = agoText(Number(el.dataset.ago));
+    });
   }
 
   private _update(): void {
@@ -176,9 +196,8 @@ export class OvermindPanel extends Widget {
   /** Rebuild the body when what it shows changed (so a button under the pointer stays put). */
   private _render(state: IPanelState | null, down: string): void {
     const message = Date.now() < this._messageUntil ? this._message : '';
-    const clock = Math.floor(Date.now() / AGE_MS); // "3 minutes ago" moves on
-    const samples = this._model.unitSamples.length;
-    const signature = JSON.stringify([state, down, message, clock, samples]);
+    const samples = this._model.unitSamples.length; // relative times move on without a rebuild (`ago`)
+    const signature = JSON.stringify([state, down, message, samples]);
     if (signature === this._signature) {
       return;
     }
@@ -319,8 +338,9 @@ export class OvermindPanel extends Widget {
       h(
         'div',
         { class: 'jp-Overmind-hint' },
-        `${entry.bytes_text} · ${entry.hits} hit${entry.hits === 1 ? '' : 's'} · ` +
-          `last used ${ago(entry.last_used)} · `,
+        `${entry.bytes_text} · ${entry.hits} hit${entry.hits === 1 ? '' : 's'} · last used `,
+        ago(entry.last_used),
+        ' · ',
         ...users
       ),
       entry.progress
@@ -354,9 +374,8 @@ export class OvermindPanel extends Widget {
               { class: 'jp-Overmind-hint' },
               'for ',
               who(l.loader),
-              `, ${l.reserved_text} reserved` +
-                (l.waiters ? `, ${l.waiters} waiting` : '') +
-                `, started ${ago(l.since)}`
+              `, ${l.reserved_text} reserved` + (l.waiters ? `, ${l.waiters} waiting` : '') + ', started ',
+              ago(l.since)
             )
           )
         )
@@ -462,7 +481,9 @@ export class OvermindPanel extends Widget {
               ...prose(f.reason),
               ' (',
               who(f),
-              `, ${ago(f.time)})`
+              ', ',
+              ago(f.time),
+              ')'
             )
           )
         )
@@ -497,6 +518,7 @@ export class OvermindPanel extends Widget {
   private _status: HTMLElement;
   private _body: HTMLElement;
   private _signature = '';
+  private _ages = 0;
   private _message = '';
   private _messageUntil = 0;
 }
