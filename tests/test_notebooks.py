@@ -120,5 +120,12 @@ def test_adapters_notebook_serves_every_request_right(tmp_path: Path, notebook_e
 def test_gpu_units_notebook_moves_the_idle_model_off(tmp_path: Path, notebook_env: dict[str, str]) -> None:
     nb = execute("gpu_units.ipynb", tmp_path, notebook_env)
     text = stdout_of(nb)
-    assert "first is on cuda:0" in text and "first: None  second: cuda:0" in text, text
-    assert widget_views(nb.cells[-1]) == 1, "the units bar shows"
+    # what the prints say is what the text around them says, simulated device or not
+    weights = "cpu" if "no GPU here" in text else "cuda:0"
+    assert f"first: holds units of cuda:0, weights on {weights}" in text, text
+    before = text.split("first:  ", 1)[0]
+    assert re.search(r"\(this kernel\)\s+first\s", before) and "second" not in before, "the ledger then: the first"
+    assert "first:  holds no units, weights on cpu" in text, text
+    assert f"second: holds units of cuda:0, weights on {weights}" in text, text
+    assert widget_views(nb.cells[-1]) == 1, "the units bar shows, after the text that says what it shows"
+    assert "live" in nb.cells[-2].source and nb.cells[-2].cell_type == "markdown"
