@@ -33,6 +33,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
@@ -72,7 +73,10 @@ def prepare(workspace: Path) -> Path:
             print(f"kept your edited {copy} (delete it to start again from notebooks/{notebook.name})", flush=True)
             continue
         text = json.loads(notebook.read_text())
+        # what JupyterLab writes into the notebook when the kernel starts: a notebook that differs opens
+        # marked modified (the tracked ones carry the language_info of the Python they were saved with)
         text["metadata"]["kernelspec"] = {"name": WARM, "display_name": WARM_DISPLAY, "language": "python"}
+        text["metadata"]["language_info"] = language_info()
         data = (json.dumps(text, indent=1, ensure_ascii=False) + "\n").encode()
         copy.write_bytes(data)
         copies[notebook.name] = _digest(data)
@@ -81,6 +85,13 @@ def prepare(workspace: Path) -> Path:
     print(f"demo workspace {workspace} (copies of notebooks/; the tracked files stay as they are)", flush=True)
     print(f"building a {SIZE} Llama-shaped model in {path} (once)...", flush=True)
     return build_llama(path, SIZE)
+
+
+def language_info() -> dict[str, Any]:
+    """The `language_info` the demo's kernels report (ipykernel's, for this Python): the copies carry it."""
+    from ipykernel.ipkernel import IPythonKernel
+
+    return json.loads(json.dumps(IPythonKernel.language_info))
 
 
 def _digest(data: bytes) -> str:

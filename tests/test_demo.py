@@ -49,6 +49,11 @@ def test_demo_setup_copies_the_notebooks_and_leaves_the_tracked_ones_alone(tmp_p
     assert f"kept your edited {workspace / 'quickstart.ipynb'}" in again.stdout
     assert "} " in (workspace / "quickstart.ipynb").read_text() and (workspace / "adapters.ipynb").exists()
     assert json.loads((workspace / "adapters.ipynb").read_text())["metadata"]["kernelspec"]["name"] == "overmind-warm"
+    # the language_info its kernels report, so that JupyterLab opens the copies unmodified
+    from ipykernel.ipkernel import IPythonKernel
+
+    for copy in workspace.glob("*.ipynb"):
+        assert json.loads(copy.read_text())["metadata"]["language_info"] == IPythonKernel.language_info, copy
     refused = subprocess.run([sys.executable, str(DEMO), "--setup-only", "--workspace", str(REPO / "notebooks")],
                              env=demo_env(), capture_output=True, text=True, timeout=120, check=False)
     assert refused.returncode == 2 and "lies in the tracked notebooks/" in refused.stderr

@@ -82,6 +82,24 @@ def test_notebooks_are_stored_without_outputs(name: str) -> None:
             assert not cell.outputs and cell.execution_count is None, f"{name} holds outputs: strip them"
 
 
+@pytest.mark.parametrize("name", sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")))
+def test_notebooks_are_stored_as_jupyterlab_leaves_them(name: str) -> None:
+    """A notebook opens in JupyterLab unmodified only if nothing the frontend writes on opening differs: the
+    kernel's `language_info` goes into the metadata as the kernel starts (without one the notebook opened
+    marked modified), and the file is in the normal form nbformat writes. The version is the Python's the
+    notebooks were saved with; `make demo` writes its own Python's into its copies (tests/test_demo.py)."""
+    from ipykernel.ipkernel import IPythonKernel
+
+    raw = (NOTEBOOKS / name).read_text()
+    nb = nbformat.reads(raw, as_version=4)
+    assert raw == nbformat.writes(nb) + "\n", f"{name} is not as nbformat writes it: nbformat.write it"
+    info = dict(nb.metadata.get("language_info") or {})
+    assert info.pop("version", None), f"{name} has no language_info (JupyterLab adds it on opening)"
+    assert info == {k: v for k, v in IPythonKernel.language_info.items() if k != "version"}, info
+    assert nb.metadata["kernelspec"] == {"name": "python3", "display_name": "Python 3 (ipykernel)",
+                                         "language": "python"}
+
+
 def widget_views(cell: nbformat.NotebookNode) -> int:
     return sum("application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in cell.get("outputs", []))
 
