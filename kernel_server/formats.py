@@ -20,6 +20,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Mapping
 from typing import Any
 
 __all__ = ["JS", "ago_text", "byte_text", "eta_text", "evicted_text", "kernel_name", "pending_text", "percent",
@@ -110,7 +111,7 @@ def pending_text(pending: dict[str, Any]) -> str:
     return f"copying from its checkpoint: {percent(pending['done'], pending['bytes'])}%" + (f", {left}" if left else "")
 
 
-def evicted_text(reply: dict[str, Any]) -> str:
+def evicted_text(reply: Mapping[str, Any]) -> str:
     """An evict's reply as text: how many entries went and their bytes, then a line per entry as
     `%overmind status` shows it (its key's first 12 characters, its label, its size).
 

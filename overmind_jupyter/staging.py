@@ -137,7 +137,8 @@ class Stage:
             part = flat[start:start + step]
             converted = buffer[:part.numel() * dtype.itemsize].view(dtype)
             converted.copy_(part)
-            _pwrite_all(self.writer.fd, memoryview(converted.view(torch.uint8).numpy()), at + start * dtype.itemsize)
+            chunk = memoryview(converted.view(torch.uint8).numpy())  # type: ignore[arg-type]  # a buffer
+            _pwrite_all(self.writer.fd, chunk, at + start * dtype.itemsize)
         mapping = arena.map_private(self.writer.fd, arena.align(nbytes), offset=at)
         view = memoryview(mapping)[:nbytes]
         out = torch.frombuffer(view, dtype=torch.uint8).view(dtype).view(src.shape)
