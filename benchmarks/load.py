@@ -21,6 +21,8 @@ their total PSS, plain against overmind.
     .venv/bin/python benchmarks/load.py --keys          # what computing a key costs (Note [Never stale])
     .venv/bin/python benchmarks/load.py --hit-calls     # only the hit call: both models, 30 calls a variant
     .venv/bin/python benchmarks/load.py --hit-calls --quick   # the same, 0.1B model, 8 calls a variant
+    .venv/bin/python benchmarks/load.py --miss          # plain, miss, hit: wall, CPU, minor faults (issue 39)
+    .venv/bin/python benchmarks/load.py --miss 1.1b:float32 --repeat 1
 
 --hit-calls times only the first `from_pretrained` hit of a fresh process, after `enable()` (as in a kernel
 that ran `%load_ext overmind_jupyter` and `%overmind on`), --calls processes per variant, median, p90 and max,
@@ -43,6 +45,7 @@ import argparse
 import contextlib
 import json
 import os
+import resource
 import shutil
 import signal
 import statistics
@@ -93,6 +96,7 @@ def child(spec: dict) -> None:
         print("imported", flush=True)
         sys.stdin.readline()
     before = smaps()
+    faults, cpu = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.process_time()
     t0 = time.perf_counter()
     if spec["case"] == "plain":
         model = LlamaForCausalLM.from_pretrained(spec["model"], dtype=dtype)
@@ -101,12 +105,15 @@ def child(spec: dict) -> None:
     else:
         model = loading.cached(LlamaForCausalLM.from_pretrained, spec["model"], dtype=dtype)
     t1 = time.perf_counter()
+    call_cpu, call_faults = time.process_time() - cpu, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
     with torch.inference_mode():
         logits = model(x).logits
     t2 = time.perf_counter()
     after = smaps()
     result = {
         "call": t1 - t0,
+        "cpu": call_cpu,
+        "minflt": call_faults,
         "first": t2 - t0,
         "anon_growth": after.get("Anonymous", 0) - before.get("Anonymous", 0),
         "rss_growth": after["Rss"] - before["Rss"],
@@ -122,10 +129,12 @@ def child(spec: dict) -> None:
         # this is the call's time, unless the daemon does not list it (then the run fails).
         from kernel_server.client import shared_client
 
-        listed = {e["key"] for e in shared_client().request("ls")["entries"]}
-        if rebuild.entry_of(model.lm_head.weight.data_ptr())[0] not in listed:
+        listed = {e["key"]: e for e in shared_client().request("status")["entries"]}
+        key = rebuild.entry_of(model.lm_head.weight.data_ptr())[0]
+        if key not in listed:
             raise RuntimeError("the miss returned before its entry was listed")
         result["published"] = t1 - t0
+        result["made"] = listed[key]["meta"].get("made")  # Note [Staged conversions]
     if spec.get("hold"):
         print(json.dumps(result), flush=True)
         sys.stdin.read()  # hold the model until the parent closes our stdin
@@ -419,9 +428,11 @@ def read_through(file: Path) -> None:
 
 def summarize(runs: list[dict]) -> dict:
     fields = ["call", "first", "second", "anon_growth", "rss_growth"] + [
-        f for f in ("published", "compacted") if f in runs[0]]
+        f for f in ("published", "compacted", "cpu", "minflt") if f in runs[0]]
     summary = {f: median_of(runs, f) for f in fields}
     summary["checksum"] = runs[0]["checksum"]
+    if "made" in runs[0]:
+        summary["made"] = runs[0]["made"]
     summary["fallbacks"] = [f for r in runs for f in r["fallbacks"]]
     summary["runs"] = [{f: r[f] for f in fields} for r in runs]
     return summary
@@ -507,6 +518,8 @@ def main() -> None:
                         help=f"--hit-calls: which of {','.join(HIT_VARIANTS)} (the plain load always runs)")
     parser.add_argument("--quick", action="store_true",
                         help="the 0.1B model only (with --hit-calls: and 8 calls a variant)")
+    parser.add_argument("--miss", nargs="?", const=MISS_CASES, metavar="SIZE:DTYPE,...",
+                        help=f"plain, miss and hit with CPU time and minor faults (default {MISS_CASES})")
     parser.add_argument("--fork-parent", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -526,10 +539,20 @@ def main() -> None:
             print(f"key of {name} ({r['files']} files): median {r['median_ms']:.3f} ms, p90 {r['p90_ms']:.3f} ms")
         print(f"bytecode present: {report['bytecode']}")
         return
-    paths = build(args.models.split(","), torch_files=not args.hit_calls)
     home = tempfile.mkdtemp(prefix="om-bench-")
     env = dict(os.environ, OVERMIND_HOME=home, PYTHONWARNINGS="ignore", TRANSFORMERS_VERBOSITY="error",
                HF_HUB_OFFLINE="1")
+    if args.miss:
+        cases = [tuple(case.split(":")) for case in args.miss.split(",")]
+        try:
+            daemon(env, "start")
+            rows = miss_study(cases, env, args.repeat)
+        finally:
+            daemon(env, "stop")
+        (OUT / "load_miss.json").write_text(json.dumps(rows, indent=2))
+        print_miss_study(rows)
+        return
+    paths = build(args.models.split(","), torch_files=not args.hit_calls)
     report: dict = {"models": {}, "cpu_count": os.cpu_count()}
     try:
         daemon(env, "start")  # a miss is measured against a running daemon, not its start
@@ -613,6 +636,48 @@ def study(size: str, path: Path, env: dict[str, str], repeat: int) -> dict:
             if abs(r["checksum"] - plain) > 1e-3 * abs(plain):
                 r["checksum_mismatch"] = True
     return {"bytes": {d: model_bytes(path, d) for d in ("bfloat16", "float32")}, "rows": rows}
+
+
+MISS_CASES = "1.1b:bfloat16,1.1b:float16,1.1b:float32,3b:bfloat16,3b:float32"
+
+
+def miss_study(cases: list[tuple[str, str]], env: dict[str, str], repeat: int) -> dict:
+    """--miss: plain, miss and hit of each (model, dtype) in rounds, each in a fresh process from an empty
+    store (the round's miss publishes its hit's entry), the checkpoint in the page cache: the call's wall
+    and CPU time (the process's, all its threads) and minor faults, and how the miss made its entry's
+    bytes (Note [Staged conversions] in overmind_jupyter/staging.py)."""
+    rows = {}
+    for size, dtype in cases:
+        path = build([size], torch_files=False)[size]
+        base = {"model": str(path), "dtype": dtype}
+        runs: dict[str, list[dict]] = {"plain": [], "miss": [], "hit": []}
+        for file in path.glob("*.safetensors"):
+            read_through(file)
+        for _ in range(repeat):
+            for case in ("plain", "miss", "hit"):
+                if case != "hit":
+                    daemon(env, "evict", "--all")  # plain runs beside no entry: the memory is the machine's
+                settle()
+                runs[case].append(run_child(base | {"case": case}, env))
+                if case == "miss":
+                    runs[case][-1]["compacted"] = wait_compacted(env)
+        daemon(env, "evict", "--all")
+        rows[f"{size} {dtype}"] = {case: summarize(r) for case, r in runs.items()}
+    return rows
+
+
+def print_miss_study(rows: dict) -> None:
+    print(f"{'model dtype':18} {'case':6} {'call s':>8} {'CPU s':>8} {'minflt k':>9} {'x plain wall':>13} "
+          f"{'x plain CPU':>12} {'call+fwd s':>11}  made (MiB staged/copied/pieces)")
+    for name, cases in rows.items():
+        plain = cases["plain"]
+        for case, r in cases.items():
+            made = r.get("made")
+            made_text = "/".join(f"{made[k] / 2**20:.0f}" for k in ("staged", "copied", "pieces")) if made else ""
+            flag = "  FALLBACK" if r["fallbacks"] else ""
+            print(f"{name:18} {case:6} {r['call']:8.3f} {r['cpu']:8.3f} {r['minflt'] / 1000:9.1f} "
+                  f"{r['call'] / plain['call']:13.3f} {r['cpu'] / plain['cpu']:12.3f} {r['first']:11.3f}  "
+                  f"{made_text}{flag}")
 
 
 def arena_study(path: Path, env: dict[str, str], repeat: int) -> dict:

@@ -18,7 +18,9 @@ Chosen by measuring call + first forward of a hit (benchmarks/RESULTS.md). shmem
 where `shmem_enabled` is "never" (the usual default), so the first forward of a 1.1B model takes a
 page fault per 4 KiB; a disk file's page cache gets large folios and MADV_POPULATE_READ maps them in
 milliseconds. "auto" therefore takes a file in `arena_directory()` when that is on a disk filesystem
-that supports O_TMPFILE, else a memfd. The file's dirty pages are written back to disk once (they
+that supports O_TMPFILE, else a memfd. Except for a miss that converts dtypes: its weights are written
+into a memfd as the load converts them, since gigabytes written into a disk file's page cache throttle the
+writer at the kernel's dirty limit (Note [Staged conversions] in overmind_jupyter/staging.py). The file's dirty pages are written back to disk once (they
 become clean page cache the kernel may drop and read back under memory pressure) and the blocks are
 freed when the last descriptor closes.
 
