@@ -7,6 +7,8 @@ transformers, diffusers, peft nor IPython (docs/design.md invariant 8); everythi
 
 from __future__ import annotations
 
+import sys
+
 from ._lazy import lazy_attributes
 from ._version import __version__
 
@@ -33,6 +35,13 @@ _SUBMODULES = ("adapters", "units", "widgets", "warm", "loading", "rebuild", "ke
                "api", "config", "patching", "targets")
 
 __getattr__, __dir__ = lazy_attributes(__name__, _WHERE, __all__, _SUBMODULES)
+
+# Imported where torch already is (a kernel's imports cell), the package prepares the hit path now rather
+# than in the first patch-free `cached()` call (Note [Imports ahead of the hit] in loading.py).
+if "torch" in sys.modules:
+    from . import loading
+
+    loading.prepare()
 
 
 def _jupyter_server_extension_points() -> list[dict[str, str]]:

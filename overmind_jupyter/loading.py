@@ -89,9 +89,10 @@ def flush_warnings() -> None:
 # Note [Imports ahead of the hit]
 # A hit imports `rebuild` (and `mappings`): 1 ms with bytecode, 5-9 ms without (PYTHONDONTWRITEBYTECODE=1
 # and a checkout without __pycache__). `prepare` imports them as soon as torch is imported: at `enable()`
-# (api.py) and after each cell (flush_warnings, from the extension's post_run_cell), so the cell after
-# the one that imported transformers pays nothing. Never before torch is imported (docs/design.md,
-# invariant 8: nothing heavy at import, and `rebuild` imports torch).
+# (api.py), after each cell (flush_warnings, from the extension's post_run_cell), so the cell after
+# the one that imported transformers pays nothing, and at `import overmind_jupyter` where torch is already
+# imported, so that the patch-free `cached()` pays nothing either. Never before torch is imported
+# (docs/design.md, invariant 8: nothing heavy at import, and `rebuild` imports torch).
 #
 # Then it runs the young collection that the imports made due (`gc.collect(1)`, 1-2 ms). Imports leave
 # thousands of young objects and bump the count of generation 1 past its threshold, so the next

@@ -606,6 +606,24 @@ def test_enable_leaves_the_first_hit_no_first_torch_call_and_no_collection_of_th
     assert out["faults"] <= 20, f"the first torch calls after enable() took {out['faults']} page faults"
 
 
+def test_the_first_patch_free_cached_call_imports_nothing_of_ours(env: dict[str, str], tiny_llama: Path) -> None:
+    """Note [Imports ahead of the hit]: `import overmind_jupyter` where torch is imported prepares the hit
+    path, so that the first `cached()` call of the README's patch-free form (no `enable()`) is a hit that
+    imports nothing of ours."""
+    code = f"""
+        import json, sys, torch
+        from transformers import AutoModelForCausalLM
+        import overmind_jupyter
+        before = set(sys.modules)
+        model = overmind_jupyter.cached(AutoModelForCausalLM.from_pretrained, {str(tiny_llama)!r}, dtype=torch.float32)
+        ours = sorted(m for m in set(sys.modules) - before if m.split(".")[0] in ("overmind_jupyter", "kernel_server"))
+        print(json.dumps({{"imported": ours, "calls": overmind_jupyter.loading.calls()}}))
+    """
+    assert last_json(run_py(code, env=env))["calls"] == {"miss": 1}
+    out = last_json(run_py(code, env=env))
+    assert out == {"imported": [], "calls": {"hit": 1}}, out
+
+
 def test_a_hit_leaves_its_objects_old_and_young_garbage_collected(env: dict[str, str], tiny_llama: Path) -> None:
     """Note [Old at birth] in loading.py: after a hit, the rebuilt model is in the collector's oldest
     generation (no young collection visits it), a garbage cycle made just before the call was collected
