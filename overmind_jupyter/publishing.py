@@ -102,6 +102,8 @@ def publish(client: Client, key: str, label: str, meta: dict[str, Any], packed: 
                 # budget] in kernel_server/descriptors.py).
                 client.request(Op.RESERVE, key=key, bytes=packed.arena_bytes + len(packed.graph),
                                descriptors=2 + len(plan.sources), timeout=ANSWER_TIMEOUT)
+                if stage is not None and not stage.top:  # nothing staged: an arena as any other miss's
+                    stage = None
                 new = (stage.finish(packed.arena_bytes) if stage is not None
                        else staging.new_arena(packed.arena_bytes, key, client.home, backing))
                 data = stack.enter_context(contextlib.closing(new))
