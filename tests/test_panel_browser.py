@@ -284,8 +284,8 @@ def test_a_first_load_of_a_large_model_shows_progress_in_the_panel(lab: Lab) -> 
 
     from overmind_jupyter.demo_models import build_llama
 
-    # about 1 GiB: its load and its copy into shared memory take seconds, several polls of the panel
-    big = build_llama(lab.models / "llama-big-f32", "0.1b", dtype="float32", num_hidden_layers=32)
+    # a real model, converted as it loads (fp32 stored, loaded as bf16)
+    big = build_llama(lab.models / "llama-big-f32", "0.1b", dtype="float32", num_hidden_layers=4)
     # the fastest refresh the settings allow, for several lines of the one load
     lab.lab.request("PUT", "lab/api/settings/overmind-jupyter:panel", {"raw": '{"refreshInterval": 0.5}'})
     lab.page.reload()
