@@ -18,17 +18,19 @@ Chosen by measuring call + first forward of a hit (benchmarks/RESULTS.md). shmem
 where `shmem_enabled` is "never" (the usual default), so the first forward of a 1.1B model takes a
 page fault per 4 KiB; a disk file's page cache gets large folios and MADV_POPULATE_READ maps them in
 milliseconds. "auto" therefore takes a file in `arena_directory()` when that is on a disk filesystem
-that supports O_TMPFILE, else a memfd. Except for a miss that converts dtypes: its weights are written
-into a memfd as the load converts them, since gigabytes written into a disk file's page cache throttle the
-writer at the kernel's dirty limit (Note [Staged conversions] in overmind_jupyter/staging.py). The file's dirty pages are written back to disk once (they
+that supports O_TMPFILE, else a memfd. The file's dirty pages are written back to disk once (they
 become clean page cache the kernel may drop and read back under memory pressure) and the blocks are
-freed when the last descriptor closes.
+freed when the last descriptor closes. Except for a miss that converts dtypes: its weights are written
+into a memfd as the load converts them, since gigabytes written into a disk file's page cache throttle
+the writer at the kernel's dirty limit (Note [Staged conversions] in overmind_jupyter/staging.py).
 
 # Note [Filling an arena]
 A kernel fills a new arena inside the loading call, before the call returns (Note [Atomic miss] in
-overmind_jupyter/publishing.py). A memfd is filled with pwrite (one copy, no page fault). A file arena
-is filled by `copy_from`: its blocks are reserved first (fallocate, milliseconds), then threads copy
-into a shared mapping advised MADV_HUGEPAGE. What a fill costs on these VMs is the first touch of the
+overmind_jupyter/publishing.py). A memfd is filled with pwrite (one copy, no page fault), and so is a
+file arena that takes one chunk (64 MiB) or less: the first write faults of a fresh shared mapping of a
+file cost about 10 ms each here (a same-dtype 1.1B miss copies a few KiB of buffers, and spent 34 ms
+there). A larger file arena is filled by `copy_from`: its blocks are reserved first (fallocate,
+milliseconds), then threads copy into a shared mapping advised MADV_HUGEPAGE. What a fill costs on these VMs is the first touch of the
 arena's fresh pages, not the copy: pwrite holds the file's lock, so only a mapping lets two threads
 touch pages at once; the advice makes each fault allocate a 2 MiB folio, which a hit later maps whole;
 and `copy_from` hands each piece back as soon as it is copied (`done`), so that the caller can free

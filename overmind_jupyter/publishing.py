@@ -253,7 +253,7 @@ def _fill(writer: arena.ArenaWriter, copies: list[rebuild.Own], private: Any, la
     addresses = [own.storage.data_ptr() for own in cpu if own.storage is not None]
     total = sum(own.nbytes for own in copies)
     with _progress(total, label) as advance:
-        if writer.backing == "file":
+        if writer.backing == "file" and total > _CHUNK:  # Note [Filling an arena] in kernel_server/arena.py
             writer.copy_from([(own.offset, address, own.nbytes) for own, address in zip(cpu, addresses, strict=True)],
                              threads=_WRITERS if threads.allowed() else 1,  # Note [Helper threads]
                              done=lambda i: move(cpu[i]), progress=advance)
