@@ -31,13 +31,13 @@ file arena that takes one chunk (64 MiB) or less: the first write faults of a fr
 file cost about 10 ms each here (a same-dtype 1.1B miss copies a few KiB of buffers, and spent 34 ms
 there). A larger file arena is filled by `copy_from`: its blocks are reserved first (fallocate,
 milliseconds), then threads copy into a shared mapping advised MADV_HUGEPAGE. What a fill costs on these
-VMs is the first touch of the arena's fresh pages, not the copy: pwrite holds the file's lock, so only a mapping lets two threads
-touch pages at once; the advice makes each fault allocate a 2 MiB folio, which a hit later maps whole;
-and `copy_from` hands each piece back as soon as it is copied (`done`), so that the caller can free
-the piece's source and the next pieces land on pages freed a moment before. The reservation matters:
-a write fault in a shared mapping of a full disk is a SIGBUS, where fallocate reports ENOSPC and the
-load falls back. The daemon fills the arenas it compacts the same way, from the checkpoint files
-(kernel_server/compaction.py).
+VMs is the first touch of the arena's fresh pages, not the copy: pwrite holds the file's lock, so only a
+mapping lets two threads touch pages at once; the advice makes each fault allocate a 2 MiB folio, which
+a hit later maps whole; and `copy_from` hands each piece back as soon as it is copied (`done`), so that
+the caller can free the piece's source and the next pieces land on pages freed a moment before. The
+reservation matters: a write fault in a shared mapping of a full disk is a SIGBUS, where fallocate
+reports ENOSPC and the load falls back. The daemon fills the arenas it compacts the same way, from the
+checkpoint files (kernel_server/compaction.py).
 """
 
 from __future__ import annotations
