@@ -2,7 +2,7 @@
  * The REST routes of the overmind server extension (overmind_jupyter/server), typed.
  *
  * GET  {baseUrl}overmind/state  -> {state: "ok", ...IPanelState} or {state: "down", message, home}
- * POST {baseUrl}overmind/evict  {key} | {all: true} -> {evicted: string[]}
+ * POST {baseUrl}overmind/evict  {key} | {all: true} -> {evicted: [{key, label, bytes}]}
 
  * Sizes and durations come with their display strings (`bytes_text`, `texts`, `progress.text`), written
  * on the server by the formatter the CLI and the notebook widgets share; relative times use
@@ -243,5 +243,6 @@ export async function evict(
       status
     );
   }
-  return body.evicted as string[];
+  // the keys that went (the entry and its dependents), from the keys or the records of what went
+  return (body.evicted as Array<string | { key: string }>).map(e => (typeof e === 'string' ? e : e.key));
 }

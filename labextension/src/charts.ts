@@ -92,7 +92,7 @@ function figure(testid: string, title: string, picture: Element, ...legend: Chil
   return h(
     'figure',
     { class: 'jp-Overmind-chart', 'data-testid': testid },
-    h('figcaption', { class: 'jp-Overmind-chartTitle' }, title),
+    h('figcaption', { class: 'jp-Overmind-chartTitle' }, h('span', {}, title)),
     picture,
     h('div', { class: 'jp-Overmind-legend' }, ...legend)
   );
@@ -102,7 +102,9 @@ function figure(testid: string, title: string, picture: Element, ...legend: Chil
  * Memory per entry against the budget: one stacked bar (entries, loads in flight, free), and a legend
  * naming each entry, its size and the kernels that use it.
  */
-export function memoryChart(state: IPanelState): HTMLElement {
+export function memoryChart(state: IPanelState, shown?: IShownEntries): HTMLElement {
+  const entries = shown?.entries ?? state.entries;
+  const ghosts = shown?.ghosts ?? new Set<string>();
   const width = 1000;
   const height = 14;
   const scale = width / Math.max(1, state.budget, state.used + state.reserved);
@@ -115,7 +117,10 @@ export function memoryChart(state: IPanelState): HTMLElement {
   });
   bar.append(stripeDefs(), svg('rect', { class: 'jp-Overmind-free', x: 0, y: 0, width, height }));
   let x = 0;
-  state.entries.forEach((entry, i) => {
+  entries.forEach((entry, i) => {
+    if (ghosts.has(entry.key)) {
+      return; // evicted: its legend line stays (see Note [No reflow under the pointer] in panel.ts)
+    }
     const w = entry.bytes * scale;
     const { colour, pattern } = segmentFill(i);
     const rect = svg('rect', {
@@ -173,7 +178,9 @@ export function memoryChart(state: IPanelState): HTMLElement {
       })
     );
   }
-  const legend: Child[] = state.entries.map((entry, i) => legendLine(entry, segmentBackground(i)));
+  const legend: Child[] = entries.map((entry, i) =>
+    ghosts.has(entry.key) ? ghostLine(entry) : legendLine(entry, segmentBackground(i))
+  );
   if (state.reserved > 0) {
     legend.push(
       h(
@@ -193,8 +200,25 @@ export function memoryChart(state: IPanelState): HTMLElement {
     )
   );
   const chart = figure('overmind-chart-memory', 'Memory per model', bar, ...legend);
-  chart.dataset.segments = String(state.entries.length);
+  chart.dataset.segments = String(entries.filter(e => !ghosts.has(e.key)).length);
   return chart;
+}
+
+/** The entries a view shows, in its order, and those of them evicted a moment ago (shown as such). */
+export interface IShownEntries {
+  entries: IEntry[];
+  ghosts: ReadonlySet<string>;
+}
+
+/** The legend's line of an entry just evicted: as high as it was, saying so. */
+function ghostLine(entry: IEntry): HTMLElement {
+  return h(
+    'div',
+    { class: 'jp-Overmind-legendLine jp-Overmind-hint jp-mod-evicted', 'data-key': entry.key },
+    swatch('transparent'),
+    h('span', { class: 'jp-Overmind-label' }, ...breakable(entry.label)),
+    ' evicted'
+  );
 }
 
 function legendLine(entry: IEntry, colour: string): HTMLElement {
@@ -335,4 +359,29 @@ export function unitsChart(state: IPanelState, samples: readonly IUnitSample[]):
       )
     )
   );
+}
+
+/** The charts a view can show, each in the panel and, larger, in a main-area tab of its own. */
+export type ChartKind = 'memory' | 'saved' | 'units';
+
+export const CHART_TITLES: Record<ChartKind, string> = {
+  memory: 'Memory per model',
+  saved: 'Load time saved by hits',
+  units: 'GPU units over time'
+};
+
+/** Chart `kind` of `state` (null where it has nothing to show: no GPU known for the units). */
+export function chart(
+  kind: ChartKind,
+  state: IPanelState,
+  samples: readonly IUnitSample[],
+  shown?: IShownEntries
+): HTMLElement | null {
+  if (kind === 'memory') {
+    return memoryChart(state, shown);
+  }
+  if (kind === 'saved') {
+    return savedChart(state.hits_log, state.texts);
+  }
+  return unitsChart(state, samples);
 }

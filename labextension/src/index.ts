@@ -1,6 +1,7 @@
 /**
- * overmind-jupyter: the side panel of overmind_jupyter in JupyterLab's left area, and its summary in
- * the status bar. Settings (schema/panel.json): the refresh interval, and whether the status item shows.
+ * overmind-jupyter: the side panel of overmind_jupyter in JupyterLab's left area, its summary in the
+ * status bar, and its charts in main-area tabs. Settings (schema/panel.json): the refresh interval, and
+ * whether the status item shows. The views follow the notebook (or console) in focus in the main area.
  */
 
 import {
@@ -8,13 +9,16 @@ import {
   JupyterFrontEnd,
   JupyterFrontEndPlugin
 } from '@jupyterlab/application';
-import { ICommandPalette } from '@jupyterlab/apputils';
+import { ICommandPalette, MainAreaWidget } from '@jupyterlab/apputils';
 import { ISettingRegistry } from '@jupyterlab/settingregistry';
 import { IStatusBar } from '@jupyterlab/statusbar';
 import { LabIcon } from '@jupyterlab/ui-components';
 import { Signal } from '@lumino/signaling';
+import { Widget } from '@lumino/widgets';
 
 import overmindSvg from '../style/icons/overmind.svg';
+import { CHART_TITLES, ChartKind } from './charts';
+import { chartTab, OvermindChartView } from './chartview';
 import { DEFAULT_INTERVAL_S, OvermindModel } from './model';
 import { OvermindPanel } from './panel';
 import { OvermindStatus } from './statusbar';
@@ -29,6 +33,13 @@ const PANEL_ID = 'overmind-panel';
 
 namespace CommandIDs {
   export const open = 'overmind:open-panel';
+  export const openChart = 'overmind:open-chart';
+}
+
+/** The session path of a main-area widget that has a kernel (a notebook, a console), else null. */
+function sessionPath(widget: Widget | null): string | null {
+  const session = (widget as { sessionContext?: { path?: unknown } } | null)?.sessionContext;
+  return session && typeof session.path === 'string' && session.path ? session.path : null;
 }
 
 const plugin: JupyterFrontEndPlugin<void> = {
@@ -45,7 +56,21 @@ const plugin: JupyterFrontEndPlugin<void> = {
     statusBar: IStatusBar | null
   ) => {
     const model = new OvermindModel(app.serviceManager.serverSettings);
-    const panel = new OvermindPanel({ model, serverSettings: app.serviceManager.serverSettings });
+    const charts = new Map<ChartKind, MainAreaWidget<OvermindChartView>>();
+    const openChart = (kind: ChartKind): void => {
+      let widget = charts.get(kind);
+      if (!widget || widget.isDisposed) {
+        widget = chartTab(model, kind, overmindIcon);
+        charts.set(kind, widget);
+        app.shell.add(widget, 'main', { mode: 'split-right' });
+      }
+      app.shell.activateById(widget.id);
+    };
+    const panel = new OvermindPanel({
+      model,
+      serverSettings: app.serviceManager.serverSettings,
+      openChart: kind => void app.commands.execute(CommandIDs.openChart, { chart: kind })
+    });
     panel.id = PANEL_ID;
     panel.title.icon = overmindIcon;
     panel.title.caption = 'Overmind: cached models';
@@ -58,9 +83,27 @@ const plugin: JupyterFrontEndPlugin<void> = {
       caption: 'Models cached by the overmind daemon',
       execute: () => app.shell.activateById(PANEL_ID)
     });
+    app.commands.addCommand(CommandIDs.openChart, {
+      label: args => `Open Overmind: ${CHART_TITLES[(args.chart as ChartKind) ?? 'memory'] ?? args.chart}`,
+      caption: 'A chart of the Overmind panel, larger, in a tab of its own',
+      execute: args => openChart(((args.chart as ChartKind) in CHART_TITLES ? args.chart : 'memory') as ChartKind)
+    });
     if (palette) {
       palette.addItem({ command: CommandIDs.open, category: 'Overmind' });
+      for (const chart of Object.keys(CHART_TITLES)) {
+        palette.addItem({ command: CommandIDs.openChart, args: { chart }, category: 'Overmind' });
+      }
     }
+
+    // The focused notebook: the last main-area widget with a kernel (a chart's tab in focus keeps it).
+    const follow = (): void => {
+      const path = sessionPath(app.shell.currentWidget);
+      if (path !== null) {
+        model.focused = path;
+      }
+    };
+    app.shell.currentChanged?.connect(follow);
+    app.restored.then(follow).catch(() => undefined);
 
     let showStatus = statusBar !== null;
     const statusChanged = new Signal<OvermindPanel, void>(panel);
@@ -74,7 +117,8 @@ const plugin: JupyterFrontEndPlugin<void> = {
         activeStateChanged: statusChanged
       });
     }
-    model.wanted = () => panel.isVisible || showStatus;
+    model.wanted = () =>
+      panel.isVisible || showStatus || [...charts.values()].some(w => !w.isDisposed && w.isVisible);
 
     if (registry) {
       const apply = (settings: ISettingRegistry.ISettings): void => {

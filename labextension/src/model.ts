@@ -20,6 +20,18 @@ const MAX_INTERVAL_MS = 30000;
 /** Samples of GPU units kept for the chart: about five minutes at the default interval. */
 const UNIT_SAMPLES = 150;
 
+/**
+ * The fraction of the budget held (entries, and loads in flight) from which the status item and the
+ * panel's memory line turn the warning colour, as jupyter-resource-usage's memory item does near its
+ * limit: from there on, the next model loaded is likely to evict the least recently used ones.
+ */
+export const WARN_FRACTION = 0.9;
+
+/** The fraction of its budget the cache holds: its entries and what loads in flight reserved. */
+export function heldFraction(state: { used: number; reserved: number; budget: number }): number {
+  return state.budget > 0 ? (state.used + state.reserved) / state.budget : 0;
+}
+
 /** The GPU units each device had in use at one poll. */
 export interface IUnitSample {
   t: number;
@@ -62,6 +74,21 @@ export class OvermindModel {
   /** GPU units in use per device, oldest first. */
   get unitSamples(): readonly IUnitSample[] {
     return this._samples;
+  }
+
+  /**
+   * The path of the notebook (or console) last focused in the main area ('' before one was): the views
+   * show its kernel's models and units first (as jupyter-resource-usage's kernel usage follows it).
+   */
+  get focused(): string {
+    return this._focused;
+  }
+
+  set focused(path: string) {
+    if (path !== this._focused) {
+      this._focused = path;
+      this._changed.emit();
+    }
   }
 
   /** Seconds between two polls (from the settings). */
@@ -131,4 +158,5 @@ export class OvermindModel {
   private _samples: IUnitSample[] = [];
   private _intervalMs = DEFAULT_INTERVAL_S * 1000;
   private _isWanted: () => boolean = () => true;
+  private _focused = '';
 }

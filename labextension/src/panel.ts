@@ -6,13 +6,16 @@
  * overmind-entry [data-key], overmind-evict, overmind-evict-all, overmind-empty, overmind-loading,
  * overmind-progress, overmind-units, overmind-device, overmind-kernels, overmind-kernel [data-pid],
  * overmind-fallbacks, overmind-refresh, and the charts overmind-chart-memory [data-segments],
- * overmind-chart-saved [data-hits], overmind-chart-units).
+ * overmind-chart-saved [data-hits], overmind-chart-units, each with its overmind-chart-open button).
+ * Views of issue 40: overmind-pss (what shared memory means for RSS), overmind-focus [data-path] (the
+ * focused notebook's kernel, whose entries, holders and kernel row carry `data-focused`), and
+ * overmind-evicted (a row evicted a moment ago, see Note [No reflow under the pointer]).
  */
 
 import { Dialog, showDialog } from '@jupyterlab/apputils';
 import { Time } from '@jupyterlab/coreutils';
 import { ServerConnection } from '@jupyterlab/services';
-import { refreshIcon } from '@jupyterlab/ui-components';
+import { launchIcon, refreshIcon } from '@jupyterlab/ui-components';
 import { Message } from '@lumino/messaging';
 import { Widget } from '@lumino/widgets';
 
@@ -24,11 +27,12 @@ import {
   IFallback,
   IPanelState,
   IPending,
-  IProgress
+  IProgress,
+  IUnitHolder
 } from './api';
-import { memoryChart, savedChart, unitsChart } from './charts';
-import { breakable, Child, h, prose, who } from './dom';
-import { OvermindModel } from './model';
+import { chart, CHART_TITLES, ChartKind, IShownEntries } from './charts';
+import { breakable, Child, h, nameOf, prose, who } from './dom';
+import { heldFraction, OvermindModel, WARN_FRACTION } from './model';
 
 const MAX_FALLBACKS = 20;
 /** Milliseconds between two refreshes of the relative times on show ("5 seconds ago"). */
@@ -90,6 +94,17 @@ function bar(used: number, total: number, testid: string): HTMLElement {
   );
 }
 
+/**
+ * Why tools that add up RSS (top, jupyter-resource-usage, a notebook's memory meter) show more than
+ * the cache holds: every kernel that uses a model maps the same shared pages, and RSS counts them in
+ * each. PSS divides shared pages among the processes that map them. Two kernels using one 4.1 GiB model
+ * showed 4.71 GB RSS each, and 2.47 GB PSS each.
+ */
+export const PSS_TEXT =
+  'Kernels map cached models from shared memory: tools that add up RSS count a model once per kernel ' +
+  'using it; PSS (proportional set size, in /proc/PID/smaps_rollup) splits shared pages among the ' +
+  'kernels and adds up to what is really used.';
+
 /** "3 hits of 4 lookups (75%)". */
 export function hitRate(stats: IPanelState['stats']): { text: string; percent: number | null } {
   const hits = stats.hits ?? 0;
@@ -102,6 +117,8 @@ export namespace OvermindPanel {
   export interface IOptions {
     model: OvermindModel;
     serverSettings: ServerConnection.ISettings;
+    /** Open a chart in a main-area tab (a button on each chart); no button without it. */
+    openChart?: (kind: ChartKind) => void;
   }
 }
 
@@ -111,6 +128,15 @@ export class OvermindPanel extends Widget {
     this.addClass('jp-Overmind');
     this._model = options.model;
     this._settings = options.serverSettings;
+    this._openChart = options.openChart ?? null;
+    // the rows evicted a moment ago go once the pointer leaves them (see Note [No reflow under the pointer])
+    this.node.addEventListener('pointermove', event => {
+      const target = event.target as Element | null;
+      if (this._ghosts.size && !target?.closest('[data-testid="overmind-entries"]')) {
+        this._dropGhosts();
+      }
+    });
+    this.node.addEventListener('pointerleave', () => this._dropGhosts());
 
     const refresh = h(
       'button',
@@ -163,6 +189,19 @@ export class OvermindPanel extends Widget {
     void this._model.refresh();
   }
 
+  protected onAfterHide(msg: Message): void {
+    super.onAfterHide(msg);
+    this._dropGhosts();
+  }
+
+  private _dropGhosts(): void {
+    if (this._ghosts.size) {
+      this._ghosts.clear();
+      this._ghostHeights.clear();
+      this._update();
+    }
+  }
+
   /** Move the relative times on while the panel is on show (see `ago`). */
   private _tick(): void {
     if (!this.isVisible) {
@@ -197,7 +236,8 @@ export class OvermindPanel extends Widget {
   private _render(state: IPanelState | null, down: string): void {
     const message = Date.now() < this._messageUntil ? this._message : '';
     const samples = this._model.unitSamples.length; // relative times move on without a rebuild (`ago`)
-    const signature = JSON.stringify([state, down, message, samples]);
+    const focused = this._model.focused;
+    const signature = JSON.stringify([state, down, message, samples, focused, [...this._ghosts.keys()]]);
     if (signature === this._signature) {
       return;
     }
@@ -218,20 +258,162 @@ export class OvermindPanel extends Widget {
         );
       }
     } else {
+      const shown = this._shown(state);
       parts.push(
-        this._summary(state),
+        this._focus(state, shown),
+        this._summary(state, shown),
         this._loading(state),
-        this._entries(state),
-        savedChart(state.hits_log, state.texts),
+        this._entries(state, shown),
+        this._chart('saved', state),
         this._units(state),
         this._kernels(state.kernels),
         this._fallbacks(state.fallbacks)
       );
     }
+    const before = this._ghosts.size ? this._listTop() : null;
+    const height = this._body.getBoundingClientRect().height;
     this._body.replaceChildren(...(parts.filter(Boolean) as Node[]));
+    if (before !== null) {
+      // no shorter than it was, or a panel scrolled to its end would scroll back by what went
+      this._body.style.minHeight = `${height}px`;
+      this._holdList(before);
+    } else {
+      this._body.style.minHeight = '';
+    }
   }
 
-  private _summary(state: IPanelState): HTMLElement {
+  /** Where the rows of the list of entries start on screen (null while there is none). */
+  private _listTop(): number | null {
+    const list = this._body.querySelector<HTMLElement>('[data-testid="overmind-entries"]');
+    return list ? list.getBoundingClientRect().top + (parseFloat(list.style.paddingTop) || 0) : null;
+  }
+
+  /**
+   * Put the list of entries back at `top` after a rebuild while rows evicted from the panel stay (see
+   * Note [No reflow under the pointer]): what shrank above it (a line of the focused notebook's models,
+   * a load that ended) leaves a gap above the list, what grew scrolls the panel by as much. The panel does
+   * not anchor its scrolling itself (`overflow-anchor: none` in base.css), which would move it twice.
+   */
+  private _holdList(top: number): void {
+    const list = this._body.querySelector<HTMLElement>('[data-testid="overmind-entries"]');
+    const now = this._listTop();
+    if (!list || now === null) {
+      return;
+    }
+    if (now < top) {
+      list.style.paddingTop = `${top - now}px`; // not a margin: it would collapse with the heading's
+    } else if (now > top) {
+      this.node.scrollTop += now - top;
+    }
+  }
+
+  // Note [No reflow under the pointer]
+  // A click on Evict removes a row, and the rows below would move up, the next one's Evict button under
+  // the pointer, where a second click evicts a model nobody chose. So while the pointer stays over the
+  // list, the rows evicted from this panel stay where they were, as high as they were (saying "evicted",
+  // their button hidden), the others keep their order, the memory chart's legend above keeps its lines,
+  // and the list keeps its place whatever changed above it (`_holdList`). All close up once the pointer
+  // leaves the list (or the panel, or the panel is hidden). The confirmation dialog alone does not
+  // prevent it: its button lies elsewhere, but the user comes back to the list for the next one.
+
+  /** The entries in the order the panel shows them (see Note [No reflow under the pointer]). */
+  private _shown(state: IPanelState): IShownEntries {
+    if (!this._ghosts.size) {
+      this._order = state.entries.map(e => e.key);
+      return { entries: state.entries, ghosts: new Set() };
+    }
+    const live = new Map(state.entries.map(e => [e.key, e]));
+    const entries: IEntry[] = [];
+    for (const key of this._order) {
+      const entry = live.get(key) ?? this._ghosts.get(key);
+      if (entry) {
+        entries.push(entry);
+        live.delete(key);
+      }
+    }
+    entries.push(...live.values()); // new entries go below
+    const ghosts = new Set([...this._ghosts.keys()].filter(k => !state.entries.some(e => e.key === k)));
+    return { entries, ghosts };
+  }
+
+  /** The focused notebook's kernel: what it uses of the cache and of the GPUs (or why nothing). */
+  private _focus(state: IPanelState, shown: IShownEntries): HTMLElement | null {
+    const path = this._model.focused;
+    if (!path) {
+      return null;
+    }
+    const kernel = state.kernels.find(k => k.path === path);
+    const uses = shown.entries.filter(e => e.pinned_by.some(c => c.path === path));
+    const holds: { device: string; holder: IUnitHolder }[] = [];
+    for (const d of state.units?.devices ?? []) {
+      holds.push(...d.holders.filter(x => x.name === path).map(x => ({ device: d.device, holder: x })));
+    }
+    const lines: Child[] = [];
+    if (!kernel) {
+      lines.push(
+        h(
+          'p',
+          { class: 'jp-Overmind-hint' },
+          ...prose('Its kernel is not connected to the daemon: `%overmind on` connects it.')
+        )
+      );
+    } else {
+      lines.push(
+        h(
+          'div',
+          { class: 'jp-Overmind-hint', 'data-testid': 'overmind-focus-uses' },
+          uses.length
+            ? `uses ${uses.map(e => `${e.label} (${shown.ghosts.has(e.key) ? 'evicted' : e.bytes_text})`).join(', ')}`
+            : 'uses no cached model'
+        ),
+        holds.length > 0 &&
+          h(
+            'div',
+            { class: 'jp-Overmind-hint', 'data-testid': 'overmind-focus-units' },
+            'holds ' +
+              holds
+                .map(({ device, holder }) => `${holder.units ?? '?'} GPU units on ${device} for ${holder.label || 'a model'}`)
+                .join(', ')
+          )
+      );
+    }
+    return h(
+      'section',
+      { class: 'jp-Overmind-section jp-Overmind-focus', 'data-testid': 'overmind-focus', 'data-path': path },
+      h(
+        'div',
+        { class: 'jp-Overmind-row' },
+        h('span', { class: 'jp-Overmind-label', title: kernel?.detail ?? path }, ...breakable(path)),
+        h('span', { class: 'jp-Overmind-hint' }, kernel ? `pid ${kernel.pid}` : '')
+      ),
+      ...lines
+    );
+  }
+
+  /** A chart of the panel, with its button that opens it larger in a main-area tab. */
+  private _chart(kind: ChartKind, state: IPanelState, shown?: IShownEntries): HTMLElement | null {
+    const figure = chart(kind, state, this._model.unitSamples, shown);
+    const openChart = this._openChart;
+    if (figure && openChart) {
+      const open = h(
+        'button',
+        {
+          class: 'jp-Button jp-mod-minimal jp-Overmind-chartOpen',
+          title: `Open "${CHART_TITLES[kind]}" in a tab`,
+          'aria-label': `Open ${CHART_TITLES[kind]} in a tab`,
+          'data-testid': 'overmind-chart-open'
+        },
+        launchIcon.element({ tag: 'span', elementSize: 'normal' })
+      );
+      open.addEventListener('click', () => openChart(kind));
+      figure.querySelector('figcaption')?.append(open);
+    }
+    return figure;
+  }
+
+  private _summary(state: IPanelState, shown: IShownEntries): HTMLElement {
+    const held = heldFraction(state);
+    const warn = held >= WARN_FRACTION;
     return h(
       'section',
       { class: 'jp-Overmind-section', 'data-testid': 'overmind-summary' },
@@ -241,9 +423,22 @@ export class OvermindPanel extends Widget {
         h('span', {}, 'Cache'),
         h(
           'span',
-          { 'data-testid': 'overmind-used' },
+          {
+            class: warn ? 'jp-Overmind-warn' : undefined,
+            'data-testid': 'overmind-used',
+            'data-level': warn ? 'warn' : 'normal',
+            title: warn
+              ? `${Math.round(held * 100)}% of the budget held (the warning shows from ` +
+                `${Math.round(WARN_FRACTION * 100)}%): the next model loaded will evict the least recently used ones`
+              : `${Math.round(held * 100)}% of the budget held`
+          },
           `${state.texts.used} of ${state.texts.budget}`
         )
+      ),
+      h(
+        'div',
+        { class: 'jp-Overmind-hint jp-Overmind-info', 'data-testid': 'overmind-pss', title: PSS_TEXT },
+        'Shared by every kernel that uses it: RSS counts a model once per kernel, PSS once in all.'
       ),
       h(
         'div',
@@ -258,11 +453,11 @@ export class OvermindPanel extends Widget {
           h('span', {}, 'Disk'),
           h('span', { title: state.texts.disk }, state.texts.disk.replace(/^disk: /, ''))
         ),
-      memoryChart(state)
+      this._chart('memory', state, shown)
     );
   }
 
-  private _entries(state: IPanelState): HTMLElement {
+  private _entries(state: IPanelState, shown: IShownEntries): HTMLElement {
     const evictAll = h(
       'button',
       {
@@ -275,7 +470,7 @@ export class OvermindPanel extends Widget {
     const total = state.entries_total;
     evictAll.addEventListener('click', () => void this._evictAll(total));
     const list =
-      state.entries.length === 0
+      shown.entries.length === 0
         ? h(
             'p',
             { class: 'jp-Overmind-empty', 'data-testid': 'overmind-empty' },
@@ -287,7 +482,7 @@ export class OvermindPanel extends Widget {
         : h(
             'ul',
             { class: 'jp-Overmind-list', 'data-testid': 'overmind-entries' },
-            ...state.entries.map(e => this._entry(e))
+            ...shown.entries.map(e => (shown.ghosts.has(e.key) ? this._ghost(e) : this._entry(e)))
           );
     const more =
       state.entries_more > 0 &&
@@ -322,13 +517,19 @@ export class OvermindPanel extends Widget {
       },
       'Evict'
     );
-    button.addEventListener('click', () => void this._evict({ key: entry.key }));
+    button.addEventListener('click', () => void this._evictOne(entry));
     const users: Child[] = entry.pinned_by.length
       ? ['in use by ', ...joined(entry.pinned_by.map(who))]
       : ['not in use'];
+    const focused = !!this._model.focused && entry.pinned_by.some(c => c.path === this._model.focused);
     return h(
       'li',
-      { class: 'jp-Overmind-entry', 'data-testid': 'overmind-entry', 'data-key': entry.key },
+      {
+        class: `jp-Overmind-entry${focused ? ' jp-mod-focused' : ''}`,
+        'data-testid': 'overmind-entry',
+        'data-key': entry.key,
+        'data-focused': focused ? 'true' : undefined
+      },
       h(
         'div',
         { class: 'jp-Overmind-row' },
@@ -349,6 +550,28 @@ export class OvermindPanel extends Widget {
           ? pendingLine(entry.pending)
           : null
     );
+  }
+
+  /** A row evicted a moment ago, as high as it was (see Note [No reflow under the pointer]). */
+  private _ghost(entry: IEntry): HTMLElement {
+    const row = h(
+      'li',
+      { class: 'jp-Overmind-entry jp-mod-evicted', 'data-testid': 'overmind-evicted', 'data-key': entry.key },
+      h(
+        'div',
+        { class: 'jp-Overmind-row' },
+        h('span', { class: 'jp-Overmind-label', title: entry.key }, ...breakable(entry.label)),
+        h(
+          'button',
+          { class: 'jp-Button jp-mod-minimal jp-Overmind-evict', disabled: '', 'aria-hidden': 'true', tabindex: '-1' },
+          'Evict'
+        )
+      ),
+      h('div', { class: 'jp-Overmind-hint' }, `${entry.bytes_text} · evicted`)
+    );
+    row.style.minHeight = `${this._ghostHeights.get(entry.key) ?? 0}px`; // its progress line gone
+    row.style.boxSizing = 'border-box';
+    return row;
   }
 
   private _loading(state: IPanelState): HTMLElement | null {
@@ -396,7 +619,7 @@ export class OvermindPanel extends Widget {
       units.devices.length
         ? h('ul', { class: 'jp-Overmind-list' }, ...units.devices.map(d => this._device(d)))
         : h('p', { class: 'jp-Overmind-hint' }, 'No GPU is known to the daemon yet.'),
-      unitsChart(state, this._model.unitSamples),
+      this._chart('units', state),
       units.waiting > 0 &&
         h(
           'div',
@@ -425,7 +648,11 @@ export class OvermindPanel extends Widget {
       ...device.holders.map(x =>
         h(
           'div',
-          { class: 'jp-Overmind-hint', 'data-testid': 'overmind-holder' },
+          {
+            class: `jp-Overmind-hint${this._model.focused && x.name === this._model.focused ? ' jp-mod-focused' : ''}`,
+            'data-testid': 'overmind-holder',
+            'data-focused': this._model.focused && x.name === this._model.focused ? 'true' : undefined
+          },
           `${x.units ?? '?'} for ${x.label || 'a model'}`,
           x.name ? ' (' : '',
           x.name ? who({ ...x, label: x.kernel, pid: x.pid ?? 0 }) : null,
@@ -436,7 +663,10 @@ export class OvermindPanel extends Widget {
     );
   }
 
-  private _kernels(kernels: IConnection[]): HTMLElement {
+  private _kernels(all: IConnection[]): HTMLElement {
+    const path = this._model.focused;
+    // the focused notebook's kernel first
+    const kernels = [...all.filter(k => path && k.path === path), ...all.filter(k => !path || k.path !== path)];
     return h(
       'section',
       { class: 'jp-Overmind-section', 'data-testid': 'overmind-kernels' },
@@ -448,7 +678,12 @@ export class OvermindPanel extends Widget {
             ...kernels.map(k =>
               h(
                 'li',
-                { class: 'jp-Overmind-kernel', 'data-testid': 'overmind-kernel', 'data-pid': String(k.pid) },
+                {
+                  class: `jp-Overmind-kernel${path && k.path === path ? ' jp-mod-focused' : ''}`,
+                  'data-testid': 'overmind-kernel',
+                  'data-pid': String(k.pid),
+                  'data-focused': path && k.path === path ? 'true' : undefined
+                },
                 h('div', { class: 'jp-Overmind-label', title: k.detail }, ...breakable(k.name)),
                 h('div', { class: 'jp-Overmind-hint' }, `${k.role}, `, ...breakable(k.detail))
               )
@@ -491,9 +726,39 @@ export class OvermindPanel extends Widget {
     );
   }
 
-  private async _evict(what: { key: string } | { all: true }): Promise<void> {
+  /** Evict one entry once the user confirmed it (a dialog, as for Evict all). */
+  private async _evictOne(entry: IEntry): Promise<void> {
+    const users = entry.pinned_by.map(nameOf);
+    const answer = await showDialog({
+      title: `Evict ${entry.label}?`,
+      body:
+        `${entry.bytes_text} leave the cache: the next load of this model reads it from disk again.` +
+        (users.length
+          ? ` ${users.join(', ')} keep${users.length === 1 ? 's' : ''} ${users.length === 1 ? 'its' : 'their'} ` +
+            'copy; the memory goes with the last of them.'
+          : ''),
+      buttons: [Dialog.cancelButton(), Dialog.warnButton({ label: 'Evict' })]
+    });
+    if (answer.button.accept) {
+      await this._evict({ key: entry.key }, entry);
+    }
+  }
+
+  private async _evict(what: { key: string } | { all: true }, entry?: IEntry): Promise<void> {
     try {
-      await evict(this._settings, what);
+      const gone = await evict(this._settings, what);
+      if (entry) {
+        // they stay until the pointer leaves the list (see Note [No reflow under the pointer])
+        const shown = new Map(this._model.state?.entries.map(e => [e.key, e]) ?? []);
+        for (const key of gone) {
+          const e = shown.get(key) ?? (key === entry.key ? entry : undefined);
+          if (e) {
+            this._ghosts.set(key, e);
+            const row = this._body.querySelector<HTMLElement>(`[data-testid="overmind-entry"][data-key="${key}"]`);
+            this._ghostHeights.set(key, row?.getBoundingClientRect().height ?? 0);
+          }
+        }
+      }
       this._message = '';
     } catch (error) {
       this._message = `Evict failed: ${(error as Error).message}`;
@@ -518,6 +783,10 @@ export class OvermindPanel extends Widget {
   private _status: HTMLElement;
   private _body: HTMLElement;
   private _signature = '';
+  private _openChart: ((kind: ChartKind) => void) | null;
+  private _ghosts = new Map<string, IEntry>();
+  private _ghostHeights = new Map<string, number>();
+  private _order: string[] = [];
   private _ages = 0;
   private _message = '';
   private _messageUntil = 0;

@@ -1,13 +1,14 @@
 /**
  * The status-bar item: models cached, memory used of the budget, hit rate (as jupyter-resource-usage
  * shows memory). A click opens the side panel. Hooks for tests: `data-testid="overmind-statusbar"`,
- * and `data-state` ("ok", "down", "error", "connecting").
+ * `data-state` ("ok", "down", "error", "connecting") and `data-level` ("warn" from WARN_FRACTION of
+ * the budget held, else "normal").
  */
 
 import { Widget } from '@lumino/widgets';
 
-import { OvermindModel } from './model';
-import { hitRate } from './panel';
+import { heldFraction, OvermindModel, WARN_FRACTION } from './model';
+import { hitRate, PSS_TEXT } from './panel';
 
 export class OvermindStatus extends Widget {
   constructor(model: OvermindModel, open: () => void) {
@@ -32,6 +33,7 @@ export class OvermindStatus extends Widget {
     const view = this._model.view;
     let text: string;
     let title: string;
+    let warn = false;
     if (view.state === 'ok') {
       const n = view.entries_total;
       const rate = hitRate(view.stats).percent;
@@ -44,6 +46,19 @@ export class OvermindStatus extends Widget {
         `hits / misses ${hitRate(view.stats).text}` +
         (kernels ? `; kernels: ${kernels}` : '') +
         '. Click to open the Overmind panel.';
+      const held = heldFraction(view);
+      warn = held >= WARN_FRACTION;
+      if (warn) {
+        title =
+          `The cache holds ${Math.round(held * 100)}% of its budget ` +
+          `(${view.texts.used}` +
+          (view.reserved > 0 ? ` and ${view.texts.reserved} reserved by loads in flight` : '') +
+          ` of ${view.texts.budget}; the warning shows from ${Math.round(WARN_FRACTION * 100)}%): ` +
+          'the next model loaded will evict the least recently used ones. Evict some in the panel, ' +
+          'or raise the budget (OVERMIND_BUDGET). ' +
+          title;
+      }
+      title += ` ${PSS_TEXT}`;
     } else if (view.state === 'down') {
       text = 'Overmind: no daemon';
       title = 'No overmind daemon runs yet; it starts with %overmind on in a notebook.';
@@ -55,6 +70,8 @@ export class OvermindStatus extends Widget {
       title = 'Asking the server…';
     }
     this.node.dataset.state = view.state;
+    this.node.dataset.level = warn ? 'warn' : 'normal';
+    this.node.classList.toggle('jp-mod-warn', warn);
     this.node.textContent = text;
     this.node.title = title;
   }
