@@ -84,7 +84,7 @@ def _focus_notebook(lab: Lab, path: str) -> None:
 def session(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path, models_dir: Path) -> Iterator[Lab]:
     executable = chromium()
     import nbformat
-    from playwright.sync_api import sync_playwright
+    from playwright.sync_api import expect, sync_playwright
 
     from overmind_jupyter.demo_models import build_llama
 
@@ -110,6 +110,9 @@ def session(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path, models_d
             browser = launch(pw, executable)
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             page.set_default_timeout(TIMEOUT_MS)
+            # a poll of the panel, its fetch and a redraw can take seconds with three test workers on two
+            # cores: every expectation waits up to 20 s instead of playwright's 5
+            expect.set_options(timeout=20_000)
             s = Lab(lab, page, home, models_dir)
             page.on("console", lambda m: s.console.append(f"{m.type}: {m.text}"))
             with failure_report(page, s.console, lab, "views-setup-failure.png"):
