@@ -164,7 +164,7 @@ def first_call(call: dict) -> dict:
     dtype = getattr(torch, call["dtype"])
     # What the call imports, found after it in sys.modules' order of insertion from the last module before
     # it. Not `set(sys.modules)` before the clock: that set of 3,000 names was young when the call began,
-    # and the hit's young collection visited it (Note [Old at birth] in loading.py): 0.4-0.6 ms of the
+    # and the hit's young collection visited it (Note [Old at birth] in hit_tuning.py): 0.4-0.6 ms of the
     # 0.1B hit was this benchmark's own bookkeeping.
     last = next(reversed(sys.modules))
     cpu = time.process_time()

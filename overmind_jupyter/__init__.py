@@ -37,11 +37,12 @@ _SUBMODULES = ("adapters", "units", "widgets", "warm", "loading", "rebuild", "ke
 __getattr__, __dir__ = lazy_attributes(__name__, _WHERE, __all__, _SUBMODULES)
 
 # Imported where torch already is (a kernel's imports cell), the package prepares the hit path now rather
-# than in the first patch-free `cached()` call (Note [Imports ahead of the hit] in loading.py).
+# than in the first patch-free `cached()` call (Note [Imports ahead of the hit] in hit_tuning.py), and
+# imports the cached call itself.
 if "torch" in sys.modules:
-    from . import loading
+    from . import hit_tuning, loading  # noqa: F401 (loading: imported here, not by the first call)
 
-    loading.prepare()
+    hit_tuning.prepare()
 
 
 def _jupyter_server_extension_points() -> list[dict[str, str]]:

@@ -28,14 +28,14 @@ def enable(config: Any = None) -> None:
         config: an `overmind_jupyter.config.Overmind` (default: one read from the environment).
     """
     global _enabled
-    from . import loading, targets
+    from . import hit_tuning, loading, targets
     from .config import Overmind
 
     (config or Overmind()).apply()
     with _lock:
         targets.install(loading.patched_call)
         _enabled = True
-    loading.prepare()  # what a hit imports, if torch is imported (Note [Imports ahead of the hit])
+    hit_tuning.prepare()  # what a hit imports, if torch is imported (Note [Imports ahead of the hit])
     try:
         from kernel_server.client import shared_client
 

@@ -3,8 +3,8 @@
 A miss is published inside the call, before it returns (Note [Atomic miss] in publishing.py). What the
 call uses lives beside it, a module each: what it tells (`notices`: fallbacks, counts, warnings, which
 this module passes on), the results it got from the cache (`results`: `result_key`, the unpinning), the
-random generators' state (`randomness`), what a load logged (`load_log`) and where a result goes
-(`placement`).
+random generators' state (`randomness`), what a load logged (`load_log`), where a result goes
+(`placement`) and the collector's and allocators' tuning around a hit (`hit_tuning`).
 
 # Note [Never worse]
 Every failure on the cache path (no key, no daemon, a daemon that dies mid-call, a full budget, an
@@ -15,10 +15,8 @@ call itself propagates unchanged, and its load is abandoned so that no entry is 
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,7 +30,7 @@ from kernel_server.operations import Op
 from kernel_server.payloads import LookupReply
 from kernel_server.transport import close_fds
 
-from . import dynamic_modules, keys, notices, progress, randomness, results, threads
+from . import dynamic_modules, hit_tuning, keys, notices, progress, randomness, results, threads
 from .errors import CorruptEntry, EntryElsewhere, PackError, PublishError, Uncacheable
 from .load_log import load_log
 from .notices import calls, clear_fallbacks, count, fall_back, fallbacks, tell_once
@@ -83,54 +81,7 @@ def flush_warnings() -> None:
     (called at each load and after each cell)."""
     notices.emit_deferred(stacklevel=3)
     results.send_unpins()  # those waiting for no helper thread (Note [Helper threads] in threads.py)
-    prepare()
-
-
-# Note [Imports ahead of the hit]
-# A hit imports `rebuild` (and `mappings`): 1 ms with bytecode, 5-9 ms without (PYTHONDONTWRITEBYTECODE=1
-# and a checkout without __pycache__). `prepare` imports them as soon as torch is imported: at `enable()`
-# (api.py), after each cell (flush_warnings, from the extension's post_run_cell), so the cell after
-# the one that imported transformers pays nothing, and at `import overmind_jupyter` where torch is already
-# imported, so that the patch-free `cached()` pays nothing either. Never before torch is imported
-# (docs/design.md, invariant 8: nothing heavy at import, and `rebuild` imports torch).
-#
-# Then it runs the young collection that the imports made due (`gc.collect(1)`, 1-2 ms). Imports leave
-# thousands of young objects and bump the count of generation 1 past its threshold, so the next
-# automatic collection is a generation-1 one over all of them; a hit pauses the collector while it
-# unpickles, and the first allocation after it paid that collection: 2-3 ms of the first hit of a
-# process (measured in a child forked from a parent that imported torch and transformers, as
-# benchmarks/load.py --hit-calls makes them). Collected here, the hit's own young collection is of
-# what was made since, while the daemon answers, and its objects skip the young generations (Note [Old
-# at birth]). Never `gc.collect()` of everything: in a forked kernel that visits the whole heap (0.35 s)
-# and writes to every object's page, unsharing them.
-_prepared = False
-
-
-def prepare() -> None:
-    """Import what a hit imports, once torch is imported (Note [Imports ahead of the hit])."""
-    global _prepared
-    if _prepared or "torch" not in sys.modules:
-        return
-    _prepared = True
-    try:
-        from . import rebuild
-
-        rebuild.warm()  # Note [Warm rebuild] in rebuild.py
-        keys.make_key(_label, (prepare,), {})  # the key's first calls too (sha256's setup, inspect's)
-        # and a checkpoint folder's, as a loader's first argument (this package's smallest folder)
-        keys.make_key(_Warm.from_pretrained, (os.path.join(os.path.dirname(__file__), "units"),),
-                      {"dtype": sys.modules["torch"].float32})
-    except Exception:  # noqa: BLE001 (the hit imports it again, and falls back there: Note [Never worse])
-        pass
-    gc.collect(1)
-
-
-class _Warm:
-    """A loader's shape, keyed once by `prepare`."""
-
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path: str, *args: Any, **kwargs: Any) -> None:
-        """Loads nothing."""
+    hit_tuning.prepare()  # Note [Imports ahead of the hit] in hit_tuning.py
 
 
 # -- the cached call -------------------------------------------------------------------------------------
@@ -388,14 +339,13 @@ def _from_hit(client: Client, ck: keys.CallKey, reply: Response[LookupReply], re
             arenas[e["key"]] = rebuild.ArenaRef(e["key"], fds[at], e["arena_bytes"], e.get("pieces", []), sources)
             at += 1 + len(sources)
 
-        born_old = _born_old()
+        born_old = hit_tuning.born_old()
         with rebuild.gc_paused():
             rebuilt = rebuild.rebuild(graph, arenas, ck.key, on_unmap=unpin,
                                       populate=options.populate and threads.allowed(),  # Note [Helper threads]
                                       arguments=replay.paths, reuse=reuse)
             if born_old:
-                gc.freeze()  # Note [Old at birth]: every tracked object to the oldest generation,
-                gc.unfreeze()  # visiting none
+                hit_tuning.promote()  # Note [Old at birth] in hit_tuning.py
         if not (isinstance(rebuilt, tuple) and len(rebuilt) == 3 and isinstance(rebuilt[1], list)
                 and (rebuilt[2] is None or isinstance(rebuilt[2], tuple))):
             raise CorruptEntry(f"the entry holds a {type(rebuilt).__name__}, not (result, arguments, random state)")
@@ -409,42 +359,6 @@ def _from_hit(client: Client, ck: keys.CallKey, reply: Response[LookupReply], re
         randomness.set_random_state(random_after)  # as the plain load leaves the generators (Note [Random loads])
     count("hit")
     return obj
-
-
-# Note [Old at birth]
-# A hit's objects (about 5,000 for a 1.1B Llama: modules, their hook dicts, parameters) are made while
-# the collector is paused (rebuild.gc_paused), and they outlive the call. Left in generation 0, the
-# first allocation after the hit ran a young collection over all of them (0.4-0.5 ms of a 1.1B hit),
-# and a generation-1 collection visited them again later, to find them all alive both times. So they go
-# to the oldest generation at once: `gc.freeze()` then `gc.unfreeze()` moves every tracked object there
-# without visiting one. For that to promote nothing but live objects, the young generations are
-# collected first, in `_lookup`, while the daemon answers (the thread would only wait; 0.2 ms here);
-# between that and the promotion runs only the hit's own code (and whatever another thread makes, whose
-# garbage then waits for a full collection rather than a young one). Not where something is frozen:
-# a warm kernel's zygote froze its heap before forking it (Note [Frozen imports] in warm/zygote.py),
-# and `gc.unfreeze()` would hand all of it back to the collector, whose next full collection would
-# write to every page of it; there, and where the user disabled the collector, the hit's objects stay
-# young, and the first young collection after the hit visits them. Asking whether something is frozen
-# costs a walk over all of it (`gc.get_freeze_count()` counts the permanent generation object by object:
-# 21 ms per call over a warm kernel's 400,000 objects), so the spare says it froze (`heap_frozen`), and a
-# count found above zero is remembered: the walk runs at most once, and over nothing where nothing is frozen.
-_heap_frozen = False
-
-
-def heap_frozen() -> None:
-    """Say that this process's heap is frozen for good (gc.freeze): a hit then leaves its objects young
-    (Note [Old at birth])."""
-    global _heap_frozen
-    _heap_frozen = True
-
-
-def _born_old() -> bool:
-    if _heap_frozen or not gc.isenabled():
-        return False
-    if gc.get_freeze_count():
-        heap_frozen()
-        return False
-    return True
 
 
 def _abandon(client: Client, key: str) -> None:
@@ -472,8 +386,7 @@ def _lookup(key: str) -> tuple[Client, Response[LookupReply]]:
         try:
             client = shared_client()
             request = client.submit(Op.LOOKUP, key=key, wait=True)
-            if _born_old():
-                gc.collect(1)  # while the daemon answers (Note [Old at birth])
+            hit_tuning.collect_young()  # while the daemon answers (Note [Old at birth] in hit_tuning.py)
             # a long wait for another kernel's load, a short one for the daemon (Note [Two kinds of waiting])
             return client, client.wait_alive(*request, options.wait_timeout)
         except DaemonLost:

@@ -26,7 +26,6 @@ import gc
 import io
 import mmap
 import operator
-import os
 import pickle
 import sys
 import threading
@@ -656,77 +655,6 @@ def _fresh_parameter(mapping: mmap.mmap | None, at: int, count: int, dtype: torc
 
 _frombuffer = torch.frombuffer
 _Parameter = torch.nn.Parameter
-
-
-# Note [Warm rebuild]
-# The first torch operations of a process pay for torch's lazy setup (the CPU allocator, the
-# dispatcher's first lookups, Parameter's first subclass instance), and in a process forked from one
-# that ran no torch operation (a warm kernel, benchmarks/load.py --hit-calls) they also write to
-# pages still shared with the parent, a copy-on-write fault (3-6 us here) per page: about 1 ms and a
-# hundred faults of the first hit, for nothing of the model. `warm` makes a rebuild's torch calls once,
-# on a page of anonymous memory, from `enable()` (loading.prepare, Note [Imports ahead of the hit]).
-# It runs no parallel operation and starts no thread: a forked kernel stays safe to fork.
-#
-# It also rebuilds a one-module graph over a one-page arena (the rebuild's own first calls: the
-# mapping registry, the pin, the module and hook-dict opcodes), then makes and drops the objects of
-# twice a 1B-parameter model's modules, and 0.6 MB of glibc's small chunks (`_warm_allocator`). In a
-# forked process the allocators' partly used pages are still the parent's, and the first object placed
-# in each copies it: about 150 of the 260 faults (5 us each here) of the 0.1B model's first hit came
-# from there. Made and dropped at enable(), those pages are this process's own when the hit's objects
-# go there.
-# This moves that cost to enable() (a few ms, once a process) rather than removing it; any code
-# that allocates as much between enable() and the first hit does the same.
-def warm() -> None:
-    """Make the calls of a rebuild once, so that the first hit pays no first-call costs."""
-    page = mmap.mmap(-1, mmap.PAGESIZE)
-    mappings.address_of(page)
-    tensor = _frombuffer(page, dtype=torch.float32, count=2, offset=0).as_strided_((1,), (1,), 1)
-    _as_parameter(tensor, False, {"warm": True})
-    _parameter(tensor.untyped_storage(), torch.float32, 0, (1,), (1,), False, None)
-    module = torch.nn.Module()
-    module.weight = torch.nn.Parameter(torch.zeros(2, 2))  # a 2-D parameter that requires grad, as most do
-    packed = pack((module, [], None))
-    fd = os.memfd_create("overmind-warm", os.MFD_CLOEXEC)
-    try:
-        os.ftruncate(fd, packed.arena_bytes)
-        rebuild(packed.graph, {"": ArenaRef("", fd, packed.arena_bytes)}, "", populate=False)
-    finally:
-        os.close(fd)
-    _warm_allocator()
-
-
-# A 1.1B Llama has about 290 modules, and its hit makes more than their objects (the parameters, the
-# graph's own): twice that many halved the page faults of its forked first hit (270 -> 130, 0.07 ms),
-# for 0.9 ms more of enable() (1.8 ms). Not its tensors: torch's own allocations for 256 of them saved
-# about 40 faults of a hit, for 2-3 ms more of enable().
-_WARM_MODULES = 640
-# Where the package was imported from bytecode (no compiler's garbage freed before the hit), about 80
-# faults more came from glibc's malloc, in the chunks its free lists still shared with the parent:
-# 1,000 chunks of 600 bytes (past pymalloc's 512), made and dropped, took them to 117-119 faults and
-# 0.15-0.2 ms off the hit (1.1B and 0.1B), for 0.4 ms of enable(). 520-800 bytes did as well, 1,200
-# bytes nothing, 500 chunks half.
-_WARM_CHUNK = 600
-_WARM_CHUNKS = 1000
-
-
-class _Warmed:
-    """Stands for a module in `_warm_allocator`."""
-
-
-def _warm_allocator() -> None:
-    """Make and drop the objects of a 1B-parameter model's hit (Note [Warm rebuild])."""
-    made: list[Any] = []
-    with gc_paused():  # none of it is garbage for the collector to find
-        for _ in range(_WARM_MODULES):
-            state = dict(_MODULE_STATE)  # its hook dicts replaced below, as a rebuild makes its own
-            for name in _HOOK_DICTS:
-                state[name] = _OrderedDict()
-            state["_non_persistent_buffers_set"] = set()
-            module = _Warmed()
-            object.__setattr__(module, "__dict__", state)
-            made.append(module)
-        made.extend(bytes(_WARM_CHUNK) for _ in range(_WARM_CHUNKS))  # glibc's chunks, not pymalloc's
-        del made
 
 
 # Note [Plain tensors]

@@ -586,9 +586,9 @@ def test_enable_leaves_the_first_hit_no_first_torch_call_and_no_collection_of_th
         r, w = os.pipe()
         pid = os.fork()
         if pid == 0:
-            from overmind_jupyter import loading, mappings
+            from overmind_jupyter import hit_tuning, loading, mappings
             threads = threading.active_count()
-            loading.prepare()
+            hit_tuning.prepare()
             counts = gc.get_count()
             before = faults()
             torch_calls()
@@ -625,7 +625,7 @@ def test_the_first_patch_free_cached_call_imports_nothing_of_ours(env: dict[str,
 
 
 def test_a_hit_leaves_its_objects_old_and_young_garbage_collected(env: dict[str, str], tiny_llama: Path) -> None:
-    """Note [Old at birth] in loading.py: after a hit, the rebuilt model is in the collector's oldest
+    """Note [Old at birth] in hit_tuning.py: after a hit, the rebuilt model is in the collector's oldest
     generation (no young collection visits it), a garbage cycle made just before the call was collected
     rather than promoted with it, and where something is frozen (a warm kernel's zygote froze its heap)
     it stays frozen, the hit's objects are left to the young collections, and the next hit does not count

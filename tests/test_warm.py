@@ -772,7 +772,7 @@ def test_after_a_restart_the_first_cell_imports_and_loads_a_cached_model_sooner(
     assert warm_["preloaded"] and not plain["preloaded"], "the warm kernel started with torch imported"
     assert warm_["setup"] + warm_["imports"] < (plain["setup"] + plain["imports"]) / 4, "the imports were skipped"
     assert warm_["ready"] < plain["ready"], "and the kernel was model-ready sooner"
-    # Note [Old at birth] in loading.py: the spare froze its heap and said so, so a hit in the warm
+    # Note [Old at birth] in hit_tuning.py: the spare froze its heap and said so, so a hit in the warm
     # kernel never counts the frozen objects (a walk over all of them: 21 ms for a kernel with torch)
     assert counted[WARM] == {"counted": 0, "frozen": True, "hits": 1}, counted
     assert counted[PLAIN]["frozen"] is False and counted[PLAIN]["hits"] == 1, counted

@@ -579,9 +579,9 @@ def main(argv: list[str] | None = None) -> int:
 
     gc.collect()
     gc.freeze()
-    loading = sys.modules.get("overmind_jupyter.loading")
-    if loading is not None:
-        loading.heap_frozen()  # so that a hit need not count what is frozen (Note [Old at birth] there)
+    hit_tuning = sys.modules.get("overmind_jupyter.hit_tuning")  # imported with loading
+    if hit_tuning is not None:
+        hit_tuning.heap_frozen()  # so that a hit need not count what is frozen (Note [Old at birth] there)
     _send(sock, {"kind": "ready", "version": PROTOCOL, "pid": os.getpid(), "modules": modules,
                  "seconds": time.perf_counter() - started, "native_threads": _native_threads(),
                  "stamps": stamps(modules)})

@@ -1,0 +1,213 @@
+"""The hit path's tuning of the collector, the allocators and the imports: none of it changes what a hit
+returns, each of it takes 0.15-3 ms off a hit (the figures, with the runs that gave them, are in
+benchmarks/RESULTS.md).
+
+`prepare` runs once a process, as soon as torch is imported: it imports what a hit imports (Note [Imports
+ahead of the hit]) and makes a rebuild's first calls and allocations (Note [Warm rebuild]). Every hit
+then collects the young generations while the daemon answers (`collect_young`) and moves what it rebuilt
+to the oldest generation (`born_old`, `promote`: Note [Old at birth]). `loading` calls these; `rebuild`
+knows nothing of them.
+
+This module imports nothing heavy: `loading` imports it before torch is imported, and it imports
+`rebuild` (and torch) only in `prepare`, once torch is (docs/design.md, invariant 8).
+"""
+
+from __future__ import annotations
+
+import collections
+import gc
+import mmap
+import os
+import sys
+from typing import Any
+
+from . import keys
+
+__all__ = ["born_old", "collect_young", "heap_frozen", "prepare", "promote"]
+
+
+# Note [Imports ahead of the hit]
+# A hit imports `rebuild` (and `mappings`): 1 ms with bytecode, 5-9 ms without (PYTHONDONTWRITEBYTECODE=1
+# and a checkout without __pycache__). `prepare` imports them as soon as torch is imported: at `enable()`
+# (api.py), after each cell (loading.flush_warnings, from the extension's post_run_cell), so the cell after
+# the one that imported transformers pays nothing, and at `import overmind_jupyter` where torch is already
+# imported, so that the patch-free `cached()` pays nothing either. Never before torch is imported
+# (docs/design.md, invariant 8: nothing heavy at import, and `rebuild` imports torch).
+#
+# Then it runs the young collection that the imports made due (`gc.collect(1)`, 1-2 ms). Imports leave
+# thousands of young objects and bump the count of generation 1 past its threshold, so the next
+# automatic collection is a generation-1 one over all of them; a hit pauses the collector while it
+# unpickles, and the first allocation after it paid that collection: 2-3 ms of the first hit of a
+# process (measured in a child forked from a parent that imported torch and transformers, as
+# benchmarks/load.py --hit-calls makes them). Collected here, the hit's own young collection is of
+# what was made since, while the daemon answers, and its objects skip the young generations (Note [Old
+# at birth]). Never `gc.collect()` of everything: in a forked kernel that visits the whole heap (0.35 s)
+# and writes to every object's page, unsharing them. The figures: benchmarks/RESULTS.md, "The hit call"
+# and "A converting miss writes its weights once; the first patch-free call".
+_prepared = False
+
+
+def prepare() -> None:
+    """Import what a hit imports, once torch is imported (Note [Imports ahead of the hit]), and make a
+    rebuild's first calls (Note [Warm rebuild]). Runs once a process; before torch is imported, not at all."""
+    global _prepared
+    if _prepared or "torch" not in sys.modules:
+        return
+    _prepared = True
+    try:
+        _warm_rebuild()
+        _warm_allocator()
+        # the key's first calls too (sha256's setup, inspect's), of a function called with a function
+        keys.make_key(keys.owner_name, (prepare,), {})
+        # and a checkpoint folder's, as a loader's first argument (this package's smallest folder)
+        keys.make_key(_Warm.from_pretrained, (os.path.join(os.path.dirname(__file__), "units"),),
+                      {"dtype": sys.modules["torch"].float32})
+    except Exception:  # noqa: BLE001 (the hit imports it again, and falls back there: Note [Never worse] in loading.py)
+        pass
+    gc.collect(1)
+
+
+class _Warm:
+    """A loader's shape, keyed once by `prepare`."""
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: str, *args: Any, **kwargs: Any) -> None:
+        """Loads nothing."""
+
+
+# Note [Warm rebuild]
+# The first torch operations of a process pay for torch's lazy setup (the CPU allocator, the
+# dispatcher's first lookups, Parameter's first subclass instance), and in a process forked from one
+# that ran no torch operation (a warm kernel, benchmarks/load.py --hit-calls) they also write to
+# pages still shared with the parent, a copy-on-write fault (3-6 us here) per page: about 1 ms and a
+# hundred faults of the first hit, for nothing of the model. `_warm_rebuild` makes a rebuild's torch
+# calls once, on a page of anonymous memory, from `enable()` (`prepare`, Note [Imports ahead of the hit]),
+# and rebuilds a one-module graph over a one-page arena (the rebuild's own first calls: the mapping
+# registry, the pin, the module and hook-dict opcodes, a parameter made over the arena and one on a
+# storage made before). It runs no parallel operation and starts no thread: a forked kernel stays safe
+# to fork.
+#
+# Then `_warm_allocator` makes and drops the objects of twice a 1B-parameter model's modules, and
+# 0.6 MB of glibc's small chunks. In a forked process the allocators' partly used pages are still the
+# parent's, and the first object placed in each copies it: about 150 of the 260 faults (5 us each here)
+# of the 0.1B model's first hit came from there. Made and dropped at enable(), those pages are this
+# process's own when the hit's objects go there.
+# This moves that cost to enable() (a few ms, once a process) rather than removing it; any code
+# that allocates as much between enable() and the first hit does the same. The figures:
+# benchmarks/RESULTS.md, "The hit call" (stops 28 and 30).
+def _warm_rebuild() -> None:
+    """Make the calls of a rebuild once, so that the first hit pays no first-call costs."""
+    import torch
+
+    from . import mappings, rebuild
+
+    page = mmap.mmap(-1, mmap.PAGESIZE)
+    mappings.address_of(page)
+    torch.frombuffer(page, dtype=torch.float32, count=2, offset=0).as_strided_((1,), (1,), 1)
+    module = torch.nn.Module()
+    module.weight = torch.nn.Parameter(torch.zeros(2, 2))  # a 2-D parameter that requires grad, as most do
+    # and a parameter on its storage, with an attribute (a tied weight's way: `_parameter` in rebuild.py)
+    row = torch.nn.Parameter(module.weight.detach()[1], requires_grad=False)
+    row.__dict__["warm"] = True
+    module.row = row
+    packed = rebuild.pack((module, [], None))
+    fd = os.memfd_create("overmind-warm", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, packed.arena_bytes)
+        rebuild.rebuild(packed.graph, {"": rebuild.ArenaRef("", fd, packed.arena_bytes)}, "", populate=False)
+    finally:
+        os.close(fd)
+
+
+# A 1.1B Llama has about 290 modules, and its hit makes more than their objects (the parameters, the
+# graph's own): twice that many halved the page faults of its forked first hit (270 -> 130, 0.07 ms),
+# for 0.9 ms more of enable() (1.8 ms). Not its tensors: torch's own allocations for 256 of them saved
+# about 40 faults of a hit, for 2-3 ms more of enable().
+_WARM_MODULES = 640
+# Where the package was imported from bytecode (no compiler's garbage freed before the hit), about 80
+# faults more came from glibc's malloc, in the chunks its free lists still shared with the parent:
+# 1,000 chunks of 600 bytes (past pymalloc's 512), made and dropped, took them to 117-119 faults and
+# 0.15-0.2 ms off the hit (1.1B and 0.1B), for 0.4 ms of enable(). 520-800 bytes did as well, 1,200
+# bytes nothing, 500 chunks half.
+_WARM_CHUNK = 600
+_WARM_CHUNKS = 1000
+
+
+class _Warmed:
+    """Stands for a module in `_warm_allocator`."""
+
+
+def _warm_allocator() -> None:
+    """Make and drop the objects of a 1B-parameter model's hit (Note [Warm rebuild])."""
+    import torch
+
+    from . import rebuild
+
+    new_module = vars(torch.nn.Module())  # what a new nn.Module holds, and its empty hook dicts
+    hook_dicts = [k for k, v in new_module.items() if type(v) is collections.OrderedDict and not v]
+    made: list[Any] = []
+    with rebuild.gc_paused():  # none of it is garbage for the collector to find
+        for _ in range(_WARM_MODULES):
+            state = dict(new_module)  # its hook dicts replaced below, as a rebuild makes its own
+            for name in hook_dicts:
+                state[name] = collections.OrderedDict()
+            state["_non_persistent_buffers_set"] = set()
+            module = _Warmed()
+            object.__setattr__(module, "__dict__", state)
+            made.append(module)
+        made.extend(bytes(_WARM_CHUNK) for _ in range(_WARM_CHUNKS))  # glibc's chunks, not pymalloc's
+        del made
+
+
+# Note [Old at birth]
+# A hit's objects (about 5,000 for a 1.1B Llama: modules, their hook dicts, parameters) are made while
+# the collector is paused (rebuild.gc_paused), and they outlive the call. Left in generation 0, the
+# first allocation after the hit ran a young collection over all of them (0.4-0.5 ms of a 1.1B hit),
+# and a generation-1 collection visited them again later, to find them all alive both times. So they go
+# to the oldest generation at once (`promote`): `gc.freeze()` then `gc.unfreeze()` moves every tracked
+# object there without visiting one. For that to promote nothing but live objects, the young generations
+# are collected first (`collect_young`, from loading's lookup), while the daemon answers (the thread would
+# only wait; 0.2 ms here); between that and the promotion runs only the hit's own code (and whatever
+# another thread makes, whose garbage then waits for a full collection rather than a young one). Not where
+# something is frozen: a warm kernel's zygote froze its heap before forking it (Note [Frozen imports] in
+# warm/zygote.py), and `gc.unfreeze()` would hand all of it back to the collector, whose next full
+# collection would write to every page of it; there, and where the user disabled the collector, the hit's
+# objects stay young (`born_old` is False), and the first young collection after the hit visits them.
+# Asking whether something is frozen costs a walk over all of it (`gc.get_freeze_count()` counts the
+# permanent generation object by object: 21 ms per call over a warm kernel's 400,000 objects), so the spare
+# says it froze (`heap_frozen`), and a count found above zero is remembered: the walk runs at most once,
+# and over nothing where nothing is frozen. The figures: benchmarks/RESULTS.md, "The hit call" (stop 30)
+# and "Warm restart to model-ready" (the walk).
+_heap_frozen = False
+
+
+def heap_frozen() -> None:
+    """Say that this process's heap is frozen for good (gc.freeze): a hit then leaves its objects young
+    (Note [Old at birth])."""
+    global _heap_frozen
+    _heap_frozen = True
+
+
+def born_old() -> bool:
+    """Whether a hit's objects go to the oldest generation (Note [Old at birth]): asked before the hit
+    pauses the collector, which it would otherwise find disabled."""
+    if _heap_frozen or not gc.isenabled():
+        return False
+    if gc.get_freeze_count():
+        heap_frozen()
+        return False
+    return True
+
+
+def collect_young() -> None:
+    """Collect the young generations, where a hit's objects will be promoted (Note [Old at birth]): run
+    while the daemon answers the lookup."""
+    if born_old():
+        gc.collect(1)
+
+
+def promote() -> None:
+    """Move every tracked object to the oldest generation, visiting none (Note [Old at birth]): run by
+    a hit right after its rebuild, with the collector still paused, where `born_old()` was True."""
+    gc.freeze()
+    gc.unfreeze()
