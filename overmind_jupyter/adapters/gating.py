@@ -3,9 +3,10 @@
 A request names its adapter per call (`adapter="fr"`) or per row (`adapter=["fr", "de", "__base__"]`). Rows of
 routable adapters run routed (see Note [Adapter routing]); the others run switched, one adapter at a time,
 under the keyed admission of switching.py (see Note [Keyed admission]). Structural changes go through
-`gate.exclusive()` or the gate methods built on it; PEFT's own calls that change the layers take it by
-themselves, and other changes behind the gate are detected (guarding.py). `gate.submit(...)` hands a request to
-the batching engine (batching.py), which coalesces concurrent requests into mixed batches.
+`gate.exclusive()` or the gate methods built on it, which hold it while changes.py makes the change; PEFT's
+own calls that change the layers take it by themselves, and other changes behind the gate are detected
+(guarding.py). `gate.submit(...)` hands a request to the batching engine (batching.py), which coalesces
+concurrent requests into mixed batches.
 
 Imports run one way: gating imports batching and splitting, which see the gate only through
 `inputs.GateSurface` (its public `resolve`, `admission_key`, `run`, `generate`, `generation_config`).
@@ -32,6 +33,7 @@ from ._errors import (
     RoutingUnavailableError,
     UnknownAdapterError,
 )
+from .changes import LayerChanges, conforms
 from .host import AdapterHost
 from .inputs import rows_of
 from .routing import BASE, Router, blockers, expect, route
@@ -160,7 +162,7 @@ class AdapterGate:
         self._host = AdapterHost(model)
         self._mode = mode
         self._initial = self._host.snapshot()
-        self._touched = False  # whether switching changed the model's active/enabled/merged state
+        self._changes = LayerChanges(self._host)
         self._router = Router(self._host.target)
         self._sem = KeyedSemaphore(self._switch, max_wait_s=max_wait_s)
         self._engine_lock = threading.Lock()
@@ -170,8 +172,6 @@ class AdapterGate:
         self._adapters: frozenset[str] = frozenset()
         self._whole: str | None = None
         self._per: dict[str, str] = {}
-        self._merge_on_switch = False
-        self._routed_active: tuple[str, ...] = ()
         self._stale = False  # a change behind the gate was seen: re-read the model before the next request
         self._changes_seen = 0
         self._known: dict[int, tuple[Any, ...]] = {}  # the layers' state the gate last set (after each switch)
@@ -234,8 +234,7 @@ class AdapterGate:
             )
         self._whole, self._per = whole, per
         self._stale = False
-        self._merge_on_switch = bool(host.merged())
-        self._routed_active = host.active()
+        self._changes.reread()
         self._router.sync()
         if not initial:
             guarding.guard(self, host.model, host.kind, host.target, host.layers())
@@ -312,62 +311,21 @@ class AdapterGate:
         token = _SWITCHING.set(_SWITCHING.get() | {id(self)})
         try:
             before = self._host.layer_state()
-            self._apply(key)
+            self._changes.apply(key)
             state = self._host.layer_state()
-            if not self._conforms(key, state):
+            if not conforms(key, state):
                 # The quick checks read one summary of all layers (the first layer's active adapters, the union
                 # of merged ones). Guarded layer-level calls between requests (`peft.functional.set_adapter`
                 # walks the layers one exclusive call at a time) can leave the layers disagreeing: set each.
-                self._apply(key, every_layer=True)
+                self._changes.apply(key, every_layer=True)
                 state = self._host.layer_state()
         finally:
             _SWITCHING.reset(token)
         # Every request of this key is admitted with, and must end with, this state (Note [Changes behind the
         # gate] in guarding.py). After an exclusive section the key is forgotten, so this runs again. A state that
         # is not what the key needs was changed behind the gate during the switch: no request may take it.
-        self._known = state if self._conforms(key, state) else {}
+        self._known = state if conforms(key, state) else {}
         return state != before
-
-    def _conforms(self, key: str, state: dict[int, tuple[Any, ...]]) -> bool:
-        """Whether the layers' state is one that requests of `key` are right with."""
-        for disabled, merged, active in state.values():
-            if key == ROUTED:
-                if disabled or merged:
-                    return False
-            elif key == BASE:
-                if not disabled:
-                    return False
-            elif disabled or active not in ((key,), ()) or any(m != key for m in merged):
-                return False  # (a wrapper that does not hold the adapter is left with none active)
-        return True
-
-    def _apply(self, key: str, every_layer: bool = False) -> None:
-        """Switch the layers to `key`, skipping what looks done already (unless `every_layer`)."""
-        host = self._host
-        if key == ROUTED:
-            # The routed path reads no active adapter, but disabled layers compute the base model and wrappers
-            # pass rows through unless they hold the active adapter: put back what switching changed.
-            if self._touched:
-                if not host.enabled():
-                    host.set_enabled(True)
-                if self._routed_active and host.active() != self._routed_active:
-                    host.set_active(self._routed_active)
-            return
-        self._touched = True
-        if key == BASE:
-            if host.merged():
-                host.unmerge()
-            host.set_enabled(False)
-            return
-        if not host.enabled():
-            host.set_enabled(True)
-        if self._merge_on_switch:
-            if every_layer or host.merged() != (key,):
-                host.unmerge()
-                host.set_active([key])
-                host.merge([key])
-        elif every_layer or host.active() != (key,):
-            host.set_active([key])
 
     # -- requests --------------------------------------------------------------------------------------------
 
@@ -567,9 +525,7 @@ class AdapterGate:
                 Passed to the model's `load_adapter`.
         """
         with self.exclusive():
-            before = self._host.active()
-            self._host.load(source, adapter_name, **kwargs)
-            self._keep_active(before)
+            self._changes.load(source, adapter_name, **kwargs)
         return adapter_name
 
     def delete_adapter(self, adapter_name: str) -> None:
@@ -580,14 +536,7 @@ class AdapterGate:
                 The adapter to delete.
         """
         with self.exclusive():
-            self._host.require(adapter_name)
-            if adapter_name == self._default:
-                raise AdapterError(
-                    f"{adapter_name!r} is the gate's default adapter: gate.switch(...) to another one first"
-                )
-            if adapter_name in self._host.merged():
-                self._host.unmerge()
-            self._host.delete(adapter_name)
+            self._changes.delete(adapter_name, self._default)
 
     def mix(self, weights: Mapping[str, float], name: str) -> str:
         """Add adapter `name`, a weighted sum of LoRA adapters (exact: ranks are concatenated); returns it.
@@ -599,9 +548,7 @@ class AdapterGate:
                 The new adapter's name.
         """
         with self.exclusive():
-            before = self._host.active()
-            self._host.mix(dict(weights), name)
-            self._keep_active(before)
+            self._changes.mix(weights, name)
         return name
 
     def merge(self, adapter: str | None = None) -> None:
@@ -618,15 +565,12 @@ class AdapterGate:
         if name == BASE:
             raise ValueError("the base model has nothing to merge: name an adapter")
         with self.exclusive():
-            self._host.unmerge()
-            self._host.set_active([name])
-            self._host.merge([name])
-            self._touched = True
+            self._changes.merge(name)
 
     def unmerge(self) -> None:
         """Take merged adapters out of the base weights again (routing becomes possible again)."""
         with self.exclusive():
-            self._host.unmerge()
+            self._changes.unmerge()
 
     def hotswap(self, adapter_name: str, source: Any, **kwargs: Any) -> None:
         """Replace an adapter's weights in place with those at `source` (same rank and targets), exclusively.
@@ -640,13 +584,7 @@ class AdapterGate:
                 Passed to PEFT's `hotswap_adapter` (or the transformers `load_adapter(..., hotswap=True)`).
         """
         with self.exclusive():
-            self._host.hotswap(adapter_name, source, **kwargs)
-
-    def _keep_active(self, before: tuple[str, ...]) -> None:
-        present = set(self._host.adapters())
-        keep = [a for a in before if a in present]
-        if keep and self._host.active() != tuple(keep):
-            self._host.set_active(keep)
+            self._changes.hotswap(adapter_name, source, **kwargs)
 
     # -- batching engine -------------------------------------------------------------------------------------
 
@@ -740,8 +678,7 @@ class AdapterGate:
         with self._sem.exclusive():
             try:
                 self._router.remove()
-                if self._touched:
-                    self._host.restore(self._initial)
+                self._changes.restore(self._initial)
             finally:
                 self._closed = True
                 self._sem.close()
