@@ -282,11 +282,40 @@ class AdapterHost:
         the weighted sum of the adapters' own deltas (`s_i` is each adapter's scaling). This is PEFT's
         `add_weighted_adapter(combination_type="cat")`, done here so that it also serves transformers models
         with PEFT integration and keeps scaling 1 under rsLoRA.
-        """
-        import torch
-        from peft import LoraConfig
-        from peft.tuners.lora import LoraLayer
 
+        In three steps: plan the new adapter's config (checking everything before the model changes), create
+        it, fill its weights; a failure while filling deletes it, the one way back.
+        """
+        config = self._plan_mix(weights, name)
+        self.add_lora(name, config)
+        try:
+            self._fill_mix(weights, name)
+        except BaseException:
+            self.delete(name)
+            raise
+
+    def _plan_mix(self, weights: Mapping[str, float], name: str) -> Any:
+        """The `LoraConfig` of the mix of `weights` as adapter `name`: rank the sum of the adapters' largest
+        ranks, on every LoRA layer that holds one of them; raises before anything changed."""
+        from peft import LoraConfig
+
+        self._check_mixable(weights, name)
+        layers, ranks, fan_in_fan_out = self._mixed_layers(weights)
+        if not layers:
+            raise AdapterError(
+                f"no LoRA layer holds any of {sorted(weights)}: only LoRA adapters can be mixed"
+            )
+        new_rank = sum(ranks.values())
+        return LoraConfig(
+            r=new_rank,
+            lora_alpha=new_rank,
+            target_modules=sorted(layers),
+            lora_dropout=0.0,
+            bias="none",
+            fan_in_fan_out=fan_in_fan_out,
+        )
+
+    def _check_mixable(self, weights: Mapping[str, float], name: str) -> None:
         if not weights:
             raise ValueError("gate.mix needs at least one adapter and weight, e.g. {'fr': 0.7, 'de': 0.3}")
         if name in self.adapters() or name == BASE:
@@ -297,6 +326,12 @@ class AdapterHost:
             self.require(adapter)
             if self.uses_dora(adapter):
                 raise AdapterError(f"adapter {adapter!r} uses DoRA, whose magnitudes cannot be mixed exactly")
+
+    def _mixed_layers(self, weights: Mapping[str, float]) -> tuple[dict[str, Any], dict[str, int], bool]:
+        """The LoRA layers (by name) that hold some of the adapters of `weights`, each adapter's largest rank
+        in them, and whether any of them is `fan_in_fan_out`."""
+        from peft.tuners.lora import LoraLayer
+
         layers: dict[str, Any] = {}
         ranks = dict.fromkeys(weights, 0)
         fan_in_fan_out = False
@@ -310,54 +345,17 @@ class AdapterHost:
             fan_in_fan_out = fan_in_fan_out or bool(getattr(module, "fan_in_fan_out", False))
             for a in held:
                 ranks[a] = max(ranks[a], int(module.r[a]))
-        if not layers:
-            raise AdapterError(
-                f"no LoRA layer holds any of {sorted(weights)}: only LoRA adapters can be mixed"
-            )
-        new_rank = sum(ranks.values())
-        config = LoraConfig(
-            r=new_rank,
-            lora_alpha=new_rank,
-            target_modules=sorted(layers),
-            lora_dropout=0.0,
-            bias="none",
-            fan_in_fan_out=fan_in_fan_out,
-        )
-        self.add_lora(name, config)
-        try:
-            with torch.no_grad():
-                for module in self.target.modules():
-                    if not isinstance(module, LoraLayer) or name not in (
-                        set(module.lora_A) | set(module.lora_embedding_A)
-                    ):
-                        continue
-                    embedding = name in module.lora_embedding_A
-                    if embedding:
-                        target_a, target_b = module.lora_embedding_A[name], module.lora_embedding_B[name]
-                    else:
-                        target_a, target_b = module.lora_A[name].weight, module.lora_B[name].weight
-                    target_a.zero_()
-                    target_b.zero_()
-                    a_parts: list[torch.Tensor] = []
-                    b_parts: list[torch.Tensor] = []
-                    down: Any
-                    up: Any
-                    for adapter, weight in weights.items():
-                        if adapter in module.lora_A:
-                            down, up = module.lora_A[adapter].weight, module.lora_B[adapter].weight
-                        elif adapter in module.lora_embedding_A:
-                            down, up = module.lora_embedding_A[adapter], module.lora_embedding_B[adapter]
-                        else:
-                            continue
-                        a_parts.append(down * (float(weight) * float(module.scaling[adapter])))
-                        b_parts.append(up)
-                    cat_a, cat_b = torch.cat(a_parts, dim=0), torch.cat(b_parts, dim=1)
-                    target_a[: cat_a.shape[0], :] = cat_a.to(target_a.dtype)
-                    target_b[:, : cat_b.shape[1]] = cat_b.to(target_b.dtype)
-                    module.scaling[name] = 1.0
-        except BaseException:
-            self.delete(name)
-            raise
+        return layers, ranks, fan_in_fan_out
+
+    def _fill_mix(self, weights: Mapping[str, float], name: str) -> None:
+        """Write the new adapter `name`'s weights in every LoRA layer that holds it (see `mix`)."""
+        import torch
+        from peft.tuners.lora import LoraLayer
+
+        with torch.no_grad():
+            for module in self.target.modules():
+                if isinstance(module, LoraLayer) and name in (set(module.lora_A) | set(module.lora_embedding_A)):
+                    _fill_mixed_layer(module, weights, name)
 
     # -- checks ----------------------------------------------------------------------------------------------
 
@@ -366,3 +364,33 @@ class AdapterHost:
             raise UnknownAdapterError(
                 f"no adapter named {name!r}; available: {', '.join(self.adapters()) or '(none)'}"
             )
+
+
+def _fill_mixed_layer(module: Any, weights: Mapping[str, float], name: str) -> None:
+    """In one LoRA layer: `name`'s A and B become the concatenation of the adapters' own, A's parts scaled by
+    weight times the adapter's scaling, and its scaling 1 (see `AdapterHost.mix`)."""
+    import torch
+
+    if name in module.lora_embedding_A:
+        target_a, target_b = module.lora_embedding_A[name], module.lora_embedding_B[name]
+    else:
+        target_a, target_b = module.lora_A[name].weight, module.lora_B[name].weight
+    target_a.zero_()
+    target_b.zero_()
+    a_parts: list[torch.Tensor] = []
+    b_parts: list[torch.Tensor] = []
+    down: Any
+    up: Any
+    for adapter, weight in weights.items():
+        if adapter in module.lora_A:
+            down, up = module.lora_A[adapter].weight, module.lora_B[adapter].weight
+        elif adapter in module.lora_embedding_A:
+            down, up = module.lora_embedding_A[adapter], module.lora_embedding_B[adapter]
+        else:
+            continue
+        a_parts.append(down * (float(weight) * float(module.scaling[adapter])))
+        b_parts.append(up)
+    cat_a, cat_b = torch.cat(a_parts, dim=0), torch.cat(b_parts, dim=1)
+    target_a[: cat_a.shape[0], :] = cat_a.to(target_a.dtype)
+    target_b[:, : cat_b.shape[1]] = cat_b.to(target_b.dtype)
+    module.scaling[name] = 1.0
