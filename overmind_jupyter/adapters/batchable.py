@@ -161,72 +161,118 @@ def plan(config: Any, kwargs: dict[str, Any], input_ids: torch.Tensor) -> Plan |
         input_ids: the prompt (rows x width), as the request gave it.
     """
     try:
+        settings = _greedy_settings(config, kwargs)
+        width = int(input_ids.shape[1])
+        options, needs = _shared_options(settings)
+        length_by, max_new = _length(settings, width)
+        min_new = _min_new(settings, width)
+        eos, pad = _token_ids(settings)
+    except _Alone as alone:
+        return str(alone)
+    extras: list[tuple[str, Any]] = [("length_by", length_by)]
+    if min_new is not None:
+        extras.append(("min_new", min_new))
+    if "width" in needs:
+        extras.append(("width", width))
+    if "length" in needs:
+        extras.append(("max_new", max_new))
+    if "one_token" in needs:
+        extras.append(("one_token", width == 1))
+    return Plan((options, tuple(extras)), max_new, length_by, min_new, eos, pad)
+
+
+class _Alone(Exception):
+    """Raised by a step of `plan`: the request runs alone, for the reason that is the message."""
+
+
+def _greedy_settings(config: Any, kwargs: dict[str, Any]) -> Any:
+    """The settings `generate` would use (`merged`), where they are greedy search's with nothing else."""
+    try:
         settings, rest = merged(config, kwargs)
-    except Exception as e:  # noqa: BLE001 -- generate will judge the settings itself, alone
-        return f"settings generate would refuse ({type(e).__name__})"
+    except Exception as e:  # generate will judge the settings itself, alone
+        raise _Alone(f"settings generate would refuse ({type(e).__name__})") from e
     if settings is None:
-        return "the model has no generation_config"
+        raise _Alone("the model has no generation_config")
     if rest:
-        return f"{sorted(rest)[0]} (not a generation setting the engine can share)"
+        raise _Alone(f"{sorted(rest)[0]} (not a generation setting the engine can share)")
     try:
         mode = settings.get_generation_mode()
-    except Exception as e:  # noqa: BLE001
-        return f"settings generate would refuse ({type(e).__name__})"
+    except Exception as e:
+        raise _Alone(f"settings generate would refuse ({type(e).__name__})") from e
     mode = str(getattr(mode, "value", mode))
     if mode != "greedy_search":
-        return f"decoding mode {mode}"
-    width = int(input_ids.shape[1])
+        raise _Alone(f"decoding mode {mode}")
+    return settings
+
+
+def _shared_options(settings: Any) -> tuple[tuple[tuple[str, str], ...], set[str]]:
+    """The settings that are set (name and repr, what requests of one batch share), and what they ask of
+    the batch's rows: `"width"`, `"length"`, `"one_token"` (Note [Settings in a batch])."""
     options: list[tuple[str, str]] = []
-    same_width = same_length = one_token_apart = False
+    needs: set[str] = set()
     for name, value in sorted(vars(settings).items()):
         if name.startswith("_") or name == "transformers_version" or name in _MAPPED or name in _OTHER_MODES:
             continue
         if _inert(name, value):
             continue
-        if name in _AS_IS:
-            pass
-        elif name == "repetition_penalty":
-            same_width = same_width or not _penalty_skips_padding()
-        elif name in _SAME_WIDTH:
-            same_width = True
-        elif name in _SAME_LENGTH:
-            same_length = True
-        elif name in _ONE_TOKEN_APART:
-            one_token_apart = True
-        else:
-            return f"{name}={value!r}"
+        need = _need(name)
+        if need is None:
+            raise _Alone(f"{name}={value!r}")
+        if need:
+            needs.add(need)
         options.append((name, repr(value)))
+    return tuple(options), needs
 
+
+def _need(name: str) -> str | None:
+    """What a set setting asks of a batch's rows: nothing (`""`), one width, one length or one-token prompts
+    apart; None: it runs alone."""
+    if name in _AS_IS:
+        return ""
+    if name == "repetition_penalty":
+        return "" if _penalty_skips_padding() else "width"
+    if name in _SAME_WIDTH:
+        return "width"
+    if name in _SAME_LENGTH:
+        return "length"
+    if name in _ONE_TOKEN_APART:
+        return "one_token"
+    return None
+
+
+def _length(settings: Any, width: int) -> tuple[str, int]:
+    """How the request gives its length (`"max_new_tokens"` or `"max_length"`), and its own number of new
+    tokens."""
     if settings.max_new_tokens is not None:
         length_by, length = "max_new_tokens", settings.max_new_tokens
     elif settings.max_length is not None:
         length_by, length = "max_length", settings.max_length
     else:
-        return "no max_new_tokens or max_length (generate picks its own default length)"
+        raise _Alone("no max_new_tokens or max_length (generate picks its own default length)")
     if not _int(length):
-        return f"{length_by}={length!r}"
-    max_new = length if length_by == "max_new_tokens" else length - width
+        raise _Alone(f"{length_by}={length!r}")
+    max_new: int = length if length_by == "max_new_tokens" else length - width
     if max_new < 1:
-        return "fewer than one new token (generate refuses it)"
-    extras: list[tuple[str, Any]] = [("length_by", length_by)]
-    min_new: int | None = None
+        raise _Alone("fewer than one new token (generate refuses it)")
+    return length_by, max_new
+
+
+def _min_new(settings: Any, width: int) -> int | None:
+    """The request's own minimum of new tokens where `min_length` sets it (it counts the prompt), else None."""
     if settings.min_new_tokens is None and not _inert("min_length", settings.min_length):
         if not _int(settings.min_length):
-            return f"min_length={settings.min_length!r}"
-        min_new = max(0, settings.min_length - width)
-        extras.append(("min_new", min_new))
-    if same_width:
-        extras.append(("width", width))
-    if same_length:
-        extras.append(("max_new", max_new))
-    if one_token_apart:
-        extras.append(("one_token", width == 1))
+            raise _Alone(f"min_length={settings.min_length!r}")
+        minimum: int = max(0, settings.min_length - width)
+        return minimum
+    return None
+
+
+def _token_ids(settings: Any) -> tuple[tuple[int, ...], int | None]:
+    """The end-of-sequence ids and the padding id."""
     try:
-        eos = tuple(eos_ids(settings))
-        pad = pad_id(settings)
-    except (TypeError, ValueError):
-        return "odd token ids (generate judges them alone)"
-    return Plan((tuple(options), tuple(extras)), max_new, length_by, min_new, eos, pad)
+        return tuple(eos_ids(settings)), pad_id(settings)
+    except (TypeError, ValueError) as e:
+        raise _Alone("odd token ids (generate judges them alone)") from e
 
 
 def _int(value: Any) -> bool:
