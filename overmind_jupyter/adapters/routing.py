@@ -39,6 +39,7 @@ from ._errors import AdapterChangedError
 from .inputs import rows_of
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
     from torch.utils.hooks import RemovableHandle
 
@@ -214,49 +215,63 @@ def blockers(model: nn.Module, adapters: Sequence[str]) -> tuple[str | None, dic
 
     probe = torch.zeros(1)
     per_adapter: dict[str, str] = {}
-    wrapper_types = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
     for name, module in model.named_modules():
-        kind = type(module).__name__
         if isinstance(module, AuxiliaryTrainingWrapper):
-            if module.disable_adapters:
-                return f"adapters are disabled on {name}; enable them to route per request", {}
-            if not isinstance(module.original_module, wrapper_types):
-                return (
-                    f"{name} ({kind} of {type(module.original_module).__name__}) has no mixed-batch path",
-                    {},
-                )
-            own = set(module._adapters)
-            if any(active not in own for active in module.active_adapters):
-                return (
-                    f"{name} ({kind}) does not hold the active adapter, so PEFT passes every row through",
-                    {},
-                )
-            for adapter in adapters:
-                if adapter not in own:
-                    per_adapter.setdefault(adapter, f"{name} ({kind}) has no entry for it")
+            whole = _wrapper_blocker(name, module, adapters, per_adapter)
+        elif isinstance(module, BaseTunerLayer):
+            whole = _layer_blocker(name, module, adapters, per_adapter, probe)
+        else:
             continue
-        if not isinstance(module, BaseTunerLayer):
-            continue
-        if module.merged:
-            merged = ", ".join(module.merged_adapters)
-            return f"adapters are merged into the base weights ({merged}); call gate.unmerge() to route", {}
-        if module.disable_adapters:
-            return f"adapters are disabled on {name}; enable them to route per request", {}
-        if not hasattr(module, "_mixed_batch_forward"):
-            return f"{name} ({kind}) has no mixed-batch path in PEFT", {}
-        check = getattr(module, "_check_forward_args", None)
-        if check is None:
+        if whole is not None:
+            return whole, {}
+    return None, per_adapter
+
+
+def _wrapper_blocker(name: str, module: Any, adapters: Sequence[str], per_adapter: dict[str, str]) -> str | None:
+    """What blocks routing at an auxiliary wrapper (`modules_to_save`), for every adapter; or None, with the
+    adapters it holds no entry for added to `per_adapter` (see `blockers`)."""
+    import torch
+
+    kind = type(module).__name__
+    if module.disable_adapters:
+        return f"adapters are disabled on {name}; enable them to route per request"
+    if not isinstance(module.original_module, (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d,
+                                               torch.nn.Conv2d, torch.nn.Conv3d)):
+        return f"{name} ({kind} of {type(module.original_module).__name__}) has no mixed-batch path"
+    own = set(module._adapters)
+    if any(active not in own for active in module.active_adapters):
+        return f"{name} ({kind}) does not hold the active adapter, so PEFT passes every row through"
+    for adapter in adapters:
+        if adapter not in own:
+            per_adapter.setdefault(adapter, f"{name} ({kind}) has no entry for it")
+    return None
+
+
+def _layer_blocker(name: str, module: Any, adapters: Sequence[str], per_adapter: dict[str, str],
+                   probe: torch.Tensor) -> str | None:
+    """What blocks routing at a tuner layer, for every adapter; or None, with the adapters PEFT refuses to
+    route there added to `per_adapter` (see `blockers`)."""
+    kind = type(module).__name__
+    if module.merged:
+        merged = ", ".join(module.merged_adapters)
+        return f"adapters are merged into the base weights ({merged}); call gate.unmerge() to route"
+    if module.disable_adapters:
+        return f"adapters are disabled on {name}; enable them to route per request"
+    if not hasattr(module, "_mixed_batch_forward"):
+        return f"{name} ({kind}) has no mixed-batch path in PEFT"
+    check = getattr(module, "_check_forward_args", None)
+    if check is None:
+        return None
+    try:
+        check(probe, adapter_names=[BASE])
+    except (ValueError, TypeError) as e:
+        return f"{name}: PEFT refuses mixed batches here ({e})"
+    own = module._get_available_adapters()
+    for adapter in adapters:
+        if adapter not in own or adapter in per_adapter:
             continue
         try:
-            check(probe, adapter_names=[BASE])
+            check(probe, adapter_names=[adapter])
         except (ValueError, TypeError) as e:
-            return f"{name}: PEFT refuses mixed batches here ({e})", {}
-        own = module._get_available_adapters()
-        for adapter in adapters:
-            if adapter not in own or adapter in per_adapter:
-                continue
-            try:
-                check(probe, adapter_names=[adapter])
-            except (ValueError, TypeError) as e:
-                per_adapter[adapter] = f"{name}: {e}"
-    return None, per_adapter
+            per_adapter[adapter] = f"{name}: {e}"
+    return None
