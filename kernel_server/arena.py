@@ -185,7 +185,8 @@ class ArenaWriter:
             os.close(self.fd)
             raise
 
-    def copy_from(self, pieces: list[tuple[int, int, int]], *, threads: int = 1,
+    # C901 counts its closures (step, helper, report) in; they share the copy's queues and counters
+    def copy_from(self, pieces: list[tuple[int, int, int]], *, threads: int = 1,  # noqa: C901
                   done: Callable[[int], None] | None = None, progress: Callable[[int], None] | None = None,
                   chunk: int = _COPY_CHUNK) -> None:
         """Copy `pieces` of this process's memory, each (offset in the arena, address, length), into a

@@ -325,7 +325,7 @@ _KINDS: dict[Any, tuple[type, ...]] = {bool: (bool,), int: (int,), float: (int, 
 
 
 @functools.cache
-def _checker(hint: Any) -> Check:
+def _checker(hint: Any) -> Check:  # noqa: C901 (one case per kind of hint, each making its check: read as a table)
     """The check of a value against `hint`, made once per type (a lookup's costs a few microseconds)."""
     text = _describe(hint)
     bounds: list[Any] = []

@@ -496,7 +496,7 @@ class _Canonical:
                  for text, real in sorted(path_constants(fn.__code__, self.cwd).items())}
         return {"attributes": attributes, "environment": environment, "paths": paths}
 
-    def _container(self, name: str, v: Any, depth: int) -> Any:
+    def _container(self, name: str, v: Any, depth: int) -> Any:  # noqa: C901 (one case per kind of value, in order)
         if isinstance(v, (list, tuple)):
             if len(v) > _MAX_ITEMS:
                 raise Uncacheable(f"argument {name} has {len(v)} items; at most {_MAX_ITEMS} can be keyed")

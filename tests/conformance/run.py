@@ -317,6 +317,23 @@ def record(jobs: int, run: bool = True) -> int:
     return 0
 
 
+def _print_differences(diff: dict[str, list[str]], expected: dict[str, str], actual: dict[str, str],
+                       allowed: dict[str, str]) -> None:
+    """The outcomes that differ from expected.json: allowed, fixed, and the first regressions."""
+    for nodeid in diff["allowed"]:
+        print(f"  allowed: {nodeid} ({expected[nodeid]} -> {actual[nodeid]}): {allowed[nodeid]}")
+    for nodeid in sorted(set(allowed) - set(diff["allowed"])):
+        if nodeid in expected:
+            print(f"  note: allowed.json lists {nodeid}, which did not differ this time")
+    if diff["fixed"]:
+        print(f"  {len(diff['fixed'])} tests that did not pass without the cache passed with it")
+    print(f"  regressions: {len(diff['regressions'])}")
+    for nodeid in diff["regressions"][:REGRESSIONS_SHOWN]:
+        print(f"    REGRESSION {nodeid}: {expected[nodeid]} without the cache, {actual[nodeid]} with it")
+    if len(diff["regressions"]) > REGRESSIONS_SHOWN:
+        print(f"    ... and {len(diff['regressions']) - REGRESSIONS_SHOWN} more (all in {REGRESSIONS_FILE})")
+
+
 def check(jobs: int, names: list[str] | None = None) -> int:
     if not EXPECTED.exists():
         print(f"conformance: {EXPECTED} is missing: run `{sys.executable} {__file__} record` first")
@@ -361,18 +378,7 @@ def check(jobs: int, names: list[str] | None = None) -> int:
                         "`.venv/bin/python tests/conformance/run.py record` and commit expected.json")
     elif changed:
         print(f"  {len(diff['missing'])} expected tests did not run, {len(diff['new'])} are new (within tolerance)")
-    for nodeid in diff["allowed"]:
-        print(f"  allowed: {nodeid} ({expected[nodeid]} -> {actual[nodeid]}): {allowed[nodeid]}")
-    for nodeid in sorted(set(allowed) - set(diff["allowed"])):
-        if nodeid in expected:
-            print(f"  note: allowed.json lists {nodeid}, which did not differ this time")
-    if diff["fixed"]:
-        print(f"  {len(diff['fixed'])} tests that did not pass without the cache passed with it")
-    print(f"  regressions: {len(diff['regressions'])}")
-    for nodeid in diff["regressions"][:REGRESSIONS_SHOWN]:
-        print(f"    REGRESSION {nodeid}: {expected[nodeid]} without the cache, {actual[nodeid]} with it")
-    if len(diff["regressions"]) > REGRESSIONS_SHOWN:
-        print(f"    ... and {len(diff['regressions']) - REGRESSIONS_SHOWN} more (all in {REGRESSIONS_FILE})")
+    _print_differences(diff, expected, actual, allowed)
     REGRESSIONS_FILE.write_text("".join(f"{n}\t{expected[n]}\t{actual[n]}\n" for n in diff["regressions"]))
     if diff["regressions"]:
         problems.append(f"{len(diff['regressions'])} tests pass without the cache and not with it (their "
