@@ -1,6 +1,6 @@
 """The hit path's tuning of the collector, the allocators and the imports: none of it changes what a hit
-returns, each of it takes 0.15-3 ms off a hit (the figures, with the runs that gave them, are in
-benchmarks/RESULTS.md).
+returns, and each part takes from 0.15 ms to a few ms off a hit, most of them off the first hit of a process
+(the figures, with the runs that gave them, are in benchmarks/RESULTS.md).
 
 `prepare` runs once a process, as soon as torch is imported: it imports what a hit imports (Note [Imports
 ahead of the hit]) and makes a rebuild's first calls and allocations (Note [Warm rebuild]). Every hit
