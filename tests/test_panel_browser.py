@@ -26,7 +26,7 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -122,11 +122,44 @@ def _load(model: Path, name: str = "model") -> str:
             f"{name} = AutoModelForCausalLM.from_pretrained({str(model)!r})")
 
 
+def browser_session(lab: JupyterLab, executable: str, home: Path, models_dir: Path, name: str,
+                    on_page: Callable[[Lab], None] = lambda s: None) -> Iterator[Lab]:
+    """Start `lab`, open it in Chromium and yield the session (for a module's fixture); `on_page` runs
+    before the page loads. At the end: the browser, JupyterLab and the daemon of `home` are stopped."""
+    from playwright.sync_api import expect, sync_playwright
+
+    lab.start()
+    started = time.monotonic()
+    try:
+        with sync_playwright() as pw:
+            browser = launch(pw, executable)
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.set_default_timeout(TIMEOUT_MS)
+            # a poll of the panel, its fetch and a redraw can take seconds with three test workers on two
+            # cores: every expectation waits up to 20 s instead of playwright's 5
+            expect.set_options(timeout=20_000)
+            s = Lab(lab, page, home, models_dir)
+            page.on("console", lambda m: s.console.append(f"{m.type}: {m.text}"))
+            on_page(s)
+            with failure_report(page, s.console, lab, f"{name}-setup-failure.png"):
+                page.goto(f"{lab.url}lab?token={lab.token}")
+                page.wait_for_function("() => window.jupyterapp && window.jupyterapp.started")
+                page.wait_for_selector(STATUS_ITEM)
+            try:
+                yield s
+            finally:
+                browser.close()
+    finally:
+        lab.stop()
+        stop_daemon(home)
+        shutil.rmtree(home, ignore_errors=True)
+        print(f"{name} browser tests: {time.monotonic() - started:.1f} s after JupyterLab answered")
+
+
 @pytest.fixture(scope="module")
 def session(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path, models_dir: Path) -> Iterator[Lab]:
     executable = chromium()
     import nbformat
-    from playwright.sync_api import sync_playwright
 
     ARTIFACTS.mkdir(exist_ok=True)
     home = Path(tempfile.mkdtemp(prefix="om-", dir="/tmp"))  # short, for the socket path limit
@@ -143,29 +176,10 @@ def session(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path, models_d
     sources = ([ON, _load(tiny_llama), units], [ON, _load(tiny_llama), "%overmind status"], [ON])
     for path, cells in zip(NOTEBOOKS, sources, strict=True):
         nbformat.write(_notebook(*cells), lab.root / path)
-    lab.start()
-    started = time.monotonic()
-    try:
-        with sync_playwright() as pw:
-            browser = launch(pw, executable)
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.set_default_timeout(TIMEOUT_MS)
-            s = Lab(lab, page, home, models_dir)
-            page.on("console", lambda m: s.console.append(f"{m.type}: {m.text}"))
-            page.on("request", lambda r: s.polls.append(time.monotonic()) if "/overmind/state" in r.url else None)
-            with failure_report(page, s.console, lab, "panel-setup-failure.png"):
-                page.goto(f"{lab.url}lab?token={lab.token}")
-                page.wait_for_function("() => window.jupyterapp && window.jupyterapp.started")
-                page.wait_for_selector(STATUS_ITEM)
-            try:
-                yield s
-            finally:
-                browser.close()
-    finally:
-        lab.stop()
-        stop_daemon(home)
-        shutil.rmtree(home, ignore_errors=True)
-        print(f"panel browser tests: {time.monotonic() - started:.1f} s after JupyterLab answered")
+    def count_polls(s: Lab) -> None:
+        s.page.on("request", lambda r: s.polls.append(time.monotonic()) if "/overmind/state" in r.url else None)
+
+    yield from browser_session(lab, executable, home, models_dir, "panel", count_polls)
 
 
 @pytest.fixture

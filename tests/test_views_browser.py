@@ -25,26 +25,22 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import stop_daemon
 from tests.helpers.browser_lab import (
     ARTIFACTS,
     JupyterLab,
     chromium,
     contrast_failures,
     failure_report,
-    launch,
     set_theme,
 )
-from tests.test_panel_browser import ON, PANEL, STATUS_ITEM, THEMES, TIMEOUT_MS, Lab, _load, _notebook
+from tests.test_panel_browser import ON, PANEL, STATUS_ITEM, THEMES, Lab, _load, _notebook, browser_session
 
 pytestmark = pytest.mark.browser
 
@@ -84,7 +80,6 @@ def _focus_notebook(lab: Lab, path: str) -> None:
 def session(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path, models_dir: Path) -> Iterator[Lab]:
     executable = chromium()
     import nbformat
-    from playwright.sync_api import expect, sync_playwright
 
     from overmind_jupyter.demo_models import build_llama
 
@@ -103,31 +98,7 @@ def session(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path, models_d
     sources = ([ON, _load(tiny_llama), units], [ON, _load(other)])
     for path, cells in zip(NOTEBOOKS, sources, strict=True):
         nbformat.write(_notebook(*cells), lab.root / path)
-    lab.start()
-    started = time.monotonic()
-    try:
-        with sync_playwright() as pw:
-            browser = launch(pw, executable)
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.set_default_timeout(TIMEOUT_MS)
-            # a poll of the panel, its fetch and a redraw can take seconds with three test workers on two
-            # cores: every expectation waits up to 20 s instead of playwright's 5
-            expect.set_options(timeout=20_000)
-            s = Lab(lab, page, home, models_dir)
-            page.on("console", lambda m: s.console.append(f"{m.type}: {m.text}"))
-            with failure_report(page, s.console, lab, "views-setup-failure.png"):
-                page.goto(f"{lab.url}lab?token={lab.token}")
-                page.wait_for_function("() => window.jupyterapp && window.jupyterapp.started")
-                page.wait_for_selector(STATUS_ITEM)
-            try:
-                yield s
-            finally:
-                browser.close()
-    finally:
-        lab.stop()
-        stop_daemon(home)
-        shutil.rmtree(home, ignore_errors=True)
-        print(f"views browser tests: {time.monotonic() - started:.1f} s after JupyterLab answered")
+    yield from browser_session(lab, executable, home, models_dir, "views")
 
 
 @pytest.fixture
