@@ -90,12 +90,12 @@ class Lab:
             await app.commands.execute('notebook:run-all-cells');
         }""", path)
 
-    def each_theme(self, name: str, *selectors: str) -> None:
-        """In both themes: screenshot the panel as `name`-THEME.png and check the contrast of every
-        visible text in the panel and the status item (and `selectors`)."""
+    def each_theme(self, name: str, *selectors: str, target: Any = None) -> None:
+        """In both themes: screenshot `target` (the panel by default) as `name`-THEME.png and check the
+        contrast of every visible text in the panel and the status item (and `selectors`)."""
         for theme, title in THEMES.items():
             set_theme(self.page, title)
-            self.panel.screenshot(path=str(ARTIFACTS / f"{name}-{theme}.png"))
+            (self.panel if target is None else target).screenshot(path=str(ARTIFACTS / f"{name}-{theme}.png"))
             checked, failures = 0, []
             for selector in (PANEL, STATUS_ITEM, *selectors):
                 n, bad = contrast_failures(self.page, selector)

@@ -28,7 +28,6 @@ import re
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -36,11 +35,9 @@ from tests.helpers.browser_lab import (
     ARTIFACTS,
     JupyterLab,
     chromium,
-    contrast_failures,
     failure_report,
-    set_theme,
 )
-from tests.test_panel_browser import ON, PANEL, STATUS_ITEM, THEMES, Lab, _load, _notebook, browser_session
+from tests.test_panel_browser import ON, Lab, _load, _notebook, browser_session
 
 pytestmark = pytest.mark.browser
 
@@ -50,21 +47,6 @@ NOTEBOOKS = ("alpha.ipynb", "beta.ipynb")
 ENTRY_OVERHEAD = 40_000
 # Two entries fill this much of the budget: past the warning (90%), one alone far under it.
 TWO_ENTRIES_FILL = 0.94
-
-
-def _each_theme(lab: Lab, name: str, target: Any, *selectors: str) -> None:
-    """In both themes: screenshot `target` as `name`-THEME.png and check the contrast of every visible
-    text in the panel, the status item and `selectors`."""
-    for theme, title in THEMES.items():
-        set_theme(lab.page, title)
-        target.screenshot(path=str(ARTIFACTS / f"{name}-{theme}.png"))
-        checked, failures = 0, []
-        for selector in (PANEL, STATUS_ITEM, *selectors):
-            n, bad = contrast_failures(lab.page, selector)
-            checked, failures = checked + n, failures + bad
-        assert checked > 5, f"{name} ({theme}): only {checked} texts seen"
-        assert not failures, f"{name} ({theme}): texts under 4.5:1: {failures}"
-    set_theme(lab.page, THEMES["light"])
 
 
 def _focus_notebook(lab: Lab, path: str) -> None:
@@ -132,7 +114,7 @@ def test_the_status_item_warns_from_90_percent_of_the_budget(lab: Lab) -> None:
     # the item's colour is the theme's warning colour, not the status bar's
     background = lab.status_item.evaluate("el => getComputedStyle(el).backgroundColor")
     assert background not in ("rgba(0, 0, 0, 0)", "transparent"), background
-    _each_theme(lab, "views-statusbar-warn", lab.page.locator("#jp-main-statusbar"))
+    lab.each_theme("views-statusbar-warn", target=lab.page.locator("#jp-main-statusbar"))
 
 
 def test_memory_lines_say_rss_counts_a_shared_model_once_per_kernel(lab: Lab) -> None:
@@ -145,7 +127,7 @@ def test_memory_lines_say_rss_counts_a_shared_model_once_per_kernel(lab: Lab) ->
     expect(pss).to_contain_text("PSS")
     expect(pss).to_have_attribute("title", re.compile(r"PSS \(proportional set size"))
     expect(lab.status_item).to_have_attribute("title", re.compile(r"RSS count a model once per kernel.*PSS"))
-    _each_theme(lab, "views-pss", lab.panel)  # the summary is rebuilt at each change: the panel stays
+    lab.each_theme("views-pss")  # the summary is rebuilt at each change: the panel stays
 
 
 def test_the_panel_follows_the_focused_notebook(lab: Lab) -> None:
@@ -165,7 +147,7 @@ def test_the_panel_follows_the_focused_notebook(lab: Lab) -> None:
     expect(lab.panel.locator('[data-testid="overmind-holder"][data-focused="true"]')).to_have_count(1)
     expect(kernels.first).to_have_attribute("data-focused", "true")
     expect(kernels.first.locator(".jp-Overmind-label")).to_have_text("alpha.ipynb")
-    _each_theme(lab, "views-focus-alpha", lab.panel)
+    lab.each_theme("views-focus-alpha")
 
     _focus_notebook(lab, "beta.ipynb")
     expect(focus).to_have_attribute("data-path", "beta.ipynb")
@@ -175,7 +157,7 @@ def test_the_panel_follows_the_focused_notebook(lab: Lab) -> None:
     expect(marked).to_contain_text("beta.ipynb")
     expect(lab.panel.locator('[data-testid="overmind-holder"][data-focused="true"]')).to_have_count(0)
     expect(kernels.first.locator(".jp-Overmind-label")).to_have_text("beta.ipynb")
-    _each_theme(lab, "views-focus-beta", lab.panel)
+    lab.each_theme("views-focus-beta")
 
 
 def test_each_chart_opens_in_a_main_area_tab(lab: Lab) -> None:
@@ -198,7 +180,7 @@ def test_each_chart_opens_in_a_main_area_tab(lab: Lab) -> None:
             # larger than in the panel
             assert picture.bounding_box()["height"] > lab.panel.get_by_test_id(testid).locator(
                 "svg").first.bounding_box()["height"]
-        _each_theme(lab, f"views-chart-{kind}", view, f'.jp-Overmind-chartView[data-chart="{kind}"]')
+        lab.each_theme(f"views-chart-{kind}", f'.jp-Overmind-chartView[data-chart="{kind}"]', target=view)
     # a second click shows the open tab rather than another
     lab.panel.get_by_test_id("overmind-chart-memory").get_by_test_id("overmind-chart-open").click()
     expect(lab.page.locator(".jp-Overmind-chartView")).to_have_count(3)
@@ -233,7 +215,7 @@ def test_a_single_evict_asks_first_and_the_rows_stay_under_the_pointer(lab: Lab)
 
     button.click()
     expect(dialog).to_be_visible()
-    _each_theme(lab, "views-evict-dialog", dialog.locator(".jp-Dialog-content"), ".jp-Dialog-content")
+    lab.each_theme("views-evict-dialog", ".jp-Dialog-content", target=dialog.locator(".jp-Dialog-content"))
     # where the rows are as the user confirms (a poll may have changed them since: a copy that ended)
     box, below = button.bounding_box(), second.get_by_test_id("overmind-evict").bounding_box()
     dialog.locator(".jp-mod-accept").click()
@@ -254,7 +236,7 @@ def test_a_single_evict_asks_first_and_the_rows_stay_under_the_pointer(lab: Lab)
     expect(tab.get_by_test_id("overmind-chart-memory")).to_have_attribute("data-segments", "1")  # live
     expect(lab.status_item).to_have_attribute("data-level", "normal")  # one model: under half the budget
     lab.page.mouse.move(x, y + 1)
-    _each_theme(lab, "views-evicted", lab.panel)
+    lab.each_theme("views-evicted")
 
     # once the pointer leaves the list, the rows close up
     lab.page.mouse.move(x, y + 2)
