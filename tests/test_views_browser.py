@@ -13,6 +13,7 @@ fill past the warning, two simulated GPUs) serves the module; its tests run in o
 4. Each chart of the panel opens in a main-area tab that stays live.
 5. A single Evict asks first, and the rows stay where they were while the pointer is over them (Note
    [No reflow under the pointer] in labextension/src/panel.ts).
+6. A reload of the page opens the charts' tabs again, live.
 
 Every view is checked for contrast in the light and the dark theme. Screenshots land in test-artifacts/
 (gitignored): views-statusbar-warn-{light,dark}.png, views-pss-{light,dark}.png,
@@ -244,3 +245,21 @@ def test_a_single_evict_asks_first_and_the_rows_stay_under_the_pointer(lab: Lab)
     expect(ghost).to_have_count(0)
     expect(lab.panel.locator('[data-testid="overmind-entries"] > li')).to_have_count(1)
     assert lab.panel.get_by_test_id("overmind-entries").evaluate("el => el.style.paddingTop") == ""
+
+
+def test_chart_tabs_open_again_after_a_reload_and_stay_live(lab: Lab) -> None:
+    from playwright.sync_api import expect
+
+    views = lab.page.locator("#jp-main-dock-panel .jp-Overmind-chartView")
+    expect(views).to_have_count(3)  # open since the charts' test
+    lab.page.reload()
+    lab.page.wait_for_function("() => window.jupyterapp && window.jupyterapp.started")
+    lab.page.evaluate("() => window.jupyterapp.restored")  # the layout, with what it reopens
+    for kind in ("memory", "saved", "units"):
+        tab = lab.page.locator(f'.lm-DockPanel-tabBar .lm-TabBar-tab[data-id="overmind-chart-{kind}"]')
+        expect(tab).to_have_count(1)
+    expect(views).to_have_count(3)
+    memory = lab.page.locator('.jp-Overmind-chartView[data-chart="memory"]')
+    lab.page.locator('.lm-DockPanel-tabBar .lm-TabBar-tab[data-id="overmind-chart-memory"]').click()
+    # live after the reload: the one entry the evict test left, drawn from a poll of this page
+    expect(memory.get_by_test_id("overmind-chart-memory")).to_have_attribute("data-segments", "1")

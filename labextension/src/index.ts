@@ -1,7 +1,8 @@
 /**
  * overmind-jupyter: the side panel of overmind_jupyter in JupyterLab's left area, its summary in the
- * status bar, and its charts in main-area tabs. Settings (schema/panel.json): the refresh interval, and
- * whether the status item shows. The views follow the notebook (or console) in focus in the main area.
+ * status bar, and its charts in main-area tabs (which a reload of the page opens again, as it does the
+ * panel). Settings (schema/panel.json): the refresh interval, and whether the status item shows. The
+ * views follow the notebook (or console) in focus in the main area.
  */
 
 import {
@@ -9,7 +10,7 @@ import {
   JupyterFrontEnd,
   JupyterFrontEndPlugin
 } from '@jupyterlab/application';
-import { ICommandPalette, MainAreaWidget } from '@jupyterlab/apputils';
+import { ICommandPalette, MainAreaWidget, WidgetTracker } from '@jupyterlab/apputils';
 import { ISettingRegistry } from '@jupyterlab/settingregistry';
 import { IStatusBar } from '@jupyterlab/statusbar';
 import { LabIcon } from '@jupyterlab/ui-components';
@@ -56,15 +57,18 @@ const plugin: JupyterFrontEndPlugin<void> = {
     statusBar: IStatusBar | null
   ) => {
     const model = new OvermindModel(app.serviceManager.serverSettings);
-    const charts = new Map<ChartKind, MainAreaWidget<OvermindChartView>>();
-    const openChart = (kind: ChartKind): void => {
-      let widget = charts.get(kind);
-      if (!widget || widget.isDisposed) {
+    // The charts' tabs, tracked so that a reload of the page opens them again where they were.
+    const charts = new WidgetTracker<MainAreaWidget<OvermindChartView>>({ namespace: 'overmind-chart' });
+    const openChart = (kind: ChartKind, activate = true): void => {
+      let widget = charts.find(w => w.content.kind === kind);
+      if (!widget) {
         widget = chartTab(model, kind, overmindIcon);
-        charts.set(kind, widget);
+        void charts.add(widget);
         app.shell.add(widget, 'main', { mode: 'split-right' });
       }
-      app.shell.activateById(widget.id);
+      if (activate) {
+        app.shell.activateById(widget.id);
+      }
     };
     const panel = new OvermindPanel({
       model,
@@ -77,6 +81,11 @@ const plugin: JupyterFrontEndPlugin<void> = {
     app.shell.add(panel, 'left', { rank: 650 });
     if (restorer) {
       restorer.add(panel, PANEL_ID);
+      void restorer.restore(charts, {
+        command: CommandIDs.openChart,
+        args: widget => ({ chart: widget.content.kind, activate: false }),
+        name: widget => widget.content.kind
+      });
     }
     app.commands.addCommand(CommandIDs.open, {
       label: 'Show the Overmind Panel',
@@ -86,7 +95,11 @@ const plugin: JupyterFrontEndPlugin<void> = {
     app.commands.addCommand(CommandIDs.openChart, {
       label: args => `Open Overmind: ${CHART_TITLES[(args.chart as ChartKind) ?? 'memory'] ?? args.chart}`,
       caption: 'A chart of the Overmind panel, larger, in a tab of its own',
-      execute: args => openChart(((args.chart as ChartKind) in CHART_TITLES ? args.chart : 'memory') as ChartKind)
+      execute: args =>
+        openChart(
+          ((args.chart as ChartKind) in CHART_TITLES ? args.chart : 'memory') as ChartKind,
+          args.activate !== false
+        )
     });
     if (palette) {
       palette.addItem({ command: CommandIDs.open, category: 'Overmind' });
@@ -118,7 +131,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
       });
     }
     model.wanted = () =>
-      panel.isVisible || showStatus || [...charts.values()].some(w => !w.isDisposed && w.isVisible);
+      panel.isVisible || showStatus || charts.find(w => w.isVisible) !== undefined;
 
     if (registry) {
       const apply = (settings: ISettingRegistry.ISettings): void => {
