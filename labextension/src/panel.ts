@@ -13,7 +13,6 @@
  */
 
 import { Dialog, showDialog } from '@jupyterlab/apputils';
-import { Time } from '@jupyterlab/coreutils';
 import { ServerConnection } from '@jupyterlab/services';
 import { launchIcon, refreshIcon } from '@jupyterlab/ui-components';
 import { Message } from '@lumino/messaging';
@@ -33,17 +32,13 @@ import {
 import { chart, CHART_TITLES, ChartKind, IShownEntries } from './charts';
 import { breakable, Child, h, nameOf, prose, who } from './dom';
 import { heldFraction, OvermindModel, WARN_FRACTION } from './model';
+import { agoText, hitRate, PSS_LINE, PSS_TEXT } from './texts';
 
 const MAX_FALLBACKS = 20;
 /** Milliseconds between two refreshes of the relative times on show ("5 seconds ago"). */
 const AGE_MS = 1000;
 /** Milliseconds an error of an evict stays on show. */
 const MESSAGE_MS = 10000;
-
-/** Seconds since the epoch, as JupyterLab writes relative times ("2 minutes ago"). */
-function agoText(seconds: number): string {
-  return Time.formatHuman(new Date(seconds * 1000));
-}
 
 /**
  * A relative time that moves on while it is shown: the panel rewrites the text of every `data-ago` span
@@ -92,25 +87,6 @@ function bar(used: number, total: number, testid: string): HTMLElement {
     },
     fill
   );
-}
-
-/**
- * Why tools that add up RSS (top, jupyter-resource-usage, a notebook's memory meter) show more than
- * the cache holds: every kernel that uses a model maps the same shared pages, and RSS counts them in
- * each. PSS divides shared pages among the processes that map them. Two kernels using one 4.1 GiB model
- * showed 4.71 GB RSS each, and 2.47 GB PSS each.
- */
-export const PSS_TEXT =
-  'Kernels map cached models from shared memory: tools that add up RSS count a model once per kernel ' +
-  'using it; PSS (proportional set size, in /proc/PID/smaps_rollup) splits shared pages among the ' +
-  'kernels and adds up to what is really used.';
-
-/** "3 hits of 4 lookups (75%)". */
-export function hitRate(stats: IPanelState['stats']): { text: string; percent: number | null } {
-  const hits = stats.hits ?? 0;
-  const misses = stats.misses ?? 0;
-  const percent = hits + misses > 0 ? Math.round((100 * hits) / (hits + misses)) : null;
-  return { text: `${hits} / ${misses}${percent === null ? '' : ` (${percent}% hits)`}`, percent };
 }
 
 export namespace OvermindPanel {
@@ -438,7 +414,7 @@ export class OvermindPanel extends Widget {
       h(
         'div',
         { class: 'jp-Overmind-hint jp-Overmind-info', 'data-testid': 'overmind-pss', title: PSS_TEXT },
-        'Shared by every kernel that uses it: RSS counts a model once per kernel, PSS once in all.'
+        PSS_LINE
       ),
       h(
         'div',

@@ -8,7 +8,7 @@
 import { Widget } from '@lumino/widgets';
 
 import { heldFraction, OvermindModel, WARN_FRACTION } from './model';
-import { hitRate, PSS_TEXT } from './panel';
+import { hitRate, PSS_TEXT } from './texts';
 
 export class OvermindStatus extends Widget {
   constructor(model: OvermindModel, open: () => void) {
