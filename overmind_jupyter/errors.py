@@ -31,6 +31,7 @@ __all__ = [
     "StateDirError",
     "Uncacheable",
     "WaitTimeout",
+    "WidgetsNotBuilt",
 ]
 
 
@@ -66,6 +67,11 @@ class EntryElsewhere(OvermindError):
 
 class PreloadError(OvermindError):
     """A preload worker failed; the message holds the end of its log."""
+
+
+class WidgetsNotBuilt(OvermindError, FileNotFoundError):
+    """The notebook widgets' front end (overmind_jupyter/widgets/static, bundled from labextension/src/widgets
+    by the package's build) is missing: a checkout that was never installed with `pip install -e .`."""
 
 
 class OvermindWarning(UserWarning):

@@ -305,7 +305,7 @@ def test_status_widget_and_cli_show_the_copy_left_with_its_model_percent_and_tim
 
     import overmind_jupyter
     from overmind_jupyter.api import format_status
-    from overmind_jupyter.widgets.cache import cache_view
+    from overmind_jupyter.widgets.cache import state_of
 
     path = demo_models.build_llama(tmp_path / "m", "tiny", hidden_size=512, intermediate_size=1536,
                                    num_hidden_layers=8, vocab_size=8192)  # about 60 MiB in bf16
@@ -316,7 +316,7 @@ def test_status_widget_and_cli_show_the_copy_left_with_its_model_percent_and_tim
         wait_until(lambda: (entries(client)[0]["pending"] or {}).get("done", 0) > 0, 60, "a chunk was copied")
         status = overmind_jupyter.status()
         text = format_status(status)
-        row = cache_view(status)["entries"][0]
+        row = state_of(status["daemon"])["entries"][0]
         cli = subprocess.run([sys.executable, "-m", "kernel_server", "ls"], capture_output=True, text=True,
                              check=True).stdout
     finally:
@@ -325,7 +325,8 @@ def test_status_widget_and_cli_show_the_copy_left_with_its_model_percent_and_tim
             hog.wait()
     assert "AutoModelForCausalLM.from_pretrained" in text and "copying from its checkpoint: " in text
     assert " s left" in text and "%" in text, text
-    assert row["model"] == "m" and 0 < row["pending"]["percent"] < 100 and " s left" in row["pending"]["text"]
+    assert row["meta"]["source"] == repr(str(path)) and 0 < row["pending"]["done"] < row["pending"]["bytes"]
+    assert " s left" in row["pending"]["text"]
     assert "copying from its checkpoint: " in cli and "AutoModelForCausalLM" in cli, cli
     wait_until(lambda: entries(client)[0]["pending"] is None, 120, "the copy finished once the cores were free")
     assert "copying" not in format_status(overmind_jupyter.status())

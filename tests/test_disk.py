@@ -100,7 +100,7 @@ def test_status_says_where_the_bytes_live(disk_env: dict[str, str], small_disk: 
     text = run_py("from overmind_jupyter import api; print(api.format_status(api.status()))", env=disk_env).stdout
     assert f"of arenas in {small_disk}" in text and "kept free for you" in text, text
     widget = last_json(run_py("import json; from overmind_jupyter import api; from overmind_jupyter.widgets.cache "
-                              "import cache_view; print(json.dumps(cache_view(api.status())['summary']))",
+                              "import state_of; print(json.dumps(state_of(api.status()['daemon'])['texts']))",
                               env=disk_env))
     assert f"of arenas in {small_disk}" in widget["disk"]
     from overmind_jupyter.server.state import panel_state

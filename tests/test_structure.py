@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -208,3 +209,57 @@ def test_the_code_cites_the_project_s_own_design_document() -> None:
             wrong += [f"{path.relative_to(REPO)}: invariant {n} (docs/design.md has {sorted(numbered)})"
                       for n in re.findall(r"design\.md,? invariant (\d+)", text) if n not in numbered]
     assert not wrong, "\n".join(wrong)
+
+
+# What front-end code looks like in a Python string: a function, an arrow, the DOM, an ES module's export,
+# a CSS rule (a selector, then a declaration ended by ";" inside braces).
+_FRONT_END = re.compile(r"\bfunction\b\s*\w*\s*\(|=>|\bdocument\.|\bexport default\b|[\w\]\)]\s*\{[^{}]*:[^{}]*;")
+
+
+def front_end_strings(root: Path) -> list[str]:
+    """The JavaScript and CSS held in Python strings under `root`'s overmind_jupyter/widgets/, and every
+    `_esm`/`_css` that is not a call (`frontend(name)`, the built files): "path:line: what"."""
+    found = []
+    for path in sorted((root / "overmind_jupyter" / "widgets").glob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        where = path.relative_to(root)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and _FRONT_END.search(node.value):
+                found.append(f"{where}:{node.lineno}: {node.value.strip()[:40]!r}")
+            if isinstance(node, ast.Assign):
+                names = [n.id for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name)]
+                if {"_esm", "_css"} & set(names) and not isinstance(node.value, ast.Call):
+                    found.append(f"{where}:{node.lineno}: {', '.join(names)} = {ast.unparse(node.value)[:40]}")
+    return sorted(found, key=lambda f: (f.split(":")[0], int(f.split(":")[1])))
+
+
+def test_the_checker_of_front_end_strings_finds_javascript_and_css(tmp_path: Path) -> None:
+    root = write_tree(tmp_path, {
+        "overmind_jupyter/widgets/table.py": '''
+            """A table: `{"event": "evict", "key": ...}` from its view; no code in this docstring."""
+            from .live import LiveView, frontend
+
+            class Table(LiveView):
+                _esm, _css = frontend("table")
+
+            class Inline(LiveView):
+                _esm = "export default { render({ model, el }) { el.textContent = 'x'; } };"
+                _css = ".om-w { color: red; }"
+
+            HELPERS = r"""
+            function h(tag) { return document.createElement(tag); }
+            """
+            STYLE = ".om-bar {\\n  display: flex;\\n}"
+            ARROW = "(x) => x + 1"
+        ''',
+    })
+    found = front_end_strings(root)
+    assert [f.split(": ", 1)[0] for f in found] == [
+        f"overmind_jupyter/widgets/table.py:{n}" for n in (9, 9, 10, 10, 12, 15, 16)], found
+
+
+def test_no_widget_holds_javascript_or_css_in_a_python_string() -> None:
+    """The widgets' front end is TypeScript and CSS in labextension/src/widgets/, built into files that
+    anywidget loads (widgets/live.py), not strings in the widgets' modules."""
+    found = front_end_strings(REPO)
+    assert not found, "\n".join(found)

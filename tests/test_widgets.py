@@ -27,7 +27,8 @@ from kernel_server import Client
 from tests.helpers.kernels import magic_json
 from tests.helpers.snippets import run_py
 
-ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
+REPO = Path(__file__).resolve().parent.parent
+ARTIFACTS = REPO / "test-artifacts"
 DEADLINE = 2.0  # seconds: the issue's bound for a widget to reflect a state change
 LATENCIES: dict[str, float] = {}
 
@@ -91,25 +92,79 @@ def test_importing_widgets_is_light() -> None:
 
 
 def test_memory_segments_look_different_for_thirty_entries() -> None:
-    """Note [Segment colours]: the widget's and the side panel's palettes are one list, and the widget gives
-    30 entries 30 different fills (the theme's colours repeated from the fifth entry on)."""
-    from overmind_jupyter.widgets.cache import SEGMENT_COLOURS, SEGMENT_PATTERNS, CacheTable
+    """Note [Segment colours]: the widget draws "Memory per model" with the side panel's charts.ts, whose
+    palette its bundle carries, and gives 30 entries 30 different fills."""
+    from overmind_jupyter.widgets.live import frontend
 
-    charts = (Path(__file__).resolve().parent.parent / "labextension" / "src" / "charts.ts").read_text()
+    charts = (REPO / "labextension" / "src" / "charts.ts").read_text()
     listed = re.search(r"export const SEGMENT_COLOURS = \[(.*?)\];", charts, re.S)
-    assert listed is not None and re.findall(r"'(#[0-9a-f]{6})'", listed.group(1)) == list(SEGMENT_COLOURS)
-    assert f"export const SEGMENT_PATTERNS = {SEGMENT_PATTERNS};" in charts
-    assert len(set(SEGMENT_COLOURS)) == len(SEGMENT_COLOURS) == 10
+    assert listed is not None
+    colours = re.findall(r"'(#[0-9a-f]{6})'", listed.group(1))
+    assert len(set(colours)) == len(colours) == 10
+    assert "export const SEGMENT_PATTERNS = 3;" in charts
+    bundle = frontend("cache")[0].read_text()
     node = shutil.which("node") or shutil.which("nodejs")
     if node is None:
         pytest.skip("no node here to run the widget's code")
-    esm = CacheTable._esm
-    code = esm[esm.index("const OM_SEGMENTS"):esm.index("function plural")]
-    code += re.search(r"function segmentFill\(i\) \{.*?\n\}", esm, re.S).group(0)  # type: ignore[union-attr]
+    code = bundle[bundle.index("var SEGMENT_COLOURS"):bundle.index("function segmentBackground")]
     script = code + "\nconsole.log(JSON.stringify([...Array(30).keys()].map(segmentFill)));"
     fills = json.loads(subprocess.run([node, "-e", script], capture_output=True, text=True, check=True).stdout)
-    assert len(set(fills)) == 30, fills
-    assert all(colour in fill for colour, fill in zip(SEGMENT_COLOURS * 3, fills, strict=True))
+    assert len({(f["colour"], f["pattern"]) for f in fills}) == 30, fills
+    assert [f["colour"] for f in fills] == colours * 3
+
+
+def test_the_cache_widget_says_what_rss_and_pss_count_as_the_panel_does() -> None:
+    """Issue 40: the line on RSS and PSS is the panel's own constant (texts.ts), in the widget's bundle."""
+    from overmind_jupyter.widgets.live import frontend
+
+    texts = (REPO / "labextension" / "src" / "texts.ts").read_text()
+    pss = re.search(r"export const PSS_TEXT =\s*(.*?);\n", texts, re.S)
+    assert pss is not None
+    text = "".join(re.findall(r"'([^']*)'", pss.group(1)))
+    assert "RSS count a model once per kernel" in text and "PSS (proportional set size" in text
+    source = (REPO / "labextension" / "src" / "widgets" / "cache.ts").read_text()
+    assert "import { hitRate, PSS_LINE, PSS_TEXT } from '../texts';" in source
+    assert "'data-testid': 'overmind-widget-pss', title: PSS_TEXT }, PSS_LINE" in source
+    assert text in frontend("cache")[0].read_text(), "the bundle is built from texts.ts"
+
+
+def test_a_checkout_without_the_built_front_end_says_how_to_build_it(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from overmind_jupyter.errors import WidgetsNotBuilt
+    from overmind_jupyter.widgets import live
+
+    for name in ("cache", "units", "gate", "outputs"):
+        esm, css = live.frontend(name)
+        assert esm.stat().st_size > 0 and css.stat().st_size > 0
+        assert "export {" in esm.read_text() and "import " not in esm.read_text().split("\n", 1)[0]
+    monkeypatch.setattr(live, "STATIC", tmp_path / "static")
+    with pytest.raises(WidgetsNotBuilt, match=r"cache\.js, .*cache\.css missing\): run `pip install -e \.`"):
+        live.frontend("cache")
+    # importing a widget's module in a checkout without them says the same
+    proc = run_py(f"""
+        from pathlib import Path
+        from overmind_jupyter.widgets import live
+        live.STATIC = Path({str(tmp_path)!r})
+        try:
+            from overmind_jupyter.widgets import cache
+        except Exception as exc:
+            print(type(exc).__name__, exc)
+    """)
+    assert "WidgetsNotBuilt" in proc.stdout and "make setup" in proc.stdout
+
+
+def devices(bar: Any) -> list[dict[str, Any]]:
+    """The devices of a units bar's state (the side panel's shape)."""
+    return list(((bar.state or {}).get("units") or {}).get("devices") or [])
+
+
+def daemon_pid(table: Any) -> Any:
+    return (table.state.get("daemon") or {}).get("pid")
+
+
+def fallbacks(table: Any) -> list[dict[str, Any]]:
+    """Every fallback a cache table shows: the daemon's, and this kernel's that never reached it."""
+    return [*table.state.get("fallbacks", []), *table.local.get("fallbacks", [])]
 
 
 def test_status_panel_follows_loads_units_and_evictions(sim_daemon: Client, tiny_llama: Path,
@@ -123,49 +178,52 @@ def test_status_panel_follows_loads_units_and_evictions(sim_daemon: Client, tiny
     panel = widgets.status_panel()
     closing.append(panel)
     table, bar = panel.table, panel.units
-    within("status: first snapshot", lambda: table.summary.get("daemon_pid"))
-    assert table.entries == [] and table.error == ""
-    assert [d["name"] for d in bar.devices] == ["cuda:0", "cuda:1"]
-    assert bar.simulated and all(d["simulated"] and d["holders"] == [] for d in bar.devices)
+    within("status: first snapshot", lambda: daemon_pid(table))
+    assert table.state["entries"] == [] and table.error == ""
+    assert table.state["daemon"]["pid"] != os.getpid() and table.local["pid"] == os.getpid()
+    assert [d["device"] for d in devices(bar)] == ["cuda:0", "cuda:1"]
+    assert bar.state["units"]["simulated"] and all(d["simulated"] and d["holders"] == [] for d in devices(bar))
 
-    # a load: the entry appears with a readable key
+    # a load: the entry appears with a readable label, and the meta the table names the model by
     model = overmind_jupyter.cached(AutoModelForCausalLM.from_pretrained, str(tiny_llama))
-    within("status: a published load appears", lambda: len(table.entries) == 1)
-    entry = table.entries[0]
-    assert entry["cls"] == "AutoModelForCausalLM" and entry["model"] == "tiny-llama"
-    assert entry["path"] == str(tiny_llama) and entry["bytes"] > 0 and entry["hits"] == 0
+    within("status: a published load appears", lambda: len(table.state["entries"]) == 1)
+    entry = table.state["entries"][0]
+    assert entry["label"].startswith("AutoModelForCausalLM") and "tiny-llama" in entry["label"]
+    assert entry["meta"]["class"].endswith("AutoModelForCausalLM") and str(tiny_llama) in entry["meta"]["source"]
+    assert entry["bytes"] > 0 and entry["bytes_text"].endswith("iB") and entry["hits"] == 0
     assert entry["key"] and entry["last_used"] > 0
 
     # a hit: the count rises and this kernel shows as a user of the entry
     again = overmind_jupyter.cached(AutoModelForCausalLM.from_pretrained, str(tiny_llama))
-    within("status: a hit counts", lambda: table.entries and table.entries[0]["hits"] == 1)
-    within("status: the kernel using it", lambda: any(k["mine"] for k in table.entries[0]["kernels"]))
+    within("status: a hit counts", lambda: table.state["entries"] and table.state["entries"][0]["hits"] == 1)
+    within("status: the kernel using it", lambda: table.local["conn"] is not None and any(
+        k["conn"] == table.local["conn"] for k in table.state["entries"][0]["pinned_by"]))
 
     # units: this kernel's placement, then another kernel's, busy and idle
     units.place(model, label="tiny-llama")
-    within("units: a placement appears", lambda: any(h["mine"] for d in bar.devices for h in d["holders"]))
-    holder = next(h for d in bar.devices for h in d["holders"])
-    assert holder["model"] == "tiny-llama" and holder["units"] == 1 and not holder["busy"]
-    assert holder["idle_since"] is not None
+    within("units: a placement appears", lambda: any(
+        h["pid"] == bar.local["pid"] for d in devices(bar) for h in d["holders"]))
+    holder = next(h for d in devices(bar) for h in d["holders"])
+    assert holder["label"] == "tiny-llama" and holder["units"] == 1 and holder["busy"] is False
     sim_daemon.request("units_acquire", units=3, devices=["sim:1"], timeout_s=0, label="elsewhere", busy=True)
     within("units: another kernel's busy holding", lambda: any(
-        h["model"] == "elsewhere" and h["busy"] and not h["mine"] and h["units"] == 3
-        for h in bar.devices[1]["holders"]))
-    assert bar.devices[1]["used"] == 3 and bar.devices[1]["free"] == bar.devices[1]["capacity"] - 3
+        h["label"] == "elsewhere" and h["busy"] and h["kernel"] == "other-kernel" and h["units"] == 3
+        for h in devices(bar)[1]["holders"]))
+    assert devices(bar)[1]["used"] == 3 and devices(bar)[1]["free"] == devices(bar)[1]["total"] - 3
     with units.using(model):
-        within("units: busy while in use", lambda: bar.devices[0]["holders"][0]["busy"])
-    within("units: idle again", lambda: not bar.devices[0]["holders"][0]["busy"])
+        within("units: busy while in use", lambda: devices(bar)[0]["holders"][0]["busy"])
+    within("units: idle again", lambda: not devices(bar)[0]["holders"][0]["busy"])
 
     # a fallback, with its reason
     with pytest.warns(FallbackWarning):
         overmind_jupyter.cached(type(model).from_pretrained, None, config=model.config,
                                 state_dict=model.state_dict())
-    within("status: a fallback appears", lambda: any("state_dict" in f["reason"] for f in table.fallbacks))
-    assert any(f["here"] for f in table.fallbacks)
+    within("status: a fallback appears", lambda: any("state_dict" in f["reason"] for f in fallbacks(table)))
+    assert any(f.get("pid", os.getpid()) == os.getpid() for f in fallbacks(table))
 
     # the evict button of the row (the message its view sends): gone at the next tick
     table._on_frontend_msg(table, {"event": "evict", "key": entry["key"]}, [])
-    within("status: an evicted entry goes", lambda: table.entries == [])
+    within("status: an evicted entry goes", lambda: table.state["entries"] == [])
     assert table.notice.startswith("evicted AutoModelForCausalLM")
     del again
     units.release(model)
@@ -181,11 +239,12 @@ def test_units_bar_reads_the_ledger_and_never_starts_a_daemon(sim_daemon: Client
 
     bar = widgets.units_bar()
     closing.append(bar)
-    within("units bar: first snapshot", lambda: len(bar.devices) == 2)
-    assert bar.simulated and bar.fake_gpus == "2x16" and bar.unit_bytes == 1 << 30
+    within("units bar: first snapshot", lambda: len(devices(bar)) == 2)
+    assert bar.state["units"]["simulated"] and bar.local["fake_gpus"] == "2x16"
+    assert bar.state["units"]["unit_bytes"] == 1 << 30 and bar.state["texts"]["unit_bytes"] == "1.0 GiB"
     sim_daemon.request("units_acquire", units=2, devices=["sim:0"], timeout_s=0, label="other", busy=False)
     within("units bar: a holding of another kernel",
-           lambda: [h["model"] for h in bar.devices[0]["holders"]] == ["other"])
+           lambda: [(h["label"], h["busy"]) for h in devices(bar)[0]["holders"]] == [("other", False)])
 
     # the daemon stops: the bar says so, and its polls start no new daemon
     home = Path(os.environ["OVERMIND_HOME"])
@@ -206,7 +265,7 @@ def test_views_going_and_closing_stop_the_updates(sim_daemon: Client, closing: l
 
     table = widgets.cache_table()
     closing.append(table)
-    within("table: first snapshot", lambda: table.summary.get("daemon_pid"))
+    within("table: first snapshot", lambda: daemon_pid(table))
     sub = table._subscriptions[0]
     table._on_frontend_msg(table, {"event": "view", "shown": True}, [])
     table._on_frontend_msg(table, {"event": "view", "shown": False}, [])  # the output was cleared
@@ -215,10 +274,10 @@ def test_views_going_and_closing_stop_the_updates(sim_daemon: Client, closing: l
     delivered = sub.delivered
     sim_daemon.request("fallback", call="Model.from_pretrained('x')", kind="test", reason="while hidden")
     time.sleep(1.2)
-    assert sub.delivered == delivered and table.fallbacks == [], "a widget shown nowhere is not polled"
+    assert sub.delivered == delivered and fallbacks(table) == [], "a widget shown nowhere is not polled"
     table._on_frontend_msg(table, {"event": "view", "shown": True}, [])  # shown again (a reload, say)
     within("table: updates resume with a view",
-           lambda: [f["reason"] for f in table.fallbacks] == ["while hidden"])
+           lambda: [f["reason"] for f in fallbacks(table)] == ["while hidden"])
     table.close()
     assert sub.closed and table._subscriptions == []
 
@@ -460,7 +519,7 @@ def test_updates_reach_the_frontend_while_a_cell_runs_and_while_idle(sim_daemon:
     km, kc = start_new_kernel(kernel_name="python3", env=env, startup_timeout=90)
     try:
         reply, _ = _run(kc, "from overmind_jupyter import widgets\nimport time\nw = widgets.status_panel()\n"
-                            "while not w.table.summary.get('daemon_pid'):\n    time.sleep(0.05)\n"
+                            "while not w.table.state.get('daemon'):\n    time.sleep(0.05)\n"
                             "print(w.table.model_id, w.units.model_id)")
         table_id, units_id = reply.split()
 
@@ -571,6 +630,7 @@ def test_status_widget_names_kernels_charts_memory_time_saved_and_progress(
 
     import overmind_jupyter
     from kernel_server.client import shared_client
+    from kernel_server.formats import seconds_text
     from overmind_jupyter import widgets
     from overmind_jupyter.widgets import live
 
@@ -582,32 +642,33 @@ def test_status_widget_names_kernels_charts_memory_time_saved_and_progress(
         table = widgets.cache_table()
         closing.append(table)
         model = overmind_jupyter.cached(AutoModelForCausalLM.from_pretrained, str(tiny_llama))
-        within("status: the load appears", lambda: len(table.entries) == 1)
-        entry = table.entries[0]
+        within("status: the load appears", lambda: len(table.state.get("entries", [])) == 1)
+        entry = table.state["entries"][0]
         assert entry["load_s"] is not None and entry["load_s"] > 0, "the plain load's time, measured at the miss"
 
         hit = other.request("lookup", key=entry["key"], wait=False)  # another notebook's kernel hits it
         assert hit["status"] == "hit"
         hit.close()
-        within("status: both kernels by notebook", lambda: {k["name"] for k in table.entries[0]["kernels"]}
+        within("status: both kernels by notebook", lambda: {k["name"] for k in table.state["entries"][0]["pinned_by"]}
                >= {"second.ipynb"})
-        (theirs,) = [k for k in table.entries[0]["kernels"] if k["name"] == "second.ipynb"]
+        (theirs,) = [k for k in table.state["entries"][0]["pinned_by"] if k["name"] == "second.ipynb"]
         assert f"pid {os.getpid()}" in theirs["detail"] and "/home/ada/second.ipynb" in theirs["detail"]
-        within("status: the hit in the time-saved data", lambda: table.summary.get("hits"))
-        (logged,) = table.summary["hits"]
-        assert logged["model"] == "tiny-llama" and logged["load_s"] == entry["load_s"] and logged["hit_s"] is None
+        within("status: the hit in the time-saved data", lambda: table.state["hits_log"])
+        (logged,) = table.state["hits_log"]
+        assert "tiny-llama" in logged["label"] and logged["load_s"] == entry["load_s"] and logged["hit_s"] is None
         # reported later, off the hit's path
         other.request("hits", hits=[{"key": entry["key"], "t": time.time(), "hit_s": 0.003}])
-        within("status: the hit's own time", lambda: table.summary["hits"][0]["hit_s"] == 0.003)
-        assert table.summary["saved_s"] == pytest.approx(entry["load_s"] - 0.003)
+        within("status: the hit's own time", lambda: table.state["hits_log"][0]["hit_s"] == 0.003)
+        assert table.state["texts"]["saved"] == seconds_text(entry["load_s"] - 0.003)
 
         key = "p" * 64  # a load in flight in the other kernel, with its progress
         assert other.request("lookup", key=key, wait=False)["status"] == "load"
         other.request("progress", key=key, label="loading big-model", done=1, total=4, unit="B")
-        within("status: a load's progress", lambda: table.summary.get("loads") and
-               table.summary["loads"][0]["percent"] == 25)
-        load = table.summary["loads"][0]
-        assert load["by"] == "second.ipynb" and load["text"].startswith("loading big-model: 25%")
+        within("status: a load's progress", lambda: table.state["loading"] and
+               (table.state["loading"][0]["progress"] or {}).get("percent") == 25)
+        load = table.state["loading"][0]
+        assert load["loader"]["name"] == "second.ipynb"
+        assert load["progress"]["text"].startswith("loading big-model: 25%")
 
         table._on_frontend_msg(table, {"event": "evict", "key": entry["key"]}, [])
         within("status: the eviction's notice", lambda: table.notice.startswith("evicted "))

@@ -7,6 +7,9 @@ The panel is stock ipywidgets controls around two drawn parts:
 - a mix row: a weight slider per adapter and a name (`gate.mix(weights, name=...)`, off the main thread);
 - a prompt box: one generation per selected adapter, run concurrently through the gate, and `Outputs`
   showing them side by side as they finish.
+
+The two drawn parts' views are labextension/src/widgets/gate.ts and outputs.ts, bundled into
+widgets/static/ (see widgets/live.py).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any
 import ipywidgets
 import traitlets
 
-from .live import CSS, JS_HELPERS, LivePanel, LiveView, run_action, with_text
+from .live import LivePanel, LiveView, frontend, run_action, with_text
 from .polling import poller
 
 __all__ = ["AdapterPanel", "GateView", "Outputs", "gate_view"]
@@ -92,57 +95,7 @@ class GateView(LiveView):
     gate = traitlets.Dict().tag(sync=True)
     title = traitlets.Unicode("").tag(sync=True)
 
-    _esm = JS_HELPERS + r"""
-function draw(model, root) {
-  const g = model.get("gate") || {};
-  const rows = g.adapters || [];
-  const parts = [h("div", { class: "om-head" },
-    h("span", { class: "om-title" }, model.get("title") || "Adapter gate"),
-    h("span", { class: "om-mode om-mode-" + (g.mode || "none"), "data-testid": "overmind-widget-mode" }, g.mode || "?"),
-    g.kind ? h("span", { class: "om-muted" }, g.kind) : null,
-    h("span", {}, "default ", h("b", { "data-testid": "overmind-widget-default" }, g.default || "?")),
-    h("span", { class: "om-muted" }, (g.switches || 0) + ((g.switches || 0) === 1 ? " switch" : " switches")),
-    g.exclusive ? h("span", { class: "om-sim" }, "exclusive change running") : null)];
-  if (model.get("error")) parts.push(h("div", { class: "om-error" }, model.get("error")));
-  parts.push(h("table", { "data-testid": "overmind-widget-adapters" },
-    h("thead", {}, h("tr", {}, h("th", {}, "Adapter"),
-      h("th", { title: "routed: its requests run at the same time as other adapters' (the gate routes each row's " +
-        "adapter); switched: PEFT must set it for the whole model, so other adapters' requests wait" }, "Runs"),
-      h("th", { class: "om-num", title: "requests running now" }, "In flight"),
-      h("th", { class: "om-num", title: "requests waiting to be admitted or batched" }, "Queued"),
-      h("th", { class: "om-num", title: "while requests wait: how long the oldest has waited; else the longest " +
-        "any request of this adapter waited to be admitted so far" }, "Longest wait"))),
-    h("tbody", {}, rows.map((r) => h("tr", {
-        "data-testid": "overmind-widget-adapter", "data-adapter": r.name,
-        class: (r.default ? "om-default " : "") + (r.active ? "om-active" : "") },
-      h("td", {}, r.name, r.default ? h("span", { class: "om-muted" }, " (default)") : null),
-      h("td", {}, r.routing),
-      h("td", { class: "om-num", "data-testid": "overmind-widget-in-flight" }, String(r.in_flight)),
-      h("td", { class: "om-num", "data-testid": "overmind-widget-queued" }, String(r.queued)),
-      h("td", { class: "om-num", "data-testid": "overmind-widget-wait" }, r.wait))))));
-  const blockers = Object.entries(g.blockers || {});
-  if (blockers.length) parts.push(h("div", { class: "om-muted" }, "switched, not routed: ",
-    blockers.map(([k, v]) => (k === "*" ? "" : k + ": ") + v).join("; ")));
-  if (g.engine) parts.push(h("div", { class: "om-muted" }, "batching engine: " + g.engine.batches + " batches, " +
-    g.engine.rows + " rows, " + g.engine.mean_batch_rows + " rows per batch, largest " + g.engine.largest_batch_rows));
-  if (model.get("notice")) parts.push(h("div", { class: "om-notice", "data-testid": "overmind-widget-notice" }, model.get("notice")));
-  root.replaceChildren(...parts);
-}
-export default {
-  render({ model, el }) {
-    const root = h("div", { class: "om-w om-gate", "data-testid": "overmind-widget-gate" });
-    el.append(root);
-    return live(model, el, ["gate", "title", "error", "notice"], () => draw(model, root));
-  },
-};
-"""
-    _css = CSS + r"""
-.om-gate tr.om-default td:first-child { font-weight: 600; }
-.om-gate tr.om-active td { background: var(--jp-layout-color2, #eee); }
-.om-gate tr.om-active td:first-child { box-shadow: inset 3px 0 0 var(--jp-brand-color1, #1976d2); }
-.om-gate .om-mode { padding: 0 6px; border-radius: 3px; background: var(--jp-layout-color2, #eee); }
-.om-gate .om-mode-closed { color: var(--jp-error-color1, #c62828); }
-"""
+    _esm, _css = frontend("gate")
 
 
 class Outputs(LiveView):
@@ -157,40 +110,7 @@ class Outputs(LiveView):
     prompt = traitlets.Unicode("").tag(sync=True)
     outputs = traitlets.List(traitlets.Dict()).tag(sync=True)
 
-    _esm = JS_HELPERS + r"""
-function draw(model, root) {
-  const outs = model.get("outputs") || [];
-  const notice = model.get("notice") ? h("div", { class: "om-notice", "data-testid": "overmind-widget-outputs-notice" },
-    model.get("notice")) : null;
-  if (!outs.length) { root.replaceChildren(...(notice ? [notice] : [])); return; }
-  root.replaceChildren(
-    notice,
-    h("div", { class: "om-muted" }, "prompt: ", h("span", { class: "om-mono" }, model.get("prompt"))),
-    h("div", { class: "om-grid" }, outs.map((o) => h("div", {
-        class: "om-out om-out-" + o.status, "data-testid": "overmind-widget-output", "data-adapter": o.adapter,
-        "data-status": o.status },
-      h("div", { class: "om-head" }, h("span", { class: "om-title" }, o.adapter),
-        h("span", { class: "om-muted" }, o.status === "running" ? "running..." :
-          o.status === "done" ? o.tokens + " tokens, " + o.seconds.toFixed(2) + " s" : "failed")),
-      o.status === "done" && !o.text.trim() && o.ids && o.ids.length
-        ? h("div", { class: "om-text om-muted", "data-testid": "overmind-widget-ids" },
-            "decodes to nothing; token ids: " + o.ids.join(" "))
-        : h("div", { class: "om-text" }, o.text)))));
-}
-export default {
-  render({ model, el }) {
-    const root = h("div", { class: "om-w om-outputs", "data-testid": "overmind-widget-outputs" });
-    el.append(root);
-    return live(model, el, ["outputs", "prompt", "notice"], () => draw(model, root));
-  },
-};
-"""
-    _css = CSS + r"""
-.om-outputs .om-grid { display: grid; grid-template-columns: repeat(auto-fit, minmax(180px, 1fr)); gap: 8px; }
-.om-outputs .om-out { border: 1px solid var(--jp-border-color2, #ddd); border-radius: 4px; padding: 4px 8px; }
-.om-outputs .om-out-error { border-color: var(--jp-error-color1, #c62828); }
-.om-outputs .om-text { white-space: pre-wrap; font-family: var(--jp-code-font-family, monospace); font-size: 12px; }
-"""
+    _esm, _css = frontend("outputs")
 
 
 class AdapterPanel(LivePanel):
@@ -200,7 +120,8 @@ class AdapterPanel(LivePanel):
     to `FloatSlider`), `mix_name` (`Text`), `mix_button`, `prompt` (`Textarea`), `choose`
     (`SelectMultiple` of the adapters to run: the base model first, then the adapters, every row shown up to
     CHOOSE_ROWS), `choose_hint` (`HTML`: how to select several), `max_new_tokens` (`IntSlider`),
-    `generate_button`, and `outputs` (`Outputs`). `close()` stops the updates and closes every part; the gate stays open.
+    `generate_button`, and `outputs` (`Outputs`). `close()` stops the updates and closes every part; the gate
+    stays open.
 
     Args:
         gate: an `AdapterGate`.
@@ -470,7 +391,8 @@ class AdapterPanel(LivePanel):
                 if name != BASE and name not in self.mix_sliders:
                     self.mix_sliders[name] = ipywidgets.FloatSlider(
                         value=0.0, min=MIX_RANGE[0], max=MIX_RANGE[1], step=0.05, description=name,
-                        readout_format=".2f", tooltip=f"weight of {name} in the mix ({MIX_RANGE[0]:g} to {MIX_RANGE[1]:g})",
+                        readout_format=".2f",
+                        tooltip=f"weight of {name} in the mix ({MIX_RANGE[0]:g} to {MIX_RANGE[1]:g})",
                         layout=ipywidgets.Layout(width="300px"))
             self._slider_box.children = [self.mix_sliders[n] for n in names if n in self.mix_sliders]
         default = state.get("default")

@@ -1,10 +1,14 @@
 """What every live widget shares: knowing whether it is shown, its subscriptions, closing, text fallback.
 
-`LiveView` is the base of the custom-drawn widgets (anywidget: the ES module and the CSS are inline strings,
-so JupyterLab renders them with anywidget's prebuilt frontend, without a build step or network). Its views
-tell the kernel when they appear and go (a message from `render` and one from its cleanup), so that a widget
-whose output was cleared stops being polled (see Note [Widget polling] in polling.py). `LivePanel` is the
-base of the panels made of several widgets (stock ipywidgets controls and `LiveView`s) in a `VBox`.
+`LiveView` is the base of the custom-drawn widgets (anywidget). Their front end is TypeScript beside the
+side panel's, in labextension/src/widgets/ (one module per widget, drawing with the panel's `dom.ts` and
+`charts.ts`), bundled by esbuild into one self-contained ES module and one stylesheet per widget in
+overmind_jupyter/widgets/static/ (`jlpm build:widgets`, part of the `build:prod` that `pip install -e .`
+runs); `frontend(name)` gives a widget its two files, and anywidget's prebuilt frontend loads them, without
+network. Its views tell the kernel when they appear and go (a message from `render` and one from its
+cleanup; labextension/src/widgets/live.ts), so that a widget whose output was cleared stops being polled
+(see Note [Widget polling] in polling.py). `LivePanel` is the base of the panels made of several widgets
+(stock ipywidgets controls and `LiveView`s) in a `VBox`.
 """
 
 from __future__ import annotations
@@ -13,17 +17,20 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Hashable
+from pathlib import Path
 from typing import Any
 
 import anywidget
 import ipywidgets
 import traitlets
 
-from kernel_server import formats
-
+from ..errors import WidgetsNotBuilt
 from .polling import Subscription, poller
 
-__all__ = ["CSS", "JS_HELPERS", "LivePanel", "LiveView", "in_kernel", "run_action"]
+__all__ = ["STATIC", "LivePanel", "LiveView", "frontend", "in_kernel", "run_action"]
+
+#: Where the widgets' bundles lie (built from labextension/src/widgets; see the module's docstring).
+STATIC = Path(__file__).resolve().parent / "static"
 
 #: Without any view for this long after it was made, a widget in a kernel is taken to be shown nowhere
 #: (a frontend without widgets, `jupyter console` say) and is not polled until a view appears.
@@ -31,6 +38,23 @@ NEVER_SHOWN_S = 60.0
 
 #: A notice (the outcome of an eviction, a switch, a mix) clears after this many seconds.
 NOTICE_S = 8.0
+
+
+def frontend(name: str) -> tuple[Path, Path]:
+    """The ES module and the stylesheet of widget `name` ("cache", "units", "gate", "outputs"), for a
+    `LiveView`'s `_esm` and `_css`.
+
+    Raises:
+        WidgetsNotBuilt: they were never built (a checkout not installed with `pip install -e .`).
+    """
+    files = (STATIC / f"{name}.js", STATIC / f"{name}.css")
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise WidgetsNotBuilt(
+            f"the notebook widgets' front end is not built ({', '.join(missing)} missing): run `pip install -e .` "
+            "(or `make setup`) in the checkout, which builds labextension/ with `jlpm build:prod` (Node.js "
+            "needed), or `cd labextension && jlpm install && jlpm build:widgets`")
+    return files
 
 
 def in_kernel() -> bool:
@@ -74,7 +98,8 @@ class _Shown:
 
 
 class LiveView(anywidget.AnyWidget):
-    """A custom-drawn widget updated from a feed. Subclasses set `_esm`, `_css` and their traits.
+    """A custom-drawn widget updated from a feed. Subclasses set `_esm`, `_css` (`frontend(name)`'s files)
+    and their traits.
 
     Frontend messages: `{"event": "view", "shown": bool}` from every view as it appears and goes; any other
     event goes to `on_event(event, content)`.
@@ -181,111 +206,3 @@ def with_text(bundle: Any, text: str) -> Any:
     if isinstance(bundle, dict):
         return dict(bundle, **{"text/plain": text})
     return bundle
-
-
-# -- shared by the ES modules (prepended to each widget's own code) -----------------------------------------
-
-# Note [One banner]
-# When a widget's kernel is gone, the widget manager marks every view of it disconnected: the panel's VBox
-# and each of our views inside it. `gone()` (below) disables each view's controls, but says "this shows a
-# kernel that is gone" once per output: on the first of our views (class `om-view`) inside the outermost
-# view marked, so that `%overmind status` (a cache table over a units bar) does not say it twice.
-
-JS_HELPERS = formats.JS + r"""
-function h(tag, attrs, ...children) {
-  const el = document.createElement(tag);
-  for (const [k, v] of Object.entries(attrs || {})) {
-    if (v === undefined || v === null || v === false) continue;
-    if (k === "class") el.className = v;
-    else if (k === "style") el.setAttribute("style", v);
-    else if (k.startsWith("on")) el.addEventListener(k.slice(2), v);
-    else el.setAttribute(k, v === true ? "" : String(v));
-  }
-  for (const c of children.flat()) {
-    if (c === undefined || c === null || c === false) continue;
-    el.append(c instanceof Node ? c : String(c));
-  }
-  return el;
-}
-function ages(el) {
-  // relative times, refreshed in place (a full redraw would replace a button under the pointer)
-  for (const e of el.querySelectorAll("[data-ago]")) e.textContent = fmtAgo(Number(e.dataset.ago));
-  for (const e of el.querySelectorAll("[data-idle-since]")) {
-    e.textContent = "idle " + fmtSeconds(Math.max(0, Date.now() / 1000 - Number(e.dataset.idleSince)));
-  }
-}
-function gone(el) {
-  // The kernel this widget belongs to is gone (restarted or shut down): the widget manager marks its
-  // views disconnected. Say so, and disable every control, instead of showing a live-looking dead kernel.
-  // A panel (`%overmind status`, the adapter panel) holds several of our views, each marked: the banner
-  // goes once, on the first of them in the outermost view marked (Note [One banner]).
-  let top = el.closest(".jupyter-widgets-disconnected");
-  for (let up = top; up && up.parentElement; ) {
-    up = up.parentElement.closest(".jupyter-widgets-disconnected");
-    if (up) top = up;
-  }
-  const banner = el.querySelector(":scope > .om-gone");
-  const first = top ? top.querySelector(".om-view") || el : null;
-  if (top) {
-    el.classList.add("om-dead");
-    for (const c of el.querySelectorAll("button, input, select, textarea")) c.disabled = true;
-  } else {
-    el.classList.remove("om-dead");
-  }
-  if (first === el && !banner) {
-    el.prepend(h("div", { class: "om-w om-gone", "data-testid": "overmind-widget-gone" },
-      "This shows a kernel that is gone (restarted or shut down): it no longer updates and its buttons " +
-      "do nothing. Run %overmind status again for the kernel running now."));
-  } else if (first !== el && banner) {
-    banner.remove();
-  }
-}
-function live(model, el, names, draw) {
-  // draw now and on every change of the named traits; refresh relative times every second; tell the
-  // kernel that this view exists, and that it went when the frontend disposes of it
-  el.classList.add("om-view");  // one of ours, for gone()
-  try { model.send({ event: "view", shown: true }); } catch (e) { /* comm closed */ }
-  const redraw = () => {
-    try { draw(); ages(el); gone(el); } catch (e) { el.textContent = "overmind widget: " + e; }
-  };
-  const check = () => gone(el);
-  for (const name of names) model.on("change:" + name, redraw);
-  model.on("comm_live_update", check);
-  const timer = setInterval(() => { ages(el); gone(el); }, 1000);
-  redraw();
-  return () => {
-    clearInterval(timer);
-    model.off("comm_live_update", check);
-    for (const name of names) model.off("change:" + name, redraw);
-    try { model.send({ event: "view", shown: false }); } catch (e) { /* comm closed */ }
-  };
-}
-"""
-
-CSS = r"""
-.om-w { font-family: var(--jp-ui-font-family, sans-serif); font-size: var(--jp-ui-font-size1, 13px);
-  color: var(--jp-ui-font-color1, #222); }
-.om-w .om-head { display: flex; flex-wrap: wrap; gap: 4px 14px; align-items: baseline; margin: 2px 0 6px; }
-.om-w .om-title { font-weight: 600; }
-.om-w .om-muted { color: var(--jp-ui-font-color2, #666); }
-.om-w .om-error { color: var(--jp-error-color1, #c62828); }
-.om-w .om-notice { color: var(--jp-ui-font-color2, #555); font-style: italic; }
-.om-w .om-sim { display: inline-block; padding: 0 5px; border-radius: 3px; font-size: 11px;
-  background: var(--jp-layout-color2, #eee); color: var(--jp-ui-font-color1, #222);
-  border: 1px solid var(--jp-warn-color1, #f57c00); }
-.om-w table { border-collapse: collapse; width: 100%; }
-.om-w th, .om-w td { text-align: left; padding: 3px 8px; border-bottom: 1px solid var(--jp-border-color2, #e0e0e0);
-  vertical-align: top; }
-.om-w th { font-weight: 600; color: var(--jp-ui-font-color2, #555); }
-.om-w td.om-num, .om-w th.om-num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
-.om-w code, .om-w .om-mono { font-family: var(--jp-code-font-family, monospace); font-size: 11px; }
-.om-w button.om-btn { font-size: 12px; padding: 1px 8px; cursor: pointer;
-  border: 1px solid var(--jp-border-color1, #bbb); border-radius: 3px; background: var(--jp-layout-color1, #fff);
-  color: var(--jp-ui-font-color1, #222); }
-.om-w button.om-btn:hover { background: var(--jp-layout-color2, #eee); }
-.om-w button.om-btn:disabled { opacity: 0.5; cursor: default; }
-.om-w .om-section { margin-top: 8px; font-weight: 600; }
-.om-w ul.om-list { margin: 2px 0; padding-left: 18px; }
-.om-gone { margin: 2px 0 6px; padding: 4px 8px; border-left: 3px solid var(--jp-error-color1, #c62828);
-  background: var(--jp-layout-color2, #eee); color: var(--jp-ui-font-color1, #222); }
-"""
