@@ -9,7 +9,9 @@ widgets.adapter_panel(model, tok)      # `%overmind adapters model --tokenizer t
 ```
 
 Each widget updates itself from the daemon and from the gate on one background thread of the kernel
-(see Note [Widget polling] in polling.py), never blocks the kernel, and stops with `widget.close()`.
+(see Note [Widget polling] in polling.py), never blocks the kernel, and stops with `widget.close()`. What the
+browser runs is TypeScript beside the side panel's, in labextension/src/widgets/, built into widgets/static/
+by `pip install -e .` (see live.py).
 Importing this package imports neither ipywidgets nor anywidget (docs/design.md invariant 8); they load with the
 first widget.
 """
