@@ -183,17 +183,21 @@ def test_status_and_adapter_widgets_in_jupyterlab(overmind_home: Path, tiny_llam
                     kernel = kernels.filter(has_text=name)
                     expect(kernel).to_have_count(1)
                     expect(kernel).to_have_attribute("title", re.compile(rf"^pid \d+, .*{name}: .*python"))
-                # the two pictures: memory per entry against the budget, and each hit's time against the
-                # plain load's (`base` was a hit of `model`'s load)
+                # the two pictures, the side panel's (charts.ts): memory per entry against the budget, and
+                # the hits' times against the plain loads' (`base` was a hit of `model`'s load)
                 memory = status.get_by_test_id("overmind-widget-memory")
                 expect(memory.get_by_test_id("overmind-widget-memory-segment")).to_have_count(2)
                 expect(memory).to_contain_text("widgets.ipynb")
+                assert memory.get_by_test_id("overmind-chart-memory").get_attribute("data-segments") == "2"
                 saved = status.get_by_test_id("overmind-widget-saved")
-                hits = saved.get_by_test_id("overmind-widget-hit")
-                expect(hits).to_have_count(3)  # `base` here, `m` in the two other notebooks
-                for i in range(3):  # each with its own time (sent after its cell), not "?"
-                    expect(hits.nth(i)).to_contain_text(re.compile(r"tiny-llama.* \u2192 \d+(\.\d)? m?s"))
+                # the side panel's chart (charts.ts): `base` here, `m` in the two other notebooks, each
+                # with its own time (sent after its cell)
+                expect(saved.get_by_test_id("overmind-chart-saved")).to_have_attribute("data-hits", "3")
                 expect(saved).to_contain_text("Load time saved")
+                # what RSS and PSS count of a shared model, the panel's words (issue 40)
+                pss = status.get_by_test_id("overmind-widget-pss")
+                expect(pss).to_contain_text("RSS counts a model once per kernel")
+                expect(pss).to_have_attribute("title", re.compile(r"PSS \(proportional set size"))
                 units = page.get_by_test_id("overmind-widget-units")
                 devices = units.get_by_test_id("overmind-widget-device")
                 expect(devices).to_have_count(2)
