@@ -22,18 +22,26 @@ LLAMA_SIZES: dict[str, dict[str, Any]] = {
              "num_key_value_heads": 4, "vocab_size": 32000},
     "3b": {"hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28, "num_attention_heads": 24,
            "num_key_value_heads": 8, "vocab_size": 32000},
+    # Llama-2-7B's shape (6.7B parameters, 13.5 GB in bf16) and Llama-3.1-8B's (8.0B, 16.1 GB): the GPU
+    # benchmark's large models (benchmarks/gpu.py)
+    "7b": {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
+           "num_key_value_heads": 32, "vocab_size": 32000},
+    "8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "vocab_size": 128256},
 }
 
 
 def build_llama(path: str | os.PathLike[str], size: str = "tiny", *, dtype: str = "bfloat16", seed: int = 0,
-                **overrides: Any) -> Path:
+                device: str = "cpu", **overrides: Any) -> Path:
     """Save a randomly initialised Llama-shaped causal LM at `path` (skipped if already there).
 
     Args:
         path: the directory to write.
-        size: a key of LLAMA_SIZES ("tiny", "0.1b", "1.1b" or "3b").
+        size: a key of LLAMA_SIZES ("tiny", "0.1b", "1.1b", "3b", "7b" or "8b").
         dtype: the stored dtype.
         seed: the initialisation seed.
+        device: where the weights are drawn before they are saved ("cuda" draws a 7B model's in a fraction
+            of the seconds the CPU takes; the values differ from a CPU draw of the same seed).
         **overrides: more LlamaConfig fields.
     """
     import torch
@@ -46,7 +54,7 @@ def build_llama(path: str | os.PathLike[str], size: str = "tiny", *, dtype: str 
     config = LlamaConfig(**(LLAMA_SIZES[size] | overrides))
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    model = model.to(getattr(torch, dtype)).to_empty(device="cpu")  # allocated in the stored dtype only
+    model = model.to(getattr(torch, dtype)).to_empty(device=device)  # allocated in the stored dtype only
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.02)

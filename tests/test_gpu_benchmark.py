@@ -1,0 +1,93 @@
+"""benchmarks/gpu.py end to end without a GPU (its --dry-run), so that a session lent a GPU for minutes spends
+them measuring, not debugging the script: every case, the warm restart and the probes' processes run with CPU
+stand-ins, and what needs CUDA or a package the device lacks is skipped with a message that says so."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "benchmarks" / "gpu.py"
+CUDA_ONLY = ("cudaHostRegister: CUDA only",)
+
+
+def dry_run(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> tuple[dict[str, Any], str]:
+    out = tmp_path / "gpu.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--models-dir", str(tmp_path / "models"),
+                           "--out", str(out), *args], env=env or dict(os.environ), capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
+def test_the_dry_run_measures_every_case_the_warm_restart_and_the_probes(tmp_path: Path) -> None:
+    report, table = dry_run(tmp_path)
+    assert report["dry_run"] and report["device"] == "cpu" and "no CUDA device (--dry-run)" in report["notes"][0]
+    cases = report["sizes"]["tiny"]["cases"]
+    for name in ("plain", "miss", "hit"):
+        row = cases[name]
+        assert not row["errors"] and not row["fallbacks"], (name, row)
+        assert row["call"] > 0 and row["first"] > 0 and row["total"] >= row["call"] + row["first"], (name, row)
+    assert cases["plain"]["x_plain"] == 1 and "tokens_differ" not in cases, "the three cases make the same token"
+    warm = report["warm"]["tiny"]
+    assert warm["hits"] == len(warm["runs"]) == 1 and warm["ready"] >= warm["restart"] + warm["call"]
+    probes = report["sizes"]["tiny"]["probes"]
+    assert "error" not in probes, probes
+    rows = probes["probes"]
+    assert list(rows) == ["pageable", "pageable-4", "bounce", "d2d", "pinned", "pinned-ro", "register-private"]
+    for name in ("pageable", "pageable-4", "bounce", "d2d", "pinned", "pinned-ro"):
+        assert rows[name]["checked"] and rows[name]["gbps"] > 0, (name, rows[name])
+    assert "open_s" in rows["d2d"] and "open_s" in rows["pinned"], "the handles were opened in the other process"
+    assert rows["pinned"]["note"].startswith(CUDA_ONLY) and rows["register-private"]["skipped"].startswith(CUDA_ONLY)
+    for line in ("DRY RUN", "warm restart: restart", "copy probes", "goal (issue 36):", "tiny: miss"):
+        assert line in table, table
+
+
+_BLOCKER = """
+import os, sys
+
+class _NotOnTheDevice:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in os.environ["OM_BLOCK"].split(","):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, _NotOnTheDevice())
+"""
+
+
+def test_without_the_carried_wheels_the_dry_run_says_what_it_skips(tmp_path: Path) -> None:
+    """As on the device before the wheels are installed: no dill, traitlets, ipykernel, IPython, jupyter_client."""
+    (tmp_path / "blocker").mkdir()
+    (tmp_path / "blocker" / "sitecustomize.py").write_text(textwrap.dedent(_BLOCKER))
+    env = dict(os.environ, OM_BLOCK="dill,traitlets,ipykernel,IPython,jupyter_client",
+               PYTHONPATH=os.pathsep.join([str(tmp_path / "blocker"), str(REPO), os.environ.get("PYTHONPATH", "")]))
+    report, table = dry_run(tmp_path, "--no-probes", env=env)
+    assert list(report["sizes"]["tiny"]["cases"]) == ["plain"]
+    assert not report["sizes"]["tiny"]["cases"]["plain"]["errors"]
+    assert any(n.startswith("traitlets, dill not importable here: the miss and hit cases are skipped")
+               for n in report["notes"]), report["notes"]
+    assert report["warm"]["skipped"].startswith("ipykernel, jupyter_client, IPython, traitlets not importable"), report
+    assert "scripts/device_wheels.sh" in table and "warm restart: skipped" in table
+
+
+def test_a_job_that_hangs_is_killed_and_the_next_one_runs(tmp_path: Path) -> None:
+    """A probe stuck in a driver call (a registration that never ends) costs its timeout, not the run."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import gpu
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    parent = gpu.ForkParent(dict(os.environ), tmp_path / "parent.log")
+    try:
+        hung = parent.run({"job": "sleep", "seconds": 60}, timeout=1)
+        assert hung["partial"] and hung["error"].startswith("timed out after 1 s"), hung
+        assert parent.run({"job": "sleep", "seconds": 0}, timeout=30) == {"partial": True}
+    finally:
+        parent.close()
