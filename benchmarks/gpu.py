@@ -44,6 +44,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -330,7 +331,7 @@ def provisioner_entry_point(root: Path) -> None:
 
 
 def warm(paths: dict[str, str], device: str, env: dict[str, str], restarts: int, work: Path,
-         deadline: float) -> dict[str, Any]:
+         deadline: float, sizes: dict[str, int]) -> dict[str, Any]:
     """Per size: a warm kernel, the cell once (the entry is already there: a hit), then `restarts`
     restarts, each followed by the setup and the cell; medians of restart, setup, ctx, call, first and
     ready (restart + setup + cell: the restart to the first token)."""
@@ -350,7 +351,7 @@ def warm(paths: dict[str, str], device: str, env: dict[str, str], restarts: int,
         p for p in (str(work / "jupyter" / "share" / "jupyter"), os.environ.get("JUPYTER_PATH", "")) if p)
     rows: dict[str, Any] = {}
     for size, path in paths.items():
-        if time.monotonic() > deadline:
+        if time.monotonic() + 20 + 2 * sizes[size] / 1e9 > deadline:  # a kernel's start and 1 + restarts cells
             rows[size] = {"skipped": "the run's budget was spent"}
             print(f"warm restart, {size}: skipped, the run's budget was spent", flush=True)
             continue
@@ -463,6 +464,16 @@ def measure_cases(parent: ForkParent, size: str, model: dict[str, Any], device: 
     return rows
 
 
+@contextlib.contextmanager
+def reported(slot: dict[str, Any], key: str) -> Iterator[None]:
+    """A step that fails leaves its error in `slot[key]` and the run goes on to the next step and the table."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 (reported in the table and the JSON)
+        slot[key] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        print(f"{key}: ERROR {type(exc).__name__}: {last_line(str(exc))}", flush=True)
+
+
 def run_all(args: argparse.Namespace) -> dict[str, Any]:
     start = time.monotonic()
     deadline = start + args.budget
@@ -506,9 +517,10 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
                 report["sizes"][size] = {"skipped": "the run's budget was spent"}
                 print(f"{size}: skipped, the run's budget was spent", flush=True)
                 continue
-            report["sizes"][size] = {"bytes": model["bytes"],
-                                     "cases": measure_cases(parent, size, model, device, env, args.rounds,
-                                                            deadline, cases)}
+            report["sizes"][size] = {"bytes": model["bytes"]}
+            with reported(report["sizes"][size], "cases"):
+                report["sizes"][size]["cases"] = measure_cases(parent, size, model, device, env, args.rounds,
+                                                               deadline, cases)
         skip: dict[str, str] = {}  # registrations that timed out for a smaller model are not tried again
         for size, model in report["models"].items():
             if args.no_probes:
@@ -527,10 +539,11 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
                 report["sizes"].setdefault(size, {})["probes"] = probes | {"source": str(source.parent)}
                 for name, row in probes.get("probes", {}).items():
                     if "did not finish" in row.get("skipped", "") and name not in skip:
-                        skip[name] = f"skipped: the {size} model's registration did not finish in time"
-                        skip["pinned-ro"] = skip.get("pinned-ro", skip[name])
+                        skip[name] = f"the {size} model's registration did not finish in time"
+                        if name == "pinned":  # the helper was killed: pinned-ro did not run
+                            skip.setdefault("pinned-ro", skip[name])
                 if probes.get("running") and "error" in probes:  # the job was killed during this probe
-                    skip[probes["running"]] = f"skipped: it did not finish for the {size} model"
+                    skip[probes["running"]] = f"it did not finish for the {size} model"
             finally:
                 source.unlink()
         if args.no_warm:
@@ -540,7 +553,9 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
             print(why, flush=True)
         else:
             paths = {s: m["path"] for s, m in report["models"].items()}
-            report["warm"] = warm(paths, device, env, args.restarts, work, deadline)
+            with reported(report, "warm"):
+                report["warm"] = warm(paths, device, env, args.restarts, work, deadline,
+                                      {s: m["bytes"] for s, m in report["models"].items()})
     finally:
         if parent is not None:
             parent.close()
@@ -592,6 +607,8 @@ def print_table(report: dict[str, Any]) -> None:
               "seconds to the first token (medians)")
         print(f"{'case':6} {'ctx':>7} {'call':>7} {'copy':>7} {'GB/s':>7} {'first':>7} {'total':>7} "
               f"{'x plain':>8} {'x w/o ctx':>9}  notes")
+        if "error" in data.get("cases", {}):
+            print(f"  ERROR {data['cases']['error']}")
         for name in CASES:
             r = data.get("cases", {}).get(name)
             if r is None:
@@ -613,6 +630,11 @@ def print_table(report: dict[str, Any]) -> None:
             print_probes(probes)
     if isinstance(report.get("warm"), dict) and "skipped" in report["warm"]:
         print(f"\nwarm restart: skipped: {report['warm']['skipped']}")
+    if isinstance(report.get("warm"), dict) and "error" in report["warm"]:
+        print(f"\nwarm restart: ERROR {report['warm']['error']}")
+    for size, row in (report.get("warm") or {}).items():
+        if isinstance(row, dict) and "skipped" in row:
+            print(f"warm restart, {size}: skipped: {row['skipped']}")
     lines = goals(report)
     if lines:
         print("\ngoal (issue 36):" + "".join(f"\n  {line}" for line in lines))

@@ -79,8 +79,8 @@ class Dev:
         return self.torch.empty(n, dtype=self.torch.uint8, pin_memory=self.cuda)
 
     def register(self, ptr: int, n: int, flags: int) -> None:
-        err = self.torch.cuda.cudart().cudaHostRegister(ptr, n, flags)
-        if int(err) != 0:
+        err = self.torch.cuda.cudart().cudaHostRegister(ptr, n, flags)  # releases the GIL while it runs
+        if int(getattr(err, "value", err)) != 0:
             raise RuntimeError(f"cudaHostRegister(flags={flags:#x}) failed: {err}")
 
     def unregister(self, ptr: int) -> None:
@@ -187,7 +187,7 @@ class Kernel:
             finally:
                 os._exit(code)
         child.close()
-        self.helper_alive = True
+        self.helper_alive, self.stuck = True, False
         self.dev = Dev(spec["device"])
         import torch
 
@@ -313,14 +313,30 @@ class Kernel:
     def register_private(self) -> dict[str, Any]:
         if not self.dev.cuda:
             return {"skipped": "cudaHostRegister: CUDA only"}
-        t0 = time.perf_counter()
-        self.dev.register(self.src.data_ptr(), self.n, REGISTER_READ_ONLY)
-        register_s = time.perf_counter() - t0
+        outcome: dict[str, Any] = {}
+
+        def register() -> None:
+            t0 = time.perf_counter()
+            try:
+                self.dev.register(self.src.data_ptr(), self.n, REGISTER_READ_ONLY)
+                outcome["register_s"] = time.perf_counter() - t0
+            except Exception as exc:  # noqa: BLE001 (reported as the probe's error)
+                outcome["error"] = exc
+
+        thread = threading.Thread(target=register, daemon=True)
+        thread.start()
+        thread.join(self.spec["register_timeout"])
+        if thread.is_alive():  # left running: this process ends without waiting for it
+            self.stuck = True
+            return {"skipped": f"cudaHostRegister of the kernel's private mapping ({self.n / 1e9:.2f} GB, "
+                               f"read-only) did not finish in {self.spec['register_timeout']:.0f} s"}
+        if "error" in outcome:
+            raise outcome["error"]
         try:
             row = self.copy_timed(lambda: self.dst.copy_(self.src, non_blocking=True))
         finally:
             self.dev.unregister(self.src.data_ptr())
-        return row | {"register_s": register_s}
+        return row | {"register_s": outcome["register_s"]}
 
     def run(self, which: list[str]) -> None:
         steps = {"pageable": self.pageable, "pageable-4": self.pageable_4, "bounce": self.bounce, "d2d": self.d2d,
@@ -347,7 +363,7 @@ class Kernel:
         self.save()
 
     def close(self) -> None:
-        if self.helper_alive:
+        if self.helper_alive and not self.stuck:
             self.conn.send(("exit",))
             os.waitpid(self.helper, 0)
 
