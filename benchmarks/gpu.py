@@ -435,9 +435,10 @@ def median_rows(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def measure_cases(parent: ForkParent, size: str, model: dict[str, Any], device: str, env: dict[str, str],
                   rounds: int, deadline: float, cases: tuple[str, ...]) -> dict[str, Any]:
     runs: dict[str, list[dict[str, Any]]] = {c: [] for c in cases}
-    per_gb = max(20.0, 8.0 * model["bytes"] / 1e9)  # seconds a case may take, 7B: ~110 s
+    per_gb = max(20.0, 8.0 * model["bytes"] / 1e9)  # seconds a case may take before it is killed, 7B: ~110 s
+    expected = 10 + 2 * model["bytes"] / 1e9  # what a round of the three cases takes on an H200, about
     for k in range(rounds):
-        if k and time.monotonic() + 3 * per_gb / 2 > deadline:
+        if time.monotonic() + expected > deadline:
             print(f"{size}: round {k + 1} skipped, the run's budget is nearly spent", flush=True)
             break
         daemon(env, "evict", "--all")
@@ -462,6 +463,32 @@ def measure_cases(parent: ForkParent, size: str, model: dict[str, Any], device: 
     if len(tokens) > 1:
         rows["tokens_differ"] = sorted(tokens)
     return rows
+
+
+def probe(parent: ForkParent, size: str, model: dict[str, Any], device: str, args: argparse.Namespace,
+          deadline: float, skip: dict[str, str]) -> dict[str, Any]:
+    """The copy probes (gpu_probes.py) of one model's bytes; `skip` gathers the probes that did not finish,
+    so that a larger model does not wait for them again."""
+    if time.monotonic() + 30 + 10 * model["bytes"] / 1e9 > deadline:
+        print(f"probes, {size}: skipped, the run's budget was spent", flush=True)
+        return {"skipped": "the run's budget was spent"}
+    source = source_file(Path(model["path"]), model["bytes"], args.dry_run)
+    try:
+        n = source.stat().st_size
+        timeout = min(deadline - time.monotonic(), 60 + 3 * args.register_timeout + 10 * n / 1e9)
+        print(f"probes, {size}: {n / 1e9:.2f} GB from {source} ...", flush=True)
+        probes = parent.run({"job": "probes", "source": str(source), "bytes": n, "device": device,
+                             "register_timeout": args.register_timeout, "skip": skip}, timeout)
+    finally:
+        source.unlink()
+    for name, row in probes.get("probes", {}).items():
+        if "did not finish" in row.get("skipped", "") and name not in skip:
+            skip[name] = f"the {size} model's registration did not finish in time"
+            if name == "pinned":  # the helper was killed: pinned-ro did not run
+                skip.setdefault("pinned-ro", skip[name])
+    if probes.get("running") and "error" in probes:  # the job was killed during this probe
+        skip[probes["running"]] = f"it did not finish for the {size} model"
+    return probes | {"source": str(source.parent)}
 
 
 @contextlib.contextmanager
@@ -511,41 +538,20 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
     try:
         daemon(env, "start")
         parent = ForkParent(env, work / "fork-parent.log")
-        for size, model in report["models"].items():
-            read_through(Path(model["path"]))  # every case starts from files in the page cache
+        skip: dict[str, str] = {}  # registrations that timed out for a smaller model are not tried again
+        for size, model in report["models"].items():  # the smaller model's cases and probes first
             if time.monotonic() > deadline:
                 report["sizes"][size] = {"skipped": "the run's budget was spent"}
                 print(f"{size}: skipped, the run's budget was spent", flush=True)
                 continue
+            read_through(Path(model["path"]))  # every case starts from files in the page cache
             report["sizes"][size] = {"bytes": model["bytes"]}
             with reported(report["sizes"][size], "cases"):
                 report["sizes"][size]["cases"] = measure_cases(parent, size, model, device, env, args.rounds,
                                                                deadline, cases)
-        skip: dict[str, str] = {}  # registrations that timed out for a smaller model are not tried again
-        for size, model in report["models"].items():
-            if args.no_probes:
-                break
-            if time.monotonic() + 30 + 10 * model["bytes"] / 1e9 > deadline:
-                report["sizes"].setdefault(size, {})["probes"] = {"skipped": "the run's budget was spent"}
-                print(f"probes, {size}: skipped, the run's budget was spent", flush=True)
-                continue
-            source = source_file(Path(model["path"]), model["bytes"], args.dry_run)
-            try:
-                n = source.stat().st_size
-                timeout = min(deadline - time.monotonic(), 60 + 3 * args.register_timeout + 10 * n / 1e9)
-                print(f"probes, {size}: {n / 1e9:.2f} GB from {source} ...", flush=True)
-                probes = parent.run({"job": "probes", "source": str(source), "bytes": n, "device": device,
-                                     "register_timeout": args.register_timeout, "skip": skip}, timeout)
-                report["sizes"].setdefault(size, {})["probes"] = probes | {"source": str(source.parent)}
-                for name, row in probes.get("probes", {}).items():
-                    if "did not finish" in row.get("skipped", "") and name not in skip:
-                        skip[name] = f"the {size} model's registration did not finish in time"
-                        if name == "pinned":  # the helper was killed: pinned-ro did not run
-                            skip.setdefault("pinned-ro", skip[name])
-                if probes.get("running") and "error" in probes:  # the job was killed during this probe
-                    skip[probes["running"]] = f"it did not finish for the {size} model"
-            finally:
-                source.unlink()
+            if not args.no_probes:
+                with reported(report["sizes"][size], "probes"):
+                    report["sizes"][size]["probes"] = probe(parent, size, model, device, args, deadline, skip)
         if args.no_warm:
             report["warm"] = {"skipped": "--no-warm"}
         elif (why := warm_missing()) is not None:
@@ -669,7 +675,8 @@ def print_probes(probes: dict[str, Any]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sizes", default="1.1b,7b", help="model sizes (overmind_jupyter.demo_models.LLAMA_SIZES)")
+    parser.add_argument("--sizes", help="model sizes, of overmind_jupyter.demo_models.LLAMA_SIZES (default 1.1b,7b; "
+                                         "--dry-run: tiny)")
     parser.add_argument("--quick", action="store_true", help="the 1.1b model only")
     parser.add_argument("--rounds", type=int, default=2, help="rounds of plain, miss and hit")
     parser.add_argument("--restarts", type=int, default=2, help="warm restarts per size")
@@ -692,10 +699,9 @@ def main() -> None:
     if args.build:
         build(json.loads(args.build))
         return
-    if args.quick:
-        args.sizes = "1.1b"
     if args.dry_run:
-        args.sizes, args.rounds, args.restarts = "tiny", 1, 1
+        args.sizes, args.rounds, args.restarts = args.sizes or "tiny", 1, 1
+    args.sizes = "1.1b" if args.quick else args.sizes or "1.1b,7b"
     report = run_all(args)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
