@@ -112,6 +112,8 @@ def case(spec: dict[str, Any]) -> dict[str, Any]:
     result.update(ctx=t1 - t0, call=t2 - t1, first=t3 - t2, total=t3 - t0, steady=t4 - t3,
                   token=int(out[0, -1]), checksum=float(logits.double().sum()),
                   on=str(next(model.parameters()).device))
+    if device == "cuda" and not result["on"].startswith("cuda"):
+        raise RuntimeError(f"the {spec['case']} case's model is on {result['on']}, not the GPU")
     if spec["case"] != "plain":
         loading.place = place
         result["fallbacks"] = [f["reason"] for f in loading.fallbacks()]
@@ -337,7 +339,7 @@ def warm(paths: dict[str, str], device: str, env: dict[str, str], restarts: int,
     ready (restart + setup + cell: the restart to the first token)."""
     sys.path.insert(0, str(HERE))
     from jupyter_client.manager import start_new_kernel
-    from restart import LabClient, Parts, warm_kernelspec
+    from restart import LabClient, Parts  # restart.py's client and timing of a restart, as JupyterLab makes it
 
     os.environ.update(env)
     provisioner_entry_point(work / "entry")
@@ -346,7 +348,6 @@ def warm(paths: dict[str, str], device: str, env: dict[str, str], restarts: int,
     name = "om-gpu-warm"
     warm_kernels.install(name, preload=["torch", "transformers", "transformers.models.llama.modeling_llama"],
                          prefix=str(work / "jupyter"))
-    del warm_kernelspec  # the same install as restart.py's, with the GPU case's modules
     os.environ["JUPYTER_PATH"] = os.pathsep.join(
         p for p in (str(work / "jupyter" / "share" / "jupyter"), os.environ.get("JUPYTER_PATH", "")) if p)
     rows: dict[str, Any] = {}
@@ -510,6 +511,11 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
     home = tempfile.mkdtemp(prefix="om-gpu-home-")
     env = dict(os.environ, OVERMIND_HOME=home, PYTHONWARNINGS="ignore", TRANSFORMERS_VERBOSITY="error",
                HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env.setdefault("OVERMIND_DISK_RESERVE", "1G")  # as the suite's daemons: 10% of a large, full disk may be all
+    # The store's default budget is half of MemTotal, and a lent machine's MemTotal starts far below the memory
+    # it grows to (H200.md): a 7B entry might not fit, and its miss would run plainly. (A size above MemTotal
+    # is refused; a share of it never is.)
+    env.setdefault("OVERMIND_BUDGET", "90%")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     sizes = args.sizes.split(",")
     print(f"building {', '.join(sizes)} under {root} ...", flush=True)
@@ -527,6 +533,12 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
                 "the figures check the script's logic, they are not the GPU's")
         report["notes"].append(note)
         print(note, flush=True)
+    need = 2 * sum(m["bytes"] for m in report["models"].values()) + (10 << 30)
+    if "OVERMIND_ARENA" not in os.environ and shutil.disk_usage(home).free < need:
+        env["OVERMIND_ARENA"] = "memfd"  # the entries' arenas in memory: the disk cannot hold them beside the files
+        report["notes"].append(f"{shutil.disk_usage(home).free / 2**30:.0f} GiB free on the disk of {home}: the "
+                               "arenas are memfds (OVERMIND_ARENA=memfd), not files")
+        print(report["notes"][-1], flush=True)
     cases = CASES
     if (why := cache_missing()) is not None:
         report["notes"].append(why)
