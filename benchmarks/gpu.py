@@ -409,11 +409,12 @@ def read_through(path: Path) -> None:
                 pass
 
 
-def source_file(path: Path, n: int, dry_run: bool) -> Path:
-    """The model's bytes in one file in shared memory (as an arena's pages), or a temporary directory's
-    file when /dev/shm is missing or has too little room."""
-    shm = Path("/dev/shm")
-    where = shm if not dry_run and shm.is_dir() and shutil.disk_usage(shm).free > n + (4 << 30) else None
+def source_file(path: Path, n: int, directory: str) -> Path:
+    """The model's bytes in one file in `directory` (/dev/shm: shared memory, as a memfd arena's pages; a
+    directory on a disk: page cache, as a file arena's), or in the temporary directory when `directory` is
+    missing or has too little room."""
+    shm = Path(directory)
+    where = shm if shm.is_dir() and shutil.disk_usage(shm).free > n + (4 << 30) else None
     fd, name = tempfile.mkstemp(prefix="om-gpu-probe-", dir=where)
     with os.fdopen(fd, "wb") as out:
         for file in sorted(path.glob("*.safetensors")):
@@ -473,7 +474,7 @@ def probe(parent: ForkParent, size: str, model: dict[str, Any], device: str, arg
     if time.monotonic() + 30 + 10 * model["bytes"] / 1e9 > deadline:
         print(f"probes, {size}: skipped, the run's budget was spent", flush=True)
         return {"skipped": "the run's budget was spent"}
-    source = source_file(Path(model["path"]), model["bytes"], args.dry_run)
+    source = source_file(Path(model["path"]), model["bytes"], args.probe_dir)
     try:
         n = source.stat().st_size
         timeout = min(deadline - time.monotonic(), 60 + 3 * args.register_timeout + 10 * n / 1e9)
@@ -695,6 +696,8 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=450, help="seconds the whole run may take")
     parser.add_argument("--register-timeout", type=float, default=30,
                         help="seconds a cudaHostRegister probe may take")
+    parser.add_argument("--probe-dir", default="/dev/shm",
+                        help="where the probes' file lies: /dev/shm (as a memfd arena) or a disk (as a file arena)")
     parser.add_argument("--no-warm", action="store_true", help="skip the warm restart column")
     parser.add_argument("--no-probes", action="store_true", help="skip the copy probes")
     parser.add_argument("--dry-run", action="store_true",
@@ -713,6 +716,7 @@ def main() -> None:
         return
     if args.dry_run:
         args.sizes, args.rounds, args.restarts = args.sizes or "tiny", 1, 1
+        args.probe_dir = tempfile.gettempdir()
     args.sizes = "1.1b" if args.quick else args.sizes or "1.1b,7b"
     report = run_all(args)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
