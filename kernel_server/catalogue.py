@@ -53,9 +53,12 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Generic, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 
 from . import arena
+
+if TYPE_CHECKING:  # payloads imports this module
+    from .payloads import Connection, EntryStatus, MissTimes, Pending, Pinning, Progress
 
 __all__ = ["EVICTED_DESCRIBED", "LABEL_CHARS", "LS_PAGE", "MAX_LISTED", "REPLY_ENTRY_BYTES", "STATUS_ENTRIES",
            "Catalogue", "ConnId", "Entry", "Usage"]
@@ -69,6 +72,9 @@ MAX_LISTED = 1000  # the most either request may ask for
 REPLY_ENTRY_BYTES = 512 * 1024  # JSON of described entries one reply carries at most
 LABEL_CHARS = 512  # of a hit's label in status's hits_log, and of an evicted entry's in evict's reply
 EVICTED_DESCRIBED = 50  # the evicted entries an evict's reply names (it lists every key)
+
+
+_UNTIMED: MissTimes = {"waited_s": 0.0, "load_s": 0.0, "cache_s": 0.0}  # a marker's: no load of its own
 
 
 class Usage(NamedTuple):
@@ -98,7 +104,8 @@ class Entry:
     compaction: dict[str, float] | None = None  # {"total", "done", "started"} while the compactor copies
     marker: bool = False  # no bytes: it tells the kernel where to look instead (its meta says why)
     watch: list[dict[str, Any]] = field(default_factory=list)  # checkpoints read: Note [Orphaned entries] in store.py
-    load_s: float | None = None  # the plain load's wall time, measured at the miss (Note [Load time saved] in store.py)
+    # what the miss that made it cost its caller (Note [Load time saved] in store.py)
+    times: MissTimes = field(default_factory=_UNTIMED.copy)
 
     @property
     def nbytes(self) -> int:
@@ -116,7 +123,7 @@ class Entry:
     def intact(self) -> bool:
         return all(s.intact() for s in self.sources)
 
-    def pending(self) -> dict[str, Any] | None:
+    def pending(self) -> Pending | None:
         """What is left to copy into the arena (Note [Pending pieces] in store.py), for status: bytes, done, eta."""
         if not self.pieces:
             return None
@@ -128,7 +135,7 @@ class Entry:
         return {"bytes": total, "done": done, "copying": c is not None, "eta": eta,
                 "sources": [s.path for s in self.sources]}
 
-    def progress(self) -> dict[str, Any] | None:
+    def progress(self) -> Progress | None:
         """The compactor's work on this entry, as every long operation reports it (Note [Progress] in store.py)."""
         pending = self.pending()
         if pending is None or not pending["copying"]:
@@ -136,7 +143,7 @@ class Entry:
         return {"label": f"copying {self.meta.get('label') or self.key[:12]} into shared memory",
                 "done": pending["done"], "total": pending["bytes"], "unit": "B", "eta_s": pending["eta"]}
 
-    def describe(self, kernels: Callable[[ConnId], dict[str, Any]]) -> dict[str, Any]:
+    def describe(self, kernels: Callable[[ConnId], Connection]) -> EntryStatus:
         return {
             "key": self.key,
             "meta": self.meta,
@@ -149,9 +156,13 @@ class Entry:
             "deps": self.deps,
             "pending": self.pending(),
             "progress": self.progress(),
-            "load_s": self.load_s,
-            "pinned_by": [kernels(c) | {"pins": n} for c, n in sorted(self.pins.items())],
+            **self.times,
+            "pinned_by": [_pinning(kernels(c), n) for c, n in sorted(self.pins.items())],
         }
+
+
+def _pinning(conn: Connection, pins: int) -> Pinning:
+    return {**conn, "pins": pins}
 
 
 class Catalogue:

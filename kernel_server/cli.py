@@ -8,15 +8,16 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from . import lifecycle
 from .client import Client
 from .errors import DaemonError, RemoteError
-from .formats import byte_text, disk_text, evicted_text, kernel_name, pending_text, progress_text
+from .formats import byte_text, disk_text, evicted_text, kernel_name, miss_text, pending_text, progress_text, saved_text
 from .operations import Op
+from .payloads import StatusReply
 
 __all__ = ["main"]
 
@@ -103,11 +104,12 @@ def _read(op: str) -> Callable[[argparse.Namespace], int]:
                 print(f"no daemon runs at {home}")
             return 0 if op == "status" else 1
         with Client(home, spawn=False, role="cli") as client:
-            payload = client.request(Op.STATUS).payload if op == "status" else _every_entry(client)
-        if args.json:
-            print(json.dumps({"running": True, **payload} if op == "status" else payload, indent=2))
-        else:
-            print(_STATUS_TEXT(payload) if op == "status" else _entries_text(payload["entries"]))
+            if op == "status":
+                status = client.request(Op.STATUS).payload
+                print(json.dumps({"running": True, **status}, indent=2) if args.json else _STATUS_TEXT(status))
+                return 0
+            listing = _every_entry(client)
+        print(json.dumps(listing, indent=2) if args.json else _entries_text(listing["entries"]))
         return 0
 
     return command
@@ -149,12 +151,12 @@ def _evict(args: argparse.Namespace) -> int:
     return 0
 
 
-def _STATUS_TEXT(p: dict[str, Any]) -> str:
+def _STATUS_TEXT(p: StatusReply) -> str:
     d = p["daemon"]
     lines = [
         f"daemon pid {d['pid']}  version {d['version']}  protocol {d['protocol']}  home {d['home']}",
         f"store  {byte_text(p['used'])} used + {byte_text(p['reserved'])} reserved of "
-        f"{byte_text(p['budget'])}  ({p.get('entries_total', len(p['entries']))} entries; "
+        f"{byte_text(p['budget'])}  ({p['entries_total']} entries; "
         + ", ".join(f"{k} {v}" for k, v in sorted(p["stats"].items())) + ")",
         f"kernels {len(p['kernels'])}" + ("" if p["kernels"] else " connected"),
     ]
@@ -173,15 +175,16 @@ def _STATUS_TEXT(p: dict[str, Any]) -> str:
         lines.append(f"units  {dev.get('name')}{' (simulated)' if dev.get('simulated') else ''}: "
                      f"{dev.get('used')}/{dev.get('capacity')} used" + (f" by {holders}" if holders else ""))
     for load in p["loading"]:
-        what = progress_text(load["progress"]) if load.get("progress") else f"loading {load['key']}"
+        what = progress_text(load["progress"]) if load["progress"] else f"loading {load['key']}"
         lines.append(f"loading {what} by {kernel_name(load['loader'])[0]}, {load['waiters']} waiting")
+    lines.append(f"time   {saved_text(p['time_saved'])}")  # Note [Load time saved] in store.py
     for e in p["entries"]:
-        if e.get("pending"):
-            lines.append(f"entry  {e['key'][:16]} {e['meta'].get('label', '')}: {pending_text(e['pending'])}")
+        lines.append(f"entry  {e['key'][:16]} {e['meta'].get('label', '')}: missed in {miss_text(e)}"
+                     + (f"; {pending_text(e['pending'])}" if e["pending"] else ""))
     return "\n".join(lines)
 
 
-def _entries_text(entries: list[dict[str, Any]]) -> str:
+def _entries_text(entries: Sequence[Mapping[str, Any]]) -> str:
     if not entries:
         return "no entries"
     # Nothing that tells entries apart is cut: the keys as long as it takes to tell them apart, the

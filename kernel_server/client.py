@@ -48,10 +48,11 @@ from .payloads import (
     PingReply,
     PublishReply,
     ShutdownReply,
-    Snapshot,
+    StatusReply,
     UnitsCancelReply,
     UnitsRegisterReply,
     UnitsReleaseReply,
+    UnitsSnapshot,
 )
 from .protocol import PROTOCOL_VERSION, Frame, FrameKind
 from .transport import close_fds, recv_frame, send_frame
@@ -263,8 +264,12 @@ class Client:
                 timeout: float | None = ..., **fields: Any) -> Response[PingReply]: ...
 
     @overload
-    def request(self, op: Literal[Op.STATUS, Op.UNITS_STATE], *, fds: Sequence[int] = ...,
-                timeout: float | None = ..., **fields: Any) -> Response[Snapshot]: ...
+    def request(self, op: Literal[Op.STATUS], *, fds: Sequence[int] = ...,
+                timeout: float | None = ..., **fields: Any) -> Response[StatusReply]: ...
+
+    @overload
+    def request(self, op: Literal[Op.UNITS_STATE], *, fds: Sequence[int] = ...,
+                timeout: float | None = ..., **fields: Any) -> Response[UnitsSnapshot]: ...
 
     @overload
     def request(self, op: Literal[Op.LS], *, fds: Sequence[int] = ...,

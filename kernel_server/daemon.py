@@ -32,13 +32,17 @@ from .ledger import Ledger
 from .lifecycle import DaemonLock, socket_path
 from .operations import TAKES_DESCRIPTORS, Handler, Op, Peer, Reply, Request, parse
 from .payloads import (
+    Connection as ConnectionInfo,
+)
+from .payloads import (
     Empty,
     FallbackRequest,
+    FallbackStatus,
     HelloReply,
     HelloRequest,
     PingReply,
     ShutdownReply,
-    Snapshot,
+    StatusReply,
     StatusRequest,
 )
 from .protocol import PROTOCOL_VERSION, FrameKind
@@ -72,7 +76,7 @@ class Connection:
         self.alive = True
         self._send_lock = threading.Lock()
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> ConnectionInfo:
         return {"conn": self.id, "pid": self.pid, "role": self.role, "label": self.label,
                 "command": self.command, "connected": self.connected}
 
@@ -141,7 +145,7 @@ class Daemon:
             **StoreService(self.store, self.compactor, self.kernel_of).handlers(),
             **UnitsService(self.ledger).handlers(),
         }
-        self._fallbacks: collections.deque[dict[str, Any]] = collections.deque(maxlen=_MAX_FALLBACKS)
+        self._fallbacks: collections.deque[FallbackStatus] = collections.deque(maxlen=_MAX_FALLBACKS)
         self.errors = collections.Counter[str]()  # error replies by code, for status ("internal" is a bug)
         self._short_log = descriptors.Throttle()  # out of descriptors: one line every few seconds at most
 
@@ -326,7 +330,7 @@ class Daemon:
                                                 f"client {version}: run `overmind-daemon stop` and let the client "
                                                 "start a new one")
 
-    def kernel_of(self, conn_id: int) -> dict[str, Any]:
+    def kernel_of(self, conn_id: int) -> ConnectionInfo:
         conn = self._conns.get(conn_id)
         return conn.describe() if conn else {"conn": conn_id, "pid": None, "role": "gone", "label": ""}
 
@@ -345,7 +349,7 @@ class Daemon:
     def ping(self, conn: Peer, req: Request[Empty]) -> Reply[PingReply]:
         return Reply({"pong": time.time()})
 
-    def status(self, conn: Peer, req: Request[StatusRequest]) -> Reply[Snapshot]:
+    def status(self, conn: Peer, req: Request[StatusRequest]) -> Reply[StatusReply]:
         snap = self.store.snapshot(self.kernel_of, req.payload.get("limit", STATUS_ENTRIES))
         snap["descriptors"]["open"] = descriptors.open_descriptors()
         with self._lock:
@@ -364,9 +368,9 @@ class Daemon:
     def fallback(self, conn: Peer, req: Request[FallbackRequest]) -> Reply[Empty]:
         """A kernel reports a call that went the plain way, for `status` and the side panel."""
         p = req.payload
-        fields = {"call": p.get("call", "")[:500], "kind": p.get("kind", "")[:500], "reason": p.get("reason", "")[:500]}
-        label = self.kernel_of(conn.id)["label"]
-        self._fallbacks.append({"time": time.time(), "pid": conn.pid, "label": label, **fields})
+        self._fallbacks.append({"time": time.time(), "pid": conn.pid, "label": self.kernel_of(conn.id)["label"],
+                                "call": p.get("call", "")[:500], "kind": p.get("kind", "")[:500],
+                                "reason": p.get("reason", "")[:500]})
         return Reply({})
 
     def shutdown(self, conn: Peer, req: Request[Empty]) -> Reply[ShutdownReply]:

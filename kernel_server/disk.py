@@ -22,8 +22,12 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .formats import byte_text
+
+if TYPE_CHECKING:  # payloads imports what imports this module
+    from .payloads import DiskStatus
 
 __all__ = ["DiskRoom"]
 
@@ -63,7 +67,7 @@ class DiskRoom:
         _, free, kept = self.usage()
         return free - kept
 
-    def describe(self, used: int) -> dict[str, object]:
+    def describe(self, used: int) -> DiskStatus:
         """What status shows: where, what the cache's arenas take there, what is free and kept free."""
         size, free, kept = self.usage()
         return {"directory": str(self.directory), "used": used, "free": free, "size": size, "reserve": kept}

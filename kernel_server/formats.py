@@ -21,10 +21,13 @@ import math
 import os
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["JS", "ago_text", "byte_text", "eta_text", "evicted_text", "kernel_name", "pending_text", "percent",
-           "progress_text", "seconds_text"]
+if TYPE_CHECKING:  # payloads imports what imports this module
+    from .payloads import MissTimes, TimeSaved
+
+__all__ = ["JS", "ago_text", "byte_text", "eta_text", "evicted_text", "kernel_name", "miss_text", "pending_text",
+           "percent", "progress_text", "saved_seconds", "saved_text", "seconds_text", "signed_seconds_text"]
 
 _BYTE_UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB")
 # (below this many seconds, divide by this, unit): the last step takes everything above
@@ -47,7 +50,7 @@ def byte_text(n: float | None) -> str:
     raise AssertionError("unreachable")
 
 
-def disk_text(disk: dict[str, Any] | None) -> str:
+def disk_text(disk: Mapping[str, Any] | None) -> str:
     """The disk under the cache's file arenas (Note [Disk room] in disk.py), or "" where they take memory."""
     if not disk:
         return ""
@@ -66,6 +69,33 @@ def seconds_text(s: float) -> str:
         if s < below:
             return f"{_round(s / per)} {unit}"
     raise AssertionError("unreachable")
+
+
+def signed_seconds_text(s: float) -> str:
+    """A duration that may be negative (a loss): "1.4 s", "-1.4 s"."""
+    return f"-{seconds_text(-s)}" if s < 0 and seconds_text(-s) != "0 ms" else seconds_text(s)
+
+
+def miss_text(times: MissTimes) -> str:
+    """What a miss cost (its `waited_s`, `load_s`, `cache_s`: Note [Load time saved] in store.py):
+    "20.1 s: loading 8.0 s + caching 12.1 s". The cell's line after a miss and every view say it so."""
+    return (f"{seconds_text(times['waited_s'])}: loading {seconds_text(times['load_s'])} "
+            f"+ caching {seconds_text(times['cache_s'])}")
+
+
+def saved_seconds(sums: TimeSaved) -> float:
+    """What the cache saved, from status's `time_saved` (Note [Load time saved] in store.py): the plain
+    loads the timed hits replaced, less the hits' waits, less the caching every miss added."""
+    return sums["plain_s"] - sums["hit_s"] - sums["cache_s"]
+
+
+def saved_text(sums: TimeSaved) -> str:
+    """`saved_seconds` in words, with its parts: "12 s saved: 3 hits took 0.4 s instead of 14 s, less 1.6 s
+    of caching in 2 misses"."""
+    hits, misses = sums["hits"], sums["misses"]
+    return (f"{signed_seconds_text(saved_seconds(sums))} saved: {hits} hit{'' if hits == 1 else 's'} took "
+            f"{seconds_text(sums['hit_s'])} instead of {seconds_text(sums['plain_s'])}, less "
+            f"{seconds_text(sums['cache_s'])} of caching in {misses} miss{'' if misses == 1 else 'es'}")
 
 
 def ago_text(t: float | None, now: float | None = None) -> str:
@@ -89,7 +119,7 @@ def percent(done: float, total: float) -> int:
     return max(0, min(100, int(100 * done // total))) if total and total > 0 else 0
 
 
-def progress_text(progress: dict[str, Any]) -> str:
+def progress_text(progress: Mapping[str, Any]) -> str:
     """A daemon's `progress` object (`label`, `done`, `total`, `unit`, `eta_s`) as one line:
     "loading llama-0.1b: 40% (1.2 GiB of 3.0 GiB), 3.5 s left"."""
     done, total, unit = progress.get("done") or 0, progress.get("total") or 0, progress.get("unit") or ""
@@ -102,7 +132,7 @@ def progress_text(progress: dict[str, Any]) -> str:
     return f"{label}: {head}" + (f", {tail}" if tail else "") if head or tail else label
 
 
-def pending_text(pending: dict[str, Any]) -> str:
+def pending_text(pending: Mapping[str, Any]) -> str:
     """An entry's pending pieces as words (Note [Pending pieces] in store.py): "copying from its
     checkpoint: 40%, 3.5 s left", or "served from its checkpoint; copy queued"."""
     if not pending["copying"]:
@@ -133,7 +163,7 @@ def evicted_text(reply: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def kernel_name(kernel: dict[str, Any]) -> tuple[str, str]:
+def kernel_name(kernel: Mapping[str, Any]) -> tuple[str, str]:
     """How views name a connection of the daemon's status (`label`, `pid`, `command`, `role`): a short
     name and the detail to show on hover.
 

@@ -62,11 +62,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import settings
 from .errors import RemoteError
 from .settings import GiB
+
+if TYPE_CHECKING:  # payloads imports this module
+    from .payloads import Connection, DeviceStatus, UnitsSnapshot, UnitsWaiter
 
 __all__ = ["MAX_DEVICES", "MAX_UNITS", "Ledger"]
 
@@ -148,7 +151,8 @@ class Ledger:
         ask_patience: seconds an asked holder counts as making room; see Note [Units fairness].
     """
 
-    def __init__(self, kernels: Callable[[ConnId], dict[str, Any]] = lambda c: {"conn": c}, *,
+    def __init__(self, kernels: Callable[[ConnId], Connection] = lambda c: {"conn": c, "pid": None, "role": "?",
+                                                                            "label": ""}, *,
                  fake_gpus: str | None = None, reserve_gib: float = 1.0,
                  clock: Callable[[], float] = time.monotonic, timers: bool = True,
                  ask_patience: float = 30.0) -> None:
@@ -173,7 +177,7 @@ class Ledger:
                                                    self._capacity(total), True)
 
     @classmethod
-    def from_env(cls, kernels: Callable[[ConnId], dict[str, Any]]) -> Ledger:
+    def from_env(cls, kernels: Callable[[ConnId], Connection]) -> Ledger:
         """The daemon's ledger, configured by OVERMIND_FAKE_GPUS and OVERMIND_GPU_RESERVE. A bad value does
         not stop the daemon: every units operation then answers an error that names it."""
         try:
@@ -313,25 +317,28 @@ class Ledger:
 
     # -- reads --------------------------------------------------------------------------------
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> UnitsSnapshot:
         """Every device with its capacity, holdings (least recently used first) and waiters."""
         with self._cond:
             now = self._clock()
             mono = time.monotonic()
-            devices = []
+            devices: list[DeviceStatus] = []
             for dev in self._devices.values():
                 holders = sorted(dev.holdings.values(), key=lambda h: h.last_used)
-                devices.append(self._view(dev, dev.name) | {
+                devices.append({
+                    "id": dev.id, "name": dev.name, "model": dev.model, "simulated": dev.simulated,
+                    "total_bytes": dev.total_bytes, "capacity": dev.capacity, "used": dev.used, "free": dev.free,
                     "holders": [{
-                        "holding": h.id, "kernel": (k := self.kernels(h.conn)), "pid": k.get("pid"),
+                        "holding": h.id, "kernel": (k := self.kernels(h.conn)), "pid": k["pid"],
                         "label": h.label, "model": h.label, "units": h.units,
                         "busy": h.busy, "idle_s": None if h.busy else round(mono - h.idle_since, 3),
                         "granted": h.granted, "release_requested": h.asked is not None, "context": h.context,
                     } for h in holders],
                 })
-            waiters = [{"kernel": self.kernels(w.conn), "model": w.label, "units": w.units,
-                        "devices": [self._devices[d].name for d in w.devices], "device_ids": w.devices,
-                        "waited_s": round(now - w.arrived, 3), "timeout": w.timeout} for w in self._waiters]
+            waiters: list[UnitsWaiter] = [
+                {"kernel": self.kernels(w.conn), "model": w.label, "units": w.units,
+                 "devices": [self._devices[d].name for d in w.devices], "device_ids": w.devices,
+                 "waited_s": round(now - w.arrived, 3), "timeout": w.timeout} for w in self._waiters]
             return {"unit_bytes": GiB, "reserve_gib": self.reserve_gib, "simulated": self.simulated,
                     "fake_gpus": self.fake_spec, "config_error": self.config_error, "devices": devices,
                     "waiters": waiters, "stats": dict(self.stats)}

@@ -59,7 +59,7 @@ class Payloads:
 PAYLOADS: dict[Op, Payloads] = {
     Op.HELLO: Payloads(payloads.HelloRequest, payloads.HelloReply),
     Op.PING: Payloads(payloads.Empty, payloads.PingReply),
-    Op.STATUS: Payloads(payloads.StatusRequest, payloads.Snapshot),
+    Op.STATUS: Payloads(payloads.StatusRequest, payloads.StatusReply),
     Op.LS: Payloads(payloads.LsRequest, payloads.LsReply),
     Op.LOOKUP: Payloads(payloads.LookupRequest, payloads.LookupReply),
     Op.CANCEL: Payloads(payloads.CancelRequest, payloads.CancelReply),
@@ -77,7 +77,7 @@ PAYLOADS: dict[Op, Payloads] = {
     Op.UNITS_RELEASE: Payloads(payloads.HoldingRequest, payloads.UnitsReleaseReply),
     Op.UNITS_TOUCH: Payloads(payloads.UnitsTouchRequest, payloads.Empty),
     Op.UNITS_CANCEL: Payloads(payloads.CancelRequest, payloads.UnitsCancelReply),
-    Op.UNITS_STATE: Payloads(payloads.Empty, payloads.Snapshot),
+    Op.UNITS_STATE: Payloads(payloads.Empty, payloads.UnitsSnapshot),
 }
 
 

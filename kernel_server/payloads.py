@@ -124,6 +124,7 @@ class PublishRequest(TypedDict):
     graph_bytes: Count
     arena_bytes: Count
     meta: NotRequired[Annotated[dict[str, Any], Size(0, MAX_META)]]
+    times: NotRequired[MissTimes]  # what the miss cost its caller (the daemon's own measure when absent)
     deps: NotRequired[list[str]]  # the keys of the entries its graph refers to
     sources: NotRequired[list[Source]]
     pieces: NotRequired[list[Piece]]
@@ -206,9 +207,212 @@ class UnitsTouchRequest(TypedDict):
 
 # -- replies ------------------------------------------------------------------------------------------
 
-# status and units_state: the daemon's, the store's and the ledger's snapshots. Status carries some of the
-# entries, with "entries_total" and "entries_more" (Note [Status with many entries] in catalogue.py).
-Snapshot = dict[str, Any]
+Snapshot = dict[str, Any]  # a reply not typed field by field
+
+
+class Connection(TypedDict):
+    """A connection as the daemon describes it (daemon.Connection.describe); one that went away meanwhile
+    is `{"conn", "pid": null, "role": "gone", "label": ""}`."""
+
+    conn: int
+    pid: int | None
+    role: str  # "kernel", "worker", "cli", "?" before its hello, "gone"
+    label: str  # a kernel's notebook path, "kernel ID", "preload for pid N"
+    command: NotRequired[str]
+    connected: NotRequired[float]
+
+
+class Pinning(Connection):
+    pins: int  # how many times this connection pins the entry
+
+
+class Progress(TypedDict):
+    """Note [Progress] in store.py."""
+
+    label: str
+    done: float
+    total: float  # 0: unknown
+    unit: str  # "B", "it"
+    eta_s: float | None
+
+
+class Pending(TypedDict):
+    """What is left to copy of an entry into its arena (Note [Pending pieces] in store.py)."""
+
+    bytes: int
+    done: int
+    copying: bool
+    eta: float | None
+    sources: list[str]
+
+
+class MissTimes(TypedDict):
+    """What the miss that made an entry cost the user, in seconds (Note [Load time saved] in store.py):
+    `waited_s`, from the call's start to the publish that ended it, is `load_s` (the load itself) plus
+    `cache_s` (key, lookup, staging, packing, publishing)."""
+
+    waited_s: Annotated[float, Range(0, 1e7)]
+    load_s: Annotated[float, Range(0, 1e7)]
+    cache_s: Annotated[float, Range(0, 1e7)]
+
+
+class EntryStatus(MissTimes):
+    key: str
+    meta: dict[str, Any]  # what the loader published: "label", "log", "devices", "made"...
+    bytes: int
+    arena_bytes: int
+    backing: str  # "memfd", "file"
+    hits: int
+    created: float
+    last_used: float
+    deps: list[str]
+    pending: Pending | None
+    progress: Progress | None  # the compactor's copy
+    pinned_by: list[Pinning]
+
+
+class LoadStatus(TypedDict):
+    """A load in flight."""
+
+    key: str
+    since: float
+    reserved: int
+    loader: Connection
+    waiters: int
+    progress: Progress | None
+
+
+class LoggedHit(MissTimes):
+    """A hit in status's `hits_log`, with the times of the miss that made its entry."""
+
+    t: float
+    key: str
+    label: str  # cut at catalogue.LABEL_CHARS
+    pid: int
+    hit_s: float | None  # the hit's whole wait, as its kernel timed it; null until it reported it
+
+
+class TimeSaved(TypedDict):
+    """The sums behind "load time saved", since the daemon started (Note [Load time saved] in store.py)."""
+
+    misses: int  # the misses published
+    cache_s: float  # what caching added to their waits
+    hits: int  # the hits whose time their kernel reported
+    plain_s: float  # the plain loads those hits replaced (their entries' load_s)
+    hit_s: float  # those hits' waits
+
+
+class DiskStatus(TypedDict):
+    """The disk under file arenas (disk.DiskRoom.describe)."""
+
+    directory: str
+    used: int
+    free: int
+    size: int
+    reserve: int
+
+
+class DescriptorsStatus(TypedDict):
+    limit: int
+    cap: int
+    entries: int
+    reserved: int
+    connections: int
+    open: int | None  # the daemon's open descriptors (null where /proc cannot tell)
+
+
+class DaemonInfo(TypedDict):
+    pid: int
+    version: str
+    protocol: int
+    home: str
+    started: float
+
+
+class FallbackStatus(TypedDict):
+    time: float
+    pid: int
+    label: str  # the reporting connection's label
+    call: str
+    kind: str
+    reason: str
+
+
+class Holder(TypedDict):
+    """A holding of GPU units (ledger.Ledger.snapshot)."""
+
+    holding: int
+    kernel: Connection
+    pid: int | None
+    label: str  # the model the units are for
+    model: str  # the same
+    units: int
+    busy: bool
+    idle_s: float | None
+    granted: float
+    release_requested: bool
+    context: bool
+
+
+class DeviceStatus(TypedDict):
+    id: str  # the physical device (a CUDA UUID)
+    name: str  # as the first reporter addresses it ("cuda:0")
+    model: str
+    simulated: bool
+    total_bytes: int
+    capacity: int  # units the ledger may hand out
+    used: int
+    free: int
+    holders: list[Holder]  # least recently used first
+
+
+class UnitsWaiter(TypedDict):
+    kernel: Connection
+    model: str
+    units: int
+    devices: list[str]
+    device_ids: list[str]
+    waited_s: float
+    timeout: float | None
+
+
+class UnitsSnapshot(TypedDict):
+    """The units ledger's snapshot (ledger.Ledger.snapshot): status's `units`, units_state's reply."""
+
+    unit_bytes: int
+    reserve_gib: float
+    simulated: bool
+    fake_gpus: str | None
+    config_error: str | None
+    devices: list[DeviceStatus]
+    waiters: list[UnitsWaiter]
+    stats: dict[str, int]
+
+
+class StoreSnapshot(TypedDict):
+    """The store's part of status (store.Store.snapshot). It carries some of the entries, with
+    `entries_total` and `entries_more` (Note [Status with many entries] in catalogue.py)."""
+
+    budget: int
+    used: int
+    disk: DiskStatus | None
+    reserved: int
+    loading: list[LoadStatus]
+    hits_log: list[LoggedHit]  # the recent hits, oldest first (store.HITS_LOG at most)
+    time_saved: TimeSaved
+    stats: dict[str, int]
+    descriptors: DescriptorsStatus
+    entries: list[EntryStatus]  # the largest, then the most recently used
+    entries_total: int
+    entries_more: int
+
+
+class StatusReply(StoreSnapshot):
+    daemon: DaemonInfo
+    kernels: list[Connection]
+    fallbacks: list[FallbackStatus]
+    units: UnitsSnapshot
+    errors: dict[str, int]  # error replies by code
 
 
 class HelloReply(TypedDict):

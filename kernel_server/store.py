@@ -54,19 +54,30 @@ import os
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from . import arena, descriptors
 from .catalogue import LABEL_CHARS, REPLY_ENTRY_BYTES, STATUS_ENTRIES, Catalogue, ConnId, Entry, Usage
 from .disk import DiskRoom
 from .errors import BudgetExceeded, DescriptorsExhausted, RemoteError
 from .formats import byte_text
+from .payloads import (
+    Connection,
+    DescriptorsStatus,
+    LoadStatus,
+    LoggedHit,
+    MissTimes,
+    Progress,
+    StoreSnapshot,
+    TimeSaved,
+)
 
 __all__ = ["CompactionJob", "Entry", "LookupResult", "Store"]
 
 Notify = Callable[["LookupResult"], None]
+D = TypeVar("D", bound=Mapping[str, Any])
 
 
 @dataclass
@@ -89,7 +100,7 @@ class _Load:
     loaded: float | None = None  # when the loader first reserved: its plain load had ended
     progress: dict[str, Any] | None = None  # what the loader last reported (Note [Progress])
 
-    def describe_progress(self) -> dict[str, Any] | None:
+    def describe_progress(self) -> Progress | None:
         p = self.progress
         if p is None:
             return None
@@ -129,11 +140,22 @@ class CompactionJob:
 
 
 # Note [Load time saved]
-# What a hit saved is the plain load it replaced. The daemon measures the plain load at the miss: from the
-# lookup that made the connection the loader to its first reserve (which a loader sends once the load
-# returned, to make room for the result), unless the publish's meta carries the loader's own `load_s`.
-# Each hit goes into `hits_log` (bounded) with that figure; the hit's own time comes later from the
-# kernel, never on the hit's path: a `hits` report (fire and forget) fills `hit_s` in.
+# Every figure of time that status, the side panel, the widgets and the cell show comes from here, so
+# that one event has one set of numbers. A miss costs its caller `waited_s`, from the call's start to the
+# publish that ends it (the call returns right after), made of `load_s`, the load itself, and `cache_s`,
+# the rest: the key, the lookup, staging, packing and publishing. The kernel measures all three and sends
+# them with the publish ("times"); the daemon keeps `waited_s` (at least `load_s`) and `load_s`, and
+# derives `cache_s` as their difference, so that the parts always add up to the whole. A publish without
+# times (an older kernel's) is timed by the daemon: from the lookup that made the connection the loader
+# to its first reserve (sent once the load returned) as `load_s`, and to the publish as `waited_s`.
+# Each hit goes into `hits_log` (bounded) with its entry's three figures; the hit's own wait (`hit_s`,
+# the whole call as the kernel timed it) comes later, never on the hit's path: a `hits` report (fire and
+# forget) fills it in. What the cache saved, honestly:
+#     saved = sum over timed hits of (load_s of its entry - hit_s)  -  sum over misses of cache_s
+# each hit saves the plain load it replaced less its own wait, and every miss published since the daemon
+# started added its caching to what its user waited, whether or not its entry was ever hit. `time_saved`
+# in status keeps these sums over the daemon's life (`hits_log` holds only the recent hits);
+# overmind_jupyter/view.py words them for every view.
 HITS_LOG = 200
 
 # Note [Progress]
@@ -153,7 +175,8 @@ class Store:
         self._entries = Catalogue()  # Note [Eviction in O(log n)] in catalogue.py
         self._loads: dict[str, _Load] = {}
         self.stats = Counter[str]()
-        self.hits_log: deque[dict[str, Any]] = deque(maxlen=HITS_LOG)  # Note [Load time saved]
+        self.hits_log: deque[LoggedHit] = deque(maxlen=HITS_LOG)  # Note [Load time saved]
+        self.time_saved = TimeSaved(misses=0, cache_s=0.0, hits=0, plain_s=0.0, hit_s=0.0)  # the same Note
         # The daemon keeps its count of connections current (Note [Descriptor budget]).
         self.descriptors = descriptors.DescriptorBudget.of_process()
 
@@ -185,34 +208,28 @@ class Store:
         return Usage(sum(load.reserved for load in self._loads.values()),
                      sum(load.nfds for load in self._loads.values()))
 
-    def snapshot(self, kernels: Callable[[ConnId], dict[str, Any]], limit: int = STATUS_ENTRIES) -> dict[str, Any]:
+    def snapshot(self, kernels: Callable[[ConnId], Connection], limit: int = STATUS_ENTRIES) -> StoreSnapshot:
         """The store for status: its totals, loads and counters, and at most `limit` of its entries, the
         largest and the most recently used (Note [Status with many entries] in catalogue.py)."""
         with self._locked():
             shown = [e.describe(kernels) for e in self._entries.shown(limit)]
             listed = self._entries.listed
             held, in_flight = self.held, self.in_flight
-            snapshot = {
-                "budget": self.budget,
-                "used": held.nbytes,
-                "disk": None if self.disk is None else self.disk.describe(self._entries.file_bytes),
-                "reserved": in_flight.nbytes,
-                "loading": [
-                    {"key": load.key, "since": load.started, "reserved": load.reserved,
-                     "loader": kernels(load.owner), "waiters": len(load.waiters),
-                     "progress": load.describe_progress()}
-                    for load in self._loads.values()
-                ],
-                "hits_log": [dict(h) for h in self.hits_log],
-                "stats": dict(self.stats),
-                "descriptors": {"limit": self.descriptors.limit, "cap": self.descriptors.cap,
-                                "entries": held.nfds, "reserved": in_flight.nfds,
-                                "connections": self.descriptors.connections},
-            }
+            loading = [LoadStatus(key=load.key, since=load.started, reserved=load.reserved, loader=kernels(load.owner),
+                                  waiters=len(load.waiters), progress=load.describe_progress())
+                       for load in self._loads.values()]
+            hits_log = [LoggedHit(**h) for h in self.hits_log]
+            time_saved = TimeSaved(**self.time_saved)
+            stats = dict(self.stats)
+            fds = DescriptorsStatus(limit=self.descriptors.limit, cap=self.descriptors.cap, entries=held.nfds,
+                                    reserved=in_flight.nfds, connections=self.descriptors.connections, open=None)
+            disk = None if self.disk is None else self.disk.describe(self._entries.file_bytes)
         entries = _within(shown, REPLY_ENTRY_BYTES)
-        return snapshot | {"entries": entries, "entries_total": listed, "entries_more": listed - len(entries)}
+        return StoreSnapshot(budget=self.budget, used=held.nbytes, disk=disk, reserved=in_flight.nbytes,
+                             loading=loading, hits_log=hits_log, time_saved=time_saved, stats=stats, descriptors=fds,
+                             entries=entries, entries_total=listed, entries_more=listed - len(entries))
 
-    def listing(self, kernels: Callable[[ConnId], dict[str, Any]], after: str, limit: int) -> dict[str, Any]:
+    def listing(self, kernels: Callable[[ConnId], Connection], after: str, limit: int) -> dict[str, Any]:
         """A page of `ls`: the listed entries whose keys sort after `after`, at most `limit`, with `total`
         and the `next` page's `after` (None after the last page; Note [Status with many entries])."""
         with self._locked():
@@ -298,12 +315,14 @@ class Store:
 
     def publish(self, conn: ConnId, key: str, *, graph_fd: int, arena_fd: int, graph_bytes: int,
                 arena_bytes: int, backing: str, meta: dict[str, Any], deps: list[str],
-                sources: list[arena.SourceFile] | None = None, pieces: list[list[int]] | None = None,
+                times: MissTimes | None = None, sources: list[arena.SourceFile] | None = None,
+                pieces: list[list[int]] | None = None,
                 pin: bool = False, marker: bool = False,
                 watch: list[dict[str, Any]] | None = None) -> list[tuple[Notify, LookupResult]]:
         """Turn a load into an entry. Takes ownership of every descriptor, also on error. `pin` pins
         the entry once for the publisher (whose model now lies in its arena). Returns the waiters to
-        answer (outside any lock)."""
+        answer (outside any lock). `times`: what the miss cost its caller, as the loader measured it
+        (Note [Load time saved]; the daemon's own measure when None)."""
         sources = sources or []
         try:
             with self._locked():
@@ -323,7 +342,10 @@ class Store:
                     raise RemoteError("missing_dependency", f"entries {missing} were evicted meanwhile")
                 entry = Entry(key, graph_fd, arena_fd, graph_bytes, arena_bytes, backing, meta, deps, load.owner_pid,
                               sources=sources, pieces=pieces or [], marker=marker, watch=watch or [],
-                              load_s=_load_seconds(load, meta))
+                              times=_miss_times(load, times))
+                if not marker:
+                    self.time_saved["misses"] += 1
+                    self.time_saved["cache_s"] += entry.times["cache_s"]
                 if pin:
                     entry.pins[conn] += 1
                 del self._loads[key]
@@ -368,6 +390,9 @@ class Store:
                 for h in reversed(self.hits_log):
                     if h["key"] == key and h["pid"] == pid and h["hit_s"] is None and h["t"] <= when + 1:
                         h["hit_s"] = hit_s
+                        self.time_saved["hits"] += 1
+                        self.time_saved["plain_s"] += h["load_s"]
+                        self.time_saved["hit_s"] += hit_s
                         break
 
     # -- compaction (Note [Pending pieces]) ---------------------------------------------------------
@@ -488,8 +513,7 @@ class Store:
             return
         self.stats["hits"] += 1
         label = str(entry.meta.get("label") or "")[:LABEL_CHARS]  # Note [Status with many entries] in catalogue.py
-        self.hits_log.append({"t": time.time(), "key": entry.key, "label": label, "pid": pid,
-                              "load_s": entry.load_s, "hit_s": None})
+        self.hits_log.append(LoggedHit(t=time.time(), key=entry.key, label=label, pid=pid, hit_s=None, **entry.times))
 
     def _owned_load(self, conn: ConnId, key: str) -> _Load:
         load = self._loads.get(key)
@@ -639,12 +663,16 @@ class Store:
         return [(heir.notify, LookupResult("load"))]
 
 
-def _load_seconds(load: _Load, meta: dict[str, Any]) -> float | None:
-    """The plain load's wall time (Note [Load time saved]): the loader's own figure, else the daemon's."""
-    said = meta.get("load_s")
-    if isinstance(said, (int, float)) and not isinstance(said, bool) and 0 <= said < 1e7:
-        return float(said)
-    return (load.loaded or time.time()) - load.started
+def _miss_times(load: _Load, said: MissTimes | None) -> MissTimes:
+    """What the miss of `load` cost its caller (Note [Load time saved]): the loader's own figures, else the
+    daemon's; `cache_s` is always what `waited_s` holds beyond `load_s`."""
+    if said is not None:
+        load_s, waited_s = said["load_s"], said["waited_s"]
+    else:
+        now = time.time()
+        load_s, waited_s = (load.loaded or now) - load.started, now - load.started
+    waited_s = max(waited_s, load_s)
+    return MissTimes(waited_s=round(waited_s, 4), load_s=round(load_s, 4), cache_s=round(waited_s - load_s, 4))
 
 
 def _sent_with_hit(chain: list[Entry]) -> list[int]:
@@ -673,7 +701,7 @@ def _still_there(watched: dict[str, Any]) -> bool:
     return (st.st_dev, st.st_ino, st.st_ctime_ns) == (watched["dev"], watched["ino"], watched["ctime_ns"])
 
 
-def _within(described: list[dict[str, Any]], budget: int, least: int = 0) -> list[dict[str, Any]]:
+def _within(described: list[D], budget: int, least: int = 0) -> list[D]:
     """The first of `described` whose JSON takes at most `budget` bytes together, and at least `least` of
     them (Note [Status with many entries] in catalogue.py)."""
     total = 0

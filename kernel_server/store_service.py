@@ -16,6 +16,7 @@ from .errors import RemoteError
 from .operations import Handler, Op, Peer, Reply, Request
 from .payloads import (
     CancelReply,
+    Connection,
     EvictedEntry,
     EvictedReply,
     EvictRequest,
@@ -41,7 +42,7 @@ __all__ = ["StoreService"]
 
 
 class StoreService:
-    def __init__(self, store: Store, compactor: Compactor, kernel_of: Callable[[int], dict[str, Any]]) -> None:
+    def __init__(self, store: Store, compactor: Compactor, kernel_of: Callable[[int], Connection]) -> None:
         self.store = store
         self.compactor = compactor
         self.kernel_of = kernel_of
@@ -107,7 +108,7 @@ class StoreService:
         req.take_descriptors()  # the store's now, also when it refuses
         answers = self.store.publish(conn.id, key, graph_fd=fds[0], arena_fd=fds[1], graph_bytes=graph_bytes,
                                      arena_bytes=arena_bytes, backing=backing, meta=p.get("meta", {}),
-                                     deps=p.get("deps", []), sources=sources, pieces=pieces,
+                                     times=p.get("times"), deps=p.get("deps", []), sources=sources, pieces=pieces,
                                      pin=p.get("pin", False), marker=p.get("marker", False), watch=watch)
         for notify, result in answers:
             notify(result)

@@ -13,12 +13,12 @@ from .payloads import (
     DeviceSpec,
     Empty,
     HoldingRequest,
-    Snapshot,
     UnitsAcquireRequest,
     UnitsCancelReply,
     UnitsRegisterReply,
     UnitsRegisterRequest,
     UnitsReleaseReply,
+    UnitsSnapshot,
     UnitsTouchRequest,
 )
 from .settings import GiB
@@ -68,7 +68,7 @@ class UnitsService:
         cancelled, revoked = self.ledger.cancel(conn.id, req.payload["request"])
         return Reply({"cancelled": cancelled, "revoked": revoked})
 
-    def state(self, conn: Peer, req: Request[Empty]) -> Reply[Snapshot]:
+    def state(self, conn: Peer, req: Request[Empty]) -> Reply[UnitsSnapshot]:
         return Reply(self.ledger.snapshot())
 
 

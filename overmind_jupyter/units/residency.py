@@ -167,7 +167,7 @@ class Residency:
     def state(self) -> dict[str, Any]:
         client, devices = self._bind()
         try:
-            snap = client.request(Op.UNITS_STATE, timeout=30).payload
+            snap: dict[str, Any] = dict(client.request(Op.UNITS_STATE, timeout=30).payload)  # with this kernel's facts
         except RemoteError as exc:
             raise _units_error(exc) from None
         except DaemonError as exc:
