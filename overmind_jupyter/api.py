@@ -63,9 +63,10 @@ def is_enabled() -> bool:
 
 
 def status() -> dict[str, Any]:
-    """The cache as this kernel sees it: the daemon's entries (with what is left to copy of each, see
-    Note [Pending pieces] in kernel_server/store.py), budget and kernels, this process's fallbacks,
-    and what is patched."""
+    """The cache as this kernel sees it: `daemon`, the daemon's status reply (kernel_server/payloads.py
+    `StatusReply`; None without a daemon, and `daemon_error` says why), `conn`, this kernel's connection to
+    it, `fallbacks`, this process's, and what is `patched`. `format_status` words it; view.py's
+    `state_view` shapes its `daemon` for the panel and the widgets."""
     from kernel_server import lifecycle
     from kernel_server.client import shared_client
 
@@ -81,6 +82,7 @@ def status() -> dict[str, Any]:
         client = shared_client(spawn=False)
         progress.flush_hit_times(client)  # this kernel's hit times, for the time-saved figures (progress.py)
         out["daemon"] = client.request(Op.STATUS, timeout=10).payload
+        out["conn"] = client.conn_id
     except (DaemonError, OSError) as exc:
         out["daemon"] = None
         out["daemon_error"] = str(exc)
@@ -113,33 +115,32 @@ def _patched_text(s: dict[str, Any]) -> str:
 
 
 def format_status(s: dict[str, Any]) -> str:
-    """`status()` as text, for terminals."""
-    from kernel_server.formats import byte_text, disk_text, kernel_name, pending_text, progress_text
+    """`status()` as text, for terminals: the view every other one shows (view.state_view)."""
+    from .view import state_view
 
     lines = [f"overmind {'on' if s['enabled'] else 'off'}; " + _patched_text(s)]
-    d = s.get("daemon")
-    if d is None:
+    if s.get("daemon") is None:
         lines.append(f"daemon: not running ({s.get('daemon_error', '')})")
     else:
-        # some of the entries when there are many (Note [Status with many entries] in kernel_server/catalogue.py)
-        total = d.get("entries_total", len(d["entries"]))
-        lines.append(f"daemon pid {d['daemon']['pid']} at {d['daemon']['home']}: {byte_text(d['used'])} of "
-                     f"{byte_text(d['budget'])} in {total} entries; "
-                     + ", ".join(f"{k} {v}" for k, v in sorted(d['stats'].items())))
-        if d.get("disk"):
-            lines.append(disk_text(d["disk"]))
-        for e in d["entries"]:
-            users = ", ".join(kernel_name(k)[0] for k in e["pinned_by"]) or "-"
-            lines.append(f"  {e['key'][:12]}  {e['meta'].get('label', '')}  {byte_text(e['bytes'])}  "
-                         f"hits {e['hits']}  used by {users}"
-                         + (f"  {pending_text(e['pending'])}" if e.get("pending") else ""))
-        if total > len(d["entries"]):
-            lines.append(f"  ... and {total - len(d['entries'])} more (the largest and the most recently used are "
+        v = state_view(s["daemon"], my_conn=s.get("conn"))
+        lines.append(f"daemon pid {v['daemon']['pid']} at {v['daemon']['home']}: {v['texts']['used']} of "
+                     f"{v['texts']['budget']} in {v['entries_total']} entries; "
+                     + ", ".join(f"{k} {n}" for k, n in sorted(v["stats"].items())))
+        if v["texts"]["disk"]:
+            lines.append(v["texts"]["disk"])
+        lines.append(f"time saved {v['texts']['saved_detail']}")  # Note [Load time saved] in kernel_server/store.py
+        for e in v["entries"]:
+            users = ", ".join(k["name"] + (" (this kernel)" if k["mine"] else "") for k in e["pinned_by"]) or "-"
+            lines.append(f"  {e['key'][:12]}  {e['label']}  {e['bytes_text']}  hits {e['hits']}  "
+                         f"missed in {e['miss_text']}  used by {users}"
+                         + (f"  {e['pending']['text']}" if e["pending"] else ""))
+        if v["entries_more"]:  # Note [Status with many entries] in kernel_server/catalogue.py
+            lines.append(f"  ... and {v['entries_more']} more (the largest and the most recently used are "
                          "shown; `overmind-daemon ls` lists every one)")
-        for load in d.get("loading") or []:
-            what = progress_text(load["progress"]) if load.get("progress") else f"{load['key'][:12]} loading"
-            lines.append(f"  {what}  by {kernel_name(load['loader'])[0]}")
-        lines += [f"kernel {kernel_name(k)[0]}  ({k.get('role')}; {kernel_name(k)[1]})" for k in d.get("kernels") or []]
+        for load in v["loading"]:
+            what = load["progress"]["text"] if load["progress"] else f"{load['key'][:12]} loading"
+            lines.append(f"  {what}  by {load['loader']['name']}")
+        lines += [f"kernel {k['name']}  ({k['role']}; {k['detail']})" for k in v["kernels"]]
     for f in s["fallbacks"][-10:]:
         lines.append(f"fallback: {f['call']}: {f['reason']}")
     return "\n".join(lines)

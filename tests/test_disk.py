@@ -103,10 +103,10 @@ def test_status_says_where_the_bytes_live(disk_env: dict[str, str], small_disk: 
                               "import state_of; print(json.dumps(state_of(api.status()['daemon'])['texts']))",
                               env=disk_env))
     assert f"of arenas in {small_disk}" in widget["disk"]
-    from overmind_jupyter.server.state import panel_state
+    from overmind_jupyter.view import state_view
 
     with Client(overmind_home, role="test") as client:
-        panel = panel_state(client.request("status"))
+        panel = state_view(client.request("status").payload)
     assert panel["disk"]["directory"] == str(small_disk) and f"of arenas in {small_disk}" in panel["texts"]["disk"]
     cli = subprocess.run([sys.executable, "-m", "kernel_server", "status"], env=disk_env, capture_output=True,
                          text=True, check=True).stdout

@@ -117,7 +117,7 @@ def test_status_with_10000_entries_shows_the_largest_and_most_recent_and_counts_
 
 def test_the_views_say_how_many_more_entries_there_are(crowd: Crowd, capsys: pytest.CaptureFixture[str]) -> None:
     from overmind_jupyter import api
-    from overmind_jupyter.server.state import panel_state
+    from overmind_jupyter.view import state_view
     from overmind_jupyter.widgets.cache import state_of
 
     snapshot = api.status()
@@ -130,7 +130,7 @@ def test_the_views_say_how_many_more_entries_there_are(crowd: Crowd, capsys: pyt
     view = state_of(daemon)  # the widget's, the side panel's shape
     assert len(view["entries"]) == len(daemon["entries"])
     assert (view["entries_total"], view["entries_more"]) == (crowd.total, more) and view["more_bytes"] > 0
-    panel = panel_state(daemon)
+    panel = state_view(daemon)
     assert (panel["entries_total"], panel["entries_more"]) == (crowd.total, more)
     assert [e["key"] for e in panel["entries"][:3]] == crowd.large
     assert cli_main(["status"]) == 0

@@ -27,8 +27,9 @@ from kernel_server.errors import (
 )
 from kernel_server.operations import Op
 
+from ..view import state_view
 from .link import DaemonDown, DaemonLink
-from .state import Names, ServerKernel, down_state, panel_state
+from .state import Names, ServerKernel, down_state
 
 __all__ = ["EvictHandler", "StateHandler", "setup_handlers"]
 
@@ -93,7 +94,7 @@ class StateHandler(_OvermindHandler):
                 status = link.request(Op.STATUS).payload
             except DaemonDown as exc:  # Note [No daemon is a state]
                 return down_state(exc.home, str(exc))
-            return panel_state(status, own_conn=link.conn_id, names=names)
+            return state_view(status, own_conn=link.conn_id, names=names)
 
         state = await self.call_daemon(read)
         if state is not None:
