@@ -119,7 +119,7 @@ _AS_CALLED = object()
 def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], device: Any = None) -> Any:
     """`fn(*args, **kwargs)` through the cache, for a result that goes to `device` next (None: it stays
     on the CPU); or `_AS_CALLED`."""
-    started = time.perf_counter()  # a hit's time, sent later (Note [Hit times] in progress.py)
+    started = time.perf_counter()  # a hit's or a miss's wait starts here (Note [Miss times] in progress.py)
     flush_warnings()
     label = _label(fn)
     # storages of the references found unchanged (Note [References] in results.py)
@@ -175,11 +175,11 @@ def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
     from . import staging
 
     with staging.staged(client, ck.key, client.home, options.backing) as stage:  # Note [Staged conversions]
-        return _miss(client, ck, fn, args, kwargs, replay, device, stage)
+        return _miss(client, ck, fn, args, kwargs, replay, device, stage, progress.MissClock(started))
 
 
 def _miss(client: Client, ck: keys.CallKey, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-          replay: Replay, device: Any, stage: Stage | None) -> Any:
+          replay: Replay, device: Any, stage: Stage | None, clock: progress.MissClock) -> Any:
     """Load `ck` (this connection is its loader) and publish it before returning; or `_AS_CALLED`."""
     label = ck.label
     try:  # this connection is the loader now: whatever ends the call abandons the load
@@ -190,7 +190,7 @@ def _miss(client: Client, ck: keys.CallKey, fn: Callable[..., Any], args: tuple[
         loaded = time.perf_counter()
         with load_log() as said, progress.loading(client, ck.key, ck.label):  # Note [Load progress]
             obj = fn(*args, **kwargs)
-        ck.meta["load_s"] = round(time.perf_counter() - loaded, 4)  # Note [Load time saved] in kernel_server/store.py
+        clock.load_s = time.perf_counter() - loaded  # Note [Miss times] in progress.py
     except BaseException:
         _abandon(client, ck.key)
         raise
@@ -206,9 +206,9 @@ def _miss(client: Client, ck: keys.CallKey, fn: Callable[..., Any], args: tuple[
     if drawn and not ck.meta.get("random"):  # it drew random numbers: Note [Random loads]
         keyed = _mark_random(client, ck, randomness.only(before, drawn), drawn)
         if keyed is not None:
-            _publish(client, keyed, obj, replay, randomness.only(after, drawn), stage)
+            _publish(client, keyed, obj, replay, randomness.only(after, drawn), stage, clock)
     else:
-        _publish(client, ck, obj, replay, randomness.only(after, drawn) if drawn else None, stage)
+        _publish(client, ck, obj, replay, randomness.only(after, drawn) if drawn else None, stage, clock)
     if drawn and _draws_on_device(ck.label, drawn, device):
         randomness.set_random_state(randomness.only(before, drawn))  # the call as made starts where this one did
         return _AS_CALLED
@@ -264,7 +264,7 @@ def _release_hit(client: Client, reply: Response[LookupReply]) -> None:
 
 
 def _publish(client: Client, ck: keys.CallKey, obj: Any, replay: Replay, random_after: tuple[Any, ...] | None,
-             stage: Stage | None) -> None:
+             stage: Stage | None, clock: progress.MissClock) -> None:
     """Make `obj` the entry of `ck` before the call returns (Note [Atomic miss] in publishing.py), with
     the generators' state after the call for a load that drew random numbers (Note [Random loads]);
     `stage`: where the load's conversions were written (Note [Staged conversions] in staging.py)."""
@@ -282,9 +282,9 @@ def _publish(client: Client, ck: keys.CallKey, obj: Any, replay: Replay, random_
         meta["devices"] = devices
     try:
         with progress.loading(client, ck.key, ck.label):  # the copy reports too (Note [Load progress])
-            publishing.publish(client, ck.key, ck.label, meta, packed, backing=options.backing,
-                               watch=[path for path, _, _ in ck.sources if os.path.isabs(path)],
-                               unpin=lambda key: results.unpin(client, key), stage=stage)
+            times = publishing.publish(client, ck.key, ck.label, meta, packed, backing=options.backing,
+                                       watch=[path for path, _, _ in ck.sources if os.path.isabs(path)],
+                                       unpin=lambda key: results.unpin(client, key), stage=stage, clock=clock)
     except PublishError as exc:
         fall_back(ck.label, exc.kind, str(exc))
         return
@@ -294,6 +294,7 @@ def _publish(client: Client, ck: keys.CallKey, obj: Any, replay: Replay, random_
         return
     count("miss")
     remember(obj, ck.key, packed.graph, replay, pickled_here=True, random_after=random_after)
+    progress.tell_miss(ck.label, times)
 
 
 def _label(fn: Callable[..., Any]) -> str:

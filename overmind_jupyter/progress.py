@@ -14,9 +14,15 @@ a miss, are left exactly as they were. A failure to report is ignored: progress 
 
 # Note [Hit times]
 The daemon logs each hit with the plain load time it saved (Note [Load time saved] in
-kernel_server/store.py); the hit's own time is measured here and sent later, never on the hit's path: it
-waits in `_hit_times` until the next request that can carry it without a round trip of its own (a
-status read, a miss, the end of the process).
+kernel_server/store.py); the hit's own time, the whole wait of the call from its start to its return, is
+measured here and sent later, never on the hit's path: it waits in `_hit_times` until the next request
+that can carry it without a round trip of its own (a status read, a miss, the end of the process).
+
+# Note [Miss times]
+A miss's cost is timed from the same start as a hit's: the call's start. `MissClock` takes the load
+itself (`load_s`) and, as the publish is sent, the whole wait so far (`waited_s`, the call returns right
+after); `cache_s` is the rest (key, lookup, staging, packing, publishing). The publish carries the three
+(kernel_server/store.py Note [Load time saved]), and the cell says the same numbers: `tell_miss`.
 """
 
 from __future__ import annotations
@@ -25,14 +31,19 @@ import atexit
 import collections
 import contextlib
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
+from kernel_server.formats import miss_text
 from kernel_server.operations import Op
+from kernel_server.payloads import MissTimes
 
-__all__ = ["REPORT_S", "Reporter", "flush_hit_times", "hit", "loading", "model_name", "remove_hook"]
+__all__ = ["REPORT_S", "MissClock", "Reporter", "flush_hit_times", "hit", "loading", "model_name", "remove_hook",
+           "tell_miss"]
 
 REPORT_S = 0.25  # at most one progress report per load this often
 _MAX_HITS = 1000
@@ -160,6 +171,33 @@ def _relay(bar: Any, reporter: Reporter, what: str) -> None:
         return close()
 
     bar.update, bar.close = relayed_update, relayed_close
+
+
+# -- miss times (Note [Miss times]) ------------------------------------------------------------------------
+
+@dataclass
+class MissClock:
+    """The times of one miss (Note [Miss times]).
+
+    Args:
+        started: `time.perf_counter()` at the call's start.
+        load_s: the load itself, once it returned.
+    """
+
+    started: float
+    load_s: float = 0.0
+
+    def times(self) -> MissTimes:
+        """The miss's times now: `waited_s` since the call's start, `load_s`, and `cache_s`, the rest."""
+        waited = round(max(time.perf_counter() - self.started, self.load_s), 4)
+        load = round(self.load_s, 4)
+        return {"waited_s": waited, "load_s": load, "cache_s": round(waited - load, 4)}
+
+
+def tell_miss(label: str, times: MissTimes) -> None:
+    """Say in the cell what a miss cost, in the numbers the daemon got (Note [Miss times]):
+    "overmind: cached llama-0.1b in 20.1 s: loading 8.0 s + caching 12.1 s"."""
+    print(f"overmind: cached {model_name(label)} in {miss_text(times)}", file=sys.stderr, flush=True)
 
 
 # -- hit times (Note [Hit times]) --------------------------------------------------------------------------

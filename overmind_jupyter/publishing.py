@@ -40,6 +40,7 @@ from kernel_server import arena
 from kernel_server.client import ANSWER_TIMEOUT, Client
 from kernel_server.errors import DaemonError, RemoteError
 from kernel_server.operations import Op
+from kernel_server.payloads import MissTimes
 
 from . import mappings, progress, rebuild, staging, threads
 from .errors import PublishError
@@ -78,14 +79,15 @@ class _Plan:
 
 
 def publish(client: Client, key: str, label: str, meta: dict[str, Any], packed: rebuild.Packed, *,
-            backing: str, unpin: Callable[[str], None], watch: Sequence[str] = (),
-            stage: staging.Stage | None = None) -> None:
+            backing: str, unpin: Callable[[str], None], clock: progress.MissClock, watch: Sequence[str] = (),
+            stage: staging.Stage | None = None) -> MissTimes:
     """Make `packed` (the graph of a result just loaded) the entry `key`, moving the result's tensors
     onto private mappings of it (Note [Atomic miss]). `watch`: the checkpoint paths the load read, for
     the daemon to drop the entry once they are gone (Note [Orphaned entries] in kernel_server/store.py).
     `stage`: the arena the load's conversions were written into, if `packed` was packed with it (Note
-    [Staged conversions] in staging.py). Raises PublishError (with a `kind` for fallbacks): the result is
-    then still correct, only not cached."""
+    [Staged conversions] in staging.py). `clock`: the miss's, whose times the publish carries and
+    this returns (Note [Miss times] in progress.py). Raises PublishError
+    (with a `kind` for fallbacks): the result is then still correct, only not cached."""
     plan = _plan(packed)
     by_storage = _tensors_by_storage(packed)
     meta = meta | {"made": plan.made()}
@@ -118,8 +120,10 @@ def publish(client: Client, key: str, label: str, meta: dict[str, Any], packed: 
                 graph = stack.enter_context(contextlib.closing(
                     arena.ArenaWriter(len(packed.graph), name=f"overmind-graph:{key[:12]}")))
                 graph.view[:] = packed.graph
+                times = clock.times()  # as the publish is sent: the call returns right after
                 client.request(
                     Op.PUBLISH, key=key, fds=[graph.seal(), data.seal(), *(s.fd for s in plan.sources)],
+                    times=times,
                     graph_bytes=len(packed.graph), arena_bytes=packed.arena_bytes, meta=meta, deps=packed.deps,
                     sources=[{"path": s.path, **s.identity} for s in plan.sources],
                     pieces=[[own.offset, own.nbytes, i, at]
@@ -140,6 +144,7 @@ def publish(client: Client, key: str, label: str, meta: dict[str, Any], packed: 
             for undo in forget:
                 undo()
         pin.release()
+    return times
 
 
 def _identities(paths: Sequence[str]) -> list[dict[str, Any]]:

@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +24,9 @@ import pytest
 from pytest_jupyter.jupyter_server import *  # noqa: F403
 
 import overmind_jupyter
-from kernel_server import Client, arena
-from kernel_server.formats import byte_text, progress_text, seconds_text
+from kernel_server import Client, arena, formats
+from kernel_server.formats import byte_text, progress_text, seconds_text, signed_seconds_text
+from tests.helpers.snippets import last_json, run_py
 
 REPO = Path(__file__).resolve().parent.parent
 JUPYTER = [sys.executable, "-m", "jupyter"]
@@ -162,45 +164,82 @@ def test_connections_are_named_by_the_servers_session_else_by_the_daemon(daemon:
     assert worker["name"] == "preload for work/train.ipynb" and "pid 99" in worker["detail"]
 
 
-def test_progress_and_hits_log_carry_their_display_strings() -> None:
-    from overmind_jupyter.server.state import panel_state
+def test_progress_pending_and_times_carry_their_display_strings(daemon: Client) -> None:
+    """The view of a real status reply: a load's progress, an entry's pending copy and its miss's times,
+    and the time saved, each with the text the one formatter writes."""
+    from overmind_jupyter.view import state_view
 
-    status = {
-        "budget": 8 << 30, "used": 3 << 30, "reserved": 1 << 30,
-        "entries": [{"key": "k1", "meta": {"label": "llama"}, "bytes": 3 << 30, "pinned_by": [],
-                     "pending": {"bytes": 10, "done": 4, "copying": True, "eta": 3.0, "sources": []}}],
-        "loading": [{"key": "k2", "since": 0, "reserved": 1 << 30, "waiters": 0,
-                     "loader": {"conn": 2, "pid": 7, "role": "kernel", "label": "a.ipynb"},
-                     "progress": {"label": "loading big", "done": 1 << 29, "total": 1 << 30, "unit": "B",
-                                  "eta_s": 4.0}}],
-        "hits_log": [{"t": 1, "key": "k1", "label": "llama", "load_s": 12.0, "hit_s": 0.5},
-                     {"t": 2, "key": "k1", "label": "llama", "load_s": 12.0, "hit_s": None}],  # not timed yet
-    }
-    state = panel_state(status)
+    publish(daemon, "k1", arena.PAGE, "llama")
+    with Client(daemon.home, role="kernel", label="a.ipynb") as other:
+        assert other.request("lookup", key="k2", wait=False)["status"] == "load"
+        other.request("progress", key="k2", label="loading big", done=1 << 29, total=1 << 30, unit="B")
+        status = daemon.request("status").payload
+        state = state_view(status, my_conn=other.conn_id)
     [load] = state["loading"]
-    assert load["progress"]["percent"] == 50
-    assert load["progress"]["text"] == progress_text(status["loading"][0]["progress"])  # type: ignore[index]
-    assert load["reserved_text"] == byte_text(1 << 30) and load["loader"]["name"]
-    assert state["entries"][0]["pending"]["text"].startswith("copying from its checkpoint: 40%")
-    assert [h["hit_s"] for h in state["hits_log"]] == [0.5, None]
-    assert state["texts"]["saved"] == seconds_text(11.5) and state["texts"]["plain"] == seconds_text(12.0)
+    assert load["progress"]["percent"] == 50 and load["loader"]["mine"] and load["loader"]["name"]
+    assert load["progress"]["text"] == progress_text(status["loading"][0]["progress"] or {})
+    assert load["reserved_text"] == byte_text(0)
+    [entry] = state["entries"]
+    assert entry["label"] == "llama" and entry["pending"] is None
+    assert entry["miss_text"] == formats.miss_text(status["entries"][0])
+    assert state["texts"]["saved"] == formats.signed_seconds_text(-entry["cache_s"])
+    assert state["time_saved"]["saved_s"] == -status["time_saved"]["cache_s"]
 
 
-def test_units_view_reads_what_older_or_newer_ledgers_report() -> None:
-    from overmind_jupyter.server.state import units_view
+# A cell that loads a tiny model through the cache, timing the call as a user's %%time would.
+TIMED_LOAD = """
+import json, time, overmind_jupyter, torch
+from transformers import AutoModelForCausalLM
+started = time.perf_counter()
+overmind_jupyter.cached(AutoModelForCausalLM.from_pretrained, {path!r}, dtype=torch.float16)
+print(json.dumps({{"cell_s": time.perf_counter() - started}}), flush=True)
+"""
 
-    assert units_view(None) is None
-    keyed = units_view({"simulated": True, "devices": {"cuda:0": {"total": 8, "free": 5, "leases": [
-        {"label": "m", "units": 3}]}}})
-    assert keyed is not None and keyed["simulated"]
-    [dev] = keyed["devices"]
-    assert (dev["device"], dev["total"], dev["used"], dev["free"], dev["simulated"]) == ("cuda:0", 8, 3, 5, True)
-    assert dev["holders"][0]["label"] == "m" and dev["holders"][0]["units"] == 3
-    listed = units_view([{"index": 1, "capacity": 4, "used": 4, "holders": ["pid 7"]}, "junk"])
-    assert listed is not None and not listed["simulated"]
-    assert [(d["device"], d["free"], d["holders"][0]["label"]) for d in listed["devices"]] == [("1", 0, "pid 7")]
-    assert units_view("nonsense") == {"simulated": False, "unit_bytes": 1 << 30, "error": None, "waiting": 0,
-                                      "devices": []}
+
+def test_a_miss_and_a_hit_have_one_set_of_figures_in_the_cell_status_the_panel_and_the_text(
+        fetch, daemon: Client, tiny_llama: Path) -> None:
+    """Issue 40, item 1: what a miss cost (waited = loading + caching) is printed in the cell, and the same
+    numbers are in `overmind-daemon status --json`, the panel's state and `%overmind status`'s text; the
+    time saved is the hits' plain loads less their waits less the misses' caching (Note [Load time saved])."""
+    miss = run_py(TIMED_LOAD.format(path=str(tiny_llama)))
+    cell_s = last_json(miss)["cell_s"]
+    [line] = [x for x in miss.stderr.splitlines() if x.startswith("overmind: cached")]
+    raw = json.loads(run_py("from kernel_server.cli import main; main(['status', '--json'])").stdout)
+    [entry] = raw["entries"]
+    waited, load, cache = entry["waited_s"], entry["load_s"], entry["cache_s"]
+    assert load > 0 and cache > 0 and abs(waited - (load + cache)) <= 2e-4, entry
+    assert waited <= cell_s < waited + 1.0, "the whole wait of the call, as the cell timed it"
+    assert line == f"overmind: cached tiny-llama in {seconds_text(waited)}: loading {seconds_text(load)} " \
+                   f"+ caching {seconds_text(cache)}", line
+    assert raw["time_saved"] == {"misses": 1, "cache_s": cache, "hits": 0, "plain_s": 0.0, "hit_s": 0.0}
+
+    status, state = fetch("overmind", "state")
+    assert status == 200, state
+    [shown] = state["entries"]
+    assert (shown["waited_s"], shown["load_s"], shown["cache_s"]) == (waited, load, cache)
+    assert shown["miss_text"] == line.split(" in ", 1)[1], "the panel's words are the cell's"
+    assert state["texts"]["saved"] == signed_seconds_text(-cache), "no hit yet: caching is all the cache cost"
+
+    hit = run_py(TIMED_LOAD.format(path=str(tiny_llama)))
+    hit_cell_s = last_json(hit)["cell_s"]
+    assert not [x for x in hit.stderr.splitlines() if x.startswith("overmind: cached")], "a hit caches nothing"
+    deadline = time.monotonic() + 10
+    while daemon.request("status")["hits_log"][-1]["hit_s"] is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    _, state = fetch("overmind", "state")
+    [logged] = state["hits_log"]
+    assert (logged["waited_s"], logged["load_s"], logged["cache_s"]) == (waited, load, cache)
+    assert 0 < logged["hit_s"] <= hit_cell_s, "the hit's whole wait, as the cell timed it"
+    saved = load - logged["hit_s"] - cache
+    assert state["time_saved"]["saved_s"] == pytest.approx(saved)
+    assert state["texts"]["saved"] == signed_seconds_text(saved)
+    assert state["texts"]["hits"] == seconds_text(logged["hit_s"]) and state["texts"]["caching"] == seconds_text(cache)
+
+    text = run_py("from overmind_jupyter import api; print(api.format_status(api.status()))").stdout
+    assert f"missed in {shown['miss_text']}" in text, text
+    assert f"time saved {state['texts']['saved_detail']}" in text, text
+    cli = run_py("from kernel_server.cli import main; main(['status'])").stdout
+    assert f"missed in {shown['miss_text']}" in cli and state["texts"]["saved_detail"] in cli, cli
 
 
 def test_evict_one_by_prefix_then_all(fetch, daemon: Client) -> None:

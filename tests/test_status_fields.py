@@ -10,23 +10,26 @@ import shutil
 import subprocess
 import sys
 import time
+import types
+import typing
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from kernel_server import Client, arena, formats
+from kernel_server import Client, arena, formats, payloads
 from kernel_server.cli import main as cli_main
 from tests.helpers.snippets import run_py
 
 
-def miss_and_publish(client: Client, key: str, label: str, *, load_s: float = 0.0) -> None:
-    """A loader's miss: lookup, the load itself (`load_s` of sleep), reserve, publish."""
+def miss_and_publish(client: Client, key: str, label: str, *, load_s: float = 0.0, **fields: Any) -> None:
+    """A loader's miss: lookup, the load itself (`load_s` of sleep), reserve, publish (with `fields`)."""
     assert client.request("lookup", key=key, wait=False)["status"] == "load"
     time.sleep(load_s)
     graph, data = arena.ArenaWriter(16), arena.ArenaWriter(arena.PAGE)
     client.request("reserve", key=key, bytes=arena.PAGE + 16)
     client.request("publish", key=key, fds=[graph.seal(), data.seal()], graph_bytes=16, arena_bytes=arena.PAGE,
-                   meta={"label": label}, deps=[])
+                   meta={"label": label}, deps=[], **fields)
     graph.close()
     data.close()
 
@@ -75,6 +78,58 @@ def test_load_time_at_the_miss_and_hit_times_reported_later(daemon: Client, over
         assert logged["hit_s"] == 0.004
         with pytest.raises(Exception, match="hits"):
             other.request("hits", hits=[{"key": "a" * 64, "t": "yesterday", "hit_s": 1}])
+
+
+def _undeclared(hint: Any, value: Any, where: str = "status") -> list[str]:
+    """The fields of `value` that its declared type (a TypedDict, or lists and unions of them) leaves out."""
+    hint = typing.get_args(hint)[0] if typing.get_origin(hint) in (typing.Annotated, typing.NotRequired) else hint
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return min((_undeclared(a, value, where) for a in typing.get_args(hint) if a is not type(None)), key=len)
+    if typing.get_origin(hint) is list and isinstance(value, list):
+        return [x for i, v in enumerate(value) for x in _undeclared(typing.get_args(hint)[0], v, f"{where}[{i}]")]
+    if not (typing.is_typeddict(hint) and isinstance(value, dict)):
+        return []
+    fields = typing.get_type_hints(hint, include_extras=True)
+    return [f"{where}.{k}" for k in value if k not in fields] + [
+        x for k, v in value.items() if k in fields for x in _undeclared(fields[k], v, f"{where}.{k}")]
+
+
+def test_the_status_reply_is_exactly_its_declared_type(overmind_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """payloads.StatusReply says what status carries, no more and no less: every view reads it without
+    guessing (issue 41). A status with an entry that is pinned and being copied, a load in flight with its
+    progress, a timed hit, a fallback, and a holding of units on simulated devices."""
+    monkeypatch.setenv("OVERMIND_FAKE_GPUS", "2x16")
+    with Client(overmind_home, role="kernel", label="/n/a.ipynb") as daemon, \
+            Client(overmind_home, role="kernel", label="/n/b.ipynb") as other:
+        miss_and_publish(daemon, "a" * 64, "m", times={"waited_s": 1.5, "load_s": 1.0, "cache_s": 0.5})
+        hit = other.request("lookup", key="a" * 64, wait=False)
+        hit.close()
+        other.request("hits", hits=[{"key": "a" * 64, "t": time.time(), "hit_s": 0.25}])
+        assert other.request("lookup", key="b" * 64, wait=False)["status"] == "load"
+        other.request("progress", key="b" * 64, label="loading b", done=1, total=4, unit="it")
+        daemon.request("fallback", call="AutoModel.from_pretrained", kind="uncacheable", reason="why")
+        daemon.request("units_acquire", units=2, devices=None, timeout_s=0, label="m", busy=True)
+        status = daemon.request("status").payload
+    payloads.check(payloads.StatusReply, status, "status")
+    assert _undeclared(payloads.StatusReply, status) == []
+    assert status["entries"] and status["loading"] and status["hits_log"] and status["fallbacks"]
+    assert any(d["holders"] for d in status["units"]["devices"]) and status["entries"][0]["pinned_by"]
+    assert status["loading"][0]["progress"] is not None
+    assert status["time_saved"] == {"misses": 1, "cache_s": 0.5, "hits": 1, "plain_s": 1.0, "hit_s": 0.25}
+    assert formats.saved_seconds(status["time_saved"]) == 0.25  # 1.0 - 0.25 - 0.5
+
+
+def test_a_publish_says_what_the_miss_cost_and_the_parts_add_up(daemon: Client) -> None:
+    """Note [Load time saved]: the loader's times are kept, waited at least the load, caching the rest;
+    times out of range are refused."""
+    miss_and_publish(daemon, "a" * 64, "m", times={"waited_s": 20.1, "load_s": 8.0, "cache_s": 12.1})
+    miss_and_publish(daemon, "b" * 64, "n", times={"waited_s": 1.0, "load_s": 3.0, "cache_s": 9.0})
+    entries = {e["key"][0]: e for e in daemon.request("status")["entries"]}
+    assert (entries["a"]["waited_s"], entries["a"]["load_s"], entries["a"]["cache_s"]) == (20.1, 8.0, 12.1)
+    assert (entries["b"]["waited_s"], entries["b"]["load_s"], entries["b"]["cache_s"]) == (3.0, 3.0, 0.0)
+    assert formats.miss_text(entries["a"]) == "20 s: loading 8.0 s + caching 12 s"
+    with pytest.raises(Exception, match="times"):
+        miss_and_publish(daemon, "c" * 64, "o", times={"waited_s": -1.0, "load_s": 0.0, "cache_s": 0.0})
 
 
 def test_a_loads_progress_reaches_status_with_eta(daemon: Client, overmind_home: Path) -> None:
