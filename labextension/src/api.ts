@@ -28,6 +28,8 @@ export interface IConnection {
   session_type?: string;
   kernel_id?: string;
   pins?: number;
+  /** The connection of the kernel that draws the view (the notebook widgets'; never in the panel). */
+  mine?: boolean;
 }
 
 /** A long operation the daemon reports: a load in flight, a preload, work on an entry. */
@@ -44,14 +46,35 @@ export interface IProgress {
   text: string;
 }
 
-/** A hit of the session: the plain load's time (measured at the miss) against the hit's. */
-export interface IHit {
+/**
+ * What the miss that made an entry cost its caller, in seconds: the whole wait (`waited_s`, from the
+ * call's start to its return) is the load itself (`load_s`) plus caching (`cache_s`). The kernel measured
+ * them and printed them in the cell (Note [Load time saved] in kernel_server/store.py).
+ */
+export interface IMissTimes {
+  waited_s: number;
+  load_s: number;
+  cache_s: number;
+}
+
+/** A hit of the session: the plain load's time (`load_s`, measured at the miss) against the hit's wait. */
+export interface IHit extends IMissTimes {
   t: number;
   key: string;
   label: string;
-  load_s: number;
-  /** Null until the kernel reported it (after the hit, never on its path). */
+  pid: number;
+  /** The hit's whole wait; null until the kernel reported it (after the hit, never on its path). */
   hit_s: number | null;
+}
+
+/** The sums behind the time saved, since the daemon started: saved_s = plain_s - hit_s - cache_s. */
+export interface ITimeSaved {
+  misses: number;
+  cache_s: number;
+  hits: number;
+  plain_s: number;
+  hit_s: number;
+  saved_s: number;
 }
 
 /** What the daemon still copies of an entry from its checkpoint files (it is servable already). */
@@ -65,12 +88,13 @@ export interface IPending {
   text: string;
 }
 
-export interface IEntry {
+export interface IEntry extends IMissTimes {
   key: string;
   label: string;
   bytes: number;
   bytes_text: string;
-  load_s?: number | null;
+  /** "20 s: loading 8.0 s + caching 12 s", as the cell said it after the miss. */
+  miss_text: string;
   progress?: IProgress | null;
   hits: number;
   created: number;
@@ -158,6 +182,7 @@ export interface IPanelState {
   kernels: IConnection[];
   fallbacks: IFallback[];
   hits_log: IHit[];
+  time_saved: ITimeSaved;
   units: IUnits | null;
   texts: {
     used: string;
@@ -167,10 +192,15 @@ export interface IPanelState {
     more_bytes: string;
     /** The disk under the file arenas: what they take there, what is free and kept free ('' in memory). */
     disk: string;
-    /** Sums over `hits_log`: the plain loads' times, the hits' times, and what the hits saved. */
+    /**
+     * Of `time_saved`: the plain loads the hits replaced, the hits' waits, the misses' caching, and what
+     * the cache saved (the first less the other two; "-1.2 s" while caching cost more), said with its parts.
+     */
     plain: string;
     hits: string;
+    caching: string;
     saved: string;
+    saved_detail: string;
   };
 }
 

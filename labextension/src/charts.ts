@@ -239,11 +239,13 @@ function legendLine(entry: IEntry, colour: string): HTMLElement {
 
 /**
  * Load time saved over the session: for each hit, the plain load time (measured at its miss) against
- * the hit's time, summed over the hits in order. The area between the two lines is the time saved.
+ * the hit's wait, summed over the hits in order; the area between the two lines is what the hits saved.
+ * `texts.saved` is what the cache saved, the misses' caching (`texts.caching`) subtracted
+ * (Note [Load time saved] in kernel_server/store.py).
  */
 export function savedChart(
   log: IHit[],
-  texts: { plain: string; hits: string; saved: string }
+  texts: { plain: string; hits: string; saved: string; caching?: string; saved_detail?: string }
 ): HTMLElement {
   const hits = log.filter(x => x.hit_s !== null);
   const untimed = log.length - hits.length;
@@ -292,9 +294,10 @@ export function savedChart(
       : null,
     h(
       'div',
-      { class: 'jp-Overmind-legendLine', 'data-testid': 'overmind-saved' },
+      { class: 'jp-Overmind-legendLine', 'data-testid': 'overmind-saved', title: texts.saved_detail },
       hits.length
-        ? `${texts.saved} saved over ${hits.length} hit${hits.length === 1 ? '' : 's'}`
+        ? `${texts.saved} saved over ${hits.length} hit${hits.length === 1 ? '' : 's'}` +
+            (texts.caching ? `, after ${texts.caching} of caching` : '')
         : untimed
           ? ''
           : 'No hit yet: the second load of a model is served from the cache.'

@@ -520,6 +520,15 @@ export class OvermindPanel extends Widget {
         ' · ',
         ...users
       ),
+      h(
+        'div',
+        {
+          class: 'jp-Overmind-hint',
+          'data-testid': 'overmind-entry-miss',
+          title: 'What its first load cost: the load itself, and the caching around it'
+        },
+        `cached in ${entry.miss_text}`
+      ),
       entry.progress
         ? progressLine(entry.progress)
         : entry.pending
