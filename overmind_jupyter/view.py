@@ -119,7 +119,7 @@ def state_view(status: StatusReply, *, names: Naming | None = None, own_conn: in
     used, shown = status["used"], sum(e["bytes"] for e in status["entries"])
     more_bytes = max(0, used - shown) if status["entries_more"] else 0
     sums = status["time_saved"]
-    units = units_view(status["units"], named)
+    units = _units(status["units"], named)
     return {
         "state": "ok",
         "daemon": status["daemon"],
@@ -147,25 +147,16 @@ def state_view(status: StatusReply, *, names: Naming | None = None, own_conn: in
     }
 
 
-def units_view(snapshot: UnitsSnapshot, names: Naming | None = None) -> dict[str, Any]:
+def units_view(snapshot: UnitsSnapshot, *, names: Naming | None = None, my_conn: int | None = None) -> dict[str, Any]:
     """The units ledger's snapshot (status's `units`, or the `units_state` reply) as the views draw it:
-    `state_view`'s `units`."""
-    named = names if isinstance(names, _Namer) else _Namer(names or _AsTheCliNames(), None)
-    devices = [{
-        "device": dev["name"], "id": dev["id"], "model": dev["model"], "total": dev["capacity"],
-        "used": dev["used"], "free": dev["free"], "simulated": dev["simulated"],
-        "holders": [{"label": h["label"], "kernel": h["kernel"]["label"], "pid": h["pid"], "units": h["units"],
-                     "busy": h["busy"], **named.only_names(h["kernel"])} for h in dev["holders"]],
-    } for dev in snapshot["devices"]]
-    return {"simulated": snapshot["simulated"] or any(d["simulated"] for d in devices),
-            "unit_bytes": snapshot["unit_bytes"], "error": snapshot["config_error"],
-            "waiting": len(snapshot["waiters"]), "devices": devices}
+    `state_view`'s `units`; `names` and `my_conn` as there."""
+    return _units(snapshot, _Namer(names or _AsTheCliNames(), my_conn))
 
 
 def units_state(snapshot: UnitsSnapshot, *, my_conn: int | None = None) -> dict[str, Any]:
     """The part of `state_view` that the ledger's snapshot alone makes (`units`, `texts.unit_bytes`): what the
     units bar draws when it reads the ledger without the store's status."""
-    units = units_view(snapshot, _Namer(_AsTheCliNames(), my_conn))
+    units = units_view(snapshot, my_conn=my_conn)
     return {"units": units, "texts": {"unit_bytes": byte_text(units["unit_bytes"])}}
 
 
@@ -182,6 +173,18 @@ class _Namer:
         """What naming adds to `conn`, to merge into a record that is not a connection (a fallback, a holder)."""
         named = self.connection(conn)
         return {k: named[k] for k in _NAMED if k in named}
+
+
+def _units(snapshot: UnitsSnapshot, named: _Namer) -> dict[str, Any]:
+    devices = [{
+        "device": dev["name"], "id": dev["id"], "model": dev["model"], "total": dev["capacity"],
+        "used": dev["used"], "free": dev["free"], "simulated": dev["simulated"],
+        "holders": [{"label": h["label"], "kernel": h["kernel"]["label"], "pid": h["pid"], "units": h["units"],
+                     "busy": h["busy"], **named.only_names(h["kernel"])} for h in dev["holders"]],
+    } for dev in snapshot["devices"]]
+    return {"simulated": snapshot["simulated"] or any(d["simulated"] for d in devices),
+            "unit_bytes": snapshot["unit_bytes"], "error": snapshot["config_error"],
+            "waiting": len(snapshot["waiters"]), "devices": devices}
 
 
 def _entry(entry: EntryStatus, named: _Namer) -> dict[str, Any]:
