@@ -49,6 +49,9 @@ answers "unknown_op", which nobody reads).
 
 The protocol version is independent of the package version; bump it on any change to this format or to
 the meaning of an existing operation. 3: "status" carries some of the entries and "ls" is paged (issue 38).
+4: "publish" carries what the miss cost its caller ("times"), and "status" carries it on each entry and
+hit, with "time_saved" (Note [Load time saved] in store.py); the views read it without a fallback, so a
+daemon of protocol 3 is refused at hello rather than misread.
 """
 
 from __future__ import annotations
@@ -76,7 +79,7 @@ __all__ = [
 ]
 
 MAGIC = b"OVMD"
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 HEADER = struct.Struct("!4sHBBI")
 MAX_PAYLOAD = 1 << 20
 MAX_FDS = 64
