@@ -1,22 +1,20 @@
 """How every view writes what the daemon reports: bytes, durations, relative times, progress, kernels.
 
-One definition for the CLI, `%overmind status`, the notebook widgets and the side panel's server side, so
-that they never disagree ("12 GiB" in one place, "11.8 GiB" in another). The widgets' frontend code formats
-relative times itself (they move on every second without a round trip to the kernel): `JS` is that code,
-written from the same tables as the Python functions here (Note [One format]).
+One definition for the CLI, `%overmind status`, and the view that the notebook widgets and the side panel
+draw (overmind_jupyter/view.py), so that they never disagree ("12 GiB" in one place, "11.8 GiB" in
+another). Only relative times are written in the browser, which moves them on every second without a
+round trip to the kernel (labextension/src/texts.ts `agoText`, JupyterLab's own wording).
 
 # Note [One format]
 Bytes: binary units (KiB, MiB, GiB, TiB), whole bytes below 1 KiB, one decimal below 100 of a unit and
 none above ("11.8 GiB", "512 MiB"). Durations: whole milliseconds below 1 s, one decimal below 10 s, then
 whole seconds, minutes, hours and days at the thresholds of `_STEPS`. Relative times: "just now" below
-2 s, else the duration and "ago". `JS` is generated from `_BYTE_UNITS` and `_STEPS`, and a test compares
-both renderings over a range of values, so a change here changes both.
+2 s, else the duration and "ago" (the CLI's and the text status's).
 """
 
 from __future__ import annotations
 
 import decimal
-import json
 import math
 import os
 import time
@@ -26,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # payloads imports what imports this module
     from .payloads import MissTimes, TimeSaved
 
-__all__ = ["JS", "ago_text", "byte_text", "eta_text", "evicted_text", "kernel_name", "miss_text", "pending_text",
+__all__ = ["ago_text", "byte_text", "eta_text", "evicted_text", "kernel_name", "miss_text", "pending_text",
            "percent", "progress_text", "saved_seconds", "saved_text", "seconds_text", "signed_seconds_text"]
 
 _BYTE_UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB")
@@ -181,43 +179,11 @@ def kernel_name(kernel: Mapping[str, Any]) -> tuple[str, str]:
 
 
 def _round(x: float) -> int:
-    return math.floor(x + 0.5)  # halves up, as the JS's Math.floor(x + 0.5) (Python's round() goes to even)
+    return math.floor(x + 0.5)  # halves up (Python's round() goes to even)
 
 
 def _fixed(x: float, digits: int) -> str:
-    """`x` with `digits` decimals, ties away from zero on its exact binary value: what JavaScript's
-    `toFixed` writes (Python's format rounds ties to even)."""
+    """`x` with `digits` decimals, ties away from zero on its exact binary value (Python's format rounds
+    ties to even: 1.25 s would read "1.2 s")."""
     return str(decimal.Decimal(x).quantize(decimal.Decimal(1).scaleb(-digits), rounding=decimal.ROUND_HALF_UP))
 
-
-JS = r"""
-const OM_BYTE_UNITS = @UNITS@;
-const OM_STEPS = @STEPS@;
-function fmtBytes(n) {
-  if (n === null || n === undefined) return "?";
-  if (Math.abs(n) < 1024) return n.toFixed(0) + " B";
-  let v = n;
-  for (let i = 0; i < OM_BYTE_UNITS.length; i++) {
-    v /= 1024;
-    if (Math.abs(v) < 1024 || i === OM_BYTE_UNITS.length - 1) {
-      return (Math.abs(v) < 100 ? v.toFixed(1) : v.toFixed(0)) + " " + OM_BYTE_UNITS[i];
-    }
-  }
-}
-function fmtSeconds(s) {
-  s = Math.max(0, Number(s));
-  if (s < 0.9995) return Math.floor(s * 1000 + 0.5) + " ms";
-  if (s < 10) return s.toFixed(1) + " s";
-  for (const [below, per, unit] of OM_STEPS) {
-    if (below === null || s < below) return Math.floor(s / per + 0.5) + " " + unit;
-  }
-}
-function fmtAgo(t, now) {
-  if (!t) return "never";
-  const s = Math.max(0, (now === undefined ? Date.now() / 1000 : now) - t);
-  if (s < @JUST_NOW@) return "just now";
-  return fmtSeconds(s) + " ago";
-}
-""".replace("@UNITS@", json.dumps(list(_BYTE_UNITS))).replace(
-    "@STEPS@", json.dumps([[None if below == float("inf") else below, per, unit] for below, per, unit in _STEPS])
-).replace("@JUST_NOW@", json.dumps(_JUST_NOW))

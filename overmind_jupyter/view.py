@@ -27,9 +27,12 @@ show this view, so that one event has one set of numbers (Note [Load time saved]
       "texts":     {"used", "budget", "reserved", "unit_bytes", "more_bytes", "disk",  # display strings of
                                                      # the sizes above
                     "plain", "hits", "caching", "saved", "saved_detail"},  # and of time_saved
-      "units":     {"simulated": bool, "unit_bytes": int, "error": str | null, "waiting": int,
-                    "devices": [{"device", "id", "model", "total", "used", "free", "simulated",
-                                 "holders": [{"label", "kernel", "pid", "units", "busy"} + NAMED]}]}
+      "units":     {"simulated": bool, "fake_gpus": str, "reserve_gib": float, "unit_bytes": int,
+                    "error": str | null, "waiting": int,
+                    "waiters": [{"label", "units", "devices", "waited_s", "waited_text"} + NAMED],  # oldest first
+                    "devices": [{"device", "id", "model", "total", "used", "free", "simulated", "total_bytes",
+                                 "total_text", "holders": [{"label", "kernel", "pid", "units", "busy", "idle_s",
+                                 "idle_text", "release_requested"} + NAMED]}]}  # least recently used first
     }
 
 A CONNECTION is the daemon's `{"conn", "pid", "role", "label", "command"?, "connected"?}` with NAMED, what
@@ -178,13 +181,20 @@ class _Namer:
 def _units(snapshot: UnitsSnapshot, named: _Namer) -> dict[str, Any]:
     devices = [{
         "device": dev["name"], "id": dev["id"], "model": dev["model"], "total": dev["capacity"],
-        "used": dev["used"], "free": dev["free"], "simulated": dev["simulated"],
+        "used": dev["used"], "free": dev["free"], "simulated": dev["simulated"], "total_bytes": dev["total_bytes"],
+        "total_text": byte_text(dev["total_bytes"]),
         "holders": [{"label": h["label"], "kernel": h["kernel"]["label"], "pid": h["pid"], "units": h["units"],
-                     "busy": h["busy"], **named.only_names(h["kernel"])} for h in dev["holders"]],
+                     "busy": h["busy"], "idle_s": h["idle_s"], "release_requested": h["release_requested"],
+                     "idle_text": "" if h["idle_s"] is None else seconds_text(h["idle_s"]),
+                     **named.only_names(h["kernel"])} for h in dev["holders"]],
     } for dev in snapshot["devices"]]
+    waiters = [{"label": w["model"], "units": w["units"], "devices": w["devices"], "waited_s": w["waited_s"],
+                "waited_text": seconds_text(w["waited_s"]), **named.only_names(w["kernel"])}
+               for w in snapshot["waiters"]]
     return {"simulated": snapshot["simulated"] or any(d["simulated"] for d in devices),
+            "fake_gpus": snapshot["fake_gpus"] or "", "reserve_gib": snapshot["reserve_gib"],
             "unit_bytes": snapshot["unit_bytes"], "error": snapshot["config_error"],
-            "waiting": len(snapshot["waiters"]), "devices": devices}
+            "waiting": len(waiters), "waiters": waiters, "devices": devices}
 
 
 def _entry(entry: EntryStatus, named: _Namer) -> dict[str, Any]:

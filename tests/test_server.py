@@ -145,15 +145,16 @@ def test_state_shows_units_per_simulated_device(fetch, overmind_home: Path,
 def test_connections_are_named_by_the_servers_session_else_by_the_daemon(daemon: Client) -> None:
     """Note [Kernels by notebook]: the daemon's connection of this process, matched by pid to a kernel
     of the server, takes the session's path; unmatched, it keeps the daemon's label or command."""
-    from overmind_jupyter.server.state import Names, ServerKernel, panel_state
+    from overmind_jupyter.server.state import Names, ServerKernel
+    from overmind_jupyter.view import state_view
 
     status = daemon.request("status").payload
     names = Names([ServerKernel("1f2e3d4c-aaaa", os.getpid(), "work/train.ipynb", "notebook"),
                    ServerKernel("9f9f9f9f-bbbb", None, "other.ipynb", "notebook")])
-    [me] = panel_state(status, names=names)["kernels"]
+    [me] = state_view(status, names=names)["kernels"]
     assert (me["name"], me["path"], me["kernel_id"]) == ("work/train.ipynb", "work/train.ipynb", "1f2e3d4c-aaaa")
     assert me["detail"] == f"pid {os.getpid()}, notebook kernel 1f2e3d4c"
-    [outside] = panel_state(status)["kernels"]
+    [outside] = state_view(status)["kernels"]
     assert "path" not in outside and str(os.getpid()) in outside["detail"]
     # a kernel labelled by its kernel id (no JPY_SESSION_NAME) is matched by that id
     by_id = Names([ServerKernel("k-1", None, "console-1", "console")]).connection(

@@ -235,19 +235,36 @@ def test_status_panel_follows_loads_units_and_evictions(sim_daemon: Client, tiny
 
 def test_units_bar_reads_the_ledger_and_never_starts_a_daemon(sim_daemon: Client, closing: list[Any]) -> None:
     from kernel_server.client import reset_shared_client
+    from kernel_server.formats import seconds_text
     from overmind_jupyter import widgets
 
     bar = widgets.units_bar()
     closing.append(bar)
     within("units bar: first snapshot", lambda: len(devices(bar)) == 2)
-    assert bar.state["units"]["simulated"] and bar.local["fake_gpus"] == "2x16"
+    assert bar.state["units"]["simulated"] and bar.state["units"]["fake_gpus"] == "2x16"
     assert bar.state["units"]["unit_bytes"] == 1 << 30 and bar.state["texts"]["unit_bytes"] == "1.0 GiB"
+    assert devices(bar)[0]["total_text"] == "16.0 GiB"
     sim_daemon.request("units_acquire", units=2, devices=["sim:0"], timeout_s=0, label="other", busy=False)
     within("units bar: a holding of another kernel",
            lambda: [(h["label"], h["busy"]) for h in devices(bar)[0]["holders"]] == [("other", False)])
 
-    # the daemon stops: the bar says so, and its polls start no new daemon
+    # a request that does not fit waits, and the idle holder is asked for its units: the bar says both
     home = Path(os.environ["OVERMIND_HOME"])
+    waiting = Client(home, role="test", label="waiting-kernel")
+    try:
+        waiting.submit("units_acquire", units=14, devices=["sim:0"], timeout_s=30, label="big-model")
+        within("units bar: the waiter", lambda: bar.state["units"]["waiters"])
+        (waiter,) = bar.state["units"]["waiters"]
+        assert (waiter["label"], waiter["units"], waiter["devices"]) == ("big-model", 14, [devices(bar)[0]["device"]])
+        assert "waiting-kernel" in waiter["name"] and waiter["waited_text"].endswith("s")
+        within("units bar: the idle holder asked to release",
+               lambda: devices(bar)[0]["holders"][0]["release_requested"])
+        (other,) = devices(bar)[0]["holders"]
+        assert other["idle_s"] is not None and other["idle_text"] == seconds_text(other["idle_s"])
+    finally:
+        waiting.close()
+
+    # the daemon stops: the bar says so, and its polls start no new daemon
     sim_daemon.close()
     reset_shared_client()
     from tests.conftest import stop_daemon
@@ -630,7 +647,7 @@ def test_status_widget_names_kernels_charts_memory_time_saved_and_progress(
 
     import overmind_jupyter
     from kernel_server.client import shared_client
-    from kernel_server.formats import seconds_text
+    from kernel_server.formats import signed_seconds_text
     from overmind_jupyter import widgets
     from overmind_jupyter.widgets import live
 
@@ -659,7 +676,8 @@ def test_status_widget_names_kernels_charts_memory_time_saved_and_progress(
         # reported later, off the hit's path
         other.request("hits", hits=[{"key": entry["key"], "t": time.time(), "hit_s": 0.003}])
         within("status: the hit's own time", lambda: table.state["hits_log"][0]["hit_s"] == 0.003)
-        assert table.state["texts"]["saved"] == seconds_text(entry["load_s"] - 0.003)
+        # what the hit saved, less the caching its miss cost (Note [Load time saved])
+        assert table.state["texts"]["saved"] == signed_seconds_text(entry["load_s"] - 0.003 - entry["cache_s"])
 
         key = "p" * 64  # a load in flight in the other kernel, with its progress
         assert other.request("lookup", key=key, wait=False)["status"] == "load"

@@ -175,6 +175,9 @@ def test_status_and_adapter_widgets_in_jupyterlab(overmind_home: Path, tiny_llam
                 expect(last_used).not_to_have_text(said, timeout=5_000)
                 assert last_used.get_attribute("data-ago") == since
                 expect(entry.get_by_test_id("overmind-widget-model")).to_have_text("tiny-llama")
+                # what its miss cost, in the words of the cell's line and the panel (issue 40)
+                expect(entry.get_by_test_id("overmind-widget-miss")).to_have_text(
+                    re.compile(r"^cached in \S+ m?s: loading \S+ m?s \+ caching \S+ m?s$"))
                 expect(entry).to_contain_text("KiB")
                 # the kernel by its notebook, the pid and command on hover
                 kernels = entry.get_by_test_id("overmind-widget-kernel")

@@ -136,6 +136,27 @@ export interface IUnitHolder {
   detail: string;
   units: number | null;
   busy: boolean | null;
+  /** Seconds since it went idle (null while busy), and as text ('' while busy). */
+  idle_s: number | null;
+  idle_text: string;
+  /** The ledger asked it to give its units back for a waiting request. */
+  release_requested: boolean;
+  /** Held by the kernel that shows the view (a notebook widget's own kernel). */
+  mine?: boolean;
+}
+
+/** A request for units that waits for room. */
+export interface IUnitWaiter {
+  /** The model it is for. */
+  label: string;
+  units: number;
+  /** The devices it may take. */
+  devices: string[];
+  waited_s: number;
+  waited_text: string;
+  /** The waiting kernel as the panel names it. */
+  name: string;
+  detail: string;
 }
 
 export interface IDevice {
@@ -148,6 +169,9 @@ export interface IDevice {
   used: number;
   free: number;
   simulated: boolean;
+  /** The device's memory, in bytes, and as text. */
+  total_bytes: number;
+  total_text: string;
   holders: IUnitHolder[];
 }
 
@@ -155,7 +179,12 @@ export interface IUnits {
   simulated: boolean;
   unit_bytes: number;
   error: string | null;
+  /** OVERMIND_FAKE_GPUS of the daemon ('' with real devices). */
+  fake_gpus: string;
+  /** GiB of each device the ledger keeps out of its units. */
+  reserve_gib: number;
   waiting: number;
+  waiters: IUnitWaiter[];
   devices: IDevice[];
 }
 

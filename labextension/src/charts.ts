@@ -319,7 +319,7 @@ function cumulative(values: number[]): number[] {
 }
 
 /** GPU units in use over the last polls, one line per device, against each device's total. */
-export function unitsChart(state: IPanelState, samples: readonly IUnitSample[]): HTMLElement | null {
+export function unitsChart(state: Pick<IPanelState, 'units'>, samples: readonly IUnitSample[]): HTMLElement | null {
   const devices = state.units?.devices ?? [];
   if (!devices.length) {
     return null;

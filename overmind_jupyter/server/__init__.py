@@ -2,7 +2,7 @@
 
 Routes (under the server's `base_url`, every one authenticated and authorized):
 
-- `GET  {base_url}overmind/state`: the daemon's state for the panel (see `state.panel_state`), or
+- `GET  {base_url}overmind/state`: the daemon's state for the panel (`view.state_view`), or
   `{"state": "down", "message": ..., "home": ...}` when no daemon runs (a 200: Note [No daemon is a
   state] in `handlers.py`).
 - `POST {base_url}overmind/evict` with `{"key": KEY}` (a key or a unique prefix) or `{"all": true}`:

@@ -10,14 +10,11 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 from kernel_server.formats import kernel_name
-from kernel_server.payloads import StatusReply, UnitsSnapshot
 
-from ..view import state_view, units_state
-
-__all__ = ["Names", "ServerKernel", "down_state", "panel_state"]
+__all__ = ["Names", "ServerKernel", "down_state"]
 
 # How a preload's worker process labels itself (overmind_jupyter/worker.py).
 _PRELOAD = re.compile(r"preload for pid (\d+)")
@@ -74,14 +71,6 @@ class Names:
             if kernel is not None and kernel.path:  # a preload's worker, for one of this server's kernels
                 out["name"] = f"preload for {kernel.path}"
         return out
-
-
-def panel_state(status: Mapping[str, Any], own_conn: int | None = None, names: Names | None = None) -> dict[str, Any]:
-    """The name the notebook widgets call the view by until they call `view.state_view` themselves
-    (widgets/cache.state_of); the units bar passes the ledger's snapshot alone, as `{"units": snapshot}`."""
-    if "daemon" not in status:
-        return units_state(cast(UnitsSnapshot, status["units"]))
-    return state_view(cast(StatusReply, status), names=names, own_conn=own_conn)
 
 
 def down_state(home: str, message: str) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """The cache table: what the daemon holds, who uses it, an evict button per entry, and the calls that fell back.
 
 `CacheTable` shows the side panel's state of the daemon (`state_of`: the shape of labextension/src/api.ts
-`IPanelState`, made by the panel's own Python) and a few facts only this kernel knows (`local_facts`). Its
+`IPanelState`, made by overmind_jupyter/view.py) and a few facts only this kernel knows (`local_facts`). Its
 view is labextension/src/widgets/cache.ts, which draws the panel's memory and time-saved charts with the
 panel's own code (charts.ts), bundled into widgets/static/cache.js (see widgets/live.py).
 """
@@ -11,11 +11,14 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import traitlets
 
 from .live import LiveView, frontend, run_action
+
+if TYPE_CHECKING:
+    from kernel_server.payloads import StatusReply
 
 __all__ = ["CacheTable", "fetch_status", "local_facts", "open_gates", "state_of"]
 
@@ -55,15 +58,15 @@ def open_gates() -> list[dict[str, Any]]:
     return out
 
 
-def state_of(daemon: dict[str, Any] | None) -> dict[str, Any]:
+def state_of(daemon: dict[str, Any] | None, my_conn: int | None = None) -> dict[str, Any]:
     """The side panel's state (api.ts `IPanelState`) of the daemon's status reply, or {} without a daemon:
-    what the widgets' front end draws, with the panel's code. Connections are named as the CLI names them
-    (no Jupyter server's sessions here)."""
+    `view.state_view`, named as the CLI names connections (no Jupyter server's sessions here), with
+    `my_conn`'s connections marked `mine`."""
     if daemon is None:
         return {}
-    from ..server.state import panel_state
+    from ..view import state_view
 
-    return panel_state(daemon)
+    return state_view(cast("StatusReply", daemon), my_conn=my_conn)
 
 
 def local_facts(snapshot: dict[str, Any], my_conn: int | None = None) -> dict[str, Any]:
@@ -133,8 +136,9 @@ class CacheTable(LiveView):
                 return
             client = existing_shared_client()
             self.error = ""
-            self.state = state_of(snapshot.get("daemon"))
-            self.local = local_facts(snapshot, client.conn_id if client is not None else None)
+            my_conn = client.conn_id if client is not None else None
+            self.state = state_of(snapshot.get("daemon"), my_conn)
+            self.local = local_facts(snapshot, my_conn)
 
     def on_event(self, event: str, content: dict[str, Any]) -> None:
         if event == "evict" and isinstance(content.get("key"), str):

@@ -2,20 +2,21 @@
 
 It reads either `overmind_jupyter.units.state()` (what `%overmind units` shows: the ledger as this kernel
 sees it, with its devices registered) or the `units` part of the daemon's status (inside `%overmind status`,
-which registers nothing), and shows either as the side panel's state (`cache.state_of`, whose `units` the
-view draws). Its view is labextension/src/widgets/units.ts, bundled into widgets/static/units.js (see
-widgets/live.py).
+which registers nothing), and shows either as `view.units_state` makes it: the side panel's `units`. Its
+view is labextension/src/widgets/units.ts, bundled into widgets/static/units.js (see widgets/live.py).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import traitlets
 
-from .cache import state_of
 from .live import LiveView, frontend, with_text
+
+if TYPE_CHECKING:
+    from kernel_server.payloads import UnitsSnapshot
 
 __all__ = ["UnitsBar", "fetch_units", "local_facts"]
 
@@ -32,25 +33,19 @@ def fetch_units() -> dict[str, Any]:
     return units.state()
 
 
-def local_facts(raw: dict[str, Any] | None) -> dict[str, Any]:
-    """What the units bar shows besides the side panel's state (the `local` trait): this kernel's pid (its
-    holdings say "(this kernel)"), and the ledger's settings the panel's state leaves out.
-
-    Args:
-        raw: `units.state()`, or the `units` of the daemon's status reply (None: the daemon has no ledger).
-    """
-    raw = raw or {}
-    return {"pid": os.getpid(), "fake_gpus": str(raw.get("fake_gpus") or ""),
-            "reserve_gib": float(raw.get("reserve_gib") or 0.0)}
+def local_facts() -> dict[str, Any]:
+    """What the units bar shows besides the ledger's view (the `local` trait): this kernel's pid, whose
+    holdings say "(this kernel)"."""
+    return {"pid": os.getpid()}
 
 
 class UnitsBar(LiveView):
     """GPU units per device: a bar each, a segment per holder (busy solid, idle hatched), "simulated" on
     simulated devices.
 
-    Traits (synced, read-only for the frontend): `state` (the side panel's state of a status reply holding
-    the ledger's snapshot: its `units` and `texts.unit_bytes` are drawn; {} before the first snapshot),
-    `local` (see `local_facts`), `error` (why the ledger could not be read).
+    Traits (synced, read-only for the frontend): `state` (`view.units_state` of the ledger's snapshot: the
+    side panel's `units` and `texts.unit_bytes`; {} before the first snapshot), `local` (see
+    `local_facts`), `error` (why the ledger could not be read).
 
     Args:
         live: subscribe to the "units" feed (`units.state()`) itself; a `StatusPanel` feeds its bar from
@@ -83,5 +78,11 @@ class UnitsBar(LiveView):
                 return
             self._last = snapshot
             self.error = ""
-            self.state = state_of({"units": snapshot})
-            self.local = local_facts(snapshot)
+            from kernel_server.client import existing_shared_client
+
+            from ..view import units_state
+
+            client = existing_shared_client()
+            self.state = units_state(cast("UnitsSnapshot", snapshot),
+                                     my_conn=client.conn_id if client is not None else None) if snapshot else {}
+            self.local = local_facts()

@@ -120,6 +120,15 @@ function entryRow(model: IModel, entry: IMetaEntry, local: ILocal): HTMLElement 
       {},
       h('div', {}, h('span', { class: 'om-title' }, cls), ' ', h('span', { 'data-testid': 'overmind-widget-model' }, name)),
       h('div', { class: 'om-muted om-mono' }, path && path !== name ? `${path} - ` : '', entry.key.slice(0, 12)),
+      h(
+        'div',
+        {
+          class: 'om-muted',
+          'data-testid': 'overmind-widget-miss',
+          title: 'What its first load cost: the load itself, and the caching around it'
+        },
+        `cached in ${entry.miss_text}`
+      ),
       pending
         ? h('div', { class: 'om-muted', 'data-testid': 'overmind-widget-pending' }, progressBar(pendingPercent), ' ', pending.text)
         : null,

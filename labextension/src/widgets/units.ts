@@ -3,16 +3,16 @@
  * `UnitsBar`): a bar per device, a segment per holder (busy solid, idle hatched, this kernel's outlined),
  * and the panel's chart of units over time, from the samples this view saw.
  *
- * It draws the side panel's state (`state`: api.ts `IPanelState`, of which it reads `units` and `texts`)
- * and `local`: this kernel's pid, and the ledger's settings the panel's state leaves out.
+ * It draws `view.units_state` (the `state` trait: the side panel's `units` and `texts.unit_bytes`)
+ * and `local`: this kernel's pid.
  */
 
-import type { IDevice, IUnitHolder } from '../api';
+import type { IDevice, IPanelState, IUnitHolder } from '../api';
 import { unitsChart } from '../charts';
 import { Child, h, nameOf } from '../dom';
 import type { IUnitSample } from '../model';
 import type { IModel, IRenderProps, IWidgetModule } from './anywidget';
-import { live, stateOf } from './live';
+import { live } from './live';
 import './units.css';
 
 /** Samples of units in use kept for the chart, as the panel keeps (model.ts). */
@@ -22,20 +22,28 @@ const UNIT_SAMPLES = 150;
 interface ILocal {
   /** This kernel's pid: its holdings say "(this kernel)". */
   pid?: number;
-  /** OVERMIND_FAKE_GPUS of the daemon's ledger ('' with real devices). */
-  fake_gpus?: string;
-  /** GiB of each device the ledger keeps out of its units. */
-  reserve_gib?: number;
 }
 
 function mine(holder: IUnitHolder, local: ILocal): boolean {
-  return holder.pid !== null && holder.pid === local.pid;
+  return holder.mine === true || (holder.pid !== null && holder.pid === local.pid);
+}
+
+/** Busy, or idle for how long, and whether the ledger asked for the units back. */
+function holderState(x: IUnitHolder): Child[] {
+  return [
+    x.busy ? h('b', {}, 'busy') : x.busy === null ? '' : `idle ${x.idle_text}`.trim(),
+    x.release_requested
+      ? h('span', { class: 'om-asked', 'data-testid': 'overmind-widget-asked' }, ' · asked to release')
+      : null
+  ];
 }
 
 function holderTitle(x: IUnitHolder, local: ILocal): string {
   const who = mine(x, local) ? `this kernel (${nameOf({ ...x, label: x.kernel, pid: x.pid ?? 0 })})` : nameOf({ ...x, label: x.kernel, pid: x.pid ?? 0 });
   const units = x.units ?? 0;
-  return `${x.label || 'a model'}: ${units} ${units === 1 ? 'unit' : 'units'}, ${who}, ${x.busy ? 'busy' : 'idle'}`;
+  const state = x.busy ? 'busy' : `idle ${x.idle_text}`.trim();
+  const asked = x.release_requested ? ', asked to release' : '';
+  return `${x.label || 'a model'}: ${units} ${units === 1 ? 'unit' : 'units'}, ${who}, ${state}${asked}`;
 }
 
 function deviceBlock(d: IDevice, local: ILocal): HTMLElement {
@@ -71,7 +79,7 @@ function deviceBlock(d: IDevice, local: ILocal): HTMLElement {
         nameOf({ ...x, label: x.kernel, pid: x.pid ?? 0 }),
         mine(x, local) ? h('b', {}, ' (this kernel)') : null
       ),
-      h('td', {}, x.busy ? h('b', {}, 'busy') : x.busy === null ? '' : 'idle')
+      h('td', { 'data-testid': 'overmind-widget-holder-state' }, ...holderState(x))
     )
   );
   return h(
@@ -84,7 +92,8 @@ function deviceBlock(d: IDevice, local: ILocal): HTMLElement {
       d.simulated
         ? h('span', { class: 'om-sim', 'data-testid': 'overmind-widget-simulated' }, 'simulated')
         : h('span', { class: 'om-muted' }, d.model),
-      h('span', {}, `${d.used} of ${d.total} units used, ${d.free} free`)
+      h('span', {}, `${d.used} of ${d.total} units used, ${d.free} free`),
+      d.total_text ? h('span', { class: 'om-muted' }, `(${d.total_text} on the device)`) : null
     ),
     h('div', { class: 'om-bar' }, ...segments),
     rows.length
@@ -94,12 +103,15 @@ function deviceBlock(d: IDevice, local: ILocal): HTMLElement {
 }
 
 function draw(model: IModel, root: HTMLElement, samples: IUnitSample[]): void {
-  const state = stateOf(model);
+  // view.units_state: the panel's `units` and the text of a unit ({} before the first snapshot)
+  const state: (Pick<IPanelState, 'units'> & { texts: { unit_bytes: string } }) | null = model.get('state')?.units
+    ? model.get('state')
+    : null;
   const local: ILocal = model.get('local') || {};
   const error: string = model.get('error');
   const units = state?.units ?? null;
   const devices = units?.devices ?? [];
-  const reserve = local.reserve_gib ? `, ${local.reserve_gib} GiB of each device reserved` : '';
+  const reserve = units?.reserve_gib ? `, ${units.reserve_gib} GiB of each device reserved` : '';
   const parts: Child[] = [
     h(
       'div',
@@ -110,7 +122,7 @@ function draw(model: IModel, root: HTMLElement, samples: IUnitSample[]): void {
         h(
           'span',
           { class: 'om-sim' },
-          `simulated devices${local.fake_gpus ? ` (OVERMIND_FAKE_GPUS=${local.fake_gpus})` : ''}`
+          `simulated devices${units.fake_gpus ? ` (OVERMIND_FAKE_GPUS=${units.fake_gpus})` : ''}`
         ),
       h(
         'span',
@@ -142,8 +154,20 @@ function draw(model: IModel, root: HTMLElement, samples: IUnitSample[]): void {
     parts.push(
       h(
         'div',
-        { 'data-testid': 'overmind-widget-waiter' },
-        `${units.waiting} ${units.waiting === 1 ? 'request' : 'requests'} waiting for units`
+        { class: 'om-waiters', 'data-testid': 'overmind-widget-waiters' },
+        `${units.waiting} ${units.waiting === 1 ? 'request' : 'requests'} waiting for units:`,
+        h(
+          'ul',
+          { class: 'om-list' },
+          ...units.waiters.map(w =>
+            h(
+              'li',
+              { 'data-testid': 'overmind-widget-waiter', title: w.detail },
+              `${w.label || 'a model'}: ${w.units} ${w.units === 1 ? 'unit' : 'units'} on ${w.devices.join(' or ')}, `,
+              `by ${w.name}, waiting ${w.waited_text}`
+            )
+          )
+        )
       )
     );
   }
