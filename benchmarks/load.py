@@ -23,6 +23,7 @@ their total PSS, plain against overmind.
     .venv/bin/python benchmarks/load.py --hit-calls --quick   # the same, 0.1B model, 8 calls a variant
     .venv/bin/python benchmarks/load.py --miss          # plain, miss, hit: wall, CPU, minor faults (issue 39)
     .venv/bin/python benchmarks/load.py --miss 1.1b:float32 --repeat 1
+    .venv/bin/python benchmarks/load.py --pss --repeat 3   # PSS of 3 kernels holding the 1.1B fp32 from the cache
 
 --hit-calls times only the first `from_pretrained` hit of a fresh process, after `enable()` (as in a kernel
 that ran `%load_ext overmind_jupyter` and `%overmind on`), --calls processes per variant, median, p90 and max,
@@ -510,6 +511,94 @@ def pss_study(path: Path, env: dict[str, str]) -> dict:
     return results
 
 
+def held_pss(spec: dict, env: dict[str, str], count: int) -> dict:
+    """`count` processes that each load `spec` and run a forward, all held at once: the growth of their
+    total PSS and private memory from before any of them loaded, once the pages their hits populate
+    in the background are mapped (the total stops changing)."""
+    procs = []
+    try:
+        for _ in range(count):
+            p = subprocess.Popen([sys.executable, __file__, "--child", json.dumps(spec | {"hold": True})], env=env,
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            assert p.stdout.readline().strip() == "imported"
+            procs.append(p)
+        before = [rollup(p.pid) for p in procs]
+        results = []
+        for p in procs:  # one after the other
+            p.stdin.write("go\n")
+            p.stdin.flush()
+            results.append(json.loads(p.stdout.readline()))
+        last, t0 = -1, time.perf_counter()
+        while time.perf_counter() - t0 < 60:
+            time.sleep(0.5)
+            now = sum(rollup(p.pid)["Pss"] for p in procs)
+            if abs(now - last) < 1 << 20:
+                break
+            last = now
+        after = [rollup(p.pid) for p in procs]
+        growth = {f: sum(a.get(f, 0) - b.get(f, 0) for a, b in zip(after, before, strict=True))
+                  for f in ("Pss", "Rss", "Private_Clean", "Private_Dirty", "Anonymous")}
+        return growth | {"checksum": results[0]["checksum"], "fallbacks": [f for r in results for f in r["fallbacks"]]}
+    finally:
+        for p in procs:
+            p.stdin.close()
+            p.wait()
+
+
+def rollup(pid: int) -> dict[str, int]:
+    fields = {}
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 3 and parts[-1] == "kB":
+                fields[parts[0].rstrip(":")] = int(parts[1]) * 1024
+    return fields
+
+
+def pss_rounds(size: str, dtype: str, env: dict[str, str], repeat: int, before_tree: str | None) -> dict:
+    """--pss: in rounds, one plain process holding the model (one copy), then a miss (in its own process,
+    which exits), then three processes holding the model from the cache at once (and, with
+    --before-tree, three more running that checkout's overmind_jupyter); the PSS each group adds, and
+    the entry's arena (memory the daemon holds, counted in no kernel's PSS while unmapped)."""
+    path = build([size], torch_files=False)[size]
+    for file in path.glob("*.safetensors"):
+        read_through(file)
+    base = {"model": str(path), "dtype": dtype}
+    groups = {"plain x1": (base | {"case": "plain"}, env, 1), "hits x3": (base | {"case": "hit"}, env, 3)}
+    if before_tree:
+        groups["hits x3, before"] = (base | {"case": "hit"}, env | {"PYTHONPATH": before_tree}, 3)
+    runs: dict[str, list[dict]] = {name: [] for name in groups}
+    for _ in range(repeat):
+        daemon(env, "evict", "--all")
+        settle()
+        runs["plain x1"].append(held_pss(*groups["plain x1"]))
+        settle()
+        run_child(base | {"case": "miss"}, env)
+        wait_compacted(env)
+        arena_bytes = sum(e["arena_bytes"] for e in json.loads(daemon(env, "ls", "--json"))["entries"])
+        for name in groups:
+            if name != "plain x1":
+                settle()
+                runs[name].append(held_pss(*groups[name]) | {"arena": arena_bytes})
+    daemon(env, "evict", "--all")
+    out = {"model": f"{size} {dtype}", "one_copy": model_bytes(path, dtype), "groups": {}}
+    for name, rs in runs.items():
+        out["groups"][name] = {f: statistics.median(r[f] for r in rs) for f in rs[0] if isinstance(rs[0][f], int)}
+        out["groups"][name]["runs"] = rs
+    return out
+
+
+def print_pss(report: dict) -> None:
+    one, plain = report["one_copy"], report["groups"]["plain x1"]["Pss"]
+    print(f"{report['model']}: the model's bytes {one / 2**20:.0f} MiB; medians of the PSS each group adds")
+    print(f"{'group':18} {'PSS MiB':>9} {'x plain PSS':>12} {'x model':>8} {'private MiB':>12} {'arena MiB':>10}")
+    for name, g in report["groups"].items():
+        private = g["Private_Clean"] + g["Private_Dirty"]
+        arena = f"{g['arena'] / 2**20:10.0f}" if "arena" in g else f"{'':>10}"
+        print(f"{name:18} {g['Pss'] / 2**20:9.0f} {g['Pss'] / plain:12.3f} {g['Pss'] / one:8.3f} "
+              f"{private / 2**20:12.0f} {arena}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--child")
@@ -528,6 +617,9 @@ def main() -> None:
                         help="the 0.1B model only (with --hit-calls: and 8 calls a variant)")
     parser.add_argument("--miss", nargs="?", const=MISS_CASES, metavar="SIZE:DTYPE,...",
                         help=f"plain, miss and hit with CPU time and minor faults (default {MISS_CASES})")
+    parser.add_argument("--pss", nargs="?", const="1.1b:float32", metavar="SIZE:DTYPE",
+                        help="PSS of three kernels holding the model from the cache, against one plain copy")
+    parser.add_argument("--before-tree", help="--pss: also three hits with this checkout's overmind_jupyter")
     parser.add_argument("--fork-parent", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -550,6 +642,16 @@ def main() -> None:
     home = tempfile.mkdtemp(prefix="om-bench-")
     env = dict(os.environ, OVERMIND_HOME=home, PYTHONWARNINGS="ignore", TRANSFORMERS_VERBOSITY="error",
                HF_HUB_OFFLINE="1")
+    if args.pss:
+        size, dtype = args.pss.split(":")
+        try:
+            daemon(env, "start")
+            pss_report = pss_rounds(size, dtype, env, args.repeat, args.before_tree)
+        finally:
+            daemon(env, "stop")
+        (OUT / "load_pss.json").write_text(json.dumps(pss_report, indent=2))
+        print_pss(pss_report)
+        return
     if args.miss:
         cases = [tuple(case.split(":")) for case in args.miss.split(",")]
         try:

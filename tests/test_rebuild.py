@@ -728,3 +728,71 @@ def test_the_graphs_globals_come_from_their_modules_and_pickle_imports_the_other
                 "overmind_jupyter.rebuild"} & set(out["imported"]), out["imported"]
     assert {"late_module.Block", "late_module.Block.Part", "torch.nn.modules.linear.Identity",
             "collections.OrderedDict"} <= set(out["found"]), out["found"]
+
+
+PRESENT_PAGES = """
+    def present(address, nbytes):
+        page = os.sysconf("SC_PAGE_SIZE")
+        first, last = address // page, (address + nbytes - 1) // page + 1
+        with open("/proc/self/pagemap", "rb", buffering=0) as f:
+            raw = os.pread(f.fileno(), (last - first) * 8, first * 8)
+        flags = torch.frombuffer(bytearray(raw), dtype=torch.int64)
+        return int(((flags >> 63) & 1).sum()), last - first
+"""
+
+
+def test_a_hit_maps_no_page_of_an_embedding_table_that_no_forward_read(env: dict[str, str],
+                                                                       models_dir: Path) -> None:
+    """A hit's populate thread maps the whole output layer ahead of the first forward, but of the input
+    embedding table (untied: the forward reads only its tokens' rows) only what the forward read, so
+    that kernels holding the model count no more of it in their RSS and PSS (Note [Populate what a
+    forward reads] in rebuild.py)."""
+    from overmind_jupyter.demo_models import build_llama
+
+    path = build_llama(models_dir / "wide-vocab-llama", "tiny", vocab_size=32000, hidden_size=128,
+                       intermediate_size=256, tie_word_embeddings=False)
+    code = f"""
+        import json, os, time, torch
+        from transformers import AutoModelForCausalLM
+        from overmind_jupyter import loading
+        {textwrap.indent(PRESENT_PAGES, " " * 8).strip()}
+        m = loading.cached(AutoModelForCausalLM.from_pretrained, {str(path)!r}, dtype=torch.float32)
+        with torch.no_grad():
+            m(torch.arange(8)[None])
+        head, table = m.lm_head.weight, m.model.embed_tokens.weight
+        span = lambda t: (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        deadline = time.monotonic() + 60
+        while present(*span(head))[0] < present(*span(head))[1] and time.monotonic() < deadline:
+            time.sleep(0.05)  # until the populate thread has mapped the output layer
+        time.sleep(0.2)
+        print(json.dumps({{"head": present(*span(head)), "table": present(*span(table)),
+                           "calls": loading.calls(), "fallbacks": loading.fallbacks()}}))
+    """
+    miss = last_json(run_py(code, env=env))
+    hit = last_json(run_py(code, env=env))
+    assert miss["calls"] == {"miss": 1} and hit["calls"] == {"hit": 1}, (miss, hit)
+    assert not miss["fallbacks"] and not hit["fallbacks"]
+    assert hit["head"][0] == hit["head"][1], f"the populate thread left the output layer unmapped: {hit}"
+    mapped, pages = hit["table"]
+    assert pages > 1000 and mapped < 0.25 * pages, f"{mapped} of the table's {pages} pages mapped: {hit}"
+
+
+def test_only_untied_embedding_tables_are_left_to_the_forward(models_dir: Path) -> None:
+    """What the populate thread leaves out: an input embedding table; one tied to the output layer is
+    read whole by every forward, and is mapped ahead as the rest."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from overmind_jupyter.demo_models import LLAMA_SIZES
+
+    for tied in (False, True):
+        model = LlamaForCausalLM(LlamaConfig(**LLAMA_SIZES["tiny"], tie_word_embeddings=tied))
+        table = model.model.embed_tokens.weight.untyped_storage()
+        expected = [] if tied else [(table.data_ptr(), table.nbytes())]
+        assert rebuild._sparse_tables(model) == expected, tied
+        assert rebuild._sparse_tables((model, [], None)) == expected, "as a hit's graph holds it"
+    assert rebuild._sparse_tables({"not": "a module"}) == []
+    page = arena.PAGE
+    spans = [(0, 10 * page), (20 * page, 10 * page)]
+    assert rebuild._without(spans, [(2 * page + 1, 4 * page)]) == [(0, 3 * page), (6 * page, 4 * page),
+                                                                    (20 * page, 10 * page)]
+    assert rebuild._without(spans, [(5 * page, 20 * page)]) == [(0, 5 * page), (25 * page, 5 * page)]
