@@ -332,3 +332,37 @@ def test_status_widget_and_cli_show_the_copy_left_with_its_model_percent_and_tim
     assert "copying" not in format_status(overmind_jupyter.status())
     del model
     client.close()
+
+
+def test_written_pages_are_found_alike_by_the_scan_and_by_reading_pagemap(tmp_path: Path) -> None:
+    """A piece must be unwritten bytes of its file (Note [Atomic miss]): the pages this process wrote in
+    a private mapping of a file are found by PAGEMAP_SCAN as by pagemap's entries (Note [Finding written
+    pages] in mappings.py), read pages are not written ones, and a write anywhere in a range is seen."""
+    import mmap
+
+    from kernel_server.arena import PAGE
+    from overmind_jupyter import mappings
+
+    file = tmp_path / "weights.bin"
+    file.write_bytes(os.urandom(64 * PAGE))
+    with open(file, "r+b") as f:
+        m = mmap.mmap(f.fileno(), 64 * PAGE, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    t = torch.frombuffer(m, dtype=torch.uint8)
+    start = t.data_ptr()
+    end = start + 64 * PAGE
+    float(t[::PAGE].sum())  # every page read: present, still the file's
+    for page in (3, 4, 20, 63):
+        t[page * PAGE + 100] += 1  # copied on write
+    probes = [(page * PAGE + at, n) for page in range(64) for at, n in ((0, 1), (PAGE - 1, 2), (5, 3 * PAGE))
+              if page * PAGE + at + n <= 64 * PAGE]
+    scanned = mappings.WrittenPages()
+    answers = [scanned.any(start, end, start + at, n) for at, n in probes]
+    expected = [any(p * PAGE < at + n and at < (p + 1) * PAGE for p in (3, 4, 20, 63)) for at, n in probes]
+    assert answers == expected
+    with open("/proc/self/pagemap", "rb", buffering=0) as pagemap:
+        sums = mappings.WrittenPages._read_sums(pagemap.fileno(), start, end)
+    assert [bool(sums[(at + n - 1) // PAGE + 1] - sums[at // PAGE]) for at, n in probes] == expected
+    release = tuple(int(x) for x in os.uname().release.split(".")[:2])
+    assert mappings._scan_works or release < (6, 7), "this kernel has PAGEMAP_SCAN: the scan answered"
+    del t
+    m.close()
