@@ -23,7 +23,8 @@ their total PSS, plain against overmind.
     .venv/bin/python benchmarks/load.py --hit-calls --quick   # the same, 0.1B model, 8 calls a variant
     .venv/bin/python benchmarks/load.py --miss          # plain, miss, hit: wall, CPU, minor faults (issue 39)
     .venv/bin/python benchmarks/load.py --miss 1.1b:float32 --repeat 1
-    .venv/bin/python benchmarks/load.py --pss --repeat 3   # PSS of 3 kernels holding the 1.1B fp32 from the cache
+    .venv/bin/python benchmarks/load.py --pss --pss-table --repeat 3   # 3 kernels' PSS, the 1.1B fp32 cached
+    .venv/bin/python benchmarks/load.py --miss 1.1b:bfloat16 --before-tree /tmp/old   # and an old checkout's miss
 
 --hit-calls times only the first `from_pretrained` hit of a fresh process, after `enable()` (as in a kernel
 that ran `%load_ext overmind_jupyter` and `%overmind on`), --calls processes per variant, median, p90 and max,
@@ -120,11 +121,17 @@ def child(spec: dict) -> None:
         "rss_growth": after["Rss"] - before["Rss"],
         "checksum": float(logits.double().sum()),
         "fallbacks": loading.fallbacks(),
+        "code": str(Path(loading.__file__).parent.parent),
     }
     if spec["case"] in ("hit", "miss") and rebuild.entry_of(model.lm_head.weight.data_ptr()) is None:
         raise RuntimeError(f"the {spec['case']}'s model does not lie in the store's entry")
     if spec["case"] == "hit" and loading.calls() != {"hit": 1}:
         raise RuntimeError(f"the hit case was not a hit: {loading.calls()}")
+    if spec.get("populate_table"):  # as hits did before Note [Populate what a forward reads] (rebuild.py)
+        from kernel_server import arena
+
+        table = model.get_input_embeddings().weight.untyped_storage()
+        arena.populate(table.data_ptr(), table.nbytes(), background=False)
     if spec["case"] == "miss":
         # ready: when the entry serves the next kernel. It is published before the call returns, so
         # this is the call's time, unless the daemon does not list it (then the run fails).
@@ -440,6 +447,7 @@ def summarize(runs: list[dict]) -> dict:
         f for f in ("published", "compacted", "cpu", "minflt") if f in runs[0]]
     summary = {f: median_of(runs, f) for f in fields}
     summary["checksum"] = runs[0]["checksum"]
+    summary["code"] = sorted({r.get("code", "") for r in runs})
     if "made" in runs[0]:
         summary["made"] = runs[0]["made"]
     summary["fallbacks"] = [f for r in runs for f in r["fallbacks"]]
@@ -555,18 +563,19 @@ def rollup(pid: int) -> dict[str, int]:
     return fields
 
 
-def pss_rounds(size: str, dtype: str, env: dict[str, str], repeat: int, before_tree: str | None) -> dict:
+def pss_rounds(size: str, dtype: str, env: dict[str, str], repeat: int, table: bool) -> dict:
     """--pss: in rounds, one plain process holding the model (one copy), then a miss (in its own process,
     which exits), then three processes holding the model from the cache at once (and, with
-    --before-tree, three more running that checkout's overmind_jupyter); the PSS each group adds, and
-    the entry's arena (memory the daemon holds, counted in no kernel's PSS while unmapped)."""
+    --pss-table, three more that also map the whole input embedding table, as every hit did before
+    Note [Populate what a forward reads] in rebuild.py); the PSS each group adds, and the entry's arena
+    (memory the daemon holds, counted in no kernel's PSS while unmapped)."""
     path = build([size], torch_files=False)[size]
     for file in path.glob("*.safetensors"):
         read_through(file)
     base = {"model": str(path), "dtype": dtype}
     groups = {"plain x1": (base | {"case": "plain"}, env, 1), "hits x3": (base | {"case": "hit"}, env, 3)}
-    if before_tree:
-        groups["hits x3, before"] = (base | {"case": "hit"}, env | {"PYTHONPATH": before_tree}, 3)
+    if table:
+        groups["hits x3, table populated"] = (base | {"case": "hit", "populate_table": True}, env, 3)
     runs: dict[str, list[dict]] = {name: [] for name in groups}
     for _ in range(repeat):
         daemon(env, "evict", "--all")
@@ -591,11 +600,11 @@ def pss_rounds(size: str, dtype: str, env: dict[str, str], repeat: int, before_t
 def print_pss(report: dict) -> None:
     one, plain = report["one_copy"], report["groups"]["plain x1"]["Pss"]
     print(f"{report['model']}: the model's bytes {one / 2**20:.0f} MiB; medians of the PSS each group adds")
-    print(f"{'group':18} {'PSS MiB':>9} {'x plain PSS':>12} {'x model':>8} {'private MiB':>12} {'arena MiB':>10}")
+    print(f"{'group':26} {'PSS MiB':>9} {'x plain PSS':>12} {'x model':>8} {'private MiB':>12} {'arena MiB':>10}")
     for name, g in report["groups"].items():
         private = g["Private_Clean"] + g["Private_Dirty"]
         arena = f"{g['arena'] / 2**20:10.0f}" if "arena" in g else f"{'':>10}"
-        print(f"{name:18} {g['Pss'] / 2**20:9.0f} {g['Pss'] / plain:12.3f} {g['Pss'] / one:8.3f} "
+        print(f"{name:26} {g['Pss'] / 2**20:9.0f} {g['Pss'] / plain:12.3f} {g['Pss'] / one:8.3f} "
               f"{private / 2**20:12.0f} {arena}")
 
 
@@ -619,7 +628,9 @@ def main() -> None:
                         help=f"plain, miss and hit with CPU time and minor faults (default {MISS_CASES})")
     parser.add_argument("--pss", nargs="?", const="1.1b:float32", metavar="SIZE:DTYPE",
                         help="PSS of three kernels holding the model from the cache, against one plain copy")
-    parser.add_argument("--before-tree", help="--pss: also three hits with this checkout's overmind_jupyter")
+    parser.add_argument("--before-tree", help="--miss: also the miss of the overmind_jupyter at this path")
+    parser.add_argument("--pss-table", action="store_true",
+                        help="--pss: also three hits that map the whole input embedding table, as hits did before")
     parser.add_argument("--fork-parent", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -646,7 +657,7 @@ def main() -> None:
         size, dtype = args.pss.split(":")
         try:
             daemon(env, "start")
-            pss_report = pss_rounds(size, dtype, env, args.repeat, args.before_tree)
+            pss_report = pss_rounds(size, dtype, env, args.repeat, args.pss_table)
         finally:
             daemon(env, "stop")
         (OUT / "load_pss.json").write_text(json.dumps(pss_report, indent=2))
@@ -656,7 +667,7 @@ def main() -> None:
         cases = [tuple(case.split(":")) for case in args.miss.split(",")]
         try:
             daemon(env, "start")
-            rows = miss_study(cases, env, args.repeat)
+            rows = miss_study(cases, env, args.repeat, args.before_tree)
         finally:
             daemon(env, "stop")
         (OUT / "load_miss.json").write_text(json.dumps(rows, indent=2))
@@ -751,23 +762,29 @@ def study(size: str, path: Path, env: dict[str, str], repeat: int) -> dict:
 MISS_CASES = "1.1b:bfloat16,1.1b:float16,1.1b:float32,3b:bfloat16,3b:float32"
 
 
-def miss_study(cases: list[tuple[str, str]], env: dict[str, str], repeat: int) -> dict:
+def miss_study(cases: list[tuple[str, str]], env: dict[str, str], repeat: int,
+               before_tree: str | None = None) -> dict:
     """--miss: plain, miss and hit of each (model, dtype) in rounds, each in a fresh process from an empty
     store (the round's miss publishes its hit's entry), the checkpoint in the page cache: the call's wall
     and CPU time (the process's, all its threads) and minor faults, and how the miss made its entry's
-    bytes (Note [Staged conversions] in overmind_jupyter/staging.py)."""
+    bytes (Note [Staged conversions] in overmind_jupyter/staging.py). With `before_tree`, also the miss of
+    that checkout's overmind_jupyter (another PYTHONPATH), in the same rounds."""
     rows = {}
     for size, dtype in cases:
         path = build([size], torch_files=False)[size]
         base = {"model": str(path), "dtype": dtype}
-        runs: dict[str, list[dict]] = {"plain": [], "miss": [], "hit": []}
+        cases = ("plain", "miss", "hit") + (("miss before",) if before_tree else ())
+        runs: dict[str, list[dict]] = {case: [] for case in cases}
         for file in path.glob("*.safetensors"):
             read_through(file)
         for _ in range(repeat):
-            for case in ("plain", "miss", "hit"):
+            for case in cases:
                 if case != "hit":
                     daemon(env, "evict", "--all")  # plain runs beside no entry: the memory is the machine's
                 settle()
+                if case == "miss before":
+                    runs[case].append(run_child(base | {"case": "miss"}, env | {"PYTHONPATH": before_tree}))
+                    continue
                 runs[case].append(run_child(base | {"case": case}, env))
                 if case == "miss":
                     runs[case][-1]["compacted"] = wait_compacted(env)
@@ -777,7 +794,7 @@ def miss_study(cases: list[tuple[str, str]], env: dict[str, str], repeat: int) -
 
 
 def print_miss_study(rows: dict) -> None:
-    print(f"{'model dtype':18} {'case':6} {'call s':>8} {'CPU s':>8} {'minflt k':>9} {'x plain wall':>13} "
+    print(f"{'model dtype':18} {'case':11} {'call s':>8} {'CPU s':>8} {'minflt k':>9} {'x plain wall':>13} "
           f"{'x plain CPU':>12} {'call+fwd s':>11}  made (MiB staged/copied/pieces)")
     for name, cases in rows.items():
         plain = cases["plain"]
@@ -785,9 +802,9 @@ def print_miss_study(rows: dict) -> None:
             made = r.get("made")
             made_text = "/".join(f"{made[k] / 2**20:.0f}" for k in ("staged", "copied", "pieces")) if made else ""
             flag = "  FALLBACK" if r["fallbacks"] else ""
-            print(f"{name:18} {case:6} {r['call']:8.3f} {r['cpu']:8.3f} {r['minflt'] / 1000:9.1f} "
+            print(f"{name:18} {case:11} {r['call']:8.3f} {r['cpu']:8.3f} {r['minflt'] / 1000:9.1f} "
                   f"{r['call'] / plain['call']:13.3f} {r['cpu'] / plain['cpu']:12.3f} {r['first']:11.3f}  "
-                  f"{made_text}{flag}")
+                  f"{made_text}{flag}  {','.join(r['code'])}")
 
 
 def arena_study(path: Path, env: dict[str, str], repeat: int) -> dict:
