@@ -285,28 +285,33 @@ class FileMapping:
 
 
 class ProcessMaps:
-    """/proc/self/maps, read once: which file (if any) backs an address."""
+    """/proc/self/maps, read once: which file (if any) backs an address. A line is parsed only when an
+    address falls in it (a process with torch imported has a few thousand lines, a miss asks of tens)."""
 
     def __init__(self) -> None:
-        self._starts: list[int] = []
-        self._maps: list[FileMapping] = []
         with open("/proc/self/maps") as f:
-            for line in f:
-                fields = line.split(maxsplit=5)
-                if len(fields) < 6 or fields[4] == "0":
-                    continue
-                lo, hi = (int(x, 16) for x in fields[0].split("-"))
-                major, minor = (int(x, 16) for x in fields[3].split(":"))
-                self._starts.append(lo)
-                self._maps.append(FileMapping(lo, hi, int(fields[2], 16), os.makedev(major, minor), int(fields[4]),
-                                              fields[5].rstrip("\n"), fields[1].endswith("p")))
+            self._lines = f.read().splitlines()
+        self._starts = [int(line[:line.index("-")], 16) for line in self._lines]  # sorted, as the kernel lists
+        self._parsed: dict[int, FileMapping | None] = {}
 
     def at(self, address: int) -> FileMapping | None:
         i = bisect.bisect(self._starts, address) - 1
         if i < 0:
             return None
-        m = self._maps[i]
-        return m if m.start <= address < m.end else None
+        if i not in self._parsed:
+            self._parsed[i] = self._parse(self._lines[i])
+        m = self._parsed[i]
+        return m if m is not None and m.start <= address < m.end else None
+
+    @staticmethod
+    def _parse(line: str) -> FileMapping | None:
+        fields = line.split(maxsplit=5)
+        if len(fields) < 6 or fields[4] == "0":
+            return None
+        lo, hi = (int(x, 16) for x in fields[0].split("-"))
+        major, minor = (int(x, 16) for x in fields[3].split(":"))
+        return FileMapping(lo, hi, int(fields[2], 16), os.makedev(major, minor), int(fields[4]), fields[5],
+                           fields[1].endswith("p"))
 
 
 def file_mapping_of(maps: ProcessMaps, written: WrittenPages, address: int, nbytes: int) -> FileMapping | None:
