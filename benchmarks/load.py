@@ -783,7 +783,7 @@ def miss_study(cases: list[tuple[str, str]], env: dict[str, str], repeat: int,
                     daemon(env, "evict", "--all")  # plain runs beside no entry: the memory is the machine's
                 settle()
                 if case == "miss before":
-                    runs[case].append(run_child(base | {"case": "miss"}, env | {"PYTHONPATH": before_tree}))
+                    runs[case].append(run_child(base | {"case": "miss"}, env | {"OVERMIND_BENCH_TREE": before_tree}))
                     continue
                 runs[case].append(run_child(base | {"case": case}, env))
                 if case == "miss":
@@ -859,5 +859,5 @@ def print_report(report: dict) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(REPO))
+    sys.path.insert(0, os.environ.get("OVERMIND_BENCH_TREE") or str(REPO))  # --before-tree: that checkout's code
     main()
