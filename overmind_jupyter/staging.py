@@ -18,6 +18,11 @@ mapping of what was written; publishing only moves those tensors onto the arena'
   write fault per page or folio (0.2-1.7 s for 512 MiB on these VMs against 0.15 s for pwrite, RESULTS.md).
   No writable shared mapping of the arena ever exists in the kernel: a tensor of the load that user code
   keeps outside the result (a `.data` alias) is a private mapping, whose writes stay in this process.
+  Several converting threads writing into the one memfd contend for it: 1 GiB of bf16 -> fp32 by two
+  threads took 0.37 s (0.72 s CPU) into one memfd by pwrite, 0.36-0.41 s through a shared mapping of it,
+  0.23 s (0.44 s CPU) into two memfds, one per thread, and 0.26 s into anonymous memory (the plain load;
+  benchmarks/stage_writes.py, RESULTS.md issue 39). A stage of a memfd per converting thread is the way to
+  the plain load's speed; it needs an entry whose arena is several files, which is not made yet.
 - Which backing: a memfd (shmem), unless the user chose `OVERMIND_ARENA=file`. A file arena on a disk
   filesystem takes the converted gigabytes as dirty page cache, and past the kernel's dirty limits
   (vm.dirty_ratio: 20% of memory) the writer is throttled to the disk's speed: a 1.1B fp32 miss took
