@@ -127,7 +127,7 @@ def child(spec: dict) -> None:
         raise RuntimeError(f"the {spec['case']}'s model does not lie in the store's entry")
     if spec["case"] == "hit" and loading.calls() != {"hit": 1}:
         raise RuntimeError(f"the hit case was not a hit: {loading.calls()}")
-    if spec.get("populate_table"):  # as hits did before Note [Populate what a forward reads] (rebuild.py)
+    if spec.get("populate_table"):  # as hits did before Note [Populate what a forward reads] (populating.py)
         from kernel_server import arena
 
         table = model.get_input_embeddings().weight.untyped_storage()
@@ -567,7 +567,7 @@ def pss_rounds(size: str, dtype: str, env: dict[str, str], repeat: int, table: b
     """--pss: in rounds, one plain process holding the model (one copy), then a miss (in its own process,
     which exits), then three processes holding the model from the cache at once (and, with
     --pss-table, three more that also map the whole input embedding table, as every hit did before
-    Note [Populate what a forward reads] in rebuild.py); the PSS each group adds, and the entry's arena
+    Note [Populate what a forward reads] in populating.py); the PSS each group adds, and the entry's arena
     (memory the daemon holds, counted in no kernel's PSS while unmapped)."""
     path = build([size], torch_files=False)[size]
     for file in path.glob("*.safetensors"):

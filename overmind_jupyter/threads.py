@@ -9,7 +9,7 @@ promises that: transformers loads on the calling thread alone when `HF_DEACTIVAT
   arena is more than one chunk (64 MiB); a fill's cost is the first touch of fresh pages, which two
   threads share (Note [Filling an arena]). A smaller copy runs on the calling thread. Without helpers
   the whole copy runs on the calling thread.
-- the populate thread (rebuild.py): one per hit, ending when the hit's pages are mapped, so that the hit
+- the populate thread (populating.py): one per hit, ending when the hit's pages are mapped, so that the hit
   returns at once and the first forward pass takes no page faults. Without helpers there is none: the
   first forward faults the pages in, on the thread that reads them, as a plain load's copy would.
 - `overmind-unpin` (results.py): one per process, started by the first unpin, because unpins run in

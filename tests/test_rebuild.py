@@ -17,7 +17,7 @@ import torch
 
 from kernel_server import arena
 from kernel_server.client import Client
-from overmind_jupyter import loading, rebuild
+from overmind_jupyter import loading, populating, rebuild
 from overmind_jupyter.errors import FallbackWarning
 from tests.helpers import tiny_modules
 from tests.helpers.snippets import last_json, run_py, start_py
@@ -253,7 +253,7 @@ def test_zero_copy_rebuild_and_private_memory(env: dict[str, str], backing: str,
     code = """
         import json, torch
         from tests.helpers import tiny_modules
-        from overmind_jupyter import loading, rebuild
+        from overmind_jupyter import loading, populating, rebuild
         def anon():
             for line in open("/proc/self/smaps_rollup"):
                 if line.startswith("Anonymous:"):
@@ -788,11 +788,11 @@ def test_only_untied_embedding_tables_are_left_to_the_forward(models_dir: Path) 
         model = LlamaForCausalLM(LlamaConfig(**LLAMA_SIZES["tiny"], tie_word_embeddings=tied))
         table = model.model.embed_tokens.weight.untyped_storage()
         expected = [] if tied else [(table.data_ptr(), table.nbytes())]
-        assert rebuild._sparse_tables(model) == expected, tied
-        assert rebuild._sparse_tables((model, [], None)) == expected, "as a hit's graph holds it"
-    assert rebuild._sparse_tables({"not": "a module"}) == []
+        assert populating._sparse_tables(model) == expected, tied
+        assert populating._sparse_tables((model, [], None)) == expected, "as a hit's graph holds it"
+    assert populating._sparse_tables({"not": "a module"}) == []
     page = arena.PAGE
     spans = [(0, 10 * page), (20 * page, 10 * page)]
-    assert rebuild._without(spans, [(2 * page + 1, 4 * page)]) == [(0, 3 * page), (6 * page, 4 * page),
+    assert populating._without(spans, [(2 * page + 1, 4 * page)]) == [(0, 3 * page), (6 * page, 4 * page),
                                                                     (20 * page, 10 * page)]
-    assert rebuild._without(spans, [(5 * page, 20 * page)]) == [(0, 5 * page), (25 * page, 5 * page)]
+    assert populating._without(spans, [(5 * page, 20 * page)]) == [(0, 5 * page), (25 * page, 5 * page)]

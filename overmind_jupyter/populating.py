@@ -1,0 +1,89 @@
+"""A hit's pages mapped ahead of its first forward: all of them but those no forward reads whole.
+
+`rebuild` calls `populate_ahead` once a hit's graph is rebuilt; one background thread faults the pages in
+(kernel_server/arena.py `populate`), so that the first forward takes no page faults.
+"""
+
+from __future__ import annotations
+
+import _thread
+from typing import Any
+
+import torch
+
+from kernel_server import arena
+
+__all__ = ["populate_ahead"]
+
+
+def populate_ahead(spans: list[tuple[int, int]], result: Any) -> None:
+    """Start one thread that faults in `spans` ((address, bytes) of a hit's mappings), less the input
+    embedding table of `result` (Note [Populate what a forward reads]).
+
+    One thread for all the mappings, started without waiting for it to run: threading's start() waits
+    until the new thread is scheduled, a slice on a loaded machine, on the hit's path.
+    """
+    _thread.start_new_thread(_populate, (_without(spans, _sparse_tables(result)),))
+
+
+def _populate(spans: list[tuple[int, int]]) -> None:
+    """Fault in the pages of a rebuild's mappings ahead of the first forward (arena.populate)."""
+    for address, nbytes in spans:
+        arena.populate(address, nbytes, background=False)
+
+
+# Note [Populate what a forward reads]
+# A hit maps every page of its arenas ahead of the first forward (arena.populate), in one background
+# thread, so that the forward takes no page faults. Every page but those of the input embedding table:
+# a forward reads the rows of its tokens only, and a page mapped is a page counted in the process's RSS
+# and PSS. Three kernels holding a 1.1B fp32 model from the cache each mapped all of its 4.4 GB, the
+# embedding table included (262 MB that no forward reads; benchmarks/RESULTS.md, issue 39). A table read
+# whole elsewhere (tied to the output layer) is mapped as the rest. The table is found by the model's own
+# `get_input_embeddings` and `get_output_embeddings` (transformers' models; about 15 us on the hit's
+# path), not by a walk of the modules (0.5 ms for a 1.1B Llama), and not in the populate thread: a
+# thread inside torch's calls when the interpreter exits aborts the process ("terminate called without
+# an active exception"), which a thread inside madvise does not.
+
+
+def _sparse_tables(obj: Any, depth: int = 2) -> list[tuple[int, int]]:
+    """The (address, bytes) of the input embedding table of `obj` (a transformers model, or one in a
+    tuple, list or dict, as a hit's graph holds its result) when no forward reads it whole (Note
+    [Populate what a forward reads])."""
+    if isinstance(obj, (tuple, list, dict)) and depth:
+        return [t for item in (obj.values() if isinstance(obj, dict) else obj)
+                for t in _sparse_tables(item, depth - 1)]
+    inputs, outputs = getattr(obj, "get_input_embeddings", None), getattr(obj, "get_output_embeddings", None)
+    if not isinstance(obj, torch.nn.Module) or not callable(inputs):
+        return []
+    try:
+        table = inputs()
+        output = outputs() if callable(outputs) else None
+        if not isinstance(table, torch.nn.Embedding) or table.weight.device.type != "cpu":
+            return []
+        storage = table.weight.untyped_storage()
+        read_whole = getattr(output, "weight", None)
+        if isinstance(read_whole, torch.Tensor) and read_whole.untyped_storage().data_ptr() == storage.data_ptr():
+            return []  # tied: the output layer reads all of it
+        return [(storage.data_ptr(), storage.nbytes())]
+    except Exception:  # noqa: BLE001 (a model without them: every page is mapped, as before)
+        return []
+
+
+def _without(spans: list[tuple[int, int]], holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """`spans` less the whole pages of `holes` (both as (address, bytes))."""
+    page = arena.PAGE
+    for hole_at, hole_bytes in holes:
+        start, end = -(-hole_at // page) * page, (hole_at + hole_bytes) // page * page
+        if end <= start:
+            continue
+        kept = []
+        for at, nbytes in spans:
+            if end <= at or at + nbytes <= start:
+                kept.append((at, nbytes))
+                continue
+            if at < start:
+                kept.append((at, start - at))
+            if end < at + nbytes:
+                kept.append((end, at + nbytes - end))
+        spans = kept
+    return spans
