@@ -231,9 +231,8 @@ def _tensors_by_storage(packed: rebuild.Packed) -> dict[int, list[torch.Tensor]]
 def _move(tensors: list[torch.Tensor], storage: torch.UntypedStorage) -> None:
     """Put `tensors` (all of one storage) onto `storage`, which holds the same bytes."""
     with torch.no_grad():
-        for t in tensors:
-            typed = torch.storage.TypedStorage(wrap_storage=storage, dtype=t.dtype, _internal=True)
-            t.set_(typed, t.storage_offset(), t.size(), t.stride())
+        for t in tensors:  # set_ takes the untyped storage itself (the offset in elements of t's dtype)
+            t.set_(storage, t.storage_offset(), t.size(), t.stride())
 
 
 def _move_onto(private: Any, own: rebuild.Own, by_storage: dict[int, list[torch.Tensor]]) -> None:
