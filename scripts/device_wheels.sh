@@ -4,7 +4,7 @@
 # test places a pipeline), and what a warm kernel needs there
 # (ipykernel, jupyter_client, IPython, traitlets and their own needs). The device has torch, transformers,
 # accelerate, peft, safetensors, psutil, pygments, packaging, python-dateutil and typing-extensions already
-# (/work/.library/device/KINDS.md), and no package registry: `benchmarks/gpu_run.sh` installs these with
+# (the device tool's list of the machine's packages), and no package registry: `benchmarks/gpu_run.sh` installs these with
 # `pip install --no-index --no-deps --target /tmp/site .whl/*.whl`.
 #
 # Versions are those of the lock (scripts/locks/py3.*.txt), so the device runs what the suite passed with.

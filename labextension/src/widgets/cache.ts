@@ -38,7 +38,7 @@ interface ILocal {
   enabled?: boolean;
   patched?: number;
   pid?: number;
-  /** This kernel's connection to the daemon: the entries it uses say "(this kernel)". */
+  /** This kernel's connection to the daemon (the state's connections of it carry `mine`). */
   conn?: number | null;
   daemon_error?: string;
   gates?: IGate[];
@@ -77,7 +77,7 @@ function names(entry: IMetaEntry): { cls: string; model: string; path: string } 
   return { cls, model: model || entry.label, path };
 }
 
-function kernelsOf(entry: IEntry, local: ILocal): Child[] {
+function kernelsOf(entry: IEntry): Child[] {
   if (!entry.pinned_by.length) {
     return [h('span', { class: 'om-muted' }, '-')];
   }
@@ -86,7 +86,7 @@ function kernelsOf(entry: IEntry, local: ILocal): Child[] {
       'div',
       { class: 'om-kernel', title: c.detail, 'data-testid': 'overmind-widget-kernel' },
       nameOf(c),
-      local.conn !== null && local.conn !== undefined && c.conn === local.conn ? h('b', {}, ' (this kernel)') : null
+      c.mine ? h('b', {}, ' (this kernel)') : null  // view.state_view marks this kernel's connection
     )
   );
 }
@@ -98,7 +98,7 @@ function progressBar(percent: number | null | undefined): Child {
   return h('progress', { max: '100', value: String(percent) });
 }
 
-function entryRow(model: IModel, entry: IMetaEntry, local: ILocal): HTMLElement {
+function entryRow(model: IModel, entry: IMetaEntry): HTMLElement {
   const { cls, model: name, path } = names(entry);
   const button = h(
     'button',
@@ -140,7 +140,7 @@ function entryRow(model: IModel, entry: IMetaEntry, local: ILocal): HTMLElement 
     h('td', { class: 'om-num' }, entry.bytes_text),
     h('td', { class: 'om-num' }, String(entry.hits)),
     h('td', agoAttrs(entry.last_used), ''),
-    h('td', {}, ...kernelsOf(entry, local)),
+    h('td', {}, ...kernelsOf(entry)),
     h('td', {}, button)
   );
 }
@@ -244,7 +244,7 @@ function draw(model: IModel, root: HTMLElement): void {
             h('th', {}, '')
           )
         ),
-        h('tbody', {}, ...entries.map(e => entryRow(model, e, local)))
+        h('tbody', {}, ...entries.map(e => entryRow(model, e)))
       )
     );
     if (state && state.entries_more > 0) {
