@@ -11,12 +11,13 @@ Operations (JSON requests, see kernel_server/protocol.py; all ids are integers):
   unit_bytes, reserve_gib}`. `id` names the physical device (a CUDA UUID), `name` is how the reporting
   kernel addresses it ("cuda:0"). The first report of an id fixes its capacity. A daemon that simulates
   devices ignores the report and answers with its own.
-- `units_acquire {units, devices: [id] | null, timeout_s: seconds | null, label, busy, context_units}` ->
+- `units_acquire {units, devices: [id] | null, timeout_s: seconds | null, label, busy, context_units, spare}` ->
   answered when granted: `{holding, device, units, context}`; or an error `units_timeout`,
   `units_too_large`, `no_device`, `unknown_device`; or `{status: "cancelled"}`. `devices` lists the
   acceptable devices in order of preference (null: all); the first that fits is taken. A timeout of 0 never
   waits. `context_units` (default 0) are the units of the connection's CUDA context, counted with its first
-  grant on each device (`context`: the units counted with this one; Note [CUDA contexts]).
+  grant on each device (`context`: the units counted with this one; Note [CUDA contexts]). `spare` (default
+  false) marks a holding that is asked to release before any other (Note [Spare holdings]).
 - `units_release {holding}` -> `{released: units}`. `units_touch {holding, busy}` -> `{}`: marks a holding
   busy or idle and makes it the most recently used. `units_cancel {request}` -> `{cancelled, revoked}`:
   withdraws a waiting acquire (it is answered `cancelled`), or gives back the holding an acquire was
@@ -50,6 +51,14 @@ for other devices go ahead. Busy holders are never asked; a holder that turns bu
 is asked again when it turns idle, if the units are still needed. A holder that neither gives its
 units back nor turns busy within `ask_patience` seconds of being asked (a hung kernel) no longer counts
 as making room, and the next idle holder is asked.
+
+# Note [Spare holdings]
+A spare holding is device memory kept for speed alone: the device copier's copies of entries (Note [Device
+copies] in overmind_jupyter/units/copier.py), which make the next kernel's move to the device a copy within
+the device. Its units count like any holding's, so no kernel is granted memory that a copy occupies; but a
+spare holding is always asked to release before any kernel's idle holding, whatever their recency: a copy
+costs the next hit some speed, a kernel's model costs its owner a move. Spare holdings are never busy
+longer than one copy.
 """
 
 from __future__ import annotations
@@ -115,6 +124,7 @@ class Holding:
     last_used: int  # the ledger's tick: higher is more recent
     push: Callable[[str, dict[str, Any]], bool]
     context: bool = False  # the connection's CUDA context on the device (Note [CUDA contexts])
+    spare: bool = False  # asked to release before every other holding (Note [Spare holdings])
     granted: float = field(default_factory=time.time)
     idle_since: float = field(default_factory=time.monotonic)
     asked: float | None = None  # when a release was requested; cleared when it turns busy
@@ -134,6 +144,7 @@ class _Waiter:
     answer: Callable[[dict[str, Any] | RemoteError], Any]
     push: Callable[[str, dict[str, Any]], bool]
     context: int = 0  # units of its CUDA context, counted where it has none yet (Note [CUDA contexts])
+    spare: bool = False  # Note [Spare holdings]
     arrived: float = field(default_factory=time.monotonic)
 
 
@@ -219,7 +230,7 @@ class Ledger:
     def acquire(self, conn: ConnId, pid: int, request_id: int, *, units: int, devices: list[str] | None,
                 timeout: float | None, label: str, busy: bool,
                 answer: Callable[[dict[str, Any] | RemoteError], Any],
-                push: Callable[[str, dict[str, Any]], bool], context: int = 0) -> None:
+                push: Callable[[str, dict[str, Any]], bool], context: int = 0, spare: bool = False) -> None:
         """Queue an acquire; `answer` is called (outside the lock) with the grant or the error, maybe
         before this returns. Raises RemoteError for a request that can never be served."""
         with self._cond:
@@ -234,7 +245,7 @@ class Ledger:
                                                     f"{self._known()}")
             now = self._clock()
             waiter = _Waiter(conn, pid, request_id, list(dict.fromkeys(names)), units, label, busy,
-                             None if timeout is None else now + timeout, timeout, answer, push, context, now)
+                             None if timeout is None else now + timeout, timeout, answer, push, context, spare, now)
             if all(self._need(waiter, d) > self._devices[d].capacity for d in waiter.devices):
                 raise RemoteError("units_too_large", self._too_large(waiter))
             self._waiters.append(waiter)
@@ -333,6 +344,7 @@ class Ledger:
                         "label": h.label, "model": h.label, "units": h.units,
                         "busy": h.busy, "idle_s": None if h.busy else round(mono - h.idle_since, 3),
                         "granted": h.granted, "release_requested": h.asked is not None, "context": h.context,
+                        "spare": h.spare,
                     } for h in holders],
                 })
             waiters: list[UnitsWaiter] = [
@@ -391,7 +403,8 @@ class Ledger:
 
     def _ask(self, device: str, w: _Waiter) -> list[Effect]:
         dev = self._devices[device]
-        idle = sorted((h for h in dev.holdings.values() if not h.busy), key=lambda h: h.last_used)
+        # spare holdings first (Note [Spare holdings]), then least recently used first
+        idle = sorted((h for h in dev.holdings.values() if not h.busy), key=lambda h: (not h.spare, h.last_used))
         now = self._clock()
         answering = [h for h in idle if h.asked is not None and now - h.asked < self.ask_patience]
         coming = dev.free + sum(h.units for h in answering)
@@ -417,7 +430,7 @@ class Ledger:
                         next(self._ticks), w.push, context=True)
             self._devices[device].holdings[c.id] = c
         h = Holding(next(self._holding_ids), w.conn, device, w.units, w.label, w.request_id, w.busy,
-                    next(self._ticks), w.push)
+                    next(self._ticks), w.push, spare=w.spare)
         self._devices[device].holdings[h.id] = h
         self.stats["granted"] += 1
         grant = {"holding": h.id, "device": device, "units": h.units, "context": context,

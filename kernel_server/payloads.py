@@ -61,7 +61,7 @@ Id = int  # a request's or a holding's id
 
 class HelloRequest(TypedDict):
     protocol: int
-    role: NotRequired[str]  # "kernel", "worker", "cli"
+    role: NotRequired[str]  # "kernel", "worker", "cli", "copier"
     label: NotRequired[str]
     pid: NotRequired[int]
 
@@ -194,6 +194,7 @@ class UnitsAcquireRequest(TypedDict):
     label: NotRequired[str]
     busy: NotRequired[bool]
     context_units: NotRequired[Annotated[int, Range(0, MAX_UNITS)]]  # Note [CUDA contexts] in ledger.py
+    spare: NotRequired[bool]  # asked to release before any other holding (Note [Spare holdings] in ledger.py)
 
 
 class HoldingRequest(TypedDict):
@@ -352,6 +353,7 @@ class Holder(TypedDict):
     granted: float
     release_requested: bool
     context: bool
+    spare: bool  # a device copy kept for speed, given up first (Note [Spare holdings] in ledger.py)
 
 
 class DeviceStatus(TypedDict):

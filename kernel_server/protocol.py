@@ -51,7 +51,9 @@ The protocol version is independent of the package version; bump it on any chang
 the meaning of an existing operation. 3: "status" carries some of the entries and "ls" is paged (issue 38).
 4: "publish" carries what the miss cost its caller ("times"), and "status" carries it on each entry and
 hit, with "time_saved" (Note [Load time saved] in store.py); the views read it without a fallback, so a
-daemon of protocol 3 is refused at hello rather than misread.
+daemon of protocol 3 is refused at hello rather than misread. 5: "units_acquire" takes "spare" and the
+units snapshot's holders carry it (Note [Spare holdings] in ledger.py): a daemon of protocol 4 would refuse
+the field.
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ __all__ = [
 ]
 
 MAGIC = b"OVMD"
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 HEADER = struct.Struct("!4sHBBI")
 MAX_PAYLOAD = 1 << 20
 MAX_FDS = 64

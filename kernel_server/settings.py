@@ -251,8 +251,14 @@ WARM = Setting("warm", "OVERMIND_WARM", flag, True, "on", "0",
                "start kernels of the overmind kernelspec forked from a warm spare (`c.WarmProvisioner.enabled` "
                "in the server's config)", "server")
 
+DEVICE_COPIER = Setting("device_copier", "OVERMIND_DEVICE_COPIER", one_of("auto", "off", "cpu"), "auto", "`auto`",
+                        "off", "how a cached model moves to a GPU: `auto` through the per-user device copier (a "
+                        "device copy, else pinned staging), `off` with torch's own copy from pageable memory; `cpu` "
+                        "also fills simulated devices (OVERMIND_FAKE_GPUS) on the CPU, a stand-in for tests",
+                        "kernel")
+
 SETTINGS: tuple[Setting, ...] = (ENABLED, HOME, BUDGET, WAIT_TIMEOUT, ARENA, ARENA_DIR, DISK_RESERVE, POPULATE, COMPACT,
-                                 FAKE_GPUS, GPU_RESERVE, UNITS_TIMEOUT, WARM)
+                                 FAKE_GPUS, GPU_RESERVE, UNITS_TIMEOUT, WARM, DEVICE_COPIER)
 
 _reported: set[str] = set()
 

@@ -55,7 +55,8 @@ class UnitsService:
         self.ledger.acquire(conn.id, conn.pid, request_id, units=p["units"], devices=p.get("devices"),
                             timeout=None if timeout is None else float(timeout),
                             label=p.get("label", "")[:200], busy=p.get("busy", False),
-                            answer=answer, push=conn.push, context=p.get("context_units", 0))
+                            answer=answer, push=conn.push, context=p.get("context_units", 0),
+                            spare=p.get("spare", False))
 
     def release(self, conn: Peer, req: Request[HoldingRequest]) -> Reply[UnitsReleaseReply]:
         return Reply({"released": self.ledger.release(conn.id, req.payload["holding"])})

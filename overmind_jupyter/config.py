@@ -58,6 +58,7 @@ class Overmind(Configurable):
     fake_gpus = _Declared(declared.FAKE_GPUS)
     gpu_reserve = _Declared(declared.GPU_RESERVE)
     units_timeout = _Declared(declared.UNITS_TIMEOUT)
+    device_copier = _Declared(declared.DEVICE_COPIER)
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)

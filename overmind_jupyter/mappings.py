@@ -39,6 +39,7 @@ from kernel_server import arena
 from kernel_server.arena import SourceFile
 
 __all__ = [
+    "ArenaFile",
     "FileMapping",
     "Pin",
     "Span",
@@ -52,12 +53,23 @@ __all__ = [
 
 
 @dataclass(frozen=True)
+class ArenaFile:
+    """A descriptor of an entry's arena, kept open beside this process's mapping of it for the device
+    copier (Note [Device copies] in units/copier.py), and whether the arena holds every byte of the entry
+    (no pending pieces: Note [Pending pieces] in kernel_server/store.py)."""
+
+    fd: int
+    complete: bool
+
+
+@dataclass(frozen=True)
 class Span:
     start: int  # address
     end: int
     key: str  # the entry
     base: int  # the entry's arena offset at `start`
     source: SourceFile | None = field(default=None, compare=False)
+    arena: ArenaFile | None = field(default=None, compare=False)  # of an arena mapping, where kept
 
     def offset(self, address: int) -> int:
         return self.base + address - self.start
@@ -99,15 +111,16 @@ def address_of(mapping: mmap.mmap) -> int:
 
 
 def register(mapping: mmap.mmap, key: str, pin: Pin | None, pieces: list[tuple[int, int, int]] | None = None,
-             source: SourceFile | None = None) -> Callable[[], None]:
+             source: SourceFile | None = None, arena_file: ArenaFile | None = None) -> Callable[[], None]:
     """Record `mapping` as holding entry `key`: `pieces` are (offset in the mapping, length, arena
     offset), by default the whole mapping at arena offset 0. `pin` is held until the mapping dies;
-    `source` is closed then. Returns a function that takes the record back at once (a publish that
-    failed after mapping its arena)."""
+    `source` and `arena_file` (a mapping of the entry's arena: its descriptor) are closed then. Returns a
+    function that takes the record back at once (a publish that failed after mapping its arena)."""
     start = address_of(mapping)
     if pieces is None:
         pieces = [(0, len(mapping), 0)]
-    spans = [Span(start + at, start + at + length, key, base, source) for at, length, base in pieces if length]
+    spans = [Span(start + at, start + at + length, key, base, source, arena_file)
+             for at, length, base in pieces if length]
     ref = weakref.ref(mapping)
     records = [(ref, at, length, base) for at, length, base in pieces]
     with _lock:
@@ -139,6 +152,8 @@ def register(mapping: mmap.mmap, key: str, pin: Pin | None, pieces: list[tuple[i
                 _by_key.pop(key, None)
         if source is not None:
             source.close()
+        if arena_file is not None:
+            os.close(arena_file.fd)
         if pin is not None:
             pin.release()
 

@@ -111,7 +111,10 @@ def publish(client: Client, key: str, label: str, meta: dict[str, Any], packed: 
                 data = stack.enter_context(contextlib.closing(new))
                 private = arena.map_private(data.fd, packed.arena_bytes) if packed.arena_bytes else None
                 if private is not None:
-                    forget.append(mappings.register(private, key, pin))
+                    # a read-only descriptor: the arena is still being written here (Note [Device copies])
+                    read_only = os.open(f"/proc/self/fd/{data.fd}", os.O_RDONLY | os.O_CLOEXEC)
+                    forget.append(mappings.register(private, key, pin, arena_file=mappings.ArenaFile(
+                        read_only, complete=not plan.sources)))
                     for own in plan.staged:
                         _move_onto(private, own, by_storage)
                 if stage is not None:

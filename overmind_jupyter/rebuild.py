@@ -25,6 +25,7 @@ import gc
 import io
 import mmap
 import operator
+import os
 import pickle
 import sys
 import threading
@@ -530,7 +531,7 @@ class _Rebuild:
             pin = self.pins[ref.key] = mappings.Pin(ref.key, self.on_unmap)
         if source is None:
             m = arena.map_private(ref.fd, ref.nbytes)
-            mappings.register(m, ref.key, pin)
+            mappings.register(m, ref.key, pin, arena_file=mappings.ArenaFile(os.dup(ref.fd), not ref.pieces))
         else:
             src = ref.sources[source]
             m = arena.map_private(src.fd, src.identity["size"])

@@ -37,6 +37,7 @@ BAD = {
     "OVERMIND_GPU_RESERVE": ("-1", "not a non-negative number of GiB"),
     "OVERMIND_UNITS_TIMEOUT": ("x", "not a duration"),
     "OVERMIND_WARM": ("perhaps", "neither on"),
+    "OVERMIND_DEVICE_COPIER": ("gpu", "not one of auto, off, cpu"),
 }
 
 LOAD_EXT = """

@@ -279,12 +279,13 @@ class Residency:
                         current.finalizer.detach()
             elif current is not None and not current.released:
                 self._release(current, "moved", only_if_idle=False)
-            if target.simulated:
-                transfer = None
-            elif transfer is None:
+            if transfer is None and (not target.simulated or _fills_simulated()):
                 from .transfer import to_device
 
-                transfer = to_device(modules_of(model), target.name, reuse_host=reuse_host)
+                # a simulated device moves nothing, unless the copier's stand-in fills it on the CPU
+                transfer = to_device(modules_of(model), "cpu" if target.simulated else target.name,
+                                     reuse_host=reuse_host, copy=target.simulated, unit_device=target.id,
+                                     simulated=target.simulated, label=label)
         except BaseException:
             self._give_back(client, grant["holding"])
             raise
@@ -296,7 +297,8 @@ class Residency:
             self._by_holding[placement.holding] = placement
             self._by_model[model] = placement
             self._homes[model] = _Home(target.name, need, label, reuse_host)
-        self._event(placement, "placed", waited_s=grant.get("waited_s"))
+        self._event(placement, "placed", waited_s=grant.get("waited_s"),
+                    fill=transfer.fill if transfer is not None else None)
         if not busy:
             self._touch(placement, False)
         return placement
@@ -440,6 +442,11 @@ class Residency:
         self.events.append({"time": time.time(), "event": event, "model": placement.label,
                             "device": placement.device.name, "holding": placement.holding,
                             "units": placement.units, "simulated": placement.device.simulated, **fields})
+
+
+def _fills_simulated() -> bool:
+    """Whether the device copier's stand-in fills simulated devices on the CPU (OVERMIND_DEVICE_COPIER=cpu)."""
+    return bool(settings.get(settings.DEVICE_COPIER) == "cpu")
 
 
 def _check_model(model: Any) -> None:

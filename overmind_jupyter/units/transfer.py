@@ -57,6 +57,7 @@ class Transfer:
     slots: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor | None]] = field(repr=False)
     kept: int  # device tensors with a kept host tensor
     moved_bytes: int
+    fill: dict[str, Any] | None = None  # how the device copier filled it (filling.Filled), if it did
 
     def to_host(self, model: Any) -> dict[str, int]:
         """Move `model` back to the CPU: the kept host tensor where the bytes are the same, a copy elsewhere
@@ -155,7 +156,8 @@ def _slots(model: Any) -> dict[tuple[int, str, str], torch.Tensor]:
     return out
 
 
-def to_device(model: Any, device: str, *, reuse_host: bool = True, copy: bool = False) -> Transfer:
+def to_device(model: Any, device: str, *, reuse_host: bool = True, copy: bool = False,
+              unit_device: str | None = None, simulated: bool = False, label: str = "") -> Transfer:
     """Move `model` to `device`, keeping its arena-backed CPU tensors for the way back.
 
     Args:
@@ -165,14 +167,31 @@ def to_device(model: Any, device: str, *, reuse_host: bool = True, copy: bool = 
             bytes are the same (see Note [Lazy release to the cached weights]); False copies everything back.
         copy: copy every tensor even where `device` is where it already is (the tests move to "cpu"
             this way to exercise the way back without a GPU).
+        unit_device: the units ledger's id of the device: given, the arena-backed tensors are filled by
+            the device copier where it is enabled (Note [Filling a model on a device] in filling.py).
+        simulated: the device is simulated (OVERMIND_FAKE_GPUS), and `device` the CPU that stands in.
+        label: the model's name, for the copier's records.
     """
+    from . import filling
+
     hosts: dict[tuple[int, str, str], torch.Tensor] = {}
     if reuse_host:
         for where, t in _slots(model).items():
             if t.device.type == "cpu" and t.numel() and rebuild.entry_of(t.untyped_storage().data_ptr()):
                 hosts[where] = t.detach()
+    filled = None
+    if unit_device is not None and filling.enabled(torch.device(device), simulated):
+        filled = filling.fill(model, torch.device(device), unit_device, label or type(model).__name__)
     with torch.no_grad():
-        if copy:
+        if filled is not None:
+            views = filled.views
+
+            def move(t: torch.Tensor) -> torch.Tensor:
+                found = views.get(id(t))
+                return found[1] if found is not None and found[0] is t else t.to(device, copy=copy)
+
+            model._apply(move)
+        elif copy:
             model._apply(lambda t: t.to(device, copy=True))
         else:
             model.to(device)
@@ -183,4 +202,6 @@ def to_device(model: Any, device: str, *, reuse_host: bool = True, copy: bool = 
             continue
         slots[id(t)] = (weakref.ref(t), hosts.get(where))
         moved += t.nelement() * t.element_size()
-    return Transfer(device, slots, sum(1 for _, host in slots.values() if host is not None), moved)
+    fill = None if filled is None else {"filled_bytes": filled.bytes, "sources": filled.sources,
+                                        "seconds": round(filled.seconds, 6)}
+    return Transfer(device, slots, sum(1 for _, host in slots.values() if host is not None), moved, fill)

@@ -1,0 +1,459 @@
+"""The device copier: one process per user, beside the daemon, that fills a kernel's device memory with
+cached weights (issue 36).
+
+A hit's weights are private mappings of the daemon's arena: pageable memory, which CUDA copies to a
+device through its own small pinned buffer at 5.6-7.1 GB/s on an H200 (benchmarks/RESULTS.md, "The GPU
+path"), about what the plain load's copy costs. This process keeps what a kernel cannot keep across its
+restarts: a CUDA context, pinned staging buffers, mappings of the arenas, and copies of the entries on
+the devices (Note [Device copies]). A kernel allocates the device memory of its model itself (one
+allocation per entry), shares it with this process by one CUDA IPC handle, and this process fills it;
+the kernel then makes its tensors views of that memory (overmind_jupyter/units/filling.py). The daemon
+itself never imports torch; this process does, and is started with the kernel's interpreter by the
+first kernel that needs it (`filling.connect`).
+
+Run as `python -m overmind_jupyter.units.copier` with OVERMIND_HOME (and the stand-in setting) in its
+environment. It holds `copier.lock` in the daemon's directory for as long as it runs (a second one
+exits at once), listens on `copier.sock` there, and exits when the daemon goes away (its copies' units
+go with the connection) or after `IDLE_EXIT` seconds with no kernel connected and no copy kept.
+
+Wire format. A Unix SOCK_SEQPACKET connection per kernel.
+- A message MUST be one datagram holding one UTF-8 JSON object with a string `kind`; file descriptors
+  ride on it as SCM_RIGHTS. At most `MAX_MESSAGE` bytes. Every request gets exactly one reply, in order;
+  a bad request gets `{"kind": "error", "error"}` and never stops the copier.
+- `{"kind": "hello", "version"}` -> `{"kind": "hello", "version": PROTOCOL, "pid", "standin"}`. A side
+  that does not speak `version` closes the connection.
+- `{"kind": "fill", "entry", "label", "complete", "device", "index", "start", "nbytes", "target"}`, with
+  the entry's arena descriptor (and, for the stand-in, the target's memfd) -> `{"kind": "filled",
+  "source", "seconds", "kept"}`. Bytes [start, start + nbytes) of the arena are written into the
+  target: a CUDA allocation of the kernel's (`target`: the eight fields of torch's `_share_cuda_`, bytes
+  in base64) on its CUDA device `index` here (the kernel sends the device's `device` id, a CUDA UUID, and
+  this process finds its own index for it), or on the stand-in, a memfd the kernel mapped shared.
+  `source` says where the bytes came from: "device copy" or "host". `kept`: a copy of the entry is now
+  on the device (Note [Device copies]). `complete` false: the arena still lacks pieces the entry reads
+  from its checkpoint files, so no copy of it is kept (those bytes of the arena are not written yet).
+- `{"kind": "keep", ...}`: the fill's fields without a target, with the arena's descriptor -> `{"kind":
+  "kept", "kept", "seconds"}`: make the device copy only (a kernel that moved its model itself, while
+  the copier was starting).
+- `{"kind": "state"}` -> `{"kind": "state", "copies": [{entry, label, device, bytes, units, holding,
+  last_used}], "fills": {source: count}, "bytes": {source: bytes}, "seconds": {source: seconds}}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import collections
+import contextlib
+import fcntl
+import json
+import logging
+import mmap
+import os
+import queue
+import selectors
+import socket
+import sys
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["IDLE_EXIT", "MAX_MESSAGE", "PROTOCOL", "lock_path", "socket_path"]
+
+PROTOCOL = 1
+MAX_MESSAGE = 1 << 16
+MAX_FDS = 4
+IDLE_EXIT = 600.0  # seconds with no kernel connected and no copy kept before the copier exits
+_CHUNK = 64 << 20  # bytes of each of the two pinned staging buffers of a device
+
+log = logging.getLogger("overmind.copier")
+
+
+def socket_path(home: Path) -> Path:
+    return home / "copier.sock"
+
+
+def lock_path(home: Path) -> Path:
+    return home / "copier.lock"
+
+
+# Note [Device copies]
+# A copy of an entry on a device makes the next kernel's move of that entry a copy within the device (an
+# H200 copies device memory at about 4.3 TB/s: 16 GB in 4 ms) instead of one from host memory. The copier
+# keeps one per (entry, device) where the units ledger grants the units at once (never waiting, never
+# making a kernel wait: the holding is spare, Note [Spare holdings] in kernel_server/ledger.py, asked to
+# release before any kernel's holding), made from the entry's arena the first time a kernel moves that
+# entry there. What a kernel gets is always a copy in memory it allocated itself: its writes, through
+# any route, reach only its own memory, and the copier's copy is written only from the arena, never from
+# a kernel's memory (docs/design.md invariant 3). A copy is the arena's bytes as of a sealed, complete
+# arena: the copier keys it by the entry and the identity of the arena's file (device and inode number,
+# size), so an entry compacted into a new arena, or a key published again, never meets an old copy; an
+# arena with pieces pending (their bytes still only in checkpoint files) is copied to a kernel's memory
+# only for the ranges the kernel read from it, and no copy of it is kept.
+@dataclass(eq=False)
+class _Copy:
+    entry: str
+    label: str
+    device: str  # the ledger's id of the device
+    tensor: Any  # torch.Tensor, uint8, the whole arena
+    units: int
+    holding: int | None  # None: the stand-in without a ledger
+    last_used: float
+
+
+class _Backend:
+    """What differs between a CUDA device and the stand-in (the CPU, for tests and machines without a
+    GPU): where a target is, where a copy is made, and how bytes get there from the host."""
+
+    def __init__(self, standin: bool) -> None:
+        import torch
+
+        self.torch = torch
+        self.standin = standin
+        self._rings: dict[int, tuple[list[Any], list[Any], Any]] = {}
+
+    def index_of(self, request: dict[str, Any]) -> int:
+        """This process's index of the device a request names by the ledger's id (-1: the stand-in)."""
+        if self.standin:
+            return -1
+        from .devices import cuda_identity
+
+        wanted = request["device"]
+        for i in range(self.torch.cuda.device_count()):
+            if cuda_identity(i) == wanted:
+                return i
+        raise LookupError(f"the copier sees no device {wanted} ({self.torch.cuda.device_count()} visible)")
+
+    @contextlib.contextmanager
+    def target(self, request: dict[str, Any], fds: list[int], index: int) -> Any:
+        """The kernel's memory to fill, as a flat uint8 tensor, for the length of the block."""
+        torch = self.torch
+        nbytes = int(request["nbytes"])
+        if self.standin:
+            if len(fds) < 2:
+                raise ValueError("a stand-in fill needs the target's memfd after the arena's descriptor")
+            m = mmap.mmap(fds[1], nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            try:
+                yield torch.frombuffer(m, dtype=torch.uint8, count=nbytes)
+            finally:
+                with contextlib.suppress(BufferError):
+                    m.close()
+            return
+        fields = request["target"]
+        _, handle, size, offset, counter, counter_offset, event, sync = (
+            _unb64(f) if isinstance(f, str) and i in (1, 4, 6) else f for i, f in enumerate(fields))
+        if int(size) - int(offset) < nbytes:
+            raise ValueError(f"the target holds {int(size) - int(offset)} bytes, not {nbytes}")
+        with torch.cuda.device(index):
+            storage = torch.UntypedStorage._new_shared_cuda(index, handle, size, offset, counter,
+                                                            counter_offset, event, sync)
+            try:
+                yield torch.empty(0, dtype=torch.uint8, device=f"cuda:{index}").set_(storage, 0, (nbytes,), (1,))
+            finally:
+                del storage
+
+    def new_copy(self, index: int, nbytes: int) -> Any:
+        torch = self.torch
+        if self.standin:
+            return torch.empty(nbytes, dtype=torch.uint8)
+        return torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{index}")
+
+    def from_host(self, dst: Any, host: Any, index: int) -> None:
+        """Copy the host tensor `host` (pageable, in an arena mapping) into `dst` on the device, through two
+        pinned staging buffers: one filled by the CPU while the other is copied by the device's engine."""
+        if self.standin:
+            dst.copy_(host)
+            return
+        torch = self.torch
+        with torch.cuda.device(index):
+            buffers, events, stream = self._ring(index)
+            for i, start in enumerate(range(0, host.numel(), _CHUNK)):
+                end = min(host.numel(), start + _CHUNK)
+                buf, done = buffers[i % 2], events[i % 2]
+                done.synchronize()  # the engine has read this buffer's previous chunk
+                buf[:end - start].copy_(host[start:end])
+                with torch.cuda.stream(stream):
+                    dst[start:end].copy_(buf[:end - start], non_blocking=True)
+                    done.record(stream)
+            stream.synchronize()
+
+    def within(self, dst: Any, src: Any, index: int) -> None:
+        dst.copy_(src)
+        if not self.standin:
+            self.torch.cuda.synchronize(index)
+
+    def _ring(self, index: int) -> tuple[list[Any], list[Any], Any]:
+        ring = self._rings.get(index)
+        if ring is None:
+            torch = self.torch
+            buffers = [torch.empty(_CHUNK, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+            ring = self._rings[index] = (buffers, [torch.cuda.Event() for _ in range(2)], torch.cuda.Stream(index))
+        return ring
+
+
+def _unb64(text: str) -> bytes:
+    return base64.b64decode(text)
+
+
+class Copier:
+    """The copier's state: its copies, its arena mappings, its connection to the daemon's ledger."""
+
+    def __init__(self, home: Path, standin: bool) -> None:
+        self.home = home
+        self.backend = _Backend(standin)
+        self.copies: dict[tuple[str, tuple[int, int, int], str], _Copy] = {}
+        self.by_holding: dict[int, tuple[str, tuple[int, int, int], str]] = {}
+        self.hosts: collections.OrderedDict[tuple[int, int, int], tuple[mmap.mmap, Any]] = collections.OrderedDict()
+        self.stats: dict[str, dict[str, float]] = {"fills": {}, "bytes": {}, "seconds": {}}
+        self.work: queue.Queue[tuple[Any, ...]] = queue.Queue()
+        self.client: Any = None
+        self.simulated = False
+
+    # -- the daemon's ledger ------------------------------------------------------------------
+
+    def connect_ledger(self) -> None:
+        from kernel_server.client import Client
+        from kernel_server.operations import Op
+
+        from .devices import local_devices
+
+        self.client = Client(self.home, spawn=False, role="copier", label="device copier")
+        reply = self.client.request(Op.UNITS_REGISTER, devices=local_devices(), timeout=30)
+        self.simulated = bool(reply.get("simulated"))
+        self.client.on_push("units_release_request", lambda p: self.work.put(("release", p.get("holding"))))
+
+    def _acquire(self, device: str, nbytes: int, label: str) -> int | None:
+        """A spare holding for a copy of `nbytes` on `device`, if the ledger grants it at once."""
+        from kernel_server.errors import DaemonError, RemoteError
+        from kernel_server.operations import Op
+        from kernel_server.settings import GiB
+
+        from .devices import context_units
+
+        if self.client is None:
+            return None
+        try:
+            grant = self.client.request(Op.UNITS_ACQUIRE, units=-(-nbytes // GiB), devices=[device], timeout_s=0,
+                                        label=f"device copy of {label}"[:200], busy=False, spare=True,
+                                        context_units=context_units(self.simulated), timeout=30)
+        except (RemoteError, DaemonError) as exc:
+            log.info("no units for a copy of %s on %s: %s", label, device, exc)
+            return None
+        return int(grant["holding"])
+
+    def _touch(self, copy: _Copy) -> None:
+        """Tell the ledger the copy was used: the most recently used of the spare holdings now."""
+        from kernel_server.errors import DaemonError
+        from kernel_server.operations import Op
+
+        if copy.holding is not None and self.client is not None:
+            with contextlib.suppress(DaemonError):
+                self.client.submit(Op.UNITS_TOUCH, holding=copy.holding, busy=False)
+
+    def release(self, holding: int | None) -> None:
+        """The ledger asks for a copy's units back: drop the copy, then give them back."""
+        from kernel_server.errors import DaemonError
+        from kernel_server.operations import Op
+
+        ident = self.by_holding.pop(holding, None) if holding is not None else None
+        if ident is not None:
+            self.copies.pop(ident, None)
+            self._empty_cache()
+        if holding is not None and self.client is not None:
+            with contextlib.suppress(DaemonError):
+                self.client.request(Op.UNITS_RELEASE, holding=holding, timeout=30)
+
+    def _empty_cache(self) -> None:
+        if not self.backend.standin:
+            self.backend.torch.cuda.empty_cache()
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def handle(self, request: dict[str, Any], fds: list[int]) -> dict[str, Any]:
+        kind = request.get("kind")
+        if kind == "hello":
+            return {"kind": "hello", "version": PROTOCOL, "pid": os.getpid(), "standin": self.backend.standin}
+        if kind == "state":
+            return self.state()
+        if kind in ("fill", "keep"):
+            if not fds:
+                raise ValueError(f"a {kind} needs the entry's arena descriptor")
+            return self.fill(request, fds, target=kind == "fill")
+        raise ValueError(f"unknown request {kind!r}")
+
+    def fill(self, request: dict[str, Any], fds: list[int], *, target: bool) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        entry, device = str(request["entry"]), str(request["device"])
+        label = str(request.get("label") or entry[:12])
+        start, nbytes = int(request.get("start", 0)), int(request.get("nbytes", 0))
+        index = self.backend.index_of(request)
+        st = os.fstat(fds[0])
+        ident = (st.st_dev, st.st_ino, st.st_size)
+        if start < 0 or nbytes < 0 or start + nbytes > st.st_size:
+            raise ValueError(f"bytes {start}+{nbytes} lie outside the arena ({st.st_size} bytes)")
+        key = (entry, ident, device)
+        copy = self.copies.get(key)
+        source = "device copy"
+        if copy is None and request.get("complete"):
+            copy = self._make_copy(key, label, fds[0], index)
+            source = "host" if copy is not None else source
+        if copy is not None:
+            copy.last_used = time.time()
+            self._touch(copy)
+        if target:
+            with self.backend.target(request, fds, index) as dst:
+                if copy is not None:
+                    self.backend.within(dst, copy.tensor[start:start + nbytes], index)
+                else:
+                    source = "host"
+                    self.backend.from_host(dst, self._host(fds[0], ident)[start:start + nbytes], index)
+        seconds = time.perf_counter() - t0
+        for name, value in (("fills", 1), ("bytes", nbytes), ("seconds", seconds)):
+            self.stats[name][source] = self.stats[name].get(source, 0) + value
+        return {"kind": "filled" if target else "kept", "source": source, "seconds": round(seconds, 6),
+                "kept": copy is not None}
+
+    def _make_copy(self, key: tuple[str, tuple[int, int, int], str], label: str, fd: int, index: int) -> _Copy | None:
+        entry, ident, device = key
+        nbytes = ident[2]
+        holding = self._acquire(device, nbytes, label)
+        if holding is None:
+            return None
+        try:
+            tensor = self.backend.new_copy(index, nbytes)
+            self.backend.from_host(tensor, self._host(fd, ident), index)
+        except BaseException:
+            self.release(holding)
+            raise
+        copy = self.copies[key] = _Copy(entry, label, device, tensor, -(-nbytes // (1 << 30)), holding, time.time())
+        self.by_holding[holding] = key
+        return copy
+
+    def _host(self, fd: int, ident: tuple[int, int, int]) -> Any:
+        """The arena as a host tensor over a shared read-only mapping, kept for the next fills (at most
+        eight arenas: a mapping costs only its page tables)."""
+        found = self.hosts.get(ident)
+        if found is None:
+            m = mmap.mmap(fd, ident[2], flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            with warnings.catch_warnings():  # read only: torch warns that the buffer is not writable
+                warnings.simplefilter("ignore")
+                host = self.backend.torch.frombuffer(m, dtype=self.backend.torch.uint8)
+            found = self.hosts[ident] = (m, host)
+            while len(self.hosts) > 8:
+                self.hosts.popitem(last=False)
+        self.hosts.move_to_end(ident)
+        return found[1]
+
+    def state(self) -> dict[str, Any]:
+        return {"kind": "state", "pid": os.getpid(), "standin": self.backend.standin,
+                "copies": [{"entry": c.entry, "label": c.label, "device": c.device, "bytes": int(c.tensor.numel()),
+                            "units": c.units, "holding": c.holding, "last_used": c.last_used}
+                           for c in self.copies.values()],
+                **{name: dict(values) for name, values in self.stats.items()}}
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def worker(self) -> None:
+        """Runs every request and release in order, on one thread: one device copy at a time."""
+        while True:
+            item = self.work.get()
+            if item[0] == "release":
+                try:
+                    self.release(item[1])
+                except Exception:
+                    log.exception("could not give back holding %s", item[1])
+                continue
+            _, conn, request, fds = item
+            try:
+                reply = self.handle(request, fds)
+            except Exception as exc:
+                log.exception("request %s failed", request.get("kind"))
+                reply = {"kind": "error", "error": f"{type(exc).__name__}: {exc}"}
+            finally:
+                for fd in fds:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+            with contextlib.suppress(OSError):
+                conn.send(json.dumps(reply).encode())
+
+
+def serve(home: Path, standin: bool) -> int:
+    """Run the copier until the daemon goes, or until idle (see the module's docstring)."""
+    from kernel_server.errors import DaemonError
+
+    home.mkdir(parents=True, exist_ok=True)
+    lock = os.open(lock_path(home), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return 0  # another copier runs: it serves
+    copier = Copier(home, standin)
+    try:
+        copier.connect_ledger()
+    except (DaemonError, OSError) as exc:  # no daemon: serve anyway (fills need no units), without copies
+        log.warning("device copier without the units ledger: %s", exc)
+    path = socket_path(home)
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(str(path))
+    os.chmod(path, 0o600)
+    listener.listen(64)
+    threading.Thread(target=copier.worker, name="overmind-copier", daemon=True).start()
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ)
+    connections = 0
+    idle_since = time.monotonic()
+    while True:
+        for key, _ in selector.select(timeout=1.0):
+            if key.fileobj is listener:
+                accepted, _ = listener.accept()
+                selector.register(accepted, selectors.EVENT_READ)
+                connections += 1
+                continue
+            conn = key.fileobj
+            assert isinstance(conn, socket.socket)
+            try:
+                data, fds, _, _ = socket.recv_fds(conn, MAX_MESSAGE, MAX_FDS)
+            except OSError:
+                data, fds = b"", []
+            if not data:
+                selector.unregister(conn)
+                conn.close()
+                connections -= 1
+                idle_since = time.monotonic()
+                continue
+            try:
+                request = json.loads(data)
+                if not isinstance(request, dict):
+                    raise ValueError("not an object")
+            except ValueError as exc:
+                for fd in fds:
+                    os.close(fd)
+                conn.send(json.dumps({"kind": "error", "error": f"bad request: {exc}"}).encode())
+                continue
+            copier.work.put(("request", conn, request, fds))
+        if copier.client is not None and copier.client.closed:
+            log.info("the daemon is gone: the copier exits")
+            return 0
+        if not connections and not copier.copies and copier.work.empty() \
+                and time.monotonic() - idle_since > IDLE_EXIT:
+            log.info("idle: the copier exits")
+            return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kernel_server import lifecycle, settings
+
+    parser = argparse.ArgumentParser(prog="python -m overmind_jupyter.units.copier")
+    parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    home = lifecycle.state_dir()
+    standin = settings.get(settings.DEVICE_COPIER) == "cpu"
+    return serve(home, standin)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,270 @@
+"""The device copier (overmind_jupyter/units/copier.py) and a kernel's fills through it (units/filling.py).
+
+On the CPU the copier's stand-in (OVERMIND_DEVICE_COPIER=cpu) fills simulated devices (OVERMIND_FAKE_GPUS):
+the kernel's "device memory" is a memfd it maps and the copier writes, the device copy a buffer of the
+copier's, counted by the real ledger. Everything but the CUDA calls is the real path: a real copier
+process, the real daemon and ledger, models from the cache. The tests marked gpu run the same on a
+CUDA device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kernel_server import Client
+from kernel_server.ledger import Ledger
+from kernel_server.operations import Op
+from overmind_jupyter import loading, rebuild, units
+from overmind_jupyter.units import copier, filling
+from tests.helpers import tiny_modules
+from tests.helpers.faults_helpers import wait_until
+
+
+def arena_backed(kind: str) -> torch.nn.Module:
+    """A module rebuilt from the cache (a hit): its CPU storages are private mappings of the arena."""
+    loading.cached(tiny_modules.build, kind)
+    model = loading.cached(tiny_modules.build, kind)
+    assert all(rebuild.entry_of(p.data_ptr()) is not None for p in model.parameters())
+    return model
+
+
+def in_arena(t: torch.Tensor) -> bool:
+    return rebuild.entry_of(t.untyped_storage().data_ptr()) is not None
+
+
+def holders(client: Client) -> list[dict[str, Any]]:
+    return [h for d in client.request(Op.UNITS_STATE).payload["devices"] for h in d["holders"]]
+
+
+def copier_pid() -> int | None:
+    state = filling.state()
+    return None if state is None else int(state["pid"])
+
+
+@pytest.fixture
+def standin(overmind_home: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Client]]:
+    """Simulated devices filled by the copier's stand-in; `standin("1x16")` starts the daemon and the
+    copier and returns a test client. The copier is killed at the end if still there."""
+    clients: list[Client] = []
+
+    def start(spec: str = "1x16", *, copier_up: bool = True) -> Client:
+        monkeypatch.setenv("OVERMIND_FAKE_GPUS", spec)
+        monkeypatch.setenv("OVERMIND_GPU_RESERVE", "1")
+        monkeypatch.setenv("OVERMIND_DEVICE_COPIER", "cpu")
+        clients.append(Client(overmind_home, role="test"))
+        if copier_up:
+            assert filling.connect(wait=120) is not None, (overmind_home / "copier.log").read_text()
+        return clients[-1]
+
+    yield start
+    pid = copier_pid() if clients else None
+    for c in clients:
+        c.close()
+    if pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_hit_moved_to_a_device_is_filled_by_the_copier_then_from_its_device_copy_and_writes_stay_private(
+        standin: Callable[..., Client]) -> None:
+    """The first move of an entry fills from the arena and leaves a device copy, counted by the ledger as a
+    spare holding; the next move of the same entry fills from that copy. A kernel's writes, through
+    `.data`, numpy or in place, reach only its own memory: the next kernel's model has the cached bytes."""
+    client = standin()
+    first = arena_backed("mlp")
+    expected = {k: v.clone() for k, v in first.state_dict().items()}
+    units.place(first, "cuda:0")
+    placed = units.state()["kernel"]["events"][-1]
+    assert placed["fill"]["sources"] == {"host": 1}, placed
+    assert not any(in_arena(p) for p in first.parameters()), "the model lies in its own memory now"
+    assert all(torch.equal(v, expected[k]) for k, v in first.state_dict().items())
+    spare = [h for h in holders(client) if h["spare"]]
+    assert [(h["label"], h["units"]) for h in spare] == [("device copy of Mlp", 1)]
+
+    first.layers[0].weight.data += 1  # as PEFT's merge_adapter writes
+    first.layers[0].bias.detach().numpy()[:] = 7.0
+    with torch.no_grad():
+        first.layers[1].weight.mul_(3.0)
+
+    second = arena_backed("mlp")
+    units.place(second, "cuda:0")
+    placed = units.state()["kernel"]["events"][-1]
+    assert placed["fill"]["sources"] == {"device copy": 1}, placed
+    assert all(torch.equal(v, expected[k]) for k, v in second.state_dict().items()), "a write leaked"
+    assert first.layers[0].bias.eq(7.0).all() and not torch.equal(first.layers[0].weight, second.layers[0].weight)
+    state = filling.state()
+    assert state is not None and state["fills"] == {"host": 1, "device copy": 1} and len(state["copies"]) == 1
+
+
+def test_a_filled_model_keeps_its_ties_trains_and_goes_back_onto_the_cached_weights(
+        standin: Callable[..., Client]) -> None:
+    standin()
+    model = arena_backed("tied")
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    units.place(model, "cuda:0")
+    assert units.state()["kernel"]["events"][-1]["fill"]["sources"] == {"host": 1}
+    assert model.head.weight is model.embed.weight and not in_arena(model.embed.weight)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, foreach=True)
+    loss = model(torch.tensor([[1, 2, 3]])).square().mean()
+    loss.backward()
+    opt.step()
+    assert not torch.equal(model.embed.weight, expected["embed.weight"]), "the step wrote the filled weights"
+    assert units.release(model)
+    assert not in_arena(model.embed.weight), "a trained weight is copied back, never the cached one"
+    untouched = arena_backed("tied")
+    units.place(untouched, "cuda:0")
+    assert units.release(untouched)
+    assert in_arena(untouched.embed.weight), "unchanged: back onto the cached weights"
+    assert torch.equal(untouched.embed.weight, expected["embed.weight"])
+
+
+def test_the_ledger_asks_for_a_device_copy_before_any_kernels_idle_model(standin: Callable[..., Client],
+                                                                        overmind_home: Path) -> None:
+    """Note [Spare holdings]: the device copy is asked to release first, though used more recently than
+    this kernel's first model (the second model's fill read it); both models stay placed."""
+    client = standin("1x5")  # 4 units: two models, the copy, one free
+    first, second = arena_backed("mlp"), arena_backed("mlp")
+    units.place(first, "cuda:0")
+    units.place(second, "cuda:0")  # filled from the copy, which the copier touches
+    order = [(h["label"], h["spare"]) for h in holders(client)]  # least recently used first
+    assert order[0] == ("Mlp", False) and ("device copy of Mlp", True) in order[1:], order
+    other = Client(overmind_home, role="test")
+    try:
+        grant = other.request(Op.UNITS_ACQUIRE, units=2, timeout_s=30, label="peer", busy=True, timeout=60)
+        assert grant["units"] == 2
+        assert wait_until(lambda: not filling.state()["copies"], 10, "the copy dropped")
+        labels = sorted(h["label"] for h in holders(client))
+        assert labels == ["Mlp", "Mlp", "peer"], labels
+        assert len(units.state()["kernel"]["placements"]) == 2, "the kernel's models are still placed"
+    finally:
+        other.close()
+
+
+def test_the_ledger_asks_spare_holdings_first_whatever_their_recency() -> None:
+    asked: list[int] = []
+    ledger = Ledger()
+    ledger.register([{"id": "g0", "name": "cuda:0", "total_bytes": 5 << 30, "model": "m", "simulated": False}])
+    grants: list[dict[str, Any]] = []
+
+    def acquire(conn: int, units_: int, **kw: Any) -> None:
+        ledger.acquire(conn, 100 + conn, conn, units=units_, devices=None, timeout=None, label=f"c{conn}",
+                       busy=False, answer=grants.append, push=lambda op, p: asked.append(p["holding"]) or True, **kw)
+
+    acquire(1, 2)  # a kernel's model, least recently used
+    acquire(2, 2, spare=True)  # a device copy, more recent
+    acquire(3, 2)  # needs room: one holding must go
+    spare_holding = grants[1]["holding"]
+    assert asked == [spare_holding], asked
+
+
+def test_without_the_copier_a_move_is_torchs_own_and_the_first_move_starts_it_and_keeps_a_copy(
+        standin: Callable[..., Client], overmind_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    client = standin(copier_up=False)
+    monkeypatch.setenv("OVERMIND_DEVICE_COPIER", "off")
+    model = arena_backed("mlp")
+    units.place(model, "cuda:0")
+    assert units.state()["kernel"]["events"][-1]["fill"] is None and in_arena(model.layers[0].weight), \
+        "off: a simulated device moves nothing"
+    assert not (overmind_home / "copier.sock").exists()
+    units.release(model)
+
+    monkeypatch.setenv("OVERMIND_DEVICE_COPIER", "cpu")
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.warns(UserWarning, match="device copier is starting"):
+        units.place(model, "cuda:0")  # the copier is started, this move is torch's copy
+    assert units.state()["kernel"]["events"][-1]["fill"] is None
+    assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
+    assert any("starting" in reason for reason in filling.reasons())
+    assert wait_until(lambda: (filling.state() or {}).get("copies"), 120, "the copy the first move asked for")
+    assert [h["label"] for h in holders(client) if h["spare"]] == ["device copy of Mlp"]
+    second = arena_backed("mlp")
+    units.place(second, "cuda:0")
+    assert units.state()["kernel"]["events"][-1]["fill"]["sources"] == {"device copy": 1}
+
+
+def test_a_copier_that_died_leaves_moves_to_torch_and_says_why(standin: Callable[..., Client]) -> None:
+    standin()
+    pid = copier_pid()
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2],
+               10, "the copier gone")
+    model = arena_backed("mlp")
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.warns(UserWarning, match="pageable memory"):
+        units.place(model, "cuda:0")
+    assert units.state()["kernel"]["events"][-1]["fill"] is None
+    assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
+    assert filling.reasons(), "the reason is kept"
+
+
+def test_one_copier_per_user_it_answers_bad_requests_and_exits_with_the_daemon(
+        standin: Callable[..., Client], overmind_home: Path) -> None:
+    client = standin()
+    pid = copier_pid()
+    second = subprocess.run([sys.executable, "-m", "overmind_jupyter.units.copier"], capture_output=True, check=False,
+                            timeout=120, env=os.environ.copy())
+    assert second.returncode == 0 and copier_pid() == pid, "a second copier leaves the first serving"
+
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    conn.connect(str(copier.socket_path(overmind_home)))
+    for bad in (b"not json", b"[1]", json.dumps({"kind": "nothing"}).encode(),
+                json.dumps({"kind": "fill", "entry": "x", "device": "sim:0"}).encode()):
+        conn.send(bad)
+        reply = json.loads(conn.recv(copier.MAX_MESSAGE))
+        assert reply["kind"] == "error" and reply["error"], reply
+    r, w = os.pipe()
+    try:  # an arena descriptor that is no arena: a range outside it
+        socket.send_fds(conn, [json.dumps({"kind": "fill", "entry": "x", "device": "sim:0", "start": 0,
+                                           "nbytes": 10}).encode()], [r])
+        assert json.loads(conn.recv(copier.MAX_MESSAGE))["kind"] == "error"
+    finally:
+        os.close(r)
+        os.close(w)
+    conn.send(json.dumps({"kind": "state"}).encode())
+    assert json.loads(conn.recv(copier.MAX_MESSAGE))["pid"] == pid, "it goes on"
+    conn.close()
+
+    client.request(Op.SHUTDOWN)
+    assert wait_until(lambda: not Path(f"/proc/{pid}").exists()
+                      or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z", 30, "the copier exits")
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_a_hit_is_filled_on_the_device_then_from_the_device_copy(overmind_home: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OVERMIND_FAKE_GPUS", raising=False)
+    monkeypatch.setenv("OVERMIND_DEVICE_COPIER", "auto")
+    assert filling.connect(wait=120) is not None, (overmind_home / "copier.log").read_text()
+    try:
+        first = arena_backed("tied")
+        expected = {k: v.clone() for k, v in first.state_dict().items()}
+        units.place(first, "cuda:0")
+        assert units.state()["kernel"]["events"][-1]["fill"]["sources"] == {"host": 1}
+        assert all(p.is_cuda for p in first.parameters()) and first.head.weight is first.embed.weight
+        assert all(torch.equal(v.cpu(), expected[k]) for k, v in first.state_dict().items())
+        first.embed.weight.data += 1
+        second = arena_backed("tied")
+        units.place(second, "cuda:0")
+        assert units.state()["kernel"]["events"][-1]["fill"]["sources"] == {"device copy": 1}
+        assert all(torch.equal(v.cpu(), expected[k]) for k, v in second.state_dict().items())
+        assert np.allclose(first.embed.weight.cpu().numpy(), expected["embed.weight"].numpy() + 1)
+    finally:
+        pid = copier_pid()
+        if pid is not None:
+            os.kill(pid, signal.SIGKILL)
+        time.sleep(0.1)
