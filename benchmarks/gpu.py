@@ -4,7 +4,10 @@ For each model size (random Llamas saved in bf16 with save_pretrained, built her
 one run:
   plain   `LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda")`
   miss    the same call with overmind enabled and an empty store (the entry is made before it returns)
-  hit     the same call with the entry published (a later kernel's call)
+  hit     the same call with the entry published (a later kernel's call), the device copier holding no
+          copy of it: the copier fills the kernel's memory from the arena through pinned staging, and keeps
+          a copy on the device (Note [Device copies] in overmind_jupyter/units/copier.py)
+  copy    the same call again: filled from the copier's device copy (the common case after a restart)
 each in a fresh process forked from one that imported torch, transformers and the Llama modeling module and
 ran no torch operation (a fork of such a process is safe; benchmarks/load.py), in rounds (plain, miss, hit,
 then the next round), medians. Each process creates its CUDA context first (`ctx`, timed), then makes the
@@ -55,7 +58,7 @@ PROMPT = 16  # tokens of the prompt
 GOAL_HIT = {"1.1b": 0.15, "7b": 0.1, "8b": 0.1}
 GOAL_MISS = 1.3
 GOAL_WARM_S = 0.5  # restart to the first token of an 8B-class model
-CASES = ("plain", "miss", "hit")
+CASES = ("plain", "miss", "hit", "copy")
 
 
 # -- in the processes forked for each case ---------------------------------------------------------------
@@ -115,9 +118,14 @@ def case(spec: dict[str, Any]) -> dict[str, Any]:
     if device == "cuda" and not result["on"].startswith("cuda"):
         raise RuntimeError(f"the {spec['case']} case's model is on {result['on']}, not the GPU")
     if spec["case"] != "plain":
+        from overmind_jupyter.units import filling, residency
+
         loading.place = place
-        result["fallbacks"] = [f["reason"] for f in loading.fallbacks()]
-        if loading.calls() != {spec["case"]: 1}:
+        result["fallbacks"] = [f["reason"] for f in loading.fallbacks()] + list(filling.reasons())
+        placed = [e for e in residency.instance().events if e["event"] == "placed"]
+        result["fill"] = placed[-1].get("fill") if placed else None
+        expected = "hit" if spec["case"] == "copy" else spec["case"]
+        if loading.calls() != {expected: 1}:
             raise RuntimeError(f"the {spec['case']} case was {loading.calls()}: {result['fallbacks']}")
     return result
 
@@ -423,6 +431,37 @@ def source_file(path: Path, n: int, directory: str) -> Path:
     return Path(name)
 
 
+def copier_request(env: dict[str, str], message: dict[str, Any], wait: float = 0.0) -> dict[str, Any] | None:
+    """One request to the device copier of the run's OVERMIND_HOME (its protocol: overmind_jupyter/units/
+    copier.py); None when none answers within `wait` seconds."""
+    import socket
+
+    path = str(Path(env["OVERMIND_HOME"]) / "copier.sock")
+    deadline = time.monotonic() + wait
+    while True:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            conn.connect(path)
+            conn.send(json.dumps(message).encode())
+            answer: dict[str, Any] = json.loads(conn.recv(1 << 16))
+            return answer
+        except OSError:
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.1)
+        finally:
+            conn.close()
+
+
+def start_copier(env: dict[str, str], log: Path) -> dict[str, Any] | None:
+    """Start the device copier before the rounds (a kernel starts it at its first move, which then copies the
+    plain way: Note [Filling a model on a device] in overmind_jupyter/units/filling.py); its hello, or None."""
+    with log.open("ab") as out:
+        subprocess.Popen([sys.executable, "-m", "overmind_jupyter.units.copier"], env=env, stdout=out, stderr=out,
+                         stdin=subprocess.DEVNULL, start_new_session=True)
+    return copier_request(env, {"kind": "hello", "version": 1}, wait=120)
+
+
 def median_rows(runs: list[dict[str, Any]]) -> dict[str, Any]:
     ok = [r for r in runs if "error" not in r]
     row: dict[str, Any] = {"runs": runs, "errors": [r["error"] for r in runs if "error" in r]}
@@ -430,6 +469,7 @@ def median_rows(runs: list[dict[str, Any]]) -> dict[str, Any]:
         values = [r[field] for r in ok if r.get(field) is not None]
         row[field] = statistics.median(values) if values else None
     row["fallbacks"] = sorted({f for r in ok for f in r.get("fallbacks", [])})
+    row["fills"] = sorted({source for r in ok for source in ((r.get("fill") or {}).get("sources") or {"plain": 1})})
     row["tokens"] = sorted({r["token"] for r in ok})
     return row
 
@@ -445,6 +485,8 @@ def measure_cases(parent: ForkParent, size: str, model: dict[str, Any], device: 
             break
         daemon(env, "evict", "--all")
         for name in cases:
+            if name in ("miss", "hit") and device == "cuda":
+                copier_request(env, {"kind": "drop"})  # the hit fills from the arena, and keeps a copy
             spec = {"job": "case", "case": name, "model": model["path"], "device": device}
             runs[name].append(parent.run(spec, per_gb))
             print(f"{size} round {k + 1} {name}: " + ", ".join(
@@ -550,6 +592,11 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
     parent = None
     try:
         daemon(env, "start")
+        if device == "cuda" and "hit" in cases:
+            hello = start_copier(env, work / "copier.log")
+            report["copier"] = hello or {"error": "the device copier did not answer in 120 s: "
+                                         + (work / "copier.log").read_text(errors="replace")[-2000:]}
+            print(f"device copier: {report['copier']}", flush=True)
         parent = ForkParent(env, work / "fork-parent.log")
         skip: dict[str, str] = {}  # registrations that timed out for a smaller model are not tried again
         for size, model in report["models"].items():  # the smaller model's cases and probes first
@@ -578,8 +625,10 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         if parent is not None:
             parent.close()
+        if device == "cuda":
+            report["copier_state"] = copier_request(env, {"kind": "state"})
         with contextlib.suppress(subprocess.CalledProcessError):
-            daemon(env, "stop")
+            daemon(env, "stop")  # the copier exits with it
         shutil.rmtree(home, ignore_errors=True)
     report["wall_s"] = time.monotonic() - start
     shutil.rmtree(work, ignore_errors=True)
@@ -598,11 +647,13 @@ def goals(report: dict[str, Any]) -> list[str]:
         cases = data.get("cases")
         if not cases:
             continue
-        hit, miss = cases.get("hit", {}).get("x_plain"), cases.get("miss", {}).get("x_plain")
+        miss = cases.get("miss", {}).get("x_plain")
         line = GOAL_HIT.get(size)
-        if line is not None and hit is not None:
-            lines.append(f"{size}: hit {hit:.3f} x plain to the first token (goal <= {line}): "
-                         f"{'MET' if hit <= line else 'NOT MET'}")
+        for name, what in (("hit", "hit from the arena"), ("copy", "hit from the device copy")):
+            hit = cases.get(name, {}).get("x_plain")
+            if line is not None and hit is not None:
+                lines.append(f"{size}: {what} {hit:.3f} x plain to the first token (goal <= {line}): "
+                             f"{'MET' if hit <= line else 'NOT MET'}")
         if miss is not None:
             lines.append(f"{size}: miss {miss:.3f} x plain (goal <= {GOAL_MISS}): "
                          f"{'MET' if miss <= GOAL_MISS else 'NOT MET'}")
@@ -633,7 +684,8 @@ def print_table(report: dict[str, Any]) -> None:
             if r is None:
                 continue
             notes = "; ".join([*(f"ERROR {last_line(e)}" for e in r["errors"]),
-                               *(f"fallback: {f}" for f in r["fallbacks"])])
+                               *(f"fallback: {f}" for f in r["fallbacks"]),
+                               *([f"filled from: {', '.join(r['fills'])}"] if name != "plain" else [])])
             print(f"{name:6} {_s(r['ctx'])} {_s(r['call'])} {_s(r['copy'])} {_s(r.get('copy_gbps'), 7)} "
                   f"{_s(r['first'])} {_s(r['total'])} {_s(r.get('x_plain'), 8)} "
                   f"{_s(r.get('x_plain_without_ctx'), 9)}  {notes}")
@@ -691,7 +743,7 @@ def main() -> None:
     parser.add_argument("--sizes", help="model sizes, of overmind_jupyter.demo_models.LLAMA_SIZES (default 1.1b,7b; "
                                          "--dry-run: tiny)")
     parser.add_argument("--quick", action="store_true", help="the 1.1b model only")
-    parser.add_argument("--rounds", type=int, default=2, help="rounds of plain, miss and hit")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of plain, miss, hit and copy")
     parser.add_argument("--restarts", type=int, default=2, help="warm restarts per size")
     parser.add_argument("--budget", type=float, default=450, help="seconds the whole run may take")
     parser.add_argument("--register-timeout", type=float, default=30,

@@ -27,6 +27,6 @@ export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
   df -h /dev/shm /tmp | tail -2; nproc; free -g | head -2; } 2>&1 | tee "$OUT/machine.txt"
 # The tests marked gpu (they skip without a device); 120 s at most.
 [ "${GPU_TESTS:-1}" = 0 ] || timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" -ra \
-    tests/test_units.py tests/test_placement.py tests/test_extension.py 2>&1 | tee "$OUT/pytest-gpu.log"
+    tests/test_units.py tests/test_placement.py tests/test_extension.py tests/test_copier.py 2>&1 | tee "$OUT/pytest-gpu.log"
 # The benchmark: 1.1B and 7B (gpu.py's --budget skips what would not fit, and says so).
 timeout 350 python3 benchmarks/gpu.py --budget 320 --out "$OUT/gpu.json" ${GPU_ARGS:-} 2>&1 | tee "$OUT/gpu.log"

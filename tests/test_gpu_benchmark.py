@@ -30,11 +30,11 @@ def test_the_dry_run_measures_every_case_the_warm_restart_and_the_probes(tmp_pat
     report, table = dry_run(tmp_path)
     assert report["dry_run"] and report["device"] == "cpu" and "no CUDA device (--dry-run)" in report["notes"][0]
     cases = report["sizes"]["tiny"]["cases"]
-    for name in ("plain", "miss", "hit"):
+    for name in ("plain", "miss", "hit", "copy"):
         row = cases[name]
         assert not row["errors"] and not row["fallbacks"], (name, row)
         assert row["call"] > 0 and row["first"] > 0 and row["total"] >= row["call"] + row["first"], (name, row)
-    assert cases["plain"]["x_plain"] == 1 and "tokens_differ" not in cases, "the three cases make the same token"
+    assert cases["plain"]["x_plain"] == 1 and "tokens_differ" not in cases, "the four cases make the same token"
     warm = report["warm"]["tiny"]
     assert warm["hits"] == len(warm["runs"]) == 1 and warm["ready"] >= warm["restart"] + warm["call"]
     probes = report["sizes"]["tiny"]["probes"]

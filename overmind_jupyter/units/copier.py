@@ -34,6 +34,8 @@ Wire format. A Unix SOCK_SEQPACKET connection per kernel.
 - `{"kind": "keep", ...}`: the fill's fields without a target, with the arena's descriptor -> `{"kind":
   "kept", "kept", "seconds"}`: make the device copy only (a kernel that moved its model itself, while
   the copier was starting).
+- `{"kind": "drop"}` -> `{"kind": "dropped", "copies": count}`: every copy dropped and its units given back
+  (benchmarks measure the fill from the host this way).
 - `{"kind": "state"}` -> `{"kind": "state", "copies": [{entry, label, device, bytes, units, holding,
   last_used}], "fills": {source: count}, "bytes": {source: bytes}, "seconds": {source: seconds}}`.
 """
@@ -144,9 +146,11 @@ class _Backend:
         fields = request["target"]
         _, handle, size, offset, counter, counter_offset, event, sync = (
             _unb64(f) if isinstance(f, str) and i in (1, 4, 6) else f for i, f in enumerate(fields))
-        if int(size) - int(offset) < nbytes:
-            raise ValueError(f"the target holds {int(size) - int(offset)} bytes, not {nbytes}")
+        if int(size) < nbytes:
+            raise ValueError(f"the target holds {int(size)} bytes, not {nbytes}")
+        torch.cuda._lazy_init()
         with torch.cuda.device(index):
+            # opening waits for the kernel's event on the current stream; the staging stream waits for that
             storage = torch.UntypedStorage._new_shared_cuda(index, handle, size, offset, counter,
                                                             counter_offset, event, sync)
             try:
@@ -169,6 +173,7 @@ class _Backend:
         torch = self.torch
         with torch.cuda.device(index):
             buffers, events, stream = self._ring(index)
+            stream.wait_stream(torch.cuda.current_stream(index))
             for i, start in enumerate(range(0, host.numel(), _CHUNK)):
                 end = min(host.numel(), start + _CHUNK)
                 buf, done = buffers[i % 2], events[i % 2]
@@ -277,6 +282,11 @@ class Copier:
             return {"kind": "hello", "version": PROTOCOL, "pid": os.getpid(), "standin": self.backend.standin}
         if kind == "state":
             return self.state()
+        if kind == "drop":
+            holdings = list(self.by_holding)
+            for holding in holdings:
+                self.release(holding)
+            return {"kind": "dropped", "copies": len(holdings)}
         if kind in ("fill", "keep"):
             if not fds:
                 raise ValueError(f"a {kind} needs the entry's arena descriptor")

@@ -249,6 +249,7 @@ def _fill_group(conn: socket.socket, group: _Group, device: torch.device, unit_d
                "device": unit_device, "start": group.low, "nbytes": nbytes}
     if device.type == "cuda":
         block = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        torch.cuda.synchronize(device)  # what the allocator reused this memory from is done with it
         shared = block.untyped_storage()._share_cuda_()
         request["target"] = [base64.b64encode(f).decode() if isinstance(f, bytes) else f for f in shared]
         with _lock:
