@@ -110,6 +110,21 @@ def test_a_hit_moved_to_a_device_is_filled_by_the_copier_then_from_its_device_co
     assert state is not None and state["fills"] == {"host": 1, "device copy": 1} and len(state["copies"]) == 1
 
 
+def test_a_weight_the_kernel_wrote_on_the_host_moves_with_its_writes(standin: Callable[..., Client]) -> None:
+    """The copier fills from the arena: a storage this kernel wrote before the move (through `.data`, or
+    numpy, which no version counter sees) is not filled but copied, writes and all."""
+    standin()
+    model = arena_backed("mlp")
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    model.layers[0].weight.data += 1
+    model.layers[1].bias.detach().numpy()[0] = 5.0
+    units.place(model, "cuda:0")
+    assert units.state()["kernel"]["events"][-1]["fill"]["sources"] == {"host": 1}
+    assert torch.equal(model.layers[0].weight, expected["layers.0.weight"] + 1)
+    assert model.layers[1].bias[0] == 5.0 and torch.equal(model.layers[1].bias[1:], expected["layers.1.bias"][1:])
+    assert torch.equal(model.layers[0].bias, expected["layers.0.bias"])
+
+
 def test_a_filled_model_keeps_its_ties_trains_and_goes_back_onto_the_cached_weights(
         standin: Callable[..., Client]) -> None:
     standin()

@@ -7,7 +7,10 @@ this kernel allocates, at the device's speed, instead of copied by torch from pa
 device memory spanning the arena bytes those storages hold, has the copier fill it from a device copy of
 the entry or from the arena through pinned staging (one request and one CUDA IPC handle per entry, never
 per tensor), and gives each tensor a view of the block with its own dtype, shape, strides and offset:
-tensors that shared a storage on the host (tied weights) share it on the device. The block is this
+tensors that shared a storage on the host (tied weights) share it on the device. A storage of which this
+kernel wrote a page on the host (a private copy of the page, by any route: `.data`, numpy, an optimizer;
+mappings.WrittenPages reads it from the page tables, never from version counters) is not filled: its bytes
+are the kernel's, not the arena's, and torch copies them. The block is this
 kernel's memory, so its writes stay its own (docs/design.md invariant 3); the copier keeps no handle to
 it after the fill. Every other tensor (made by the kernel, in a checkpoint file's pages, at an offset no
 view can take) is left to the caller's `.to`. Any failure leaves the model as it was: what was not filled
@@ -177,6 +180,7 @@ class Filled:
 def _groups(model: torch.nn.Module) -> dict[str, _Group]:
     groups: dict[str, _Group] = {}
     seen: set[int] = set()
+    written = mappings.WrittenPages()
     for t in _tensors(model):
         if id(t) in seen or t.device.type != "cpu" or not t.numel() or t.layout != torch.strided:
             continue
@@ -186,6 +190,8 @@ def _groups(model: torch.nn.Module) -> dict[str, _Group]:
         span = mappings.span_of(address)
         if span is None or span.arena is None or address + storage.nbytes() > span.end:
             continue
+        if written.any(span.start, span.end, address, storage.nbytes()):
+            continue  # the kernel wrote it on the CPU: the arena's bytes are not its bytes any more
         at = span.offset(address)
         group = groups.get(span.key)
         if group is None:
