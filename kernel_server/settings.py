@@ -257,8 +257,13 @@ DEVICE_COPIER = Setting("device_copier", "OVERMIND_DEVICE_COPIER", one_of("auto"
                         "also fills simulated devices (OVERMIND_FAKE_GPUS) on the CPU, a stand-in for tests",
                         "kernel")
 
+DEVICE_COPY_IDLE = Setting("device_copy_idle", "OVERMIND_DEVICE_COPY_IDLE", seconds, 900.0, "900", "1h",
+                           "seconds the device copier keeps a copy of an entry on a GPU that no kernel has moved "
+                           "since (GPU memory other programs may want; kernels get theirs back from it at once)",
+                           "kernel")
+
 SETTINGS: tuple[Setting, ...] = (ENABLED, HOME, BUDGET, WAIT_TIMEOUT, ARENA, ARENA_DIR, DISK_RESERVE, POPULATE, COMPACT,
-                                 FAKE_GPUS, GPU_RESERVE, UNITS_TIMEOUT, WARM, DEVICE_COPIER)
+                                 FAKE_GPUS, GPU_RESERVE, UNITS_TIMEOUT, WARM, DEVICE_COPIER, DEVICE_COPY_IDLE)
 
 _reported: set[str] = set()
 

@@ -59,6 +59,7 @@ class Overmind(Configurable):
     gpu_reserve = _Declared(declared.GPU_RESERVE)
     units_timeout = _Declared(declared.UNITS_TIMEOUT)
     device_copier = _Declared(declared.DEVICE_COPIER)
+    device_copy_idle = _Declared(declared.DEVICE_COPY_IDLE)
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)

@@ -227,6 +227,16 @@ def test_a_copier_that_died_leaves_moves_to_torch_and_says_why(standin: Callable
     assert filling.reasons(), "the reason is kept"
 
 
+def test_a_copy_no_kernel_used_for_the_idle_time_is_dropped_and_its_units_given_back(
+        standin: Callable[..., Client], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OVERMIND_DEVICE_COPY_IDLE", "1")  # before the copier starts: it reads it then
+    client = standin()
+    units.place(arena_backed("mlp"), "cuda:0")
+    assert [h["spare"] for h in holders(client)].count(True) == 1
+    assert wait_until(lambda: not filling.state()["copies"], 30, "the idle copy dropped")
+    assert not any(h["spare"] for h in holders(client)), "its units given back"
+
+
 def test_one_copier_per_user_it_answers_bad_requests_and_exits_with_the_daemon(
         standin: Callable[..., Client], overmind_home: Path) -> None:
     client = standin()

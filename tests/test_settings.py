@@ -38,6 +38,7 @@ BAD = {
     "OVERMIND_UNITS_TIMEOUT": ("x", "not a duration"),
     "OVERMIND_WARM": ("perhaps", "neither on"),
     "OVERMIND_DEVICE_COPIER": ("gpu", "not one of auto, off, cpu"),
+    "OVERMIND_DEVICE_COPY_IDLE": ("soon", "not a duration"),
 }
 
 LOAD_EXT = """

@@ -270,6 +270,17 @@ class Copier:
             with contextlib.suppress(DaemonError):
                 self.client.request(Op.UNITS_RELEASE, holding=holding, timeout=30)
 
+    def expire(self, idle: float) -> None:
+        """Drop the copies no kernel has used for `idle` seconds (OVERMIND_DEVICE_COPY_IDLE): the ledger
+        gives kernels their units back at once, but programs outside it see only the device's memory."""
+        now = time.time()
+        for holding, key in list(self.by_holding.items()):
+            copy = self.copies.get(key)
+            if copy is not None and now - copy.last_used > idle:
+                log.info("dropping the copy of %s on %s, unused for %.0f s", copy.label, copy.device,
+                         now - copy.last_used)
+                self.release(holding)
+
     def _empty_cache(self) -> None:
         if not self.backend.standin:
             self.backend.torch.cuda.empty_cache()
@@ -369,6 +380,9 @@ class Copier:
         """Runs every request and release in order, on one thread: one device copy at a time."""
         while True:
             item = self.work.get()
+            if item[0] == "expire":
+                self.expire(item[1])
+                continue
             if item[0] == "release":
                 try:
                     self.release(item[1])
@@ -391,6 +405,7 @@ class Copier:
 
 def serve(home: Path, standin: bool) -> int:
     """Run the copier until the daemon goes, or until idle (see the module's docstring)."""
+    from kernel_server import settings
     from kernel_server.errors import DaemonError
 
     home.mkdir(parents=True, exist_ok=True)
@@ -416,7 +431,10 @@ def serve(home: Path, standin: bool) -> int:
     selector.register(listener, selectors.EVENT_READ)
     connections = 0
     idle_since = time.monotonic()
+    copy_idle = float(settings.get(settings.DEVICE_COPY_IDLE))
     while True:
+        if copier.copies:
+            copier.work.put(("expire", copy_idle))
         for key, _ in selector.select(timeout=1.0):
             if key.fileobj is listener:
                 accepted, _ = listener.accept()
