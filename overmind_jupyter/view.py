@@ -185,6 +185,7 @@ def _units(snapshot: UnitsSnapshot, named: _Namer) -> dict[str, Any]:
         "total_text": byte_text(dev["total_bytes"]),
         "holders": [{"label": h["label"], "kernel": h["kernel"]["label"], "pid": h["pid"], "units": h["units"],
                      "busy": h["busy"], "idle_s": h["idle_s"], "release_requested": h["release_requested"],
+                     "spare": h["spare"],
                      "idle_text": "" if h["idle_s"] is None else seconds_text(h["idle_s"]),
                      **named.only_names(h["kernel"])} for h in dev["holders"]],
     } for dev in snapshot["devices"]]

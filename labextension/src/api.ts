@@ -141,6 +141,8 @@ export interface IUnitHolder {
   idle_text: string;
   /** The ledger asked it to give its units back for a waiting request. */
   release_requested: boolean;
+  /** A device copy the copier keeps for speed: the first holding asked back (Note [Spare holdings]). */
+  spare: boolean;
   /** Held by the kernel that shows the view (a notebook widget's own kernel). */
   mine?: boolean;
 }

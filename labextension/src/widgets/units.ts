@@ -43,7 +43,8 @@ function holderTitle(x: IUnitHolder, local: ILocal): string {
   const units = x.units ?? 0;
   const state = x.busy ? 'busy' : `idle ${x.idle_text}`.trim();
   const asked = x.release_requested ? ', asked to release' : '';
-  return `${x.label || 'a model'}: ${units} ${units === 1 ? 'unit' : 'units'}, ${who}, ${state}${asked}`;
+  const spare = x.spare ? ', given back first when a kernel needs room' : '';
+  return `${x.label || 'a model'}: ${units} ${units === 1 ? 'unit' : 'units'}, ${who}, ${state}${asked}${spare}`;
 }
 
 function deviceBlock(d: IDevice, local: ILocal): HTMLElement {
