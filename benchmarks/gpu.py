@@ -16,7 +16,10 @@ call (`call`; for the miss and the hit, `copy`: the part of it spent placing the
 synchronised). `total` = ctx + call + first, and its ratio to plain's of the same round set.
   warm    a warm kernel (overmind_jupyter.warm, preloading torch and transformers) restarted as JupyterLab
           does, then `%load_ext` + `%overmind on` and the same call and token in a cell: restart to the
-          first token (needs ipykernel and jupyter_client: without them the column is skipped, and says so)
+          first token (needs ipykernel and jupyter_client: without them the column is skipped, and says so).
+          Each restart waits first until the kernel started ahead has warmed its device (its CUDA context
+          and cuBLAS handles, Note [Devices warmed ahead] in overmind_jupyter/warm/warmup.py; `cpu` in a
+          dry run), as a restart asked for later than a second after the last one finds it
 Then the copy probes (benchmarks/gpu_probes.py): the model's bytes copied into a kernel's device memory by
 each candidate path, in GB/s.
 
@@ -284,9 +287,9 @@ with torch.inference_mode():
 if {device!r} == "cuda":
     torch.cuda.synchronize()
 t3 = time.perf_counter()
-import overmind_jupyter
+import overmind_jupyter, overmind_jupyter.warm
 print(json.dumps({{"ctx": t1 - t0, "call": t2 - t1, "first": t3 - t2, "cell": t3 - t0, "token": int(out[0, -1]),
-                  "calls": overmind_jupyter.loading.calls(),
+                  "calls": overmind_jupyter.loading.calls(), "warmed": overmind_jupyter.warm.warmed(),
                   "fallbacks": [f["reason"] for f in overmind_jupyter.loading.fallbacks()]}}))
 del model
 """
@@ -340,6 +343,21 @@ def provisioner_entry_point(root: Path) -> None:
     importlib.invalidate_caches()
 
 
+def warmed_ahead(timeout: float) -> list[dict[str, Any]] | None:
+    """What the kernel started ahead warmed, once it has said so to its spare (Note [Devices warmed ahead] in
+    overmind_jupyter/warm/warmup.py); None if no kernel started ahead said so within `timeout` s."""
+    from overmind_jupyter.warm import describe_spares
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for spare in describe_spares():
+            if spare["ahead"] and all(pid in spare["warmed"] for pid in spare["ahead"]):
+                devices: list[dict[str, Any]] = spare["warmed"][spare["ahead"][-1]]
+                return devices
+        time.sleep(0.02)
+    return None
+
+
 def warm(paths: dict[str, str], device: str, env: dict[str, str], restarts: int, work: Path,
          deadline: float, sizes: dict[str, int]) -> dict[str, Any]:
     """Per size: a warm kernel, the cell once (the entry is already there: a hit), then `restarts`
@@ -350,6 +368,8 @@ def warm(paths: dict[str, str], device: str, env: dict[str, str], restarts: int,
     from restart import LabClient, Parts  # restart.py's client and timing of a restart, as JupyterLab makes it
 
     os.environ.update(env)
+    if device == "cpu":  # a dry run: the kernel started ahead runs the warm-up's steps on the CPU
+        os.environ.setdefault("OVERMIND_WARM_DEVICES", "cpu")
     provisioner_entry_point(work / "entry")
     from overmind_jupyter import warm as warm_kernels
 
@@ -376,7 +396,9 @@ def warm(paths: dict[str, str], device: str, env: dict[str, str], restarts: int,
             for _ in range(restarts):
                 if time.monotonic() > deadline:
                     break
+                ahead = warmed_ahead(60)  # not timed: the kernel started ahead has warmed its device
                 run = parts.restart(km, kc, lab)
+                run["warmed_ahead"] = ahead
                 t = time.perf_counter()
                 lab.execute(setup)
                 run["setup"] = time.perf_counter() - t
@@ -389,7 +411,8 @@ def warm(paths: dict[str, str], device: str, env: dict[str, str], restarts: int,
             km.shutdown_kernel(now=True)
         fields = ("restart", "setup", "ctx", "call", "first", "cell", "ready")
         rows[size] = {f: statistics.median(r[f] for r in runs) for f in fields} if runs else {}
-        rows[size].update(runs=runs, hits=sum(r["calls"] == {"hit": 1} for r in runs))
+        rows[size].update(runs=runs, hits=sum(r["calls"] == {"hit": 1} for r in runs),
+                          warmed=[w for r in runs for w in r["warmed"]])
     return rows
 
 
@@ -696,6 +719,9 @@ def print_table(report: dict[str, Any]) -> None:
             print(f"warm restart: restart {warm_row['restart']:.3f} + setup {warm_row['setup']:.3f} + ctx "
                   f"{warm_row['ctx']:.3f} + call {warm_row['call']:.3f} + first {warm_row['first']:.3f} = ready "
                   f"{warm_row['ready']:.3f} s ({warm_row['hits']}/{len(warm_row['runs'])} hits)")
+            print("  warmed ahead of the restart: " + ("; ".join(
+                f"{w['device']} " + (f"ERROR {w['error']}" if w["error"] else f"{w['seconds']:.3f} s")
+                for w in warm_row.get("warmed", [])) or "nothing"))
         probes = data.get("probes")
         if probes:
             print_probes(probes)

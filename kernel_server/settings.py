@@ -150,6 +150,26 @@ def one_of(*choices: str) -> Callable[[Any], str]:
     return choice
 
 
+def devices(value: Any) -> str:
+    """`auto` (also on, 1, ...), `off` (0, no, ...), or devices joined by commas (`cuda:0,cuda:1`, `cuda`
+    for `cuda:0`, `cpu`), each once, as text."""
+    text = str(value).strip().lower()
+    if text == "auto" or text in _TRUE:
+        return "auto"
+    if text in _FALSE:
+        return "off"
+    named: list[str] = []
+    for part in text.split(","):
+        m = re.fullmatch(r"\s*(?:(cpu)|cuda(?::(\d+))?)\s*", part)
+        if not m:
+            raise ValueError("is not auto, off, or devices joined by commas (cuda:0,cuda:1; cpu stands in for "
+                             "a GPU)")
+        name = "cpu" if m.group(1) else f"cuda:{int(m.group(2) or 0)}"
+        if name not in named:
+            named.append(name)
+    return ",".join(named)
+
+
 def fake_gpus(value: Any) -> str:
     """A device list as `parse_fake_gpus` reads it; "" for none."""
     text = str(value).strip()
@@ -250,6 +270,11 @@ UNITS_TIMEOUT = Setting("units_timeout", "OVERMIND_UNITS_TIMEOUT", seconds, 600.
 WARM = Setting("warm", "OVERMIND_WARM", flag, True, "on", "0",
                "start kernels of the overmind kernelspec forked from a warm spare (`c.WarmProvisioner.enabled` "
                "in the server's config)", "server")
+WARM_DEVICES = Setting("warm_devices", "OVERMIND_WARM_DEVICES", devices, "auto", "`auto`", "cuda:0,cuda:1",
+                       "devices a warm kernel started ahead readies while it waits for the restart: its CUDA "
+                       "context and cuBLAS handles (`auto`: the first visible CUDA device, when torch is "
+                       "preloaded and CUDA is available; `off`; or a list; `cpu` runs the same steps on the CPU: "
+                       "Note [Devices warmed ahead])", "kernel")
 
 DEVICE_COPIER = Setting("device_copier", "OVERMIND_DEVICE_COPIER", one_of("auto", "off", "cpu"), "auto", "`auto`",
                         "off", "how a cached model moves to a GPU: `auto` through the per-user device copier (a "
@@ -263,7 +288,8 @@ DEVICE_COPY_IDLE = Setting("device_copy_idle", "OVERMIND_DEVICE_COPY_IDLE", seco
                            "kernel")
 
 SETTINGS: tuple[Setting, ...] = (ENABLED, HOME, BUDGET, WAIT_TIMEOUT, ARENA, ARENA_DIR, DISK_RESERVE, POPULATE, COMPACT,
-                                 FAKE_GPUS, GPU_RESERVE, UNITS_TIMEOUT, WARM, DEVICE_COPIER, DEVICE_COPY_IDLE)
+                                 FAKE_GPUS, GPU_RESERVE, UNITS_TIMEOUT, WARM, WARM_DEVICES, DEVICE_COPIER,
+                                 DEVICE_COPY_IDLE)
 
 _reported: set[str] = set()
 

@@ -65,17 +65,20 @@ def is_enabled() -> bool:
 def status() -> dict[str, Any]:
     """The cache as this kernel sees it: `daemon`, the daemon's status reply (kernel_server/payloads.py
     `StatusReply`; None without a daemon, and `daemon_error` says why), `conn`, this kernel's connection to
-    it, `fallbacks`, this process's, and what is `patched`. `format_status` words it; view.py's
-    `state_view` shapes its `daemon` for the panel and the widgets."""
+    it, `fallbacks`, this process's, what is `patched`, and `warmed`, the devices this kernel warmed while
+    it was started ahead (a warm kernel's; Note [Devices warmed ahead] in warm/warmup.py). `format_status`
+    words it; view.py's `state_view` shapes its `daemon` for the panel and the widgets."""
     from kernel_server import lifecycle
     from kernel_server.client import shared_client
 
     from . import loading, patching, progress
+    from .warm import warmup
 
     out: dict[str, Any] = {
         "enabled": _enabled,
         "patched": patching.patched(),
         "fallbacks": loading.fallbacks(),
+        "warmed": warmup.warmed(),
     }
     try:
         out["home"] = str(lifecycle.state_dir(create=False))
@@ -143,4 +146,14 @@ def format_status(s: dict[str, Any]) -> str:
         lines += [f"kernel {k['name']}  ({k['role']}; {k['detail']})" for k in v["kernels"]]
     for f in s["fallbacks"][-10:]:
         lines.append(f"fallback: {f['call']}: {f['reason']}")
+    lines += [_warmed_text(w) for w in s.get("warmed", ())]
     return "\n".join(lines)
+
+
+def _warmed_text(w: dict[str, Any]) -> str:
+    """One device a warm kernel warmed while it was started ahead (Note [Devices warmed ahead])."""
+    if w["finished_at"] is None:
+        return f"warming {w['device']} ahead of this kernel's start: still running"
+    if w["error"]:
+        return f"warming {w['device']} ahead of this kernel's start failed: {w['error']}"
+    return f"warmed {w['device']} ahead of this kernel's start (context and matrix products, {w['seconds']:.2f} s)"

@@ -60,6 +60,7 @@ class Overmind(Configurable):
     units_timeout = _Declared(declared.UNITS_TIMEOUT)
     device_copier = _Declared(declared.DEVICE_COPIER)
     device_copy_idle = _Declared(declared.DEVICE_COPY_IDLE)
+    warm_devices = _Declared(declared.WARM_DEVICES)  # read by a warm kernel started ahead (warm/warmup.py)
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)

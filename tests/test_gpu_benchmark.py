@@ -37,6 +37,8 @@ def test_the_dry_run_measures_every_case_the_warm_restart_and_the_probes(tmp_pat
     assert cases["plain"]["x_plain"] == 1 and "tokens_differ" not in cases, "the four cases make the same token"
     warm = report["warm"]["tiny"]
     assert warm["hits"] == len(warm["runs"]) == 1 and warm["ready"] >= warm["restart"] + warm["call"]
+    [warmed] = warm["warmed"]  # the kernel started ahead ran the warm-up's steps on the CPU before the restart
+    assert warmed["device"] == "cpu" and warmed["error"] is None and warm["runs"][0]["warmed_ahead"] == [warmed]
     probes = report["sizes"]["tiny"]["probes"]
     assert "error" not in probes, probes
     rows = probes["probes"]
@@ -45,7 +47,8 @@ def test_the_dry_run_measures_every_case_the_warm_restart_and_the_probes(tmp_pat
         assert rows[name]["checked"] and rows[name]["gbps"] > 0, (name, rows[name])
     assert "open_s" in rows["d2d"] and "open_s" in rows["pinned"], "the handles were opened in the other process"
     assert rows["pinned"]["note"].startswith(CUDA_ONLY) and rows["register-private"]["skipped"].startswith(CUDA_ONLY)
-    for line in ("DRY RUN", "warm restart: restart", "copy probes", "goal (issue 36):", "tiny: miss"):
+    for line in ("DRY RUN", "warm restart: restart", "warmed ahead of the restart: cpu", "copy probes",
+                 "goal (issue 36):", "tiny: miss"):
         assert line in table, table
 
 

@@ -39,6 +39,7 @@ BAD = {
     "OVERMIND_WARM": ("perhaps", "neither on"),
     "OVERMIND_DEVICE_COPIER": ("gpu", "not one of auto, off, cpu"),
     "OVERMIND_DEVICE_COPY_IDLE": ("soon", "not a duration"),
+    "OVERMIND_WARM_DEVICES": ("gpu0", "not auto, off, or devices joined by commas"),
 }
 
 LOAD_EXT = """
@@ -86,7 +87,7 @@ def test_the_configurable_has_a_trait_for_each_setting_a_kernel_reads_or_hands_o
 
 
 def test_every_bad_value_is_named_with_an_example_and_the_extension_still_loads(overmind_home: Path) -> None:
-    """All twelve at once: `%load_ext` succeeds, each gives its own message (variable, value, example),
+    """All at once: `%load_ext` succeeds, each gives its own message (variable, value, example),
     and the cache stays off (`OVERMIND_ENABLED=maybe` is not a yes)."""
     env = dict(os.environ, **{var: value for var, (value, _) in BAD.items()})
     env["OVERMIND_HOME"] = BAD["OVERMIND_HOME"][0]
@@ -158,6 +159,15 @@ def test_config_values_are_checked_as_the_environment_s_are() -> None:
     with pytest.warns(settings.SettingWarning, match=r"c\.Overmind\.wait_timeout = 'soon' is not a duration.*"
                                                      r"write e\.g\. c\.Overmind\.wait_timeout = '10m'"):
         assert Overmind(config=cfg).wait_timeout == 600.0
+
+
+def test_the_devices_warmed_ahead_are_auto_off_or_a_list() -> None:
+    parse = settings.WARM_DEVICES.parse
+    assert [parse(v) for v in ("auto", "on", "1", "off", "0", "no")] == ["auto"] * 3 + ["off"] * 3
+    assert parse(" CUDA:1, cuda ,cpu,cuda:0") == "cuda:1,cuda:0,cpu", "named once each, `cuda` is cuda:0"
+    for bad in ("", "gpu", "cuda:", "cuda:x", "cuda:0;cuda:1", "2"):
+        with pytest.raises(settings.SettingError, match="not auto, off, or devices"):
+            parse(bad)
 
 
 def test_budgets_above_the_memory_limit_are_refused() -> None:

@@ -430,6 +430,87 @@ def test_a_restart_starts_the_kernel_started_ahead_which_ran_nothing_of_the_user
     assert set(ran_startup()) == {first, ahead, other["pid"]}
 
 
+WARMED = ("import json, os\nfrom overmind_jupyter.warm import warmed\n"
+          "print(json.dumps({'pid': os.getpid(), 'ppid': os.getppid(), 'warmed': warmed()}))")
+STATUS = "from overmind_jupyter import api; print(api.format_status(api.status()))"  # %overmind status's text
+
+
+def warmed_ahead(spec: str) -> tuple[int, list[dict[str, Any]]] | None:
+    """The kernel started ahead from `spec`'s spare and what it told the spare it warmed; None until it has."""
+    spare = spare_of(spec)
+    ahead = [pid for pid in spare["ahead"] if pid in spare["warmed"]]
+    return (ahead[0], spare["warmed"][ahead[0]]) if ahead else None
+
+
+def test_a_kernel_started_ahead_warms_its_devices_before_the_restart_and_no_other_process_does(
+        warm: dict[str, str]) -> None:
+    """Note [Devices warmed ahead] in warmup.py, with `cpu` standing in for a GPU: the kernel started ahead
+    runs the warm-up while it waits and tells the spare; once a restart has started it, its own record says
+    the warm-up was over before the restart was asked for, and `%overmind status` says so. The kernel
+    forked for the start warmed nothing, nor did the spare (whose record every kernel forked from it would
+    carry); the record is the kernel's own (its pid). With the setting off, nothing is warmed, and the
+    setting, read by the kernels alone, changes no spare."""
+    env = dict(warm, OVERMIND_WARM_DEVICES="cpu")
+    km, kc = start(WARM, env)
+    try:
+        first = run_json(kc, WARMED)
+        spare = spare_of(WARM)["pid"]
+        assert first["ppid"] == spare and first["warmed"] == [], "a kernel forked for its start warms nothing"
+        ahead, said = wait_until(lambda: warmed_ahead(WARM), what="the kernel started ahead to warm the device")
+        asked = time.time()
+        restart(km, kc)
+        kernel = run_json(kc, WARMED)
+        assert kernel["pid"] == ahead != first["pid"] and kernel["ppid"] == spare
+        [row] = kernel["warmed"]
+        assert row == said[0], "what it told the spare"
+        assert row["device"] == "cpu" and row["error"] is None and row["pid"] == ahead, row
+        assert row["started_at"] <= row["finished_at"] < asked and row["seconds"] > 0, "warmed before the restart"
+        status = execute(kc, STATUS)[0]
+        assert "warmed cpu ahead of this kernel's start" in status, status
+
+        restart(km, kc, env={**env, "OVERMIND_WARM_DEVICES": "off"})  # another start: forked, not taken ahead
+        forked = run_json(kc, WARMED)
+        assert forked["ppid"] == spare and forked["warmed"] == [], "the same spare; a forked kernel warms nothing"
+        ahead, said = wait_until(lambda: warmed_ahead(WARM), what="the kernel started ahead to say it warmed nothing")
+        assert said == []
+        restart(km, kc)
+        kernel = run_json(kc, WARMED)
+        assert kernel["pid"] == ahead and kernel["warmed"] == [], "off: nothing warmed"
+        assert "warmed" not in execute(kc, STATUS)[0]
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+def test_a_warm_up_that_fails_is_recorded_and_the_kernel_config_turns_it_off(warm: dict[str, str],
+                                                                              tmp_path: Path) -> None:
+    """Note [Devices warmed ahead]: a device that cannot be warmed (here: the LIGHT spare did not preload
+    torch) is recorded with its error, and the kernel works; `c.Overmind.warm_devices` in the kernel's
+    IPython config wins over the environment, in the kernels started ahead after it was written."""
+    profile = tmp_path / "ipython" / "profile_default"
+    profile.mkdir(parents=True)
+    env = dict(warm, OVERMIND_WARM_DEVICES="cpu", IPYTHONDIR=str(tmp_path / "ipython"))
+    km, kc = start(LIGHT, env)
+    try:
+        ahead, said = wait_until(lambda: warmed_ahead(LIGHT), what="the kernel started ahead to try the warm-up")
+        (profile / "ipython_kernel_config.py").write_text("c.Overmind.warm_devices = 'off'\n")  # for the next
+        restart(km, kc)
+        kernel = run_json(kc, WARMED)
+        [row] = kernel["warmed"]
+        assert kernel["pid"] == ahead and row == said[0] and row["device"] == "cpu", row
+        assert "torch is not preloaded" in row["error"] and row["finished_at"] is not None
+        assert "warming cpu ahead of this kernel's start failed: RuntimeError: torch is not preloaded" in \
+            execute(kc, STATUS)[0]
+        assert execute(kc, "print(6 * 7)")[0] == "42\n"
+        ahead, said = wait_until(lambda: warmed_ahead(LIGHT), what="the next kernel started ahead")
+        assert said == [], "the config file's off over the environment's cpu"
+        restart(km, kc)
+        assert run_json(kc, WARMED) == {"pid": ahead, "ppid": spare_of(LIGHT)["pid"], "warmed": []}
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
 def test_the_sockets_of_a_warm_kernels_manager_reconnect_soon_and_no_other_kernels_do(warm: dict[str, str],
                                                                                      tmp_path: Path) -> None:
     """Note [Reconnecting clients] in provisioner.py, with a MultiKernelManager's shared context as in
@@ -622,7 +703,7 @@ def test_the_spare_answers_bad_requests_with_errors_and_goes_on(warm: dict[str, 
         assert json.loads(spare.sock.recv(1 << 16))["kind"] == "error"
         os.close(r)
         os.close(w)
-        assert spare.ping() == {"kind": "pong", "pid": spare.pid, "kernels": [], "ahead": []}
+        assert spare.ping() == {"kind": "pong", "pid": spare.pid, "kernels": [], "ahead": [], "warmed": {}}
         assert spare.exit_status(12345678) == (None, False)
     finally:
         spare.stop()

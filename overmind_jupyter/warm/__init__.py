@@ -2,8 +2,10 @@
 
 `python -m overmind_jupyter.warm install` writes a kernelspec whose provisioner (`WarmProvisioner`, entry
 point `overmind-warm`) keeps one spare process per kernelspec in the Jupyter server. The spare imports the
-configured modules once, runs no torch operation, and forks a fresh kernel on every start or restart.
-See docs/warm-kernels.md. Importing this package imports nothing beyond it; the parts load on use.
+configured modules once, runs no torch operation, and forks a fresh kernel on every start or restart;
+the kernel started ahead for the next restart warms its devices while it waits (`warmed()`, Note [Devices
+warmed ahead] in warmup.py). See docs/warm-kernels.md. Importing this package imports nothing beyond it;
+the parts load on use.
 """
 
 from __future__ import annotations
@@ -11,11 +13,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["DEFAULT_PRELOAD", "WarmProvisioner", "describe_spares", "install", "stop_spares", "uninstall"]
+__all__ = ["DEFAULT_PRELOAD", "WarmProvisioner", "describe_spares", "install", "stop_spares", "uninstall", "warmed"]
 
 _LAZY = {
     "WarmProvisioner": "provisioner", "install": "kernelspec", "uninstall": "kernelspec",
-    "stop_spares": "spares", "describe_spares": "spares", "DEFAULT_PRELOAD": "zygote",
+    "stop_spares": "spares", "describe_spares": "spares", "DEFAULT_PRELOAD": "zygote", "warmed": "warmup",
 }
 
 

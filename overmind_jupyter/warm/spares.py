@@ -27,6 +27,8 @@ import time
 from dataclasses import dataclass
 from typing import IO, Any
 
+from kernel_server import settings
+
 from ..errors import OvermindError
 from .zygote import MAX_MESSAGE, PROTOCOL, expand_preload
 
@@ -37,10 +39,12 @@ __all__ = ["PER_KERNEL_ENV", "ForkedKernel", "Spare", "SpareKey", "SpareUnavaila
 # Each kernel a spare forks gets its own whole environment, the one its launch asked for (`become_kernel`
 # in zygote.py); what the preloaded modules did to os.environ while they were imported is replayed on top
 # of it, as if they had been imported there. These variables differ from one kernel to the next by design
-# (jupyter_server and jupyter_client set them per kernel): a spare is started without them and every kernel
-# gets them from its own launch. Any other difference between a kernel's environment and its spare's means
-# the preloaded modules saw a different environment, so the spare is replaced.
-PER_KERNEL_ENV = ("JPY_SESSION_NAME", "JPY_PARENT_PID", "JPY_INTERRUPT_EVENT", "IPY_INTERRUPT_EVENT", "KERNEL_ID")
+# (jupyter_server and jupyter_client set them per kernel), or are read by the kernels alone, after their
+# fork (OVERMIND_WARM_DEVICES: Note [Devices warmed ahead] in warmup.py): a spare is started without them
+# and every kernel gets them from its own launch. Any other difference between a kernel's environment and
+# its spare's means the preloaded modules saw a different environment, so the spare is replaced.
+PER_KERNEL_ENV = ("JPY_SESSION_NAME", "JPY_PARENT_PID", "JPY_INTERRUPT_EVENT", "IPY_INTERRUPT_EVENT", "KERNEL_ID",
+                  settings.WARM_DEVICES.env)
 
 _log = logging.getLogger(__name__)
 
@@ -251,7 +255,8 @@ class Spare:
                 pass
         return {"spec": self.key.spec, "preload": list(self.key.preload), "pid": self.pid, "state": self.state,
                 "error": self.error, "modules": self.info.get("modules", []), "seconds": self.info.get("seconds"),
-                "kernels": pong.get("kernels", []), "ahead": pong.get("ahead", [])}
+                "kernels": pong.get("kernels", []), "ahead": pong.get("ahead", []),
+                "warmed": {int(pid): devices for pid, devices in pong.get("warmed", {}).items()}}
 
 
 class ForkedKernel:
@@ -379,7 +384,9 @@ def stop_spares(timeout: float = 5.0) -> int:
 
 def describe_spares() -> list[dict[str, Any]]:
     """What the spares of this process are doing: spec, preload, pid, state, error, modules, seconds, the
-    pids of the kernels each forked that are still running, and of those started ahead and waiting."""
+    pids of the kernels each forked that are still running, and of those started ahead and waiting, and
+    `warmed`: {pid: what it warmed} of those waiting that have warmed their devices (Note [Devices warmed
+    ahead] in warmup.py)."""
     with _REGISTRY:
         current = list(_SPARES.values())
     return [spare.describe() for spare in current]

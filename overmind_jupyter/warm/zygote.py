@@ -22,14 +22,20 @@ Wire format. One Unix SOCK_SEQPACKET socket pair; the spare holds fd N.
     With `"ahead": true` the kernel is started ahead (Note [Kernels started ahead]): it builds everything
     but its sockets' binds and waits; the spare keeps it until asked to start or discard it. A fourth fd
     rides along then: the kernel writes one byte to it once it listens on all its ports after `start`.
+    A spare in which something initialised CUDA (Note [Fork safety]) answers a fork with an error and
+    exits, so that it is replaced.
   - `{"kind": "start", "pid"}` -> `{"kind": "started", "pid"}`: a kernel started ahead binds its ports and
     runs on from there; an error reply if the spare holds no such kernel (it died, say).
   - `{"kind": "discard", "pid"}` -> `{"kind": "discarded", "pid"}`: a kernel started ahead exits without
     having bound anything (also when the spare exits).
   - `{"kind": "status", "pid"}` -> `{"kind": "status", "pid", "code": int or null, "known": bool}`: the
     exit code of a kernel the spare forked (negative: killed by that signal); null while it runs.
-  - `{"kind": "ping"}` -> `{"kind": "pong", "pid", "kernels": [pids still running], "ahead": [pids waiting]}`.
+  - `{"kind": "ping"}` -> `{"kind": "pong", "pid", "kernels": [pids still running], "ahead": [pids waiting],
+    "warmed": {pid: [records]}}`: `warmed` has, for each kernel still waiting that has said so, what it
+    warmed (`warmup.Warmed` records; Note [Devices warmed ahead] in warmup.py).
   - Anything else -> `{"kind": "error", "error"}`; a bad request never stops the spare.
+- A kernel started ahead MAY send one `{"kind": "warmed", "devices": [records]}` on the socket it waits on,
+  once its warm-up is over; the spare keeps it for `pong` until the kernel is started or ends.
 - EOF on the socket (the server closed it, or died) MUST make the spare exit. Kernels it forked live on:
   they watch the server themselves (Note [Kernel lifetime]).
 """
@@ -47,6 +53,8 @@ import threading
 import time
 import traceback
 from typing import Any
+
+from . import warmup
 
 __all__ = ["DEFAULT_PRELOAD", "MAX_MESSAGE", "PROTOCOL", "expand_preload", "stamps"]
 
@@ -136,7 +144,9 @@ def _import(name: str) -> None:
 # thread started at import does not exist in the forked kernels (its module then silently misbehaves), and
 # a CUDA context does not survive fork. Torch is safe to fork after import and before its first operation
 # (measured here: after any operation the forked children hung), so this process runs none. Each module is
-# checked right after its import, so the error names the culprit.
+# checked right after its import, so the error names the culprit; and before every fork the spare checks
+# again that CUDA is not initialised here (`_cuda_in_use`: devices are warmed in the kernels started ahead,
+# never here: Note [Devices warmed ahead] in warmup.py).
 def preload(names: list[str]) -> list[str]:
     """Import the kernel machinery and `names`; raise `ImportRefused` naming the module that failed or
     that made forking unsafe (see Note [Fork safety]). Returns the modules imported.
@@ -179,6 +189,15 @@ def _check_fork_safe(name: str) -> None:
                                  "unusable in the forked kernels; remove it from the preload list")
 
 
+def _cuda_in_use() -> str | None:
+    """What initialised CUDA in this process, if anything did (see Note [Fork safety])."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "torch has initialised CUDA in the spare"
+    devices = _cuda_device_fds()
+    return f"the spare has opened {devices}" if devices else None
+
+
 def stamps(modules: list[str]) -> dict[str, int]:
     """`{file: mtime_ns}` of the preloaded modules, their top-level packages and ipykernel: an upgrade
     (`pip install -U torch`) rewrites these, so the server can tell that this spare is stale."""
@@ -216,6 +235,8 @@ class _Spare:
         self.codes: dict[int, int] = {}  # exit codes of reaped kernels, oldest first
         self.running: set[int] = set()
         self.ahead: dict[int, socket.socket] = {}  # kernels started ahead, and our end of the socket each waits on
+        self.unheard: set[int] = set()  # kernels started ahead that may still say what they warmed
+        self.warmed: dict[int, list[Any]] = {}  # what kernels started ahead warmed, while they wait
 
     def reap(self, pid: int = -1) -> None:
         while True:
@@ -229,7 +250,7 @@ class _Spare:
                 return
             self.running.discard(got)
             if got in self.ahead:
-                self.ahead.pop(got).close()
+                self._forget_ahead(got).close()
             self.codes[got] = os.waitstatus_to_exitcode(status)
             while len(self.codes) > 4096:
                 del self.codes[next(iter(self.codes))]
@@ -242,8 +263,10 @@ class _Spare:
                     "ping": self.ping}  # what the server may ask
         while True:
             self.reap()
-            ready, _, _ = select.select([self.sock], [], [], 1.0)
-            if not ready:
+            ready, _, _ = select.select([self.sock, *(self.ahead[pid] for pid in self.unheard)], [], [], 1.0)
+            for pid in [pid for pid in self.unheard if self.ahead[pid] in ready]:
+                self.hear(pid)
+            if self.sock not in ready:
                 continue
             try:
                 data, fds, _flags, _addr = socket.recv_fds(self.sock, MAX_MESSAGE, 4)
@@ -266,6 +289,21 @@ class _Spare:
             if handler != self.fork:  # fork closes (or hands on) the fds it got; the others get none
                 self._close(fds)
 
+    def hear(self, pid: int) -> None:
+        """Read what the kernel `pid`, started ahead, says on the socket it waits on: what it warmed, once."""
+        self.unheard.discard(pid)
+        try:
+            message = json.loads(self.ahead[pid].recv(MAX_MESSAGE))
+            if message.get("kind") == "warmed" and isinstance(message.get("devices"), list):
+                self.warmed[pid] = message["devices"]
+        except (OSError, ValueError, AttributeError):  # EOF (it died: reaped soon) or nonsense: nothing to keep
+            pass
+
+    def _forget_ahead(self, pid: int) -> socket.socket:
+        self.unheard.discard(pid)
+        self.warmed.pop(pid, None)
+        return self.ahead.pop(pid)
+
     def status(self, request: dict[str, Any], fds: list[int]) -> None:
         pid = int(request["pid"])
         if pid in self.running:
@@ -275,14 +313,14 @@ class _Spare:
 
     def ping(self, request: dict[str, Any], fds: list[int]) -> None:
         _send(self.sock, {"kind": "pong", "pid": os.getpid(), "kernels": sorted(self.running),
-                          "ahead": sorted(self.ahead)})
+                          "ahead": sorted(self.ahead), "warmed": {str(pid): self.warmed[pid] for pid in self.warmed}})
 
     def start(self, request: dict[str, Any], fds: list[int]) -> None:
         pid = int(request["pid"])
         self.reap()
         if pid not in self.ahead:
             raise ValueError(f"no kernel started ahead as {pid}")
-        go = self.ahead.pop(pid)
+        go = self._forget_ahead(pid)
         try:
             go.send(b"go")
         except OSError as exc:  # it died a moment ago
@@ -295,7 +333,7 @@ class _Spare:
     def discard(self, request: dict[str, Any], fds: list[int]) -> None:
         pid = int(request["pid"])
         if pid in self.ahead:
-            self.ahead.pop(pid).close()  # EOF: it exits (Note [Kernels started ahead])
+            self._forget_ahead(pid).close()  # EOF: it exits (Note [Kernels started ahead])
         _send(self.sock, {"kind": "discarded", "pid": pid})
 
     @staticmethod
@@ -313,6 +351,12 @@ class _Spare:
         missing = {"module", "args", "argv", "env", "cwd"} - set(request)
         if missing:
             raise KeyError(f"fork without {sorted(missing)}")
+        unsafe = _cuda_in_use()
+        if unsafe is not None:  # Note [Fork safety]: a kernel forked now could not use CUDA, nor any later one
+            self._close(fds)
+            _send(self.sock, {"kind": "error", "error": f"{unsafe}, so a kernel forked from it could not use "
+                                                        "CUDA: the spare exits and is replaced"})
+            raise SystemExit(4)
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) if ahead else (None, None)
@@ -328,6 +372,7 @@ class _Spare:
         if mine is not None and theirs is not None:
             theirs.close()
             self.ahead[pid] = mine
+            self.unheard.add(pid)
         else:
             self.running.add(pid)
         try:
@@ -427,6 +472,8 @@ def _can_start_ahead() -> bool:
 # asks for exactly the same (else it discards it and forks a kernel as before); the spare writes to `go`,
 # and the kernel binds its ports, starts its heartbeat, writes to `bound` (what the provisioner waits for:
 # Note [Launched means listening] in provisioner.py), runs the extensions and startup code, and answers.
+# While it waits, a thread of its own warms its devices (Note [Devices warmed ahead] in warmup.py) and then
+# says what it warmed on `go`, for the spare's `pong`.
 # EOF on `go` (discarded, or the spare or the server is gone) ends it at once: it bound nothing and ran
 # nothing of the user's. It is a new process, forked before the restart was asked for: its pid, random
 # state and IPython history session are its own; only its start time (and its history session's) is
@@ -459,10 +506,23 @@ def _bind_when_started(app_class: Any, go: socket.socket, bound: int) -> None:
         if app.hb_port <= 0:
             init_heartbeat(app)
 
+    said = threading.Lock()  # `go` is closed by this thread and written by the warm-up's
+
+    def say_warmed(devices: list[warmup.Warmed]) -> None:
+        with said:
+            if go.fileno() < 0:  # started already: the kernel's own `warmed()` tells the rest
+                return
+            try:
+                go.send(json.dumps({"kind": "warmed", "devices": devices}).encode())
+            except OSError:  # the spare is gone, or has just started this kernel
+                pass
+
     def start_then_init_extensions(app: Any) -> None:
+        warmup.start(getattr(app, "config", None), say_warmed)
         if not go.recv(16):
             os._exit(0)
-        go.close()
+        with said:
+            go.close()
         app_class._try_bind_socket, app_class.init_heartbeat = try_bind, init_heartbeat
         for sock, port in deferred:
             try_bind(app, sock, port)
