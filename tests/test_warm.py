@@ -71,6 +71,20 @@ def execute(kc, code: str, timeout: float = 120) -> tuple[str, str | None]:  # t
             return "".join(out), error
 
 
+def stderr_of(kc, code: str, timeout: float = 120) -> str:  # type: ignore[no-untyped-def]
+    """Run `code`; what the cell wrote on stderr (the kernel's post-cell hooks included)."""
+    msg_id = kc.execute(code)
+    err = []
+    while True:
+        msg = kc.get_iopub_msg(timeout=timeout)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        if msg["msg_type"] == "stream" and msg["content"]["name"] == "stderr":
+            err.append(msg["content"]["text"])
+        elif msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            return "".join(err)
+
+
 def run_json(kc, code: str) -> dict[str, Any]:  # type: ignore[no-untyped-def]
     return json.loads(execute(kc, code)[0].strip().splitlines()[-1])
 
@@ -467,6 +481,9 @@ def test_a_kernel_started_ahead_warms_its_devices_before_the_restart_and_no_othe
         assert row["started_at"] <= row["finished_at"] < asked and row["seconds"] > 0, "warmed before the restart"
         status = execute(kc, STATUS)[0]
         assert "warmed cpu ahead of this kernel's start" in status, status
+        said_after = stderr_of(kc, "import os; os.environ['CUDA_VISIBLE_DEVICES'] = '7'")
+        assert "CUDA_VISIBLE_DEVICES changed after this warm kernel initialised CUDA" in said_after, said_after
+        assert "CUDA_VISIBLE_DEVICES" not in stderr_of(kc, "os.environ['CUDA_VISIBLE_DEVICES'] = '6'"), "once"
 
         restart(km, kc, env={**env, "OVERMIND_WARM_DEVICES": "off"})  # another start: forked, not taken ahead
         forked = run_json(kc, WARMED)

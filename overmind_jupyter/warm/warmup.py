@@ -28,7 +28,9 @@ __all__ = ["Warmed", "start", "warmed"]
 # (`c.Overmind.warm_devices` in the kernel's IPython config wins, as traitlets' order says), creates the
 # context (`torch.empty(1, device=d)`), runs `torch.nn.functional.linear` of a (16, 256) input and a
 # (256, 256) weight, without and with a bias, in bfloat16, float16 and float32 (as a model's first forward
-# would), and synchronises. The tensors are zeros: no random generator is drawn from. `auto` (the default)
+# would), then the other kernels a decoder's first token launches (`_block`: an embedding, an RMS norm,
+# causal attention, a gated activation, a softmax, an argmax; CUDA loads each kernel's code at its first
+# launch), and synchronises. The tensors are zeros: no random generator is drawn from. `auto` (the default)
 # is the first visible CUDA device, when the spare preloaded torch and CUDA is available in the kernel;
 # `cpu` runs the same steps on the CPU (what the tests run here, without a GPU).
 # - Only in a kernel started ahead, never in the spare: a CUDA context does not survive fork, and a child
@@ -51,8 +53,10 @@ __all__ = ["Warmed", "start", "warmed"]
 # - What the kernel's user can no longer change: variables CUDA reads when it initialises
 #   (`CUDA_VISIBLE_DEVICES`, `PYTORCH_CUDA_ALLOC_CONF`, ...) were read with the start's environment before
 #   the first cell, so setting them from the notebook (`%env`, `os.environ`) has no effect after a restart
-#   (it still has in a kernel's first start, which warms nothing). Set them in the kernelspec's `env` or
-#   the server's environment, or turn the warm-up off.
+#   (it still has in a kernel's first start, which warms nothing). The kernel says so once, on stderr,
+#   after the cell that changed one (`check_environment`, a post-cell hook), rather than leave a model on
+#   the device the user meant to avoid. Set them in the kernelspec's `env` or the server's environment,
+#   or turn the warm-up off.
 # - Turning it off: OVERMIND_WARM_DEVICES=off (or `c.Overmind.warm_devices = "off"`), or `start_ahead:
 #   false` in the kernelspec's provisioner config (no kernel is started ahead at all). The variable may
 #   differ between kernels without a new spare, since only the kernels read it (Note [Per-kernel
@@ -75,6 +79,30 @@ class Warmed(TypedDict):
 
 _lock = threading.Lock()
 _records: list[Warmed] = []
+# What CUDA read when the warm-up initialised it: changing these afterwards changes nothing (Note [Devices
+# warmed ahead]), so the kernel says so once, after the cell that changed them.
+READ_AT_INIT = ("CUDA_VISIBLE_DEVICES", "PYTORCH_CUDA_ALLOC_CONF", "CUDA_DEVICE_ORDER")
+_environment: dict[str, str | None] = {}
+_told: set[str] = set()
+
+
+def check_environment(*_: Any) -> str | None:
+    """After a cell (an IPython `post_run_cell` hook): if the warm-up initialised CUDA and the cell changed a
+    variable CUDA read then, say once, on stderr, that the change has no effect in this kernel; returns what
+    it said."""
+    with _lock:  # (the `cpu` stand-in counts too: the tests' way to see it)
+        warmed_here = any(r["error"] is None for r in _records)
+    if not warmed_here:
+        return None
+    changed = [name for name in READ_AT_INIT if name not in _told and os.environ.get(name) != _environment.get(name)]
+    if not changed:
+        return None
+    _told.update(changed)
+    message = (f"overmind: {', '.join(changed)} changed after this warm kernel initialised CUDA ahead of its start "
+               "(Note [Devices warmed ahead]): the change has no effect in this kernel. Set it in the kernelspec's "
+               "env or the server's environment, or set OVERMIND_WARM_DEVICES=off and restart")
+    print(message, file=sys.stderr, flush=True)
+    return message
 
 
 def warmed() -> list[Warmed]:
@@ -120,6 +148,7 @@ def start(config: Any = None, report: Callable[[list[Warmed]], None] | None = No
         if report is not None:
             report([])
         return None
+    _environment.update({name: os.environ.get(name) for name in READ_AT_INIT})
     thread = threading.Thread(target=_run, args=(value, report), name="overmind-warm-devices", daemon=True)
     thread.start()
     return thread
@@ -153,6 +182,22 @@ def _begin(device: str) -> Warmed:
     return record
 
 
+def _block(torch: Any, x: Any, weight: Any) -> None:
+    """The other kernels a decoder's first forward and first token launch, once each in `x`'s dtype (CUDA
+    loads a kernel's code at its first launch): an embedding lookup, an RMS norm, rotary-style halves, causal
+    attention, a gated activation, a softmax and the argmax of greedy decoding."""
+    functional = torch.nn.functional
+    ids = torch.zeros((1, SHAPE[0]), dtype=torch.long, device=x.device)
+    h = functional.embedding(ids, weight)
+    h = h * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(h.dtype)
+    half = SHAPE[1] // 2
+    h = torch.cat((-h[..., half:], h[..., :half]), dim=-1) * h + h
+    q = h.view(1, SHAPE[0], 2, half).transpose(1, 2)
+    attended = functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    h = functional.silu(attended.transpose(1, 2).reshape(1, SHAPE[0], SHAPE[1])) * h
+    torch.softmax(functional.linear(h, weight).float(), dim=-1).argmax(-1)
+
+
 def _finish(record: Warmed, seconds: float, errors: list[str]) -> None:
     with _lock:
         record["finished_at"], record["seconds"], record["error"] = time.time(), seconds, "; ".join(errors) or None
@@ -181,6 +226,7 @@ def _warm(device: str) -> None:
                     bias = torch.zeros(SHAPE[1], dtype=dtype, device=where)
                     torch.nn.functional.linear(x, weight)  # cuBLAS
                     torch.nn.functional.linear(x, weight, bias)  # cuBLASLt's product with a bias
+                    _block(torch, x, weight)
                 except Exception as exc:  # noqa: BLE001 - recorded; the other dtypes go on
                     errors.append(f"{name}: {type(exc).__name__}: {exc}")
             if cuda:

@@ -540,6 +540,9 @@ def _bind_when_started(app_class: Any, go: socket.socket, bound: int) -> None:
             pass
         os.close(bound)
         app_class.init_extensions = init_extensions
+        shell = getattr(app, "shell", None)
+        if shell is not None:  # a variable CUDA read at the warm-up, changed by a cell: say it does nothing
+            shell.events.register("post_run_cell", warmup.check_environment)
         init_extensions(app)
 
     import zmq
