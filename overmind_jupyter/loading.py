@@ -159,7 +159,7 @@ def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
         return fn(*args, **kwargs)
     if reply["status"] == "hit":
         try:
-            obj = _from_hit(client, ck, reply, replay, reuse)
+            obj = _from_hit(client, ck, reply, replay, reuse, device)
             progress.hit(ck.key, time.perf_counter() - started)
             return obj
         except CorruptEntry as exc:
@@ -301,8 +301,13 @@ def _label(fn: Callable[..., Any]) -> str:
     return f"{keys.owner_name(fn)[1]}(...)"
 
 
+def _to_a_real_gpu(device: Any) -> bool:
+    """Whether a result goes to a CUDA device next (a simulated one, OVERMIND_FAKE_GPUS, leaves it here)."""
+    return getattr(device, "type", None) == "cuda" and not declared.get(declared.FAKE_GPUS)
+
+
 def _from_hit(client: Client, ck: keys.CallKey, reply: Response[LookupReply], replay: Replay,
-              reuse: dict[tuple[str, int, int, str], Any]) -> Any:
+              reuse: dict[tuple[str, int, int, str], Any], device: Any = None) -> Any:
     from . import rebuild
 
     entries = reply["entries"]
@@ -342,8 +347,10 @@ def _from_hit(client: Client, ck: keys.CallKey, reply: Response[LookupReply], re
 
         born_old = hit_tuning.born_old()
         with rebuild.gc_paused():
+            # a result bound for a GPU leaves the arena's pages at once: mapping them ahead would be for nothing
             rebuilt = rebuild.rebuild(graph, arenas, ck.key, on_unmap=unpin,
-                                      populate=options.populate and threads.allowed(),  # Note [Helper threads]
+                                      populate=options.populate and threads.allowed()  # Note [Helper threads]
+                                      and not _to_a_real_gpu(device),
                                       arguments=replay.paths, reuse=reuse)
             if born_old:
                 hit_tuning.promote()  # Note [Old at birth] in hit_tuning.py
