@@ -49,11 +49,13 @@ from .. import mappings
 from ..notices import tell_once
 from .copier import MAX_MESSAGE, PROTOCOL, socket_path
 
-__all__ = ["Filled", "connect", "enabled", "fill", "keep", "reasons", "state"]
+__all__ = ["Filled", "connect", "enabled", "fill", "reasons", "state"]
 
 log = logging.getLogger("overmind")
 
 _START_WAIT = 120.0  # seconds a kernel that started the copier waits for it before it stops asking
+_TIMEOUT = 60.0  # seconds a request may take beyond its copy
+_SLOWEST = 1e9  # bytes per second of the slowest copy a fill may make (pageable memory runs at 5.6-7 GB/s)
 _lock = threading.Lock()
 _conns: dict[str, socket.socket] = {}  # the copier's socket path (one per OVERMIND_HOME) -> the connection
 _started: dict[str, float] = {}  # the same -> when this process last started a copier there
@@ -81,7 +83,12 @@ def _plain(reason: str) -> None:
 
 # -- the connection ------------------------------------------------------------------------------
 
-def _request(conn: socket.socket, message: dict[str, Any], fds: list[int] = ()) -> dict[str, Any]:  # type: ignore[assignment]
+def _request(conn: socket.socket, message: dict[str, Any], fds: list[int] = (),  # type: ignore[assignment]
+             nbytes: int = 0) -> dict[str, Any]:
+    """One request and its reply, waiting at most what copying `nbytes` at the slowest path could take (a
+    copier that hangs costs a kernel a minute, then its move goes torch's way; a block it might still be
+    writing is kept from reuse by torch's IPC reference count until the copier lets go of it)."""
+    conn.settimeout(_TIMEOUT + nbytes / _SLOWEST)
     socket.send_fds(conn, [json.dumps(message).encode()], list(fds))
     data = conn.recv(MAX_MESSAGE)
     if not data:
@@ -259,7 +266,7 @@ def _fill_group(conn: socket.socket, group: _Group, device: torch.device, unit_d
         shared = block.untyped_storage()._share_cuda_()
         request["target"] = [base64.b64encode(f).decode() if isinstance(f, bytes) else f for f in shared]
         with _lock:
-            reply = _request(conn, request, [group.arena.fd])
+            reply = _request(conn, request, [group.arena.fd], nbytes)
         return block, reply
     # the stand-in: a memfd only this kernel keeps mapped once the copier has written it
     fd = os.memfd_create(f"overmind-fill:{group.key[:12]}", os.MFD_CLOEXEC)
@@ -267,7 +274,7 @@ def _fill_group(conn: socket.socket, group: _Group, device: torch.device, unit_d
         os.ftruncate(fd, nbytes)
         m = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         with _lock:
-            reply = _request(conn, request, [group.arena.fd, fd])
+            reply = _request(conn, request, [group.arena.fd, fd], nbytes)
     finally:
         os.close(fd)
     return torch.frombuffer(m, dtype=torch.uint8, count=nbytes), reply
@@ -298,20 +305,9 @@ def _keep_when_up(groups: dict[str, _Group], unit_device: str, label: str) -> No
                 if conn is not None:
                     with contextlib.suppress(OSError, ValueError, RuntimeError), _lock:
                         _request(conn, {"kind": "keep", "entry": key, "label": label, "complete": True,
-                                        "device": unit_device}, [arena.fd])
+                                        "device": unit_device}, [arena.fd], os.fstat(arena.fd).st_size)
         finally:
             for _, arena in wanted:
                 os.close(arena.fd)
 
     threading.Thread(target=run, name="overmind-keep", daemon=True).start()
-
-
-def keep(model: torch.nn.Module, unit_device: str, label: str) -> list[dict[str, Any]]:
-    """Ask the copier to keep copies of `model`'s entries on the device now, waiting for it: for tests
-    and benchmarks that want the next fill to find them."""
-    conn = connect(wait=_START_WAIT)
-    if conn is None:
-        return []
-    with _lock:
-        return [_request(conn, {"kind": "keep", "entry": g.key, "label": label, "complete": g.arena.complete,
-                                "device": unit_device}, [g.arena.fd]) for g in _groups(model).values()]
