@@ -1,23 +1,25 @@
-"""Where a cached result goes: the device a load asked for with `device_map` (Note [Devices]); the loads
-the cache cannot reproduce, which run as called: those that build their modules off the CPU (Note [Meta
-loads]) and quantized ones (Note [Quantized loads]); and the kernels that can rebuild an entry whose
-tensors lie on a device (Note [Tensors on a device])."""
+"""Where a cached result goes: the device a load asked for with `device_map` (Note [Devices]), and the
+device its own `.to("cuda")` asks for later (Note [Moves of cached results]); the loads the cache cannot
+reproduce, which run as called: those that build their modules off the CPU (Note [Meta loads]) and
+quantized ones (Note [Quantized loads]); and the kernels that can rebuild an entry whose tensors lie on a
+device (Note [Tensors on a device])."""
 
 from __future__ import annotations
 
 import functools
 import json
 import sys
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from kernel_server import settings
 
-from . import keys
+from . import keys, results
 from .errors import PackError, Uncacheable
 from .notices import fall_back
 
-__all__ = ["Split", "device_identities", "elsewhere", "place", "plain_only", "quantized", "quantized_checkpoint",
-           "split_placement", "too_large"]
+__all__ = ["Split", "device_identities", "elsewhere", "move", "ours", "place", "plain_only", "quantized",
+           "quantized_checkpoint", "split_placement", "too_large"]
 
 # Note [Devices]
 # Cached bytes are CPU bytes. A load asked onto one device (`device_map="cuda:0"`, `"cuda"`, `0`,
@@ -81,15 +83,20 @@ def split_placement(kwargs: dict[str, Any]) -> Split:
 
 def _gpu_count() -> int:
     """The GPUs a map by sizes may use: the simulated ones where OVERMIND_FAKE_GPUS is set, else CUDA's."""
+    return _gpus()[0]
+
+
+def _gpus() -> tuple[int, bool]:
+    """The CUDA devices this kernel has, and whether they are simulated (OVERMIND_FAKE_GPUS)."""
     try:
         spec = settings.FAKE_GPUS.read()
         if spec:
-            return len(settings.parse_fake_gpus(spec))
+            return len(settings.parse_fake_gpus(spec)), True
     except (settings.SettingError, ValueError):
         pass  # reported where the units read it; here it simulates nothing
     import torch
 
-    return torch.cuda.device_count()
+    return (torch.cuda.device_count() if torch.cuda.is_available() else 0), False
 
 
 # Note [Auto on one device]
@@ -273,19 +280,182 @@ def elsewhere(identities: dict[str, str]) -> str | None:
     return None
 
 
-def place(obj: Any, device: Any) -> Any:
+def place(obj: Any, device: Any, *, plain: Callable[[], Any] | None = None) -> Any:
     """Move a loaded result to `device`: a model or a pipeline through the GPU units ledger (units.place,
-    Note [Pipelines] in units/devices.py), anything else that can move with `.to`. Units that cannot be
-    had in time leave the move to `.to`, as the plain load would have done, and say so."""
+    Note [Pipelines] in units/devices.py), anything else that can move with `.to`. Where the ledger cannot
+    place it (units not granted in time, no daemon, any failure of ours) it moves the plain way, as the
+    plain load would have, and says so. Every `.to` inside is the library's own (`moving`).
+
+    Args:
+        obj: the result.
+        device: a `torch.device`.
+        plain: the plain move, whose return value is returned (a move of Note [Moves of cached results]:
+            the library's own method as it was called); default `obj.to(device)`.
+    """
     from .units.devices import placeable
+    from .units.residency import moving
 
-    if device.type == "cuda" and placeable(obj):
-        from . import units
+    with moving():
+        if device.type == "cuda" and placeable(obj):
+            from . import units
 
-        try:
-            units.place(obj, device)
-            return obj
-        except units.UnitsError as exc:
-            fall_back(f"{type(obj).__name__}.to({device})", "units", f"{exc}; moved without the ledger", plain=False)
-    move = getattr(obj, "to", None)
-    return move(device) if callable(move) else obj
+            try:
+                units.place(obj, device)
+                return obj
+            except Exception as exc:  # noqa: BLE001 (the plain move below, and why: docs/design.md invariant 1)
+                why = str(exc) if isinstance(exc, units.UnitsError) else f"{type(exc).__name__}: {exc}"
+                fall_back(f"{type(obj).__name__}.to({device})", "units", f"{why}; moved without the ledger",
+                          plain=False)
+        if plain is not None:
+            return plain()
+        to = getattr(obj, "to", None)
+        return to(device) if callable(to) else obj
+
+
+# Note [Moves of cached results]
+# Besides `device_map`, a researcher puts a cached result on a GPU with its own method: `model.to("cuda")`,
+# `.to("cuda:1")`, `.to(0)`, `.to(torch.device("cuda"))`, `.cuda()`, a pipeline's `pipe.to("cuda")` (which
+# moves each component with its `.to`), or a library's `model.to(device)` (transformers' `pipeline(...,
+# device=0)`, accelerate's `prepare`). With the cache on, such a move of a result of a cached call (a hit or
+# a miss: `results.holds`), or of a PeftModel wrapping one (`get_peft_model(base)`, a PeftModel loaded
+# plainly onto a cached base), goes the way of `device_map`: `place`, the units ledger and
+# `units/transfer.to_device`, which fills the device from the cached bytes; it returns what the method
+# returns (the module, the pipeline), and the placement is the ledger's as any other (given back lazily,
+# placed again by `units.using`). The hook is `torch.nn.Module.to` and `.cuda` and `DiffusionPipeline.to`,
+# patched at enable() (targets.py's table, restored at disable()); a library's override (transformers',
+# diffusers') runs its own checks first and reaches it through `super()`. Its first check is one weak
+# membership, so the `.to` of any other module costs a dictionary lookup more.
+#
+# Only a pure move of the whole result to a CUDA device this kernel has, or simulates, is routed; every other
+# call is the library's own method, untouched, so its result and its errors are the library's: a dtype
+# (`.to(torch.float16)`, `.to("cuda", torch.float16)`, a tensor), `non_blocking=True` or a `memory_format`;
+# a target that is not CUDA, or that torch cannot address here (no CUDA: `.to("cuda")` raises as torch
+# raises); a submodule or a pipeline's component, unless a cached result itself (part of a result: a holding
+# of its own would split it, Note [Pipelines] in units/devices.py); a module from no cached call; a result
+# already on that device (its live holding there, or every tensor there; on a simulated device, where its
+# tensors stay on the CPU, such a move returns it, as the no-op it is on a real one); one under accelerate's
+# or diffusers' hooks or with a device map (offloading, group offloading: those libraries decide where its
+# weights go); a move inside a cached load (Note [Outermost call only] in targets.py); and any move while
+# this thread moves a model for the units or the cache (`units.residency.moving`: to_device's own `.to`,
+# the plain move of a fallback), so that nothing recurses. That mark is a ContextVar: a move of ours in one
+# thread leaves the moves of other threads routed, and moves of one result in several threads at once make
+# one placement (the residency's lock of the model). A failure on our path (units not granted in time, no
+# daemon, any exception of ours) makes the library's own move, as called, and says why once (`place`, kind
+# "units"). On simulated devices (OVERMIND_FAKE_GPUS) the ledger records the placement and the result
+# stays on the CPU, as with `device_map`.
+def ours(obj: Any) -> bool:
+    """Whether a move of `obj` to a GPU is one of Note [Moves of cached results]: a result of a cached call,
+    or a PeftModel wrapping one. A weak membership first: any other module pays little more."""
+    if results.holds(obj):
+        return True
+    peft = sys.modules.get("peft.peft_model")
+    wrapper = getattr(peft, "PeftModel", None) if peft is not None else None
+    if wrapper is None or not isinstance(obj, wrapper):
+        return False
+    try:
+        return results.holds(obj.get_base_model())
+    except Exception:  # noqa: BLE001 (a PeftModel in a state we do not know: not ours, its own `.to` runs)
+        return False
+
+
+def move(original: Callable[..., Any], method: str, obj: Any, args: tuple[Any, ...],
+         kwargs: dict[str, Any]) -> Any:
+    """`obj.<method>(*args, **kwargs)` for a result `ours`: through the ledger when it is a pure move of the
+    whole result to a CUDA device, else `original` as called (Note [Moves of cached results]).
+
+    Args:
+        original: the library's own method (`torch.nn.Module.to`, `.cuda`, `DiffusionPipeline.to`).
+        method: its name, "to" or "cuda".
+        obj: the object it is called on.
+        args: its positional arguments.
+        kwargs: its keyword arguments.
+    """
+    from .units.residency import moving_now
+
+    def plain() -> Any:
+        return original(obj, *args, **kwargs)
+
+    if moving_now():
+        return plain()
+    found = _destination(method, obj, args, kwargs)
+    if found is None:
+        return plain()
+    device, simulated = found
+    try:
+        way = _way(obj, device, simulated)
+    except Exception as exc:  # noqa: BLE001 (the library's move, and why: docs/design.md invariant 1)
+        fall_back(f"{type(obj).__name__}.{method}({device})", "units",
+                  f"{type(exc).__name__}: {exc}; moved without the ledger", plain=False)
+        return plain()
+    if way == "ledger":
+        return place(obj, device, plain=plain)
+    return obj if way == "there" else plain()
+
+
+def _destination(method: str, obj: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, bool] | None:
+    """The CUDA device a call of `method` moves `obj` to, and whether it is simulated, when the call is a
+    pure move (no dtype, no `non_blocking`, no `memory_format`) to a device this kernel has or simulates;
+    else None, and the call is the library's (Note [Moves of cached results])."""
+    import torch
+
+    count, simulated = _gpus()
+    if not count:
+        return None  # the library's call raises what torch raises here
+    try:
+        if method == "cuda":
+            if len(args) + len(kwargs) > 1 or set(kwargs) - {"device"}:
+                return None
+            where = args[0] if args else kwargs.get("device")
+            device = torch.device("cuda") if where is None else _cuda(where)
+        else:
+            if not isinstance(obj, torch.nn.Module):  # a pipeline's `.to` takes this too; it changes no move
+                kwargs = {k: v for k, v in kwargs.items() if k != "silence_dtype_warnings"}
+            # an ordinal names a device of the current accelerator: CUDA's here, or a simulated one
+            if args and _is_index(args[0]):
+                args = (_cuda(args[0]), *args[1:])
+            elif _is_index(kwargs.get("device")):
+                kwargs = {**kwargs, "device": _cuda(kwargs["device"])}
+            device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+            if device is None or dtype is not None or non_blocking or memory_format is not None:
+                return None
+    except (TypeError, ValueError, RuntimeError):
+        return None  # not a move torch reads so: the library's call raises what it raises
+    if device.type != "cuda" or not (device.index is None or device.index < count):
+        return None
+    return device, simulated
+
+
+def _cuda(where: Any) -> Any:
+    """`where` ("cuda:1", 1, a `torch.device`) as a `torch.device`, an ordinal read as CUDA's."""
+    import torch
+
+    return torch.device("cuda", where) if _is_index(where) else torch.device(where)
+
+
+def _is_index(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _way(obj: Any, device: Any, simulated: bool) -> str:
+    """How a pure move of `obj` to `device` goes (Note [Moves of cached results]): "ledger"; "library" (its
+    own method: it is there already, under accelerate's or diffusers' hooks or a device map, or no model
+    units can place); or "there", on a simulated device that holds it already, where the move is the no-op
+    it is on a real device, and returns `obj` (torch's own would raise: the model is on the CPU)."""
+    import torch
+
+    from . import units
+    from .units.devices import modules_of, placeable
+
+    if not placeable(obj) or getattr(obj, "hf_device_map", None):
+        return "library"
+    index = device.index if device.index is not None else (0 if simulated else torch.cuda.current_device())
+    if units.device_of(obj) == f"cuda:{index}":
+        return "there" if simulated else "library"
+    modules = list(modules_of(obj).modules())
+    if any("_hf_hook" in m.__dict__ or "_diffusers_hook" in m.__dict__ for m in modules):
+        return "library"
+    if simulated:
+        return "ledger"
+    here = torch.device("cuda", index)
+    tensors = [t for m in modules for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))]
+    return "library" if tensors and all(t.device == here for t in tensors) else "ledger"

@@ -19,7 +19,7 @@ from kernel_server.operations import Op
 from . import threads
 from .errors import CorruptEntry, PackError
 
-__all__ = ["NO_REPLAY", "Replay", "remember", "result_key", "send_unpins", "unpin"]
+__all__ = ["NO_REPLAY", "Replay", "holds", "remember", "result_key", "send_unpins", "unpin"]
 
 
 @dataclass
@@ -93,6 +93,16 @@ def remember(obj: Any, key: str, graph: bytes, replay: Replay, *, pickled_here: 
     for member in [obj, *replay.roots]:
         if _weakable(member):
             _results[member] = info
+
+
+def holds(obj: Any) -> bool:
+    """Whether `obj` came from a cached call of this process (its result, or an argument the call replayed
+    onto), changed since or not: one weak membership, cheap enough for every `Module.to` (Note [Moves of
+    cached results] in placement.py). Whether it is still the entry's is `result_key`'s question."""
+    try:
+        return obj in _results
+    except TypeError:  # unhashable: never registered
+        return False
 
 
 def result_key(obj: Any, mapped: dict[tuple[str, int, int, str], Any] | None = None) -> str | None:

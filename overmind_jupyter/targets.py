@@ -1,8 +1,11 @@
 """What `%overmind on` patches: a table of loaders, and the import hook for libraries imported later.
 
-Every entry is a classmethod (`from_pretrained`, diffusers' `from_single_file`) of a base class;
+Every loader is a classmethod (`from_pretrained`, diffusers' `from_single_file`) of a base class;
 subclasses inherit the patched one, so `LlamaForCausalLM.from_pretrained` and
 `AutoModelForCausalLM.from_pretrained` both go through it, keyed by the class they were called on.
+Beside them, the methods that move a loaded object to a device (`torch.nn.Module.to` and `.cuda`,
+`DiffusionPipeline.to`), which take a cached result to a GPU through the units ledger (Note [Moves of
+cached results] in placement.py).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from dataclasses import dataclass
 from types import CodeType, FunctionType, MethodType, ModuleType
 from typing import Any
 
-from . import keys, patching
+from . import keys, patching, placement
 
 __all__ = ["TARGETS", "Target", "install", "prepare_signatures", "uninstall"]
 
@@ -26,12 +29,14 @@ __all__ = ["TARGETS", "Target", "install", "prepare_signatures", "uninstall"]
 @dataclass(frozen=True)
 class Target:
     """`owner.method` in `module`; with `owner="*"`, every class of `module` that derives from
-    `subclasses_of` (a class name of another target) and defines `method` itself."""
+    `subclasses_of` (a class name of another target) and defines `method` itself. A `move` is no loader:
+    a method that moves an object to a device (Note [Moves of cached results] in placement.py)."""
 
     module: str
     owner: str
     method: str = "from_pretrained"
     subclasses_of: str | None = None
+    move: bool = False
 
 
 TARGETS: tuple[Target, ...] = (
@@ -53,6 +58,11 @@ TARGETS: tuple[Target, ...] = (
     # A method of a loaded model that loads more into it: cached when the model is a cached result,
     # and replayed onto the caller's model on a hit (see Note [Argument replay] in rebuild.py).
     Target("peft.peft_model", "PeftModel", method="load_adapter"),
+    # A cached result's own moves to a GPU, through the units ledger (Note [Moves of cached results] in
+    # placement.py); transformers' and diffusers' model classes override them and call these through super().
+    Target("torch.nn.modules.module", "Module", method="to", move=True),
+    Target("torch.nn.modules.module", "Module", method="cuda", move=True),
+    Target("diffusers.pipelines.pipeline_utils", "DiffusionPipeline", method="to", move=True),
 )
 _BY_MODULE: dict[str, list[Target]] = {}
 for _t in TARGETS:
@@ -102,6 +112,20 @@ def _cached_loader(original: Any, owner: type) -> Any:
     return method
 
 
+def _routed_move(original: Any, method: str) -> Any:
+    """A replacement with the original's name, docstring and signature, for a method that moves an object to
+    a device: the original itself, unless the object is a cached result (Note [Moves of cached results] in
+    placement.py). After `%overmind off`, a reference kept to it passes every call to the original."""
+
+    @functools.wraps(original)
+    def move(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if _call is None or not placement.ours(self) or _inside.get():
+            return original(self, *args, **kwargs)
+        return placement.move(original, method, self, args, kwargs)
+
+    return move
+
+
 # The code of `_cached_loader`'s classmethod wrapper, which a copy of it shares (Note [Copied wrappers]).
 _LOADER = next(c for c in _cached_loader.__code__.co_consts if isinstance(c, CodeType) and c.co_name == "loader")
 
@@ -123,6 +147,8 @@ def prepare_signatures() -> None:
             if module is None:
                 continue
             for target in targets:
+                if target.move:
+                    continue
                 for owner in _owners(module, target):
                     original = owner.__dict__.get(target.method)
                     if isinstance(original, (classmethod, FunctionType)):
@@ -142,7 +168,9 @@ def _patch_module(module: ModuleType) -> None:
     for target in _BY_MODULE.get(module.__name__, ()):
         for owner in _owners(module, target):
             current = owner.__dict__.get(target.method)
-            if isinstance(current, (classmethod, FunctionType)):
+            if target.move and isinstance(current, FunctionType):
+                patching.patch(owner, target.method, functools.partial(_routed_move, method=target.method))
+            elif not target.move and isinstance(current, (classmethod, FunctionType)):
                 patching.patch(owner, target.method, functools.partial(_cached_loader, owner=owner),
                                original=_uncopied(current))
 

@@ -111,14 +111,16 @@ def test_libraries_imported_after_on_are_patched(overmind_home: Path) -> None:
         import overmind_jupyter
         from overmind_jupyter import patching
         overmind_jupyter.enable()
-        assert "peft" not in sys.modules and "diffusers" not in sys.modules
-        import peft, diffusers
+        assert "peft" not in sys.modules and "diffusers" not in sys.modules and "torch" not in sys.modules
+        import peft, diffusers, torch
         print(json.dumps({
             "peft": patching.is_patched(peft.PeftModel, "from_pretrained"),
             "pipeline": patching.is_patched(diffusers.DiffusionPipeline, "from_pretrained"),
+            "moves": [patching.is_patched(torch.nn.Module, "to"), patching.is_patched(torch.nn.Module, "cuda"),
+                      patching.is_patched(diffusers.DiffusionPipeline, "to")],
         }))
     """))
-    assert out == {"peft": True, "pipeline": True}
+    assert out == {"peft": True, "pipeline": True, "moves": [True, True, True]}
 
 
 def test_import_is_light() -> None:

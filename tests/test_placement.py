@@ -1,8 +1,9 @@
 """Loads asked onto a device (Note [Devices] in overmind_jupyter/placement.py): the explicit `cached` form
 and the patched loaders alike, the loads the cache cannot reproduce there (they run as called, and say why
-once), and the units a placement takes. Devices are simulated (OVERMIND_FAKE_GPUS, set before the test's
-daemon starts): a placed model stays on the CPU while the ledger counts it, and the plain load onto
-"cuda" raises here as it does on any machine without CUDA.
+once), the units a placement takes, and a cached result's own `.to("cuda")` (Note [Moves of cached
+results]). Devices are simulated (OVERMIND_FAKE_GPUS, set before the test's daemon starts): a placed model
+stays on the CPU while the ledger counts it, and the plain load or move onto "cuda" raises here as it does
+on any machine without CUDA.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from overmind_jupyter import loading, rebuild, units
 from overmind_jupyter.errors import FallbackWarning
+from tests.helpers import tiny_modules
 
 
 @pytest.fixture
@@ -178,7 +180,6 @@ def test_an_entry_on_a_device_this_kernel_lacks_loads_plainly_and_stays(overmind
     that can rebuild it, where it used to evict it for everyone as corrupt (issue 37, d)."""
     from kernel_server import arena
     from overmind_jupyter import keys
-    from tests.helpers import tiny_modules
 
     key = keys.make_key(tiny_modules.build, ("tied",), {}).key
     client = loading.shared_client()
@@ -261,6 +262,200 @@ def test_auto_on_one_device_loads_plainly_a_model_that_does_not_fit(tiny_llama: 
     assert "needs 1 unit" in fallbacks[0]["reason"] and "0 units" in fallbacks[0]["reason"], fallbacks
 
 
+# -- h. a cached result's own moves to a GPU (issue 36, item 3) ----------------------------------------
+
+def hit(path: Path) -> torch.nn.Module:
+    """A model of the cache: the load of `path` (a miss, or a hit), then its hit."""
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(str(path))
+    model = AutoModelForCausalLM.from_pretrained(str(path))
+    assert in_arena(model)
+    return model
+
+
+def placed() -> list[tuple[str, int, bool]]:
+    """This kernel's holdings on the (simulated) device: model, units, busy."""
+    return [(h["model"], h["units"], h["busy"]) for h in holders() if not h["context"]]
+
+
+MOVES = {
+    'to("cuda:0")': lambda m: m.to("cuda:0"),
+    'to("cuda")': lambda m: m.to("cuda"),
+    "to(0)": lambda m: m.to(0),
+    'to(torch.device("cuda"))': lambda m: m.to(torch.device("cuda")),
+    'to(device="cuda:0")': lambda m: m.to(device="cuda:0"),
+    "cuda()": lambda m: m.cuda(),
+    "cuda(0)": lambda m: m.cuda(0),
+}
+
+
+def test_a_hits_own_move_to_a_gpu_is_placed_as_device_map_places_it(fake_gpus: None, tiny_llama: Path,
+                                                                     shell) -> None:
+    """`model.to("cuda")`, `.to(0)`, `.cuda()`, ... of a cached result goes through the units ledger, as
+    `device_map="cuda:0"` does: the same holding, and the method returns the model (Note [Moves of cached
+    results]). Simulated, the model stays on the CPU; torch's own `.to("cuda")` raises here."""
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(str(tiny_llama), device_map="cuda:0")
+    as_device_map = placed()
+    assert len(as_device_map) == 1 and units.release(loaded)
+    model = hit(tiny_llama)
+    for name, move in MOVES.items():
+        assert move(model) is model, name
+        assert units.device_of(model) == "cuda:0" and placed() == as_device_map, name
+        assert next(model.parameters()).device.type == "cpu" and in_arena(model), name
+        assert units.release(model) and placed() == [], name
+    before = loading.calls().get("miss", 0)
+    miss = loading.cached(tiny_modules.build, "mlp")  # a miss's result moves so too
+    assert loading.calls()["miss"] == before + 1
+    assert miss.to("cuda:0") is miss and units.device_of(miss) == "cuda:0"
+    assert placed() == [("Mlp", 1, False)] and not loading.fallbacks()
+
+
+def test_any_other_move_is_torchs_own(fake_gpus: None, tiny_llama: Path, shell) -> None:
+    """A dtype, `non_blocking`, a submodule, a module of no cached call, a result already placed there, a
+    device this kernel lacks, a move inside one of ours: each is torch's own method, untouched, and raises
+    here as torch raises without CUDA (Note [Moves of cached results])."""
+    from overmind_jupyter.units.residency import moving
+
+    model = hit(tiny_llama)
+    plain = plain_error(lambda: torch.nn.Linear(2, 2).to("cuda:0"))
+    untouched = {
+        'to("cuda", torch.float16)': lambda: model.to("cuda", torch.float16),
+        'to("cuda:0", non_blocking=True)': lambda: model.to("cuda:0", non_blocking=True),
+        'a submodule\'s to("cuda:0")': lambda: model.lm_head.to("cuda:0"),
+        'a new module\'s to("cuda:0")': lambda: torch.nn.Linear(2, 2).to("cuda:0"),
+        'to("cuda:1"), a device this kernel lacks': lambda: model.to("cuda:1"),
+        "cuda() inside a move of ours": lambda: _inside(moving, model.cuda),
+    }
+    for name, move in untouched.items():
+        with pytest.raises(type(plain), match=str(plain)):
+            move()
+        assert placed() == [], name
+    assert model.to(torch.float16) is model and model.dtype == torch.float16 and placed() == []
+    assert model.to(torch.float32).to("cuda:0") is model and units.device_of(model) == "cuda:0"
+    assert model.to("cuda:0") is model and len(placed()) == 1, "there already: the no-op of a real device"
+    with pytest.raises(type(plain), match=str(plain)):
+        model.to("cuda:0", torch.float16)
+    assert len(placed()) == 1 and not loading.fallbacks()
+
+
+def _inside(context, call):
+    with context():
+        return call()
+
+
+def test_moves_in_threads_are_one_placement_and_a_move_of_ours_marks_its_thread_alone(
+        fake_gpus: None, tiny_llama: Path, shell) -> None:
+    """Threads moving one hit at once make one holding and all get the model; a thread inside a move of
+    ours (`moving`, which units' own `.to` runs under) leaves the moves of other threads routed."""
+    import threading
+
+    from overmind_jupyter.units.residency import moving
+
+    model = hit(tiny_llama)
+    inside, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with moving():
+            inside.set()
+            done.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    got: list[object] = []
+    try:
+        assert inside.wait(30)
+        movers = [threading.Thread(target=lambda: got.append(model.to("cuda:0"))) for _ in range(4)]
+        for t in movers:
+            t.start()
+        for t in movers:
+            t.join(60)
+    finally:
+        done.set()
+        holder.join(30)
+    assert got == [model] * 4 and units.device_of(model) == "cuda:0" and len(placed()) == 1
+    assert not loading.fallbacks()
+
+
+def test_after_off_nothing_is_routed(fake_gpus: None, tiny_llama: Path, shell) -> None:
+    """`%overmind off` restores torch's own methods exactly; a hit's `.to("cuda")` is then torch's."""
+    model = hit(tiny_llama)
+    originals = {name: torch.nn.Module.__dict__[name].__wrapped__ for name in ("to", "cuda")}
+    shell.run_line_magic("overmind", "off")
+    assert all(torch.nn.Module.__dict__[name] is original for name, original in originals.items())
+    for name, move in MOVES.items():
+        plain = plain_error(lambda: move(torch.nn.Linear(2, 2)))  # noqa: B023 (called at once)
+        with pytest.raises(type(plain), match=str(plain)):
+            move(model)
+        assert placed() == [], name
+
+
+def test_a_failure_on_our_path_moves_with_torch_and_says_why_once(fake_gpus: None, tiny_llama: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch,
+                                                                  shell) -> None:
+    """Units that cannot be granted (another kernel holds the device, and the timeout is 0.1 s) leave the move
+    to torch's own `.to` (here it raises, as torch does without CUDA): one fallback with its reason per
+    move, told once. A load with `device_map` falling back so moves once too, not again through the hook."""
+    from transformers import AutoModelForCausalLM
+
+    from kernel_server import Client
+
+    model = hit(tiny_llama)
+    monkeypatch.setenv("OVERMIND_UNITS_TIMEOUT", "0.1")
+    other = Client(loading.shared_client().home, role="test")
+    try:
+        (device,) = other.request("units_state")["devices"]
+        assert other.request("units_acquire", units=device["capacity"], devices=[device["id"]], timeout_s=5)
+        plain = plain_error(lambda: torch.nn.Linear(2, 2).to("cuda:0"))
+        with pytest.warns(FallbackWarning, match="units"), pytest.raises(type(plain)):
+            model.to("cuda:0")
+        with pytest.raises(type(plain)):
+            model.cuda()  # told once
+        with pytest.raises(type(plain)):
+            AutoModelForCausalLM.from_pretrained(str(tiny_llama), device_map="cuda:0")
+    finally:
+        other.close()
+    fallbacks = loading.fallbacks()
+    assert [f["kind"] for f in fallbacks] == ["units"] * 3, fallbacks
+    assert all("were not free within" in f["reason"] and "moved without the ledger" in f["reason"]
+               for f in fallbacks), fallbacks
+    assert units.device_of(model) is None and placed() == []
+
+
+def test_a_cached_pipelines_to_cuda_takes_one_holding(fake_gpus: None, tmp_path: Path, shell) -> None:
+    """`pipe.to("cuda")` of a cached pipeline is one holding for all its modules, as `device_map` makes
+    (Note [Pipelines] in units/devices.py); a component's own `.to("cuda")` is torch's."""
+    from diffusers import DiffusionPipeline
+
+    from overmind_jupyter import demo_models
+
+    sd = str(demo_models.build_sd_pipeline(tmp_path / "sd"))
+    DiffusionPipeline.from_pretrained(sd)
+    pipe = DiffusionPipeline.from_pretrained(sd)
+    plain = plain_error(lambda: torch.nn.Linear(2, 2).to("cuda:0"))
+    with pytest.raises(type(plain)):
+        pipe.unet.to("cuda")
+    assert placed() == []
+    assert pipe.to("cuda") is pipe and units.device_of(pipe) == "cuda:0"
+    assert placed() == [("StableDiffusionPipeline(sd)", units.units_for(pipe), False)]
+    assert in_arena(pipe.unet) and not loading.fallbacks()
+
+
+def test_a_peft_model_over_a_cached_base_moves_as_one_holding(fake_gpus: None, tiny_llama: Path,
+                                                              shell) -> None:
+    """A PeftModel made over a cached base (`get_peft_model`: no cached call) moves through the ledger as
+    one model, the base with its adapter; the base is not placed apart."""
+    from peft import LoraConfig, get_peft_model
+
+    base = hit(tiny_llama)
+    peft_model = get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"]))
+    assert peft_model.to("cuda:0") is peft_model and units.device_of(peft_model) == "cuda:0"
+    assert [m.split("(")[0] for m, _, _ in placed()] == ["PeftModel"]
+    assert units.device_of(base) is None and not loading.fallbacks()
+
+
 # -- on a real device ----------------------------------------------------------------------------------
 
 @pytest.mark.gpu
@@ -334,3 +529,25 @@ def test_gpu_auto_loads_plainly_a_model_the_device_has_no_room_for(overmind_home
     finally:
         del filler
         torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+def test_gpu_a_hits_own_to_cuda_puts_every_tensor_on_the_device_with_its_bytes(overmind_home: Path,
+                                                                              tiny_llama: Path, shell) -> None:
+    """Item h on a GPU: `model.to("cuda")` of a hit moves every parameter and buffer there, byte for byte,
+    under one holding (units' own move reaches torch's `.to`, not the hook again); `.cuda()` then is
+    torch's own (it is there), and a release brings the model back onto the cached weights."""
+    model = hit(tiny_llama)
+    expected = {name: t.detach().clone() for name, t in [*model.named_parameters(), *model.named_buffers()]}
+    assert model.to("cuda") is model
+    moved = dict([*model.named_parameters(), *model.named_buffers()])
+    assert moved.keys() == expected.keys()
+    for name, t in moved.items():
+        assert t.device == torch.device("cuda", torch.cuda.current_device()), name
+        assert torch.equal(t.detach().cpu().reshape(-1).view(torch.uint8),
+                           expected[name].reshape(-1).view(torch.uint8)), name
+    assert model.cuda() is model
+    assert [h["units"] for h in holders() if not h["context"]] == [units.units_for(model)]
+    assert not loading.fallbacks()
+    units.release(model)
+    assert in_arena(model)

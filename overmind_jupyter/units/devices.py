@@ -89,8 +89,10 @@ def context_units(simulated: bool) -> int:
 # modules, moved together and given back together, so that a release never leaves a pipeline split over
 # two devices. Units see its modules as one `nn.ModuleList` made for each move, which holds them without
 # changing them; the pipeline itself is what the residency keeps (weakly) and what `using` and `release`
-# take. A pipeline's own `.to("cuda")` takes no units, as a model's own `.to` takes none: a load asked
-# onto a device is placed through the ledger (loading.patched_call), and `units.place(pipe)` places one.
+# take. A load asked onto a device is placed through the ledger (loading.patched_call), and so is a cached
+# pipeline's own `pipe.to("cuda")` with the cache on (Note [Moves of cached results] in placement.py), while
+# a component's `.to` is torch's: a holding of its own would split the pipeline. `units.place(pipe)` places
+# any pipeline.
 def modules_of(obj: Any) -> Any:
     """What units move for `obj`, as one `torch.nn.Module`: a model itself, or a pipeline's modules
     (Note [Pipelines]).

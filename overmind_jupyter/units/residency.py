@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import contextvars
 import logging
 import os
 import queue
@@ -50,9 +51,31 @@ from .devices import context_units, local_devices, model_label, modules_of, unit
 if TYPE_CHECKING:
     from .transfer import Transfer
 
-__all__ = ["Residency", "instance"]
+__all__ = ["Residency", "instance", "moving", "moving_now"]
 
 log = logging.getLogger("overmind")
+
+# This thread moves a model for the units or the cache now: a `.to` or `.cuda` called meanwhile is the
+# library's own, never routed through the ledger again (Note [Moves of cached results] in placement.py).
+_moving: contextvars.ContextVar[bool] = contextvars.ContextVar("overmind_moving", default=False)
+
+
+@contextlib.contextmanager
+def moving() -> Iterator[None]:
+    """Mark this thread (its context) as moving a model for the units or the cache, for the block: the
+    `.to` and `.cuda` called inside reach the library's own method (Note [Moves of cached results] in
+    placement.py)."""
+    token = _moving.set(True)
+    try:
+        yield
+    finally:
+        _moving.reset(token)
+
+
+def moving_now() -> bool:
+    """Whether this thread is inside `moving`."""
+    return _moving.get()
+
 
 _GRACE = 30.0  # seconds past the daemon's own timeout before the client stops waiting for its answer
 _ERRORS: dict[str, type[UnitsError]] = {"units_timeout": UnitsTimeout, "units_too_large": ModelTooLargeError,
@@ -282,10 +305,12 @@ class Residency:
             if transfer is None and (not target.simulated or _fills_simulated()):
                 from .transfer import to_device
 
-                # a simulated device moves nothing, unless the copier's stand-in fills it on the CPU
-                transfer = to_device(modules_of(model), "cpu" if target.simulated else target.name,
-                                     reuse_host=reuse_host, copy=target.simulated, unit_device=target.id,
-                                     simulated=target.simulated, label=label)
+                # a simulated device moves nothing, unless the copier's stand-in fills it on the CPU; its `.to`
+                # is torch's, not a cached result's move routed here again
+                with moving():
+                    transfer = to_device(modules_of(model), "cpu" if target.simulated else target.name,
+                                         reuse_host=reuse_host, copy=target.simulated, unit_device=target.id,
+                                         simulated=target.simulated, label=label)
         except BaseException:
             self._give_back(client, grant["holding"])
             raise
