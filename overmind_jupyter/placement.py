@@ -280,7 +280,7 @@ def elsewhere(identities: dict[str, str]) -> str | None:
     return None
 
 
-def place(obj: Any, device: Any, *, plain: Callable[[], Any] | None = None) -> Any:
+def place(obj: Any, device: Any, *, plain: Callable[[], Any] | None = None, held: bool = False) -> Any:
     """Move a loaded result to `device`: a model or a pipeline through the GPU units ledger (units.place,
     Note [Pipelines] in units/devices.py), anything else that can move with `.to`. Where the ledger cannot
     place it (units not granted in time, no daemon, any failure of ours) it moves the plain way, as the
@@ -291,6 +291,8 @@ def place(obj: Any, device: Any, *, plain: Callable[[], Any] | None = None) -> A
         device: a `torch.device`.
         plain: the plain move, whose return value is returned (a move of Note [Moves of cached results]:
             the library's own method as it was called); default `obj.to(device)`.
+        held: the placement stays until released, as torch's own `.to` would leave it (Note [Held
+            placements] in units/residency.py); a load's `device_map` is placed lazily released.
     """
     from .units.devices import placeable
     from .units.residency import moving
@@ -300,7 +302,7 @@ def place(obj: Any, device: Any, *, plain: Callable[[], Any] | None = None) -> A
             from . import units
 
             try:
-                units.place(obj, device)
+                units.place(obj, device, held=held)
                 return obj
             except Exception as exc:  # noqa: BLE001 (the plain move below, and why: docs/design.md invariant 1)
                 why = str(exc) if isinstance(exc, units.UnitsError) else f"{type(exc).__name__}: {exc}"
@@ -320,8 +322,11 @@ def place(obj: Any, device: Any, *, plain: Callable[[], Any] | None = None) -> A
 # a miss: `results.holds`), or of a PeftModel wrapping one (`get_peft_model(base)`, a PeftModel loaded
 # plainly onto a cached base), goes the way of `device_map`: `place`, the units ledger and
 # `units/transfer.to_device`, which fills the device from the cached bytes; it returns what the method
-# returns (the module, the pipeline), and the placement is the ledger's as any other (given back lazily,
-# placed again by `units.using`). The hook is `torch.nn.Module.to` and `.cuda` and `DiffusionPipeline.to`,
+# returns (the module, the pipeline). The placement is held (Note [Held placements] in units/residency.py):
+# as after torch's own `.to`, the model stays on the device until the kernel releases or frees it, and the
+# ledger counts its units but never asks for them back (a model being trained is never moved under its
+# optimizer). A load's `device_map` is placed as before, given back lazily when another kernel waits.
+# The hook is `torch.nn.Module.to` and `.cuda` and `DiffusionPipeline.to`,
 # patched at enable() (targets.py's table, restored at disable()); a library's override (transformers',
 # diffusers') runs its own checks first and reaches it through `super()`. Its first check is one weak
 # membership, so the `.to` of any other module costs a dictionary lookup more.
@@ -388,7 +393,7 @@ def move(original: Callable[..., Any], method: str, obj: Any, args: tuple[Any, .
                   f"{type(exc).__name__}: {exc}; moved without the ledger", plain=False)
         return plain()
     if way == "ledger":
-        return place(obj, device, plain=plain)
+        return place(obj, device, plain=plain, held=True)
     return obj if way == "there" else plain()
 
 

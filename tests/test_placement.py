@@ -300,17 +300,53 @@ def test_a_hits_own_move_to_a_gpu_is_placed_as_device_map_places_it(fake_gpus: N
     loaded = AutoModelForCausalLM.from_pretrained(str(tiny_llama), device_map="cuda:0")
     as_device_map = placed()
     assert len(as_device_map) == 1 and units.release(loaded)
+    [(label, count, _)] = as_device_map
     model = hit(tiny_llama)
     for name, move in MOVES.items():
         assert move(model) is model, name
-        assert units.device_of(model) == "cuda:0" and placed() == as_device_map, name
+        # the same holding, held as torch's `.to` leaves it (Note [Held placements]): busy, never asked back
+        assert units.device_of(model) == "cuda:0" and placed() == [(label, count, True)], name
         assert next(model.parameters()).device.type == "cpu" and in_arena(model), name
         assert units.release(model) and placed() == [], name
     before = loading.calls().get("miss", 0)
     miss = loading.cached(tiny_modules.build, "mlp")  # a miss's result moves so too
     assert loading.calls()["miss"] == before + 1
     assert miss.to("cuda:0") is miss and units.device_of(miss) == "cuda:0"
-    assert placed() == [("Mlp", 1, False)] and not loading.fallbacks()
+    assert placed() == [("Mlp", 1, True)] and not loading.fallbacks()
+
+
+def test_a_model_moved_by_its_own_to_stays_when_another_kernel_waits_and_using_nests_on_it(
+        fake_gpus: None, tiny_llama: Path, shell, overmind_home: Path) -> None:
+    """Note [Held placements]: the ledger never asks a held placement back, so a peer's request for the
+    units it holds times out while the model stays; `using` nests on it and leaves it held; a release
+    gives the units back, after which the peer is served."""
+    from kernel_server import Client
+    from kernel_server.errors import RemoteError
+    from kernel_server.operations import Op
+
+    model = hit(tiny_llama)
+    lazy = hit(tiny_llama)
+    model.to("cuda:0")
+    units.place(lazy, "cuda:0")  # device_map's way: given back lazily
+    peer = Client(overmind_home, role="test")
+    try:
+        capacity = peer.request(Op.UNITS_STATE).payload["devices"][0]["capacity"]
+        grant = peer.request(Op.UNITS_ACQUIRE, units=capacity - 1, timeout_s=30, label="peer", busy=True,
+                             timeout=60)  # room for it: the lazy model is asked, and gives its unit back
+        assert units.device_of(lazy) is None and units.device_of(model) == "cuda:0"
+        peer.request(Op.UNITS_RELEASE, holding=grant["holding"])
+        with pytest.raises(RemoteError) as refused:
+            peer.request(Op.UNITS_ACQUIRE, units=capacity, timeout_s=1, label="peer", busy=True, timeout=60)
+        assert refused.value.code == "units_timeout"
+        assert units.device_of(model) == "cuda:0", "held: not given back when asked"
+        with units.using(model):
+            pass
+        assert placed() == [(placed()[0][0], placed()[0][1], True)], "still held after a using block"
+        assert units.release(model) and placed() == []
+        assert peer.request(Op.UNITS_ACQUIRE, units=capacity, timeout_s=30, label="peer", busy=True,
+                            timeout=60)["units"] == capacity
+    finally:
+        peer.close()
 
 
 def test_any_other_move_is_torchs_own(fake_gpus: None, tiny_llama: Path, shell) -> None:
@@ -439,7 +475,7 @@ def test_a_cached_pipelines_to_cuda_takes_one_holding(fake_gpus: None, tmp_path:
         pipe.unet.to("cuda")
     assert placed() == []
     assert pipe.to("cuda") is pipe and units.device_of(pipe) == "cuda:0"
-    assert placed() == [("StableDiffusionPipeline(sd)", units.units_for(pipe), False)]
+    assert placed() == [("StableDiffusionPipeline(sd)", units.units_for(pipe), True)]
     assert in_arena(pipe.unet) and not loading.fallbacks()
 
 

@@ -12,7 +12,7 @@ __all__ = ["device_of", "place", "release", "using"]
 
 
 def place(model: Any, device: Any = None, *, units: int | None = None, timeout: float | None = None,
-          label: str | None = None, reuse_host: bool = True) -> str:
+          label: str | None = None, reuse_host: bool = True, held: bool = False) -> str:
     """Acquire GPU units for `model`, move it to the device, and leave it there (see Note [Residency]).
 
     A model already placed on an acceptable device stays where it is (it only becomes the most recently
@@ -31,6 +31,9 @@ def place(model: Any, device: Any = None, *, units: int | None = None, timeout: 
         reuse_host: on the way back to the CPU, put the cached CPU weights back where the device tensor's
             bytes are still theirs instead of copying (see Note [Lazy release to the cached weights] in
             units/transfer.py); False copies every tensor back.
+        held: keep it there, as torch's own `.to("cuda")` would, until `release` or collection: the ledger
+            counts its units but never asks for them back (what a cached result's own `.to("cuda")` does:
+            Note [Moves of cached results] in placement.py).
 
     Returns:
         The device the model is on, as this kernel names it ("cuda:0"). On a simulated device
@@ -42,7 +45,8 @@ def place(model: Any, device: Any = None, *, units: int | None = None, timeout: 
         NoDeviceError: no GPU is known, or `device` is not one this kernel sees.
         ModelBusyError: the model is inside `using` and would have to move to another device.
     """
-    return instance().place(model, device, units=units, timeout=timeout, label=label, reuse_host=reuse_host)
+    return instance().place(model, device, units=units, timeout=timeout, label=label, reuse_host=reuse_host,
+                            held=held)
 
 
 @contextlib.contextmanager

@@ -13,7 +13,15 @@ Threads: acquires are granted busy, so no release request can arrive before a pl
 Release requests arrive on the client's push thread and are carried out by this module's own worker
 thread, so that a slow device-to-host copy never holds up other pushes; a placement's lock guards its
 busy count and its release, and no lock is held while waiting for units. On a simulated device nothing
-moves (there is no CUDA), while the accounting, LRU order and release requests are the same.
+moves (there is no CUDA; the device copier's stand-in, OVERMIND_DEVICE_COPIER=cpu, fills a copy on the
+CPU instead), while the accounting, LRU order and release requests are the same.
+
+# Note [Held placements]
+A cached result's own `.to("cuda")` (Note [Moves of cached results] in placement.py) places it `held`: as
+torch's `.to` leaves a model on the device until the kernel moves or frees it, the placement counts as busy
+from the move on (one of its busy count is its own), so the ledger never asks for its units back and a
+model being trained is never moved to the CPU under its optimizer. `release` and the model's collection
+give them back; `using` blocks nest on it as on any placement.
 """
 
 from __future__ import annotations
@@ -105,6 +113,7 @@ class Placement:
     client: Client
     transfer: Transfer | None
     busy: int
+    held: bool = False  # one of `busy` is the placement's own, until released (Note [Held placements])
     released: bool = False  # the model was moved back (or collected) and its units given back
     orphaned: bool = False  # the connection that held the units is gone (the daemon restarted); the model
     # is where it was, without units, until it is placed again or released
@@ -152,12 +161,18 @@ class Residency:
     # -- the public operations --------------------------------------------------------------
 
     def place(self, model: Any, device: Any = None, *, units: int | None = None, timeout: float | None = None,
-              label: str | None = None, reuse_host: bool = True) -> str:
+              label: str | None = None, reuse_host: bool = True, held: bool = False) -> str:
         _check_model(model)
         if units is not None and (not isinstance(units, int) or isinstance(units, bool) or units < 1):
             raise UnitsError(f"units must be a positive integer, not {units!r}")
         with self._model_lock(model):
-            return self._place(model, device, units, timeout, label, reuse_host, busy=False).device.name
+            current = self._by_model.get(model)
+            # busy from now on, until released (Note [Held placements]); once, however often it is moved
+            own = held and not (current is not None and current.live and current.held)
+            placement = self._place(model, device, units, timeout, label, reuse_host, busy=own)
+            if own:
+                placement.held = True
+            return placement.device.name
 
     @contextlib.contextmanager
     def using(self, model: Any) -> Iterator[Any]:
@@ -414,7 +429,8 @@ class Residency:
         with placement.lock:
             if placement.released:
                 return False
-            if placement.busy:
+            own = 1 if placement.held and reason != "asked" else 0  # a held one is never given up when asked
+            if placement.busy > own:
                 if only_if_idle:
                     return False  # see Note [Residency]: the daemon asks again once it is idle
                 raise ModelBusyError(f"{placement.label} is in use (inside units.using); release it after "
