@@ -28,22 +28,10 @@ import torch
 from kernel_server import Client
 from kernel_server.ledger import Ledger
 from kernel_server.operations import Op
-from overmind_jupyter import loading, rebuild, units
+from overmind_jupyter import units
 from overmind_jupyter.units import copier, filling
-from tests.helpers import tiny_modules
+from tests.helpers.cached_modules import arena_backed, in_arena
 from tests.helpers.faults_helpers import wait_until
-
-
-def arena_backed(kind: str) -> torch.nn.Module:
-    """A module rebuilt from the cache (a hit): its CPU storages are private mappings of the arena."""
-    loading.cached(tiny_modules.build, kind)
-    model = loading.cached(tiny_modules.build, kind)
-    assert all(rebuild.entry_of(p.data_ptr()) is not None for p in model.parameters())
-    return model
-
-
-def in_arena(t: torch.Tensor) -> bool:
-    return rebuild.entry_of(t.untyped_storage().data_ptr()) is not None
 
 
 def holders(client: Client) -> list[dict[str, Any]]:

@@ -27,10 +27,11 @@ from kernel_server import Client
 from kernel_server.errors import RemoteError
 from kernel_server.ledger import Ledger
 from kernel_server.settings import GiB, parse_fake_gpus
-from overmind_jupyter import loading, rebuild, units
+from overmind_jupyter import units
 from overmind_jupyter.units.devices import CONTEXT_UNITS
 from overmind_jupyter.units.transfer import Reader, to_device
 from tests.helpers import tiny_modules
+from tests.helpers.cached_modules import arena_backed, in_arena
 from tests.helpers.faults_helpers import wait_until
 from tests.helpers.snippets import run_py, start_py
 
@@ -618,18 +619,6 @@ def test_importing_units_imports_no_torch(fake_gpus: Callable[..., Client]) -> N
 
 
 # -- the way back to the host: Note [Lazy release to the cached weights] -------------------------------
-
-def arena_backed(kind: str) -> torch.nn.Module:
-    """A module rebuilt from the cache: its CPU storages are private mappings of the daemon's arena."""
-    loading.cached(tiny_modules.build, kind)
-    model = loading.cached(tiny_modules.build, kind)
-    assert all(rebuild.entry_of(p.data_ptr()) is not None for p in model.parameters())
-    return model
-
-
-def in_arena(t: torch.Tensor) -> bool:
-    return rebuild.entry_of(t.untyped_storage().data_ptr()) is not None
-
 
 def test_the_tests_loader_seeds_no_cuda_generator() -> None:
     """`tiny_modules.build` leaves every generator as it found it, as its docstring says and `arena_backed`

@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import re
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -217,8 +218,9 @@ def test_a_single_evict_asks_first_and_the_rows_stay_under_the_pointer(lab: Lab)
     button.click()
     expect(dialog).to_be_visible()
     lab.each_theme("views-evict-dialog", ".jp-Dialog-content", target=dialog.locator(".jp-Dialog-content"))
-    # where the rows are as the user confirms (a poll may have changed them since: a copy that ended)
-    box, below = button.bounding_box(), second.get_by_test_id("overmind-evict").bounding_box()
+    # where the rows are as the user confirms (a poll may have changed them since: a copy that ended; a
+    # row being drawn again has no box for a moment)
+    box, below = _wait_for_box(lab, button), _wait_for_box(lab, second.get_by_test_id("overmind-evict"))
     dialog.locator(".jp-mod-accept").click()
     expect(dialog).to_have_count(0)
     # the pointer comes back where it clicked: the row evicted is still there, the next Evict is not
@@ -263,3 +265,12 @@ def test_chart_tabs_open_again_after_a_reload_and_stay_live(lab: Lab) -> None:
     lab.page.locator('.lm-DockPanel-tabBar .lm-TabBar-tab[data-id="overmind-chart-memory"]').click()
     # live after the reload: the one entry the evict test left, drawn from a poll of this page
     expect(memory.get_by_test_id("overmind-chart-memory")).to_have_attribute("data-segments", "1")
+
+
+def _wait_for_box(lab, locator, timeout_s: float = 10.0):  # type: ignore[no-untyped-def]
+    """The element's bounding box, once it has one (a poll may be drawing its row again)."""
+    deadline = time.monotonic() + timeout_s
+    while (box := locator.bounding_box()) is None and time.monotonic() < deadline:
+        lab.page.wait_for_timeout(50)
+    assert box is not None, "the element has no box"
+    return box

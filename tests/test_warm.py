@@ -28,6 +28,7 @@ import pytest
 
 from tests.conftest import stop_daemon
 from tests.helpers.faults_helpers import wait_until as _wait_until
+from tests.helpers.kernels import execute_all
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
@@ -71,18 +72,9 @@ def execute(kc, code: str, timeout: float = 120) -> tuple[str, str | None]:  # t
             return "".join(out), error
 
 
-def stderr_of(kc, code: str, timeout: float = 120) -> str:  # type: ignore[no-untyped-def]
+def stderr_of(kc, code: str) -> str:  # type: ignore[no-untyped-def]
     """Run `code`; what the cell wrote on stderr (the kernel's post-cell hooks included)."""
-    msg_id = kc.execute(code)
-    err = []
-    while True:
-        msg = kc.get_iopub_msg(timeout=timeout)
-        if msg["parent_header"].get("msg_id") != msg_id:
-            continue
-        if msg["msg_type"] == "stream" and msg["content"]["name"] == "stderr":
-            err.append(msg["content"]["text"])
-        elif msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
-            return "".join(err)
+    return "".join(text for kind, text in execute_all(kc, code) if kind == "stderr")
 
 
 def run_json(kc, code: str) -> dict[str, Any]:  # type: ignore[no-untyped-def]
