@@ -7,15 +7,17 @@ handlers run on a thread of their own, started with the first handler. It import
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import os
 import queue
 import select
+import signal
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -101,6 +103,12 @@ _BRIEF = 0.05  # see Note [Requests from finalizers]
 # connection's requests in order. Should any of it fail or be interrupted in turn, the reply is left to the
 # reader thread, which gives it back whenever it comes (`_late_reply`). A daemon error needs none of this:
 # the request was answered, cancelled by the caller's timeout, or the connection and all it held are gone.
+
+# An interrupt can also come while the request is being sent, after the daemon has it: between the send and
+# the wait the exception would leave the daemon a waiter that never loads (seen on a loaded machine: the
+# test sent SIGINT as soon as the daemon listed the waiter). So `request_alive` holds SIGINT's
+# KeyboardInterrupt (in the main thread, where Python raises it) while it sends, and raises it inside the
+# wait's protection.
 
 # Note [Requests from finalizers]
 # The collector can run a finalizer at any allocation, so also inside a send of this client, with
@@ -334,12 +342,28 @@ class Client:
             self._leave_reply(request_id, fut)
             raise
 
-    def wait_alive(self, request_id: int, fut: Future[Frame], timeout: float | None) -> Response[Any]:
+    def request_alive(self, op: str, timeout: float | None, *, meanwhile: Callable[[], Any] | None = None,
+                      **fields: Any) -> Response[Any]:
+        """Send a request whose reply may take long (a lookup that waits for another kernel's load) and
+        `wait_alive` for it; `meanwhile` runs while the daemon answers. An interrupt that comes while the
+        request is sent is held until the wait's protection is in place, so that it too withdraws the
+        request (Note [Interrupted waits])."""
+        with _interrupts_held() as held:
+            request_id, fut = self.submit(op, **fields)
+        return self.wait_alive(request_id, fut, timeout, meanwhile=meanwhile, held=held)
+
+    def wait_alive(self, request_id: int, fut: Future[Frame], timeout: float | None,
+                   meanwhile: Callable[[], Any] | None = None, held: _Held | None = None) -> Response[Any]:
         """Wait up to `timeout` for a reply that may take long (a lookup that waits for another kernel's
         load), as long as the daemon keeps answering pings; see Note [Two kinds of waiting]. A wait cut
         short by anything but the daemon (a KeyboardInterrupt) withdraws the lookup first, and gives back
-        what the daemon granted it (Note [Interrupted waits])."""
+        what the daemon granted it (Note [Interrupted waits]). `held`: an interrupt that came while the
+        request was sent, raised here; `meanwhile` runs first; both inside the same protection."""
         try:
+            if held is not None:
+                held.raise_it()
+            if meanwhile is not None:
+                meanwhile()
             return self._wait_alive(request_id, fut, timeout)
         except DaemonError:  # answered, cancelled at the timeout, or the connection went with all it held
             raise
@@ -690,3 +714,36 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class _Held:
+    """A SIGINT held by `_interrupts_held`, raised later by `raise_it` with the handler it would have met."""
+
+    def __init__(self) -> None:
+        self.frames: list[Any] = []
+        self.handler: Any = None
+
+    def raise_it(self) -> None:
+        if self.frames and callable(self.handler):
+            frame, self.frames = self.frames[0], []
+            self.handler(signal.SIGINT, frame)
+
+
+@contextlib.contextmanager
+def _interrupts_held() -> Iterator[_Held]:
+    """Hold SIGINT for the block (Note [Interrupted waits]): in the main thread, where Python raises it,
+    with a handler of Python's own in place (a kernel's); elsewhere, or with another handler, nothing."""
+    held = _Held()
+    if threading.current_thread() is not threading.main_thread():
+        yield held
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if not callable(previous):
+        yield held
+        return
+    held.handler = previous
+    signal.signal(signal.SIGINT, lambda signum, frame: held.frames.append(frame))
+    try:
+        yield held
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -393,10 +393,10 @@ def _lookup(key: str) -> tuple[Client, Response[LookupReply]]:
     for attempt in (1, 2):
         try:
             client = shared_client()
-            request = client.submit(Op.LOOKUP, key=key, wait=True)
-            hit_tuning.collect_young()  # while the daemon answers (Note [Old at birth] in hit_tuning.py)
-            # a long wait for another kernel's load, a short one for the daemon (Note [Two kinds of waiting])
-            return client, client.wait_alive(*request, options.wait_timeout)
+            # a long wait for another kernel's load, a short one for the daemon (Note [Two kinds of waiting]);
+            # the young generation is collected while the daemon answers (Note [Old at birth] in hit_tuning.py)
+            return client, client.request_alive(Op.LOOKUP, options.wait_timeout, meanwhile=hit_tuning.collect_young,
+                                                key=key, wait=True)
         except DaemonLost:
             if attempt == 2:
                 raise

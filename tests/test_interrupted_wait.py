@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -32,6 +33,7 @@ INTERRUPTED_KERNEL = """
     from tests.helpers import faults_helpers, tiny_modules
 
     shared_client()  # connected before the cell, as a kernel with overmind on
+    {prelude}
     print("waiting", flush=True)
     try:
         loading.cached({fn}, "mlp", 42, width=64)
@@ -46,10 +48,11 @@ def waiters(client: Client) -> list[int]:
     return [load["waiters"] for load in client.request("status")["loading"]]
 
 
-def interrupt_while_waiting(fn: str, watcher: Client, already_waiting: int) -> subprocess.Popen[str]:
+def interrupt_while_waiting(fn: str, watcher: Client, already_waiting: int, prelude: str = "") -> subprocess.Popen[str]:
     """Start a kernel that waits for the load in flight of `fn`'s model, SIGINT it once the daemon lists it
-    among the waiters, and return it alive once its cell got the KeyboardInterrupt."""
-    kernel = start_py(INTERRUPTED_KERNEL.format(fn=fn), env=dict(os.environ))
+    among the waiters, and return it alive once its cell got the KeyboardInterrupt. `prelude` runs in
+    the kernel before its cell."""
+    kernel = start_py(INTERRUPTED_KERNEL.format(fn=fn, prelude=prelude), env=dict(os.environ))
     assert kernel.stdout is not None
     assert kernel.stdout.readline().strip() == "waiting", kernel.stderr.read() if kernel.stderr else ""
     wait_until(lambda: waiters(watcher) == [already_waiting + 1], 30, "the kernel waits for the load in flight")
@@ -67,7 +70,7 @@ def test_an_interrupted_wait_leaves_no_waiter_and_the_next_waiter_loads_when_the
     assert daemon.request("lookup", key=key, wait=False)["status"] == "load"  # the load in flight
     results: list[torch.nn.Module] = []
     third = threading.Thread(target=lambda: results.append(loading.cached(tiny_modules.build, "mlp", 42, width=64)))
-    kernel = start_py(INTERRUPTED_KERNEL.format(fn="tiny_modules.build"), env=dict(os.environ))
+    kernel = start_py(INTERRUPTED_KERNEL.format(fn="tiny_modules.build", prelude=""), env=dict(os.environ))
     try:
         assert kernel.stdout is not None and kernel.stdout.readline().strip() == "waiting"
         wait_until(lambda: waiters(daemon) == [1], 30, "the kernel waits for the load in flight")
@@ -114,3 +117,45 @@ def test_an_interrupted_wait_takes_no_pin_when_the_load_succeeds(
         kernel.kill()
         kernel.wait()
         loader.join(5)
+
+
+# An interrupt that lands as the lookup is sent: the kernel sends itself SIGINT the moment `submit` of the
+# lookup returns (a profile hook of the process, not a change to any of its code), as a real SIGINT did on a
+# loaded machine, where the test's signal came while the kernel was still between the send and the wait.
+AT_THE_SEND = """
+import os, signal, sys
+from kernel_server.client import Client
+
+def _at_return(frame, event, arg):
+    if event == "return" and frame.f_code is Client.submit.__code__ and frame.f_locals.get("op") == "lookup":
+        sys.setprofile(None)
+        os.kill(os.getpid(), signal.SIGINT)
+
+sys.setprofile(_at_return)
+"""
+
+
+def test_an_interrupt_as_the_lookup_is_sent_still_withdraws_the_wait(overmind_home: Path, daemon: Client,
+                                                                     gate: Gate) -> None:
+    """Note [Interrupted waits]: a SIGINT that comes while the lookup is being sent (the daemon has it, the
+    wait's protection is not in place yet) is held and raised inside the wait, which withdraws it: the
+    daemon keeps no waiter that would never load."""
+    gate.close()
+    loader = threading.Thread(target=lambda: loading.cached(faults_helpers.gated_build, "mlp", 42, width=64))
+    loader.start()
+    gate.wait_for("started")
+    prelude = "\n    ".join(AT_THE_SEND.strip().splitlines())
+    kernel = start_py(INTERRUPTED_KERNEL.format(fn="faults_helpers.gated_build", prelude=prelude),
+                      env=dict(os.environ))
+    try:
+        assert kernel.stdout is not None and kernel.stdout.readline().strip() == "waiting"
+        line = kernel.stdout.readline().strip()
+        assert line == "interrupted", f"the cell said {line!r}: {kernel.stderr.read() if kernel.stderr else ''}"
+        time.sleep(0.5)  # a lookup left behind would be the daemon's waiter by now
+        assert waiters(daemon) == [0], "the interrupted kernel's wait is gone from the daemon"
+        assert kernel.poll() is None, "the interrupted kernel lives on with its connection"
+    finally:
+        gate.open()
+        kernel.kill()
+        kernel.wait()
+        loader.join(60)

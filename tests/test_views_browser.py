@@ -179,9 +179,9 @@ def test_each_chart_opens_in_a_main_area_tab(lab: Lab) -> None:
         expect(tab).to_contain_text("Overmind: ")
         picture = view.locator("svg").first
         if kind != "saved" or picture.is_visible():
-            # larger than in the panel
-            assert picture.bounding_box()["height"] > lab.panel.get_by_test_id(testid).locator(
-                "svg").first.bounding_box()["height"]
+            # larger than in the panel (each poll draws the charts again: a box may be missing a moment)
+            in_panel = lab.panel.get_by_test_id(testid).locator("svg").first
+            assert _wait_for_box(lab, picture)["height"] > _wait_for_box(lab, in_panel)["height"]
         lab.each_theme(f"views-chart-{kind}", f'.jp-Overmind-chartView[data-chart="{kind}"]', target=view)
     # a second click shows the open tab rather than another
     lab.panel.get_by_test_id("overmind-chart-memory").get_by_test_id("overmind-chart-open").click()
@@ -232,7 +232,7 @@ def test_a_single_evict_asks_first_and_the_rows_stay_under_the_pointer(lab: Lab)
     expect(ghost).to_have_attribute("data-key", key or "")
     expect(ghost).to_contain_text("evicted")
     expect(entries).to_have_count(1)
-    assert entries.first.get_by_test_id("overmind-evict").bounding_box() == below, "the next row moved"
+    assert _wait_for_box(lab, entries.first.get_by_test_id("overmind-evict")) == below, "the next row moved"
     under = lab.page.evaluate("([x, y]) => { const el = document.elementFromPoint(x, y);"
                               " return el.closest('button:not([disabled])') !== null; }", [x, y])
     assert not under, "an enabled button lies under the pointer after the evict"
