@@ -62,6 +62,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kernel_server import lifecycle, settings
+from kernel_server.client import Client
+from kernel_server.errors import DaemonError, RemoteError
+from kernel_server.operations import Op
+from kernel_server.settings import GiB
+
+from .devices import context_units, cuda_identity, local_devices
+
 __all__ = ["IDLE_EXIT", "MAX_MESSAGE", "PROTOCOL", "lock_path", "socket_path"]
 
 PROTOCOL = 1
@@ -120,8 +128,6 @@ class _Backend:
         """This process's index of the device a request names by the ledger's id (-1: the stand-in)."""
         if self.standin:
             return -1
-        from .devices import cuda_identity
-
         wanted = request["device"]
         for i in range(self.torch.cuda.device_count()):
             if cuda_identity(i) == wanted:
@@ -219,28 +225,17 @@ class Copier:
     # -- the daemon's ledger ------------------------------------------------------------------
 
     def connect_ledger(self) -> None:
-        from kernel_server.client import Client
-        from kernel_server.operations import Op
-
-        from .devices import local_devices
-
         self.client = Client(self.home, spawn=False, role="copier", label="device copier")
         reply = self.client.request(Op.UNITS_REGISTER, devices=local_devices(), timeout=30)
         self.simulated = bool(reply.get("simulated"))
         self.client.on_push("units_release_request", lambda p: self.work.put(("release", p.get("holding"))))
 
-    def _acquire(self, device: str, nbytes: int, label: str) -> int | None:
-        """A spare holding for a copy of `nbytes` on `device`, if the ledger grants it at once."""
-        from kernel_server.errors import DaemonError, RemoteError
-        from kernel_server.operations import Op
-        from kernel_server.settings import GiB
-
-        from .devices import context_units
-
+    def _acquire(self, device: str, units: int, label: str) -> int | None:
+        """A spare holding of `units` on `device`, if the ledger grants it at once."""
         if self.client is None:
             return None
         try:
-            grant = self.client.request(Op.UNITS_ACQUIRE, units=-(-nbytes // GiB), devices=[device], timeout_s=0,
+            grant = self.client.request(Op.UNITS_ACQUIRE, units=units, devices=[device], timeout_s=0,
                                         label=f"device copy of {label}"[:200], busy=False, spare=True,
                                         context_units=context_units(self.simulated), timeout=30)
         except (RemoteError, DaemonError) as exc:
@@ -249,19 +244,14 @@ class Copier:
         return int(grant["holding"])
 
     def _touch(self, copy: _Copy) -> None:
-        """Tell the ledger the copy was used: the most recently used of the spare holdings now."""
-        from kernel_server.errors import DaemonError
-        from kernel_server.operations import Op
-
+        """Tell the ledger the copy was used: the most recently used of the spare holdings now, before the
+        kernel hears of the fill (one round trip: the ledger's order is the order of use)."""
         if copy.holding is not None and self.client is not None:
             with contextlib.suppress(DaemonError):
-                self.client.submit(Op.UNITS_TOUCH, holding=copy.holding, busy=False)
+                self.client.request(Op.UNITS_TOUCH, holding=copy.holding, busy=False, timeout=30)
 
     def release(self, holding: int | None) -> None:
         """The ledger asks for a copy's units back: drop the copy, then give them back."""
-        from kernel_server.errors import DaemonError
-        from kernel_server.operations import Op
-
         ident = self.by_holding.pop(holding, None) if holding is not None else None
         if ident is not None:
             self.copies.pop(ident, None)
@@ -339,7 +329,8 @@ class Copier:
     def _make_copy(self, key: tuple[str, tuple[int, int, int], str], label: str, fd: int, index: int) -> _Copy | None:
         entry, ident, device = key
         nbytes = ident[2]
-        holding = self._acquire(device, nbytes, label)
+        units = -(-nbytes // GiB)
+        holding = self._acquire(device, units, label)
         if holding is None:
             return None
         try:
@@ -348,7 +339,7 @@ class Copier:
         except BaseException:
             self.release(holding)
             raise
-        copy = self.copies[key] = _Copy(entry, label, device, tensor, -(-nbytes // (1 << 30)), holding, time.time())
+        copy = self.copies[key] = _Copy(entry, label, device, tensor, units, holding, time.time())
         self.by_holding[holding] = key
         return copy
 
@@ -405,9 +396,6 @@ class Copier:
 
 def serve(home: Path, standin: bool) -> int:
     """Run the copier until the daemon goes, or until idle (see the module's docstring)."""
-    from kernel_server import settings
-    from kernel_server.errors import DaemonError
-
     home.mkdir(parents=True, exist_ok=True)
     lock = os.open(lock_path(home), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
@@ -432,8 +420,10 @@ def serve(home: Path, standin: bool) -> int:
     connections = 0
     idle_since = time.monotonic()
     copy_idle = float(settings.get(settings.DEVICE_COPY_IDLE))
+    expired_at = time.monotonic()
     while True:
-        if copier.copies:
+        if copier.copies and time.monotonic() - expired_at >= 1.0:  # a look at the copies' age, once a second
+            expired_at = time.monotonic()
             copier.work.put(("expire", copy_idle))
         for key, _ in selector.select(timeout=1.0):
             if key.fileobj is listener:
@@ -473,8 +463,6 @@ def serve(home: Path, standin: bool) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kernel_server import lifecycle, settings
-
     parser = argparse.ArgumentParser(prog="python -m overmind_jupyter.units.copier")
     parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

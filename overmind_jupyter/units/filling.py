@@ -36,7 +36,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -184,11 +184,11 @@ class Filled:
     seconds: float
 
 
-def _groups(model: torch.nn.Module) -> dict[str, _Group]:
+def _groups(tensors: Iterable[torch.Tensor]) -> dict[str, _Group]:
     groups: dict[str, _Group] = {}
     seen: set[int] = set()
     written = mappings.WrittenPages()
-    for t in _tensors(model):
+    for t in tensors:
         if id(t) in seen or t.device.type != "cpu" or not t.numel() or t.layout != torch.strided:
             continue
         seen.add(id(t))
@@ -209,25 +209,17 @@ def _groups(model: torch.nn.Module) -> dict[str, _Group]:
     return groups
 
 
-def _tensors(model: torch.nn.Module) -> Iterator[torch.Tensor]:
-    for module in model.modules():
-        for tensors in (module._parameters, module._buffers):
-            for t in tensors.values():
-                if t is not None:
-                    yield t
-
-
-def fill(model: torch.nn.Module, device: torch.device, unit_device: str, label: str) -> Filled | None:
-    """Fill the arena-backed tensors of `model` into memory of this kernel on `device` (Note [Filling a
+def fill(tensors: Iterable[torch.Tensor], device: torch.device, unit_device: str, label: str) -> Filled | None:
+    """Fill the arena-backed tensors of a model into memory of this kernel on `device` (Note [Filling a
     model on a device]); None, and the reason said once, when the copier cannot.
 
     Args:
-        model: a module on the CPU, as a hit returns it.
+        tensors: the model's parameters and buffers, on the CPU as a hit returns them.
         device: where to: a CUDA device, or "cpu" for the stand-in (a simulated device).
         unit_device: the ledger's id of the device (a CUDA UUID; "sim:0" for the stand-in).
         label: the model's name, for the copier's records.
     """
-    groups = _groups(model)
+    groups = _groups(tensors)
     if not groups:
         return None
     conn = connect()

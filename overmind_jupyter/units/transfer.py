@@ -174,14 +174,15 @@ def to_device(model: Any, device: str, *, reuse_host: bool = True, copy: bool = 
     """
     from . import filling
 
+    before = _slots(model)
     hosts: dict[tuple[int, str, str], torch.Tensor] = {}
     if reuse_host:
-        for where, t in _slots(model).items():
+        for where, t in before.items():
             if t.device.type == "cpu" and t.numel() and rebuild.entry_of(t.untyped_storage().data_ptr()):
                 hosts[where] = t.detach()
     filled = None
     if unit_device is not None and filling.enabled(torch.device(device), simulated):
-        filled = filling.fill(model, torch.device(device), unit_device, label or type(model).__name__)
+        filled = filling.fill(before.values(), torch.device(device), unit_device, label or type(model).__name__)
     with torch.no_grad():
         if filled is not None:
             views = filled.views
