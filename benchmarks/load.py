@@ -25,6 +25,8 @@ their total PSS, plain against overmind.
     .venv/bin/python benchmarks/load.py --miss 1.1b:float32 --repeat 1
     .venv/bin/python benchmarks/load.py --pss --pss-table --repeat 3   # 3 kernels' PSS, the 1.1B fp32 cached
     .venv/bin/python benchmarks/load.py --miss 1.1b:bfloat16 --before-tree /tmp/old   # and an old checkout's miss
+    .venv/bin/python benchmarks/load.py --miss --pss --hit-calls --quick --variants bytecode,cached
+                                        # all of issue 39 in one run: misses, PSS, the first cached() call
 
 --hit-calls times only the first `from_pretrained` hit of a fresh process, after `enable()` (as in a kernel
 that ran `%load_ext overmind_jupyter` and `%overmind on`), --calls processes per variant, median, p90 and max,
@@ -629,6 +631,10 @@ def main() -> None:
     parser.add_argument("--pss", nargs="?", const="1.1b:float32", metavar="SIZE:DTYPE",
                         help="PSS of three kernels holding the model from the cache, against one plain copy")
     parser.add_argument("--before-tree", help="--miss: also the miss of the overmind_jupyter at this path")
+    parser.add_argument("--bytecode", action="store_true",
+                        help="--miss: run the package from a compiled copy, as a user's install has it (the "
+                             "libraries' bytecode is there either way; without this, a miss compiles what it "
+                             "imports lazily when PYTHONDONTWRITEBYTECODE is set)")
     parser.add_argument("--pss-table", action="store_true",
                         help="--pss: also three hits that map the whole input embedding table, as hits did before")
     parser.add_argument("--fork-parent", help=argparse.SUPPRESS)
@@ -653,6 +659,18 @@ def main() -> None:
     home = tempfile.mkdtemp(prefix="om-bench-")
     env = dict(os.environ, OVERMIND_HOME=home, PYTHONWARNINGS="ignore", TRANSFORMERS_VERBOSITY="error",
                HF_HUB_OFFLINE="1")
+    # --miss, --pss and --hit-calls run one after the other in one run, each printing its table
+    if args.miss:
+        cases = [tuple(case.split(":")) for case in args.miss.split(",")]
+        try:
+            daemon(env, "start")
+            tree = package_copy(Path(tempfile.mkdtemp(prefix="om-bytecode-")), bytecode=True) if args.bytecode else None
+            rows = miss_study(cases, env | ({"OVERMIND_BENCH_TREE": str(tree)} if tree else {}), args.repeat,
+                              args.before_tree)
+        finally:
+            daemon(env, "stop")
+        (OUT / "load_miss.json").write_text(json.dumps(rows, indent=2))
+        print_miss_study(rows)
     if args.pss:
         size, dtype = args.pss.split(":")
         try:
@@ -662,16 +680,7 @@ def main() -> None:
             daemon(env, "stop")
         (OUT / "load_pss.json").write_text(json.dumps(pss_report, indent=2))
         print_pss(pss_report)
-        return
-    if args.miss:
-        cases = [tuple(case.split(":")) for case in args.miss.split(",")]
-        try:
-            daemon(env, "start")
-            rows = miss_study(cases, env, args.repeat, args.before_tree)
-        finally:
-            daemon(env, "stop")
-        (OUT / "load_miss.json").write_text(json.dumps(rows, indent=2))
-        print_miss_study(rows)
+    if (args.miss or args.pss) and not args.hit_calls:
         return
     paths = build(args.models.split(","), torch_files=not args.hit_calls)
     report: dict = {"models": {}, "cpu_count": os.cpu_count()}
@@ -768,7 +777,10 @@ def miss_study(cases: list[tuple[str, str]], env: dict[str, str], repeat: int,
     store (the round's miss publishes its hit's entry), the checkpoint in the page cache: the call's wall
     and CPU time (the process's, all its threads) and minor faults, and how the miss made its entry's
     bytes (Note [Staged conversions] in overmind_jupyter/staging.py). With `before_tree`, also the miss of
-    that checkout's overmind_jupyter (another PYTHONPATH), in the same rounds."""
+    that checkout's overmind_jupyter (another PYTHONPATH), in the same rounds. Every other round runs the
+    plain load last instead of first: on a VM that hands memory freed by one process back to its host,
+    the next process's first touches of fresh pages cost what the host makes them cost, and which case
+    comes after which large free is then the same for both."""
     rows = {}
     for size, dtype in cases:
         path = build([size], torch_files=False)[size]
@@ -777,8 +789,8 @@ def miss_study(cases: list[tuple[str, str]], env: dict[str, str], repeat: int,
         runs: dict[str, list[dict]] = {case: [] for case in cases}
         for file in path.glob("*.safetensors"):
             read_through(file)
-        for _ in range(repeat):
-            for case in cases:
+        for r in range(repeat):
+            for case in (cases if r % 2 == 0 else (*cases[1:3], "plain", *cases[3:])):
                 if case != "hit":
                     daemon(env, "evict", "--all")  # plain runs beside no entry: the memory is the machine's
                 settle()

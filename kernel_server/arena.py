@@ -38,6 +38,19 @@ the caller can free the piece's source and the next pieces land on pages freed a
 reservation matters: a write fault in a shared mapping of a full disk is a SIGBUS, where fallocate
 reports ENOSPC and the load falls back. The daemon fills the arenas it compacts the same way, from the
 checkpoint files (kernel_server/compaction.py).
+
+# Note [Arena parts]
+An arena may come in several files: the arena's own, and *parts*, each a file of its own that holds one
+range of the arena's bytes ([offset, offset + nbytes) of the arena is [0, nbytes) of the part), sealed as
+the arena is, while the arena's own file has a hole there. A converting miss makes them: each converting
+thread writes into a file of its own, since threads writing into one memfd wait for its lock (Note
+[Staged conversions] in overmind_jupyter/staging.py). Whoever maps an entry maps its arena whole and then
+each part over its range (`map_private`: MAP_FIXED on the same addresses), so that every reader still
+sees one mapping with every byte at its arena offset; the compactor reads the parts where they lie
+(kernel_server/compaction.py), and the device copier maps them as a kernel does (overmind_jupyter/units/
+copier.py). The daemon holds a part's descriptor as it holds the arena's, and counts it (Note [Descriptor
+budget] in descriptors.py); a publish's parts are checked as its arena is (`check_sealed`), and lie
+inside the arena, page-aligned, apart from each other and from its pending pieces.
 """
 
 from __future__ import annotations
@@ -50,7 +63,7 @@ import os
 import re
 import stat
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,6 +72,7 @@ from . import settings
 __all__ = [
     "PAGE",
     "ArenaWriter",
+    "Part",
     "SourceFile",
     "align",
     "arena_directory",
@@ -75,6 +89,9 @@ _MADV_POPULATE_READ = 22  # Linux 5.14; not exported by the mmap module
 _POPULATE_CHUNK = 16 << 20
 _COPY_CHUNK = 64 << 20
 _libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_MAP_FIXED = 0x10
 _SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
 _MEMORY_FILESYSTEMS = {"tmpfs", "ramfs", "hugetlbfs"}
 
@@ -149,6 +166,38 @@ class SourceFile:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+@dataclass(eq=False)
+class Part:
+    """A range of an entry's arena held by a file of its own (Note [Arena parts]): bytes [offset, offset +
+    nbytes) of the arena are bytes [0, nbytes) of `fd`, a descriptor owned by its holder."""
+
+    fd: int
+    offset: int
+    nbytes: int
+
+    def dup(self) -> Part:
+        return Part(os.dup(self.fd), self.offset, self.nbytes)
+
+    def describe(self) -> list[int]:
+        return [self.offset, self.nbytes]
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def check_parts(parts: list[Part], arena_bytes: int) -> None:
+    """Parts received from a client: page-aligned, inside the arena, apart. Raises ValueError."""
+    end = 0
+    for part in sorted(parts, key=lambda p: p.offset):
+        if (part.offset % PAGE or part.nbytes % PAGE or part.nbytes <= 0 or part.offset < end
+                or part.offset + part.nbytes > arena_bytes):
+            raise ValueError(f"part {part.describe()} is not whole pages, or overlaps another, or lies outside "
+                             f"the arena ({arena_bytes} bytes)")
+        end = part.offset + part.nbytes
 
 
 def align(n: int, to: int = PAGE) -> int:
@@ -343,10 +392,28 @@ def _address_of(mapping: mmap.mmap) -> int:
         del anchor  # an export left alive would make the mapping's close() fail
 
 
-def map_private(fd: int, nbytes: int, offset: int = 0) -> mmap.mmap:
+def map_private(fd: int, nbytes: int, offset: int = 0, parts: Sequence[Part] = ()) -> mmap.mmap:
     """Map `nbytes` of an arena from `offset` (a multiple of PAGE) copy-on-write (see Note
-    [Copy-on-write mappings])."""
-    return mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=offset)
+    [Copy-on-write mappings]); `parts` (with offset 0 only) are mapped over their ranges (Note [Arena
+    parts]). Raises OSError, ValueError."""
+    m = mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=offset)
+    if parts:
+        try:
+            if offset:
+                raise ValueError("an arena with parts is mapped whole")
+            base = _address_of(m)
+            for part in parts:
+                if part.offset + part.nbytes > nbytes or part.offset % PAGE or part.nbytes % PAGE:
+                    raise ValueError(f"part {part.describe()} lies outside the arena ({nbytes} bytes)")
+                at = _libc.mmap(ctypes.c_void_p(base + part.offset), ctypes.c_size_t(part.nbytes),
+                                mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | _MAP_FIXED, part.fd, 0)
+                if at != base + part.offset:
+                    errno = ctypes.get_errno()
+                    raise OSError(errno, f"cannot map a part of the arena: {os.strerror(errno)}")
+        except BaseException:
+            m.close()
+            raise
+    return m
 
 
 def populate(address: int, nbytes: int, *, background: bool = True) -> threading.Thread | None:

@@ -99,6 +99,7 @@ class Entry:
     last_used: float = field(default_factory=time.time)
     hits: int = 0
     pins: Counter[ConnId] = field(default_factory=Counter)
+    parts: list[arena.Part] = field(default_factory=list)  # ranges of the arena in files of their own
     sources: list[arena.SourceFile] = field(default_factory=list)
     pieces: list[list[int]] = field(default_factory=list)  # [arena offset, bytes, source index, file offset]
     compaction: dict[str, float] | None = None  # {"total", "done", "started"} while the compactor copies
@@ -117,8 +118,14 @@ class Entry:
 
     @property
     def nfds(self) -> int:
-        """The descriptors this entry holds: graph, arena, source files (Note [Descriptor budget] in descriptors.py)."""
-        return 2 + len(self.sources)
+        """The descriptors this entry holds: graph, arena, parts, source files (Note [Descriptor budget] in
+        descriptors.py)."""
+        return 2 + len(self.parts) + len(self.sources)
+
+    def byte_fds(self) -> list[int]:
+        """The descriptors of its bytes, in the order a hit sends them (protocol.py): the arena, its parts
+        (Note [Arena parts] in arena.py), its source files."""
+        return [self.arena_fd, *(p.fd for p in self.parts), *(s.fd for s in self.sources)]
 
     def intact(self) -> bool:
         return all(s.intact() for s in self.sources)

@@ -187,13 +187,17 @@ class Compactor:
 
 def _plan(job: CompactionJob) -> list[tuple[int, int, int, int]]:
     """(descriptor, its offset, arena offset, bytes) for every range of the new arena: the pieces from
-    their files, the rest from the entry's current arena."""
+    their files, the parts from theirs (Note [Arena parts] in arena.py), the rest from the entry's current
+    arena."""
+    ranges = [(offset, nbytes, job.sources[source].fd, file_offset)
+              for offset, nbytes, source, file_offset in job.pieces]
+    ranges += [(part.offset, part.nbytes, part.fd, 0) for part in job.parts]
     copies = []
     at = 0
-    for offset, nbytes, source, file_offset in sorted(job.pieces):
+    for offset, nbytes, fd, file_offset in sorted(ranges):
         if offset > at:
             copies.append((job.arena_fd, at, at, offset - at))
-        copies.append((job.sources[source].fd, file_offset, offset, nbytes))
+        copies.append((fd, file_offset, offset, nbytes))
         at = max(at, offset + nbytes)
     if at < job.arena_bytes:
         copies.append((job.arena_fd, at, at, job.arena_bytes - at))

@@ -1,8 +1,9 @@
 """How many file descriptors the daemon may hold, and what it does when it runs short.
 
 # Note [Descriptor budget]
-Every entry holds descriptors for its whole life: its graph and its arena, and one per checkpoint file
-its pending pieces still lie in (`Entry.nfds`, Note [Pending pieces] in store.py); every connection
+Every entry holds descriptors for its whole life: its graph and its arena, one per part of its arena
+(Note [Arena parts] in arena.py), and one per checkpoint file its pending pieces still lie in
+(`Entry.nfds`, Note [Pending pieces] in store.py); every connection
 holds its socket. The daemon is started by a kernel and inherits its RLIMIT_NOFILE, whose soft limit is
 often 1024: at two descriptors an entry, about 510 entries used to exhaust it, and from then on every
 accept, hit and publish failed with EMFILE (publishers lost their connection and its leases, hits
@@ -11,20 +12,20 @@ answered `internal`, new kernels waited for a hello that never came). So:
   limit counts as MAX_LIMIT, the kernel's default `fs.nr_open`).
 - The store keeps `descriptors held by entries + descriptors reserved by loads in flight <= cap`, where
   `cap = limit - headroom` and `headroom = max(64, limit // 4) + 4 per live connection`. A load
-  reserves its descriptors with its bytes (`reserve`'s `descriptors`: 2 + its source files; a publish
+  reserves its descriptors with its bytes (`reserve`'s `descriptors`: 2 + its parts and source files; a publish
   that brings more makes room for the rest) and the store makes room as it does for bytes (Note [Budget
   accounting] in store.py): it evicts least-recently-used entries that no connection pins, dependents
   included. An entry that cannot fit, everything being pinned, is refused with `descriptors_exhausted`
   (errors.DescriptorsExhausted), and the kernel loads plainly.
 - Why that headroom: the fixed part is what the daemon opens besides entries and sockets. At rest that
-  is about 8 (standard streams, the log, the lock, the listening socket); the compactor takes up to
-  5 + the entry's sources while it copies (a new arena, its mapping, its read-only reopening, the old
-  arena's and the sources' duplicates, /proc/stat); a publish that serves waiters duplicates an entry's
-  descriptors for each of them at once. 64 covers that at the smallest limits anyone runs with (256);
-  at large limits a quarter is little to give up, and it also covers connections that arrive between
-  two reservations (the cap is checked when an entry comes, not when a connection does). Per connection
-  the headroom holds its socket and the duplicates of the hit reply it is being sent (graph, arena, a
-  source).
+  is about 8 (standard streams, the log, the lock, the listening socket); the compactor takes up to 5 +
+  the entry's parts and sources while it copies (a new arena, its mapping, its read-only reopening, the
+  old arena's, the parts' and the sources' duplicates, /proc/stat); a publish that serves waiters
+  duplicates an entry's descriptors for each of them at once. 64 covers that at the smallest limits
+  anyone runs with (256); at large limits a quarter is little to give up, and it also covers connections
+  that arrive between two reservations (the cap is checked when an entry comes, not when a connection
+  does). Per connection the headroom holds its socket and the duplicates of the hit reply it is being
+  sent (graph, arena, a source).
 - The budget is a forecast, not a promise: a descriptor must also be free at the moment it is taken.
   So no place that takes one fails a connection or answers `internal` on EMFILE/ENFILE:
   - a hit whose duplicates fail sheds unpinned entries and tries once more; failing again, it closes

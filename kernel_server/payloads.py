@@ -34,6 +34,7 @@ __all__ = [
 
 MAX_META = 16 * 1024  # characters an entry's description ("meta") may take
 MAX_WATCHED = 64  # checkpoint paths a publish may name (Note [Orphaned entries] in store.py)
+MAX_PARTS = 8  # files of its own an arena may come in besides its own (Note [Arena parts] in arena.py)
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,7 @@ class Watched(TypedDict):
 
 
 Piece = Annotated[list[Count], Size(4, 4)]  # [arena offset, bytes, source index, file offset]
+Part = Annotated[list[Count], Size(2, 2)]  # [arena offset, bytes]: Note [Arena parts] in arena.py
 
 
 class PublishRequest(TypedDict):
@@ -126,6 +128,7 @@ class PublishRequest(TypedDict):
     meta: NotRequired[Annotated[dict[str, Any], Size(0, MAX_META)]]
     times: NotRequired[MissTimes]  # what the miss cost its caller (the daemon's own measure when absent)
     deps: NotRequired[list[str]]  # the keys of the entries its graph refers to
+    parts: NotRequired[Annotated[list[Part], Size(0, MAX_PARTS)]]
     sources: NotRequired[list[Source]]
     pieces: NotRequired[list[Piece]]
     pin: NotRequired[bool]
@@ -441,6 +444,7 @@ class HitEntry(TypedDict):
     arena_bytes: int
     graph_bytes: int
     meta: dict[str, Any]
+    parts: list[list[int]]
     sources: list[dict[str, Any]]
     pieces: list[list[int]]
 

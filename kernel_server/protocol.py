@@ -23,10 +23,12 @@ A frame is a fixed 12-byte header followed by a JSON payload::
   another kernel's load is answered when that load ends).
 - Pickled bytes never travel in a frame: object graphs and tensor bytes travel as descriptors of sealed
   memory files that only the user's own processes map and unpickle (docs/design.md, invariant 4).
-- "publish" attaches the graph, the arena, then one read-only descriptor per entry of its "sources"
-  (checkpoint files that its "pieces" still lie in, each with the identity the daemon MUST check); a
-  "lookup" answered "hit" attaches the graph, then for each listed entry its arena followed by its
-  sources' descriptors (see Note [Pending pieces] in store.py). A "publish" with "marker" true makes an
+- "publish" attaches the graph, the arena, one sealed descriptor per entry of its "parts" (ranges of the
+  arena in files of their own, [arena offset, bytes]: Note [Arena parts] in arena.py), then one read-only
+  descriptor per entry of its "sources" (checkpoint files that its "pieces" still lie in, each with the
+  identity the daemon MUST check); a "lookup" answered "hit" attaches the graph, then for each listed
+  entry its arena followed by its parts' and its sources' descriptors (see Note [Pending pieces] in
+  store.py). A "publish" with "marker" true makes an
   entry without bytes that status and "ls" do not list (Note [Random loads] in overmind_jupyter/randomness.py).
   A "publish" MAY name the checkpoint paths its load read ("watch": [{path, dev, ino, ctime_ns}]); the daemon drops
   the entry once one of them is gone or another file (Note [Orphaned entries] in store.py).
@@ -53,7 +55,8 @@ the meaning of an existing operation. 3: "status" carries some of the entries an
 hit, with "time_saved" (Note [Load time saved] in store.py); the views read it without a fallback, so a
 daemon of protocol 3 is refused at hello rather than misread. 5: "units_acquire" takes "spare" and the
 units snapshot's holders carry it (Note [Spare holdings] in ledger.py): a daemon of protocol 4 would refuse
-the field.
+the field. 6: "publish" carries "parts" and a hit their descriptors, between the arena's and the sources'
+(Note [Arena parts] in arena.py): a kernel of protocol 5 would take a part for a source.
 """
 
 from __future__ import annotations
@@ -81,7 +84,7 @@ __all__ = [
 ]
 
 MAGIC = b"OVMD"
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 HEADER = struct.Struct("!4sHBBI")
 MAX_PAYLOAD = 1 << 20
 MAX_FDS = 64

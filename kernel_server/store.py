@@ -133,9 +133,10 @@ class CompactionJob:
     backing: str
     pieces: list[list[int]]
     sources: list[arena.SourceFile]
+    parts: list[arena.Part] = field(default_factory=list)
 
     def close(self) -> None:
-        for fd in [self.arena_fd, *(s.fd for s in self.sources)]:
+        for fd in [self.arena_fd, *(p.fd for p in self.parts), *(s.fd for s in self.sources)]:
             os.close(fd)
 
 
@@ -316,14 +317,14 @@ class Store:
     def publish(self, conn: ConnId, key: str, *, graph_fd: int, arena_fd: int, graph_bytes: int,
                 arena_bytes: int, backing: str, meta: dict[str, Any], deps: list[str],
                 times: MissTimes | None = None, sources: list[arena.SourceFile] | None = None,
-                pieces: list[list[int]] | None = None,
+                pieces: list[list[int]] | None = None, parts: list[arena.Part] | None = None,
                 pin: bool = False, marker: bool = False,
                 watch: list[dict[str, Any]] | None = None) -> list[tuple[Notify, LookupResult]]:
         """Turn a load into an entry. Takes ownership of every descriptor, also on error. `pin` pins
         the entry once for the publisher (whose model now lies in its arena). Returns the waiters to
         answer (outside any lock). `times`: what the miss cost its caller, as the loader measured it
         (Note [Load time saved]; the daemon's own measure when None)."""
-        sources = sources or []
+        sources, parts = sources or [], parts or []
         try:
             with self._locked():
                 load = self._owned_load(conn, key)
@@ -332,16 +333,16 @@ class Store:
                         "not_reserved",
                         f"publish of {graph_bytes + arena_bytes} bytes exceeds the {load.reserved} reserved",
                     )
-                extra_fds = 2 + len(sources) - load.nfds  # more than reserved: a client that did not say
+                extra_fds = 2 + len(parts) + len(sources) - load.nfds  # more than reserved: a client that did not say
                 if extra_fds > 0:
                     self._make_room(0, extra_fds)
                     if not self._fits_fds(extra_fds):
-                        raise self._refuse_for_descriptors(2 + len(sources))
+                        raise self._refuse_for_descriptors(2 + len(parts) + len(sources))
                 missing = [d for d in deps if d not in self._entries]
                 if missing:
                     raise RemoteError("missing_dependency", f"entries {missing} were evicted meanwhile")
                 entry = Entry(key, graph_fd, arena_fd, graph_bytes, arena_bytes, backing, meta, deps, load.owner_pid,
-                              sources=sources, pieces=pieces or [], marker=marker, watch=watch or [],
+                              parts=parts, sources=sources, pieces=pieces or [], marker=marker, watch=watch or [],
                               times=_miss_times(load, times))
                 if not marker:
                     self.time_saved["misses"] += 1
@@ -360,7 +361,7 @@ class Store:
                         answers.append((waiter.notify, LookupResult("error", error=exc)))
                 return answers
         except BaseException:
-            for fd in (graph_fd, arena_fd, *(s.fd for s in sources)):
+            for fd in (graph_fd, arena_fd, *(p.fd for p in parts), *(s.fd for s in sources)):
                 os.close(fd)
             raise
 
@@ -404,12 +405,14 @@ class Store:
             entry = self._entries.get(key)
             if entry is None or not entry.pieces or entry.compaction is not None or not self._intact(entry):
                 return None
-            fds = _dup_all([entry.arena_fd, *(s.fd for s in entry.sources)])
+            fds = _dup_all(entry.byte_fds())
             entry.compaction = {"total": entry.pending_bytes, "done": 0, "started": time.time()}
+            n = len(entry.parts)
+            parts = [arena.Part(fd, p.offset, p.nbytes) for p, fd in zip(entry.parts, fds[1:1 + n], strict=True)]
             sources = [arena.SourceFile(fd, dict(s.identity), s.path)
-                       for s, fd in zip(entry.sources, fds[1:], strict=True)]
+                       for s, fd in zip(entry.sources, fds[1 + n:], strict=True)]
             return CompactionJob(key, entry, fds[0], entry.arena_bytes, entry.backing,
-                                 [list(p) for p in entry.pieces], sources)
+                                 [list(p) for p in entry.pieces], sources, parts)
 
     def compaction_progress(self, job: CompactionJob, done: int) -> None:
         with self._locked():
@@ -417,8 +420,9 @@ class Store:
                 job.entry.compaction["done"] = done
 
     def compaction_finish(self, job: CompactionJob, arena_fd: int | None) -> bool:
-        """Swap the compacted arena in (or, with None, give up: the entry stays servable from its
-        sources). Takes ownership of `arena_fd`; False if the entry is gone, stale or changed."""
+        """Swap the compacted arena in, which holds every byte (its parts' too), or, with None, give up:
+        the entry stays servable from its sources. Takes ownership of `arena_fd`; False if the entry is
+        gone, stale or changed."""
         with self._locked():
             entry = self._entries.get(job.key)
             current = entry is job.entry and entry is not None and self._intact(entry)
@@ -429,11 +433,11 @@ class Store:
             if not current or entry is None:
                 self._dropped.append(arena_fd)  # closed after the lock (Note [Closing after the lock])
                 return False
-            old, sources, nfds = entry.arena_fd, entry.sources, entry.nfds
-            entry.arena_fd, entry.sources, entry.pieces = arena_fd, [], []
+            old, nfds = entry.byte_fds(), entry.nfds
+            entry.arena_fd, entry.parts, entry.sources, entry.pieces = arena_fd, [], [], []
             self._entries.recount(entry, nfds)
             self.stats["compacted"] += 1
-        for fd in [old, *(s.fd for s in sources)]:
+        for fd in old:
             os.close(fd)
         return True
 
@@ -649,7 +653,7 @@ class Store:
             entry = self._entries.remove(k)
             if entry is None:
                 continue
-            self._dropped += [entry.graph_fd, entry.arena_fd, *(s.fd for s in entry.sources)]
+            self._dropped += [entry.graph_fd, *entry.byte_fds()]
             self._dropped_disk += entry.arena_bytes if entry.backing == "file" else 0
             dropped.append(k)
         return dropped
@@ -676,8 +680,8 @@ def _miss_times(load: _Load, said: MissTimes | None) -> MissTimes:
 
 
 def _sent_with_hit(chain: list[Entry]) -> list[int]:
-    """What a hit of `chain[0]` sends (protocol.py): its graph, then each entry's arena and sources."""
-    return [chain[0].graph_fd, *(fd for e in chain for fd in (e.arena_fd, *(s.fd for s in e.sources)))]
+    """What a hit of `chain[0]` sends (protocol.py): its graph, then each entry's arena, parts and sources."""
+    return [chain[0].graph_fd, *(fd for e in chain for fd in e.byte_fds())]
 
 
 def _dup_all(fds: list[int]) -> list[int]:

@@ -87,28 +87,35 @@ class StoreService:
         return Reply({"evicted": evicted})
 
     def publish(self, conn: Peer, req: Request[PublishRequest]) -> Reply[PublishReply]:
-        """Descriptors: the graph, the arena, then one per source file of `sources` (Note [Pending
-        pieces] in store.py). `pieces`: [arena offset, bytes, source index, file offset] each. The
+        """Descriptors: the graph, the arena, one per range of `parts` (Note [Arena parts] in arena.py),
+        then one per source file of `sources` (Note [Pending pieces] in store.py). `parts`: [arena
+        offset, bytes] each; `pieces`: [arena offset, bytes, source index, file offset] each. The
         descriptors are checked where they are (the dispatcher closes them on a refusal) and taken
         when the store gets them."""
         fds, p = req.descriptors, req.payload
         key, graph_bytes, arena_bytes = p["key"], p["graph_bytes"], p["arena_bytes"]
-        raw_sources, pieces = p.get("sources", []), p.get("pieces", [])
-        if len(fds) != 2 + len(raw_sources):
-            raise RemoteError("bad_request", "publish carries 2 descriptors (graph, arena) and one per source, "
-                                             f"not {len(fds)} for {len(raw_sources)} sources")
+        raw_parts, raw_sources, pieces = p.get("parts", []), p.get("sources", []), p.get("pieces", [])
+        if len(fds) != 2 + len(raw_parts) + len(raw_sources):
+            raise RemoteError("bad_request", "publish carries 2 descriptors (graph, arena), one per part and one "
+                                             f"per source, not {len(fds)} for {len(raw_parts)} parts and "
+                                             f"{len(raw_sources)} sources")
         watch = [_watched(w) for w in p.get("watch", [])]
         try:
             arena.check_sealed(fds[0], graph_bytes)
             backing = arena.check_sealed(fds[1], arena_bytes)
-            sources = [_source(fd, raw) for fd, raw in zip(fds[2:], raw_sources, strict=True)]
-            _check_pieces(pieces, arena_bytes, sources)
+            parts = [arena.Part(fd, offset, nbytes) for fd, (offset, nbytes) in zip(fds[2:], raw_parts, strict=False)]
+            for part in parts:
+                arena.check_sealed(part.fd, part.nbytes)
+            arena.check_parts(parts, arena_bytes)
+            sources = [_source(fd, raw) for fd, raw in zip(fds[2 + len(parts):], raw_sources, strict=True)]
+            _check_pieces(pieces, arena_bytes, sources, parts)
         except (ValueError, TypeError, OSError) as exc:
             raise RemoteError("bad_arena", f"refused arena: {exc}") from None
         req.take_descriptors()  # the store's now, also when it refuses
         answers = self.store.publish(conn.id, key, graph_fd=fds[0], arena_fd=fds[1], graph_bytes=graph_bytes,
                                      arena_bytes=arena_bytes, backing=backing, meta=p.get("meta", {}),
                                      times=p.get("times"), deps=p.get("deps", []), sources=sources, pieces=pieces,
+                                     parts=parts,
                                      pin=p.get("pin", False), marker=p.get("marker", False), watch=watch)
         for notify, result in answers:
             notify(result)
@@ -167,7 +174,8 @@ def _source(fd: int, raw: Source) -> arena.SourceFile:
     return arena.SourceFile(fd, identity, raw["path"][:4096])
 
 
-def _check_pieces(pieces: list[list[int]], arena_bytes: int, sources: list[arena.SourceFile]) -> None:
+def _check_pieces(pieces: list[list[int]], arena_bytes: int, sources: list[arena.SourceFile],
+                  parts: list[arena.Part]) -> None:
     end = 0
     for piece in sorted(pieces):
         if piece[2] >= len(sources):
@@ -175,6 +183,8 @@ def _check_pieces(pieces: list[list[int]], arena_bytes: int, sources: list[arena
         offset, nbytes, source, file_offset = piece
         if offset < end or offset + nbytes > arena_bytes or file_offset + nbytes > sources[source].identity["size"]:
             raise ValueError(f"piece {piece!r} overlaps another or lies outside its arena or file")
+        if any(offset < p.offset + p.nbytes and p.offset < offset + nbytes for p in parts):
+            raise ValueError(f"piece {piece!r} overlaps a part of the arena")
         end = offset + nbytes
 
 
@@ -193,7 +203,8 @@ def _lookup_reply(key: str, result: LookupResult) -> Reply[LookupReply]:
         "status": "hit",
         "key": key,
         "entries": [{"key": e.key, "arena_bytes": e.arena_bytes, "graph_bytes": e.graph_bytes, "meta": e.meta,
-                     "sources": [s.describe() for s in e.sources], "pieces": e.pieces} for e in result.entries],
+                     "parts": [p.describe() for p in e.parts], "sources": [s.describe() for s in e.sources],
+                     "pieces": e.pieces} for e in result.entries],
     }, result.fds)
 
 

@@ -28,7 +28,8 @@ __all__ = ["born_old", "collect_young", "heap_frozen", "prepare", "promote"]
 
 # Note [Imports ahead of the hit]
 # A hit imports `rebuild` (and `mappings`): 1 ms with bytecode, 5-9 ms without (PYTHONDONTWRITEBYTECODE=1
-# and a checkout without __pycache__). `prepare` imports them as soon as torch is imported: at `enable()`
+# and a checkout without __pycache__); a miss imports `publishing` and `staging` besides, 2-3 ms more
+# without bytecode. `prepare` imports them as soon as torch is imported: at `enable()`
 # (api.py), after each cell (loading.flush_warnings, from the extension's post_run_cell), so the cell after
 # the one that imported transformers pays nothing, and at `import overmind_jupyter` where torch is already
 # imported, so that the patch-free `cached()` pays nothing either. Never before torch is imported
@@ -55,6 +56,8 @@ def prepare() -> None:
         return
     _prepared = True
     try:
+        from . import publishing  # noqa: F401 (what a miss imports besides: staging with it)
+
         _warm_rebuild()
         _warm_allocator()
         # the key's first calls too (sha256's setup, inspect's), of a function called with a function

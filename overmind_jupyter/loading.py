@@ -330,7 +330,7 @@ def _from_hit(client: Client, ck: keys.CallKey, reply: Response[LookupReply], re
             for e in entries:
                 unpin(e["key"])
             raise
-        expected = 1 + sum(1 + len(e.get("sources", [])) for e in entries)
+        expected = 1 + sum(1 + len(e.get("parts", [])) + len(e.get("sources", [])) for e in entries)
         if len(fds) != expected:
             for e in entries:
                 unpin(e["key"])
@@ -339,11 +339,14 @@ def _from_hit(client: Client, ck: keys.CallKey, reply: Response[LookupReply], re
         arenas = {}
         at = 1
         for e in entries:
+            parts = [arena.Part(fd, offset, nbytes) for (offset, nbytes), fd in zip(e.get("parts", []), fds[at + 1:],
+                                                                                   strict=False)]
             sources = [arena.SourceFile(fd, {k: s[k] for k in ("dev", "ino", "size", "mtime_ns", "ctime_ns")},
                                         s.get("path", ""))
-                       for s, fd in zip(e.get("sources", []), fds[at + 1:], strict=False)]
-            arenas[e["key"]] = rebuild.ArenaRef(e["key"], fds[at], e["arena_bytes"], e.get("pieces", []), sources)
-            at += 1 + len(sources)
+                       for s, fd in zip(e.get("sources", []), fds[at + 1 + len(parts):], strict=False)]
+            arenas[e["key"]] = rebuild.ArenaRef(e["key"], fds[at], e["arena_bytes"], e.get("pieces", []), sources,
+                                                parts)
+            at += 1 + len(parts) + len(sources)
 
         born_old = hit_tuning.born_old()
         with rebuild.gc_paused():

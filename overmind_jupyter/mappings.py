@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kernel_server import arena
-from kernel_server.arena import SourceFile
+from kernel_server.arena import Part, SourceFile
 
 __all__ = [
     "ArenaFile",
@@ -55,11 +55,18 @@ __all__ = [
 @dataclass(frozen=True)
 class ArenaFile:
     """A descriptor of an entry's arena, kept open beside this process's mapping of it for the device
-    copier (Note [Device copies] in units/copier.py), and whether the arena holds every byte of the entry
-    (no pending pieces: Note [Pending pieces] in kernel_server/store.py)."""
+    copier (Note [Device copies] in units/copier.py), whether the arena holds every byte of the entry
+    (no pending pieces: Note [Pending pieces] in kernel_server/store.py), and its parts, the arena's
+    ranges in files of their own (Note [Arena parts] in kernel_server/arena.py). All kept open here."""
 
     fd: int
     complete: bool
+    parts: tuple[Part, ...] = ()
+
+    def close(self) -> None:
+        os.close(self.fd)
+        for part in self.parts:
+            part.close()
 
 
 @dataclass(frozen=True)
@@ -153,7 +160,7 @@ def register(mapping: mmap.mmap, key: str, pin: Pin | None, pieces: list[tuple[i
         if source is not None:
             source.close()
         if arena_file is not None:
-            os.close(arena_file.fd)
+            arena_file.close()
         if pin is not None:
             pin.release()
 

@@ -73,7 +73,8 @@ class _Plan:
 
     def made(self) -> dict[str, int]:
         """How the entry's bytes are made, in bytes: written by the load into the arena (`staged`),
-        copied here (`copied`), read later from the checkpoint files by the daemon (`pieces`)."""
+        copied here (`copied`), read later from the checkpoint files by the daemon (`pieces`); and, once
+        published, in how many files its arena lies (`files`: Note [Arena parts] in kernel_server/arena.py)."""
         return {"staged": sum(own.nbytes for own in self.staged), "copied": sum(own.nbytes for own in self.copies),
                 "pieces": sum(own.nbytes for s in self.sources for own, _ in s.pieces)}
 
@@ -100,21 +101,30 @@ def publish(client: Client, key: str, label: str, meta: dict[str, Any], packed: 
             for src in plan.sources:
                 stack.callback(os.close, src.fd)
             try:
-                # The descriptors the entry will hold: graph, arena, one per source (Note [Descriptor
-                # budget] in kernel_server/descriptors.py).
-                client.request(Op.RESERVE, key=key, bytes=packed.arena_bytes + len(packed.graph),
-                               descriptors=2 + len(plan.sources), timeout=ANSWER_TIMEOUT)
                 if stage is not None and not stage.top:  # nothing staged: an arena as any other miss's
                     stage = None
-                new = (stage.finish(packed.arena_bytes) if stage is not None
-                       else staging.new_arena(packed.arena_bytes, key, client.home, backing))
-                data = stack.enter_context(contextlib.closing(new))
-                private = arena.map_private(data.fd, packed.arena_bytes) if packed.arena_bytes else None
+                staged_arena, staged_parts = stage.finish(packed.arena_bytes) if stage is not None else (None, [])
+                # The descriptors the entry will hold: graph, arena, one per part and per source (Note
+                # [Descriptor budget] in kernel_server/descriptors.py).
+                client.request(Op.RESERVE, key=key, bytes=packed.arena_bytes + len(packed.graph),
+                               descriptors=2 + len(staged_parts) + len(plan.sources), timeout=ANSWER_TIMEOUT)
+                if staged_arena is None:
+                    staged_arena = staging.new_arena(packed.arena_bytes, key, client.home, backing)
+                data = stack.enter_context(contextlib.closing(staged_arena))
+                for writer, _ in staged_parts:
+                    stack.enter_context(contextlib.closing(writer))
+                parts = [arena.Part(writer.seal(), at, writer.nbytes) for writer, at in staged_parts]
+                meta["made"]["files"] = 1 + len(parts)
+                private = (arena.map_private(data.fd, packed.arena_bytes, parts=parts)
+                           if packed.arena_bytes else None)
                 if private is not None:
-                    # a read-only descriptor: the arena is still being written here (Note [Device copies])
-                    read_only = os.open(f"/proc/self/fd/{data.fd}", os.O_RDONLY | os.O_CLOEXEC)
+                    # read-only descriptors: the arena is still being written here (Note [Device copies])
+                    read_only = [os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+                                 for fd in (data.fd, *(p.fd for p in parts))]
                     forget.append(mappings.register(private, key, pin, arena_file=mappings.ArenaFile(
-                        read_only, complete=not plan.sources)))
+                        read_only[0], complete=not plan.sources,
+                        parts=tuple(arena.Part(fd, p.offset, p.nbytes) for fd, p in zip(read_only[1:], parts,
+                                                                                         strict=True)))))
                     for own in plan.staged:
                         _move_onto(private, own, by_storage)
                 if stage is not None:
@@ -125,8 +135,9 @@ def publish(client: Client, key: str, label: str, meta: dict[str, Any], packed: 
                 graph.view[:] = packed.graph
                 times = clock.times()  # as the publish is sent: the call returns right after
                 client.request(
-                    Op.PUBLISH, key=key, fds=[graph.seal(), data.seal(), *(s.fd for s in plan.sources)],
-                    times=times,
+                    Op.PUBLISH, key=key, fds=[graph.seal(), data.seal(), *(p.fd for p in parts),
+                                              *(s.fd for s in plan.sources)],
+                    times=times, parts=[p.describe() for p in parts],
                     graph_bytes=len(packed.graph), arena_bytes=packed.arena_bytes, meta=meta, deps=packed.deps,
                     sources=[{"path": s.path, **s.identity} for s in plan.sources],
                     pieces=[[own.offset, own.nbytes, i, at]

@@ -76,14 +76,16 @@ class Packed:
 
 @dataclass
 class ArenaRef:
-    """One entry to map for a rebuild: its key, the arena's descriptor and size, and its pending
-    pieces ([arena offset, bytes, source index, file offset]) with their source files."""
+    """One entry to map for a rebuild: its key, the arena's descriptor and size, its pending pieces
+    ([arena offset, bytes, source index, file offset]) with their source files, and its parts (Note
+    [Arena parts] in kernel_server/arena.py)."""
 
     key: str
     fd: int
     nbytes: int
     pieces: list[list[int]] = field(default_factory=list)
     sources: list[arena.SourceFile] = field(default_factory=list)
+    parts: list[arena.Part] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.pieces = sorted(self.pieces)
@@ -530,8 +532,9 @@ class _Rebuild:
         if pin is None:
             pin = self.pins[ref.key] = mappings.Pin(ref.key, self.on_unmap)
         if source is None:
-            m = arena.map_private(ref.fd, ref.nbytes)
-            mappings.register(m, ref.key, pin, arena_file=mappings.ArenaFile(os.dup(ref.fd), not ref.pieces))
+            m = arena.map_private(ref.fd, ref.nbytes, parts=ref.parts)
+            mappings.register(m, ref.key, pin, arena_file=mappings.ArenaFile(
+                os.dup(ref.fd), not ref.pieces, tuple(p.dup() for p in ref.parts)))
         else:
             src = ref.sources[source]
             m = arena.map_private(src.fd, src.identity["size"])

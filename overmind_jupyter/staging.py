@@ -18,11 +18,13 @@ mapping of what was written; publishing only moves those tensors onto the arena'
   write fault per page or folio (0.2-1.7 s for 512 MiB on these VMs against 0.15 s for pwrite, RESULTS.md).
   No writable shared mapping of the arena ever exists in the kernel: a tensor of the load that user code
   keeps outside the result (a `.data` alias) is a private mapping, whose writes stay in this process.
-  Several converting threads writing into the one memfd contend for it: 1 GiB of bf16 -> fp32 by two
-  threads took 0.37 s (0.72 s CPU) into one memfd by pwrite, 0.36-0.41 s through a shared mapping of it,
-  0.23 s (0.44 s CPU) into two memfds, one per thread, and 0.26 s into anonymous memory (the plain load;
-  benchmarks/stage_writes.py, RESULTS.md issue 39). A stage of a memfd per converting thread is the way to
-  the plain load's speed; it needs an entry whose arena is several files, which is not made yet.
+- Into a memfd per converting thread (up to four, transformers' pool), laid out one after the other in
+  the arena once the load is done: the first is the arena's own file, the others its parts (Note [Arena
+  parts] in kernel_server/arena.py). A write into a memfd holds its lock, and the write (allocating the
+  shmem pages) is most of the work: 1 GiB of bf16 -> fp32 took 0.35 s by one thread's pwrites against
+  0.07 s for the conversion alone, so two threads writing into one memfd took 0.32-0.36 s, into two
+  memfds 0.20-0.24 s, into anonymous memory (the plain load) 0.23-0.28 s (benchmarks/stage_writes.py,
+  RESULTS.md issue 39). A file arena (the user's `OVERMIND_ARENA=file`) stays one file.
 - Which backing: a memfd (shmem), unless the user chose `OVERMIND_ARENA=file`. A file arena on a disk
   filesystem takes the converted gigabytes as dirty page cache, and past the kernel's dirty limits
   (vm.dirty_ratio: 20% of memory) the writer is throttled to the disk's speed: a 1.1B fp32 miss took
@@ -69,6 +71,7 @@ _log = logging.getLogger(__name__)
 
 _GRANULE = 256 << 20  # the stage is reserved with the daemon this much ahead
 _CHUNK = 8 << 20  # converted into a reused buffer this much at a time, then written
+_FILES = 4  # files a stage writes into at most, one per converting thread (transformers runs up to 4)
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
@@ -94,23 +97,60 @@ def new_arena(nbytes: int, key: str, home: str | os.PathLike[str], backing: str)
     return arena.ArenaWriter(nbytes, name=name, backing="memfd")
 
 
+class _File:
+    """One file of a stage: its writer, and how much of it the stage handed out (page-aligned)."""
+
+    def __init__(self, writer: arena.ArenaWriter) -> None:
+        self.writer = writer
+        self.top = 0
+
+
 class Stage:
     """The arena of the entry a miss is loading, written by the load's conversions (Note [Staged
-    conversions]). A sparse file as large as the physical memory (nothing is taken until written), cut
-    to the entry's size by `finish`."""
+    conversions]): a file per converting thread, each sparse and as large as the physical memory
+    (nothing is taken until written). Once the load is done, `top` lays the files out one after the other
+    in the arena (the first is the arena's own file, the others its parts: Note [Arena parts] in
+    kernel_server/arena.py) and `finish` cuts each to its size."""
 
     def __init__(self, client: Client, key: str, home: str | os.PathLike[str], backing: str) -> None:
         self._client, self._key = client, key
         self.capacity = arena.align(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-        self.writer = new_arena(self.capacity, key, home, backing)
+        first = new_arena(self.capacity, key, home, backing)
+        self._files = [_File(first)]
+        # a file per thread where the arena is a memfd; a file arena (the user's choice) stays one file
+        self._most_files = _FILES if first.backing == "memfd" else 1
         self._lock = threading.Lock()
-        self._buffers = threading.local()  # each converting thread's chunk buffer, reused
-        self.top = 0  # the end of the last range handed out, page-aligned
+        self._threads = threading.local()  # each converting thread's chunk buffer and file, reused
+        self._seen = 0  # converting threads so far
+        self._used = 0  # the sum of the files' tops
         self._reserved = 0  # what the daemon (and fallocate) reserved
         self._stopped = False
-        # offset -> (bytes, the view its tensor is made on: alive while any tensor of the range is)
-        self._ranges: dict[int, tuple[int, weakref.ref[memoryview]]] = {}
-        self._starts: dict[int, int] = {}  # the address of each range's mapping -> its offset
+        self._starts_in_arena: list[int] | None = None  # where each file lies in the arena, once laid out
+        # (file, offset) -> (bytes, the view its tensor is made on: alive while any tensor of the range is)
+        self._ranges: dict[tuple[_File, int], tuple[int, weakref.ref[memoryview]]] = {}
+        self._starts: dict[int, tuple[_File, int]] = {}  # the address of each range's mapping -> where it is
+
+    @property
+    def writer(self) -> arena.ArenaWriter:
+        """The arena's own file."""
+        return self._files[0].writer
+
+    @property
+    def top(self) -> int:
+        """The end of the staged ranges in the arena. The first look lays the files out and stops the
+        stage: the load is done."""
+        return self._layout()[-1] + self._files[-1].top
+
+    def _layout(self) -> list[int]:
+        """Where each file lies in the arena: one after the other, in the order they were made."""
+        with self._lock:
+            self._stopped = True
+            if self._starts_in_arena is None:
+                self._starts_in_arena, at = [], 0
+                for f in self._files:
+                    self._starts_in_arena.append(at)
+                    at += f.top
+            return self._starts_in_arena
 
     def convert(self, tensor: Any, dtype: torch.dtype,
                 fallback: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -128,51 +168,71 @@ class Stage:
         return fallback(src)
 
     def _write(self, src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
-        """Convert `src` a chunk at a time into this thread's buffer and write each chunk into the arena;
-        the result is a private mapping of what was written (None: no room)."""
+        """Convert `src` a chunk at a time into this thread's buffer and write each chunk into this
+        thread's file; the result is a private mapping of what was written (None: no room)."""
         nbytes = dtype.itemsize * src.numel()
-        at = self._take(nbytes)
+        file = self._file()
+        at = self._take(file, nbytes)
         if at is None:
             return None
-        buffer = getattr(self._buffers, "chunk", None)
-        if buffer is None:
-            buffer = self._buffers.chunk = torch.empty(_CHUNK, dtype=torch.uint8)
+        buffer: torch.Tensor = self._threads.chunk
         flat, step = src.reshape(-1), _CHUNK // dtype.itemsize
         for start in range(0, flat.numel(), step):
             part = flat[start:start + step]
             converted = buffer[:part.numel() * dtype.itemsize].view(dtype)
             converted.copy_(part)
             chunk = memoryview(converted.view(torch.uint8).numpy())  # type: ignore[arg-type]  # a buffer
-            _pwrite_all(self.writer.fd, chunk, at + start * dtype.itemsize)
-        mapping = arena.map_private(self.writer.fd, arena.align(nbytes), offset=at)
+            _pwrite_all(file.writer.fd, chunk, at + start * dtype.itemsize)
+        mapping = arena.map_private(file.writer.fd, arena.align(nbytes), offset=at)
         view = memoryview(mapping)[:nbytes]
         out = torch.frombuffer(view, dtype=torch.uint8).view(dtype).view(src.shape)
         with self._lock:
-            self._ranges[at] = (nbytes, weakref.ref(view))
-            self._starts[out.data_ptr()] = at
+            self._ranges[(file, at)] = (nbytes, weakref.ref(view))
+            self._starts[out.data_ptr()] = (file, at)
         return out
 
-    def _take(self, nbytes: int) -> int | None:
-        """The offset of a new range of `nbytes`, reserved; None once the stage stopped."""
+    def _file(self) -> _File:
+        """This thread's file: the arena's own for the first converting thread, a new one for each
+        next, up to `_FILES` (then they take turns)."""
+        file: _File | None = getattr(self._threads, "file", None)
+        if file is not None:
+            return file
+        with self._lock:
+            self._seen += 1
+            seen = self._seen
+            if seen <= len(self._files) or len(self._files) >= self._most_files:
+                file = self._files[(seen - 1) % len(self._files)]
+            else:
+                writer = arena.ArenaWriter(self.capacity, name=f"overmind:{self._key[:12]}:{seen - 1}")
+                file = _File(writer)
+                self._files.append(file)
+        self._threads.file = file
+        self._threads.chunk = torch.empty(_CHUNK, dtype=torch.uint8)
+        return file
+
+    def _take(self, file: _File, nbytes: int) -> int | None:
+        """The offset in `file` of a new range of `nbytes`, reserved; None once the stage stopped."""
         with self._lock:
             if self._stopped or not nbytes:
                 return None
-            at = self.top
+            at = file.top
             end = arena.align(at + nbytes)
-            if end > self._reserved and not self._reserve(end):
+            used = self._used + end - at
+            if used > self._reserved and not self._reserve(used):
                 return None
-            self.top = end
+            file.top, self._used = end, used
             return at
 
     def _reserve(self, end: int) -> bool:
-        """Reserve the stage up to at least `end` (lock held), a granule ahead where the budget allows;
-        False stops the staging."""
+        """Reserve the stage up to at least `end` bytes (lock held), a granule ahead where the budget
+        allows; False stops the staging."""
         for want in dict.fromkeys((min(self.capacity, max(end, self._reserved + _GRANULE)), end)):
             if end > self.capacity:
                 break
             try:
-                self._client.request(Op.RESERVE, key=self._key, bytes=want, descriptors=2, timeout=ANSWER_TIMEOUT)
-                if self.writer.backing == "file":
+                self._client.request(Op.RESERVE, key=self._key, bytes=want, descriptors=1 + len(self._files),
+                                     timeout=ANSWER_TIMEOUT)
+                if self.writer.backing == "file":  # one file: Note [Staged conversions]
                     os.posix_fallocate(self.writer.fd, self._reserved, want - self._reserved)
             except (DaemonError, OSError) as exc:
                 _log.info("the stage of %s cannot grow to %d bytes: %s", self._key[:12], want, exc)
@@ -184,30 +244,41 @@ class Stage:
 
     def offset_of(self, storage: torch.UntypedStorage) -> int | None:
         """Where in the arena `storage` lies, if it is a whole range this stage wrote."""
-        at = self._starts.get(storage.data_ptr())
-        if at is None or self._ranges[at][0] != storage.nbytes():
+        found = self._starts.get(storage.data_ptr())
+        if found is None or self._ranges[found][0] != storage.nbytes():
             return None
-        return at
+        file, at = found
+        return self._layout()[self._files.index(file)] + at
 
-    def finish(self, nbytes: int) -> arena.ArenaWriter:
-        """The arena writer, cut to the entry's `nbytes` (the staged ranges first, then what publishing
-        copies)."""
+    def finish(self, nbytes: int) -> tuple[arena.ArenaWriter, list[tuple[arena.ArenaWriter, int]]]:
+        """The arena's writer, cut to the entry's `nbytes` (the staged ranges first, then what
+        publishing copies), and each further file's writer, cut to its size, with where it lies in the
+        arena (its parts: Note [Arena parts] in kernel_server/arena.py)."""
         assert nbytes >= self.top
-        os.ftruncate(self.writer.fd, nbytes)
-        self.writer.nbytes = nbytes
-        return self.writer
+        first = self._files[0].writer
+        os.ftruncate(first.fd, nbytes)
+        first.nbytes = nbytes
+        parts = []
+        for file, at in zip(self._files[1:], self._layout()[1:], strict=True):
+            if file.top:
+                os.ftruncate(file.writer.fd, file.top)
+                file.writer.nbytes = file.top
+                parts.append((file.writer, at))
+        return first, parts
 
     def give_back(self, kept: set[int]) -> None:
-        """Free the ranges (offsets) the entry does not hold and no tensor refers to any more (an
-        intermediate of a weight conversion): holes in the arena."""
-        for at, (nbytes, view) in self._ranges.items():
-            if at not in kept and view() is None and _libc.fallocate(
-                    self.writer.fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, at, nbytes):
+        """Free the ranges the entry does not hold (`kept`: arena offsets) and no tensor refers to any
+        more (an intermediate of a weight conversion): holes in the files."""
+        starts = dict(zip(self._files, self._layout(), strict=True))
+        for (file, at), (nbytes, view) in self._ranges.items():
+            if starts.get(file, -1) + at not in kept and view() is None and _libc.fallocate(
+                    file.writer.fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, at, nbytes):
                 _log.info("cannot punch a hole in the arena: %s", os.strerror(ctypes.get_errno()))
 
     def close(self) -> None:
-        """Let go of the stage's file; tensors still on it keep their mappings (and its memory) alive."""
-        self.writer.close()
+        """Let go of the stage's files; tensors still on them keep their mappings (and its memory) alive."""
+        for file in self._files:
+            file.writer.close()
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:

@@ -28,7 +28,7 @@ import torch
 from kernel_server import Client
 from kernel_server.ledger import Ledger
 from kernel_server.operations import Op
-from overmind_jupyter import units
+from overmind_jupyter import demo_models, loading, units
 from overmind_jupyter.units import copier, filling
 from tests.helpers.cached_modules import arena_backed, in_arena
 from tests.helpers.faults_helpers import wait_until
@@ -111,6 +111,30 @@ def test_a_weight_the_kernel_wrote_on_the_host_moves_with_its_writes(standin: Ca
     assert torch.equal(model.layers[0].weight, expected["layers.0.weight"] + 1)
     assert model.layers[1].bias[0] == 5.0 and torch.equal(model.layers[1].bias[1:], expected["layers.1.bias"][1:])
     assert torch.equal(model.layers[0].bias, expected["layers.0.bias"])
+
+
+def test_an_arena_in_parts_is_filled_whole_from_the_host_then_from_its_device_copy(
+        standin: Callable[..., Client], tmp_path: Path) -> None:
+    """A converting miss leaves an entry whose arena lies in several files (Note [Arena parts] in
+    kernel_server/arena.py): the copier maps the parts over the arena as a kernel does, so a hit moved to
+    a device gets every weight, the first time from the host and the next from the device copy."""
+    from transformers import AutoModelForCausalLM, core_model_loading
+
+    if core_model_loading.GLOBAL_WORKERS < 2:
+        pytest.skip("transformers converts in one thread on a machine of one core")
+    client = standin()
+    path = demo_models.build_llama(tmp_path / "llama", "tiny", dtype="bfloat16")
+    plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    loading.cached(AutoModelForCausalLM.from_pretrained, str(path), dtype=torch.float32)
+    [entry] = [e for e in client.request("status")["entries"] if not e["meta"].get("random")]
+    assert entry["meta"]["made"]["files"] >= 2, entry["meta"]["made"]
+    for source in ("host", "device copy"):
+        hit = loading.cached(AutoModelForCausalLM.from_pretrained, str(path), dtype=torch.float32)
+        units.place(hit, "cuda:0")
+        assert units.state()["kernel"]["events"][-1]["fill"]["sources"] == {source: 1}
+        assert not any(in_arena(p) for p in hit.parameters())
+        for (name, a), (_, b) in zip(plain.state_dict().items(), hit.state_dict().items(), strict=True):
+            assert torch.equal(a, b), name
 
 
 def test_a_filled_model_keeps_its_ties_trains_and_goes_back_onto_the_cached_weights(

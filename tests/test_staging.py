@@ -6,6 +6,7 @@ write routes of tests/test_atomic_miss.py run through staged misses: their fp32 
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -13,8 +14,12 @@ from typing import Any
 import pytest
 import torch
 
+from kernel_server import Client, arena
+from kernel_server.errors import RemoteError
 from overmind_jupyter import demo_models, loading
 from overmind_jupyter.errors import FallbackWarning
+from tests.helpers.faults_helpers import wait_until
+from tests.helpers.snippets import last_json, run_py
 
 KEPT: list[torch.Tensor] = []  # what a loading function below keeps outside its result
 
@@ -178,3 +183,136 @@ def test_a_budget_smaller_than_the_model_stages_nothing_and_loads_plainly(
     plain = AutoModelForCausalLM.from_pretrained(bf16_llama, dtype=torch.float32)
     for (name, a), (_, b) in zip(plain.state_dict().items(), model.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
+
+
+# -- a file per converting thread (Note [Arena parts] in kernel_server/arena.py) -------------------------
+
+PARTS_PROBE = """
+    import json, sys, torch
+    from transformers import AutoModelForCausalLM
+    from overmind_jupyter import loading
+    m = loading.cached(AutoModelForCausalLM.from_pretrained, PATH, dtype=torch.float32)
+    files = {}
+    for line in open("/proc/self/maps"):
+        fields = line.split(maxsplit=5)
+        start, end = (int(x, 16) for x in fields[0].split("-"))
+        files[(start, end)] = fields[5].strip() if len(fields) > 5 else ""
+    def file_of(address):
+        return next(f for (start, end), f in files.items() if start <= address < end)
+    with torch.no_grad():
+        out = m(torch.arange(8)[None]).logits.double().sum().item()
+    print(json.dumps({"out": out, "calls": loading.calls(),
+                      "files": sorted({file_of(p.data_ptr()) for p in m.parameters()}),
+                      "checkpoint": any("model.safetensors" in f for f in files.values())}))
+"""
+
+
+def staged_files(model: torch.nn.Module) -> set[str]:
+    return {mapped_file(p.data_ptr()) for p in model.parameters()}
+
+
+def logits_sum(model: torch.nn.Module) -> float:
+    with torch.no_grad():
+        return float(model(torch.arange(8)[None]).logits.double().sum().item())
+
+
+def test_each_converting_thread_writes_a_file_of_its_own_and_every_hit_maps_them_as_one_arena(
+        overmind_home: Path, bf16_llama: Path) -> None:
+    """transformers converts in a pool of threads: each writes into a memfd of its own (one memfd would
+    make them wait for its lock), and the entry is the arena's own file and its parts. The loading kernel
+    and a kernel started afterwards both see every weight at its place, equal to plain's."""
+    from transformers import AutoModelForCausalLM, core_model_loading
+
+    if core_model_loading.GLOBAL_WORKERS < 2:
+        pytest.skip("transformers converts in one thread on a machine of one core")
+    plain = AutoModelForCausalLM.from_pretrained(bf16_llama, dtype=torch.float32)
+    model = loading.cached(AutoModelForCausalLM.from_pretrained, str(bf16_llama), dtype=torch.float32)
+    assert not loading.fallbacks()
+    made = entry_meta("llama")["made"]
+    assert made["files"] >= 2 and made["staged"] >= converted_bytes(plain), made
+    files = staged_files(model)
+    assert len(files) >= 2 and all(f.startswith("/memfd:overmind:") for f in files), files
+    assert logits_sum(model) == logits_sum(plain)
+    hit = last_json(run_py(PARTS_PROBE.replace("PATH", repr(str(bf16_llama)))))
+    assert hit["calls"] == {"hit": 1} and hit["out"] == logits_sum(plain)
+    assert set(hit["files"]) == files, "the hit maps the same files: the arena's own and its parts"
+
+
+def test_an_entry_of_parts_and_pending_pieces_is_compacted_whole(overmind_home: Path, tmp_path: Path) -> None:
+    """A checkpoint of bf16 weights and fp32 norms loaded as fp32: the converted weights are staged (in
+    parts), the norms are pieces of the checkpoint. The daemon compacts the entry into one arena of its
+    own, reading each range where it lies; a hit after that maps that arena alone and equals plain."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    path = demo_models.build_llama(tmp_path / "mixed", "tiny", dtype="bfloat16", num_hidden_layers=4)
+    file = path / "model.safetensors"
+    tensors = {k: v.float() if "norm" in k else v for k, v in load_file(file).items()}
+    save_file(tensors, file, metadata={"format": "pt"})
+    plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    loading.cached(AutoModelForCausalLM.from_pretrained, str(path), dtype=torch.float32)
+    assert not loading.fallbacks()
+    made = entry_meta("mixed")["made"]
+    assert made["staged"] > 0 and made["pieces"] > 0, made
+    client = Client(overmind_home, role="test")
+    try:
+        wait_until(lambda: client.request("status")["entries"][0]["pending"] is None, 60, "the entry compacted")
+        assert client.request("status")["stats"].get("compacted") == 1
+    finally:
+        client.close()
+    hit = last_json(run_py(PARTS_PROBE.replace("PATH", repr(str(path)))))
+    assert hit["calls"] == {"hit": 1} and hit["out"] == logits_sum(plain)
+    assert len(hit["files"]) == 1 and not hit["checkpoint"], hit["files"]
+
+
+def test_the_daemon_refuses_parts_that_are_not_sealed_whole_pages_or_apart(daemon: Client) -> None:
+    """A publish's parts are checked as its arena is: sealed, whole pages, inside the arena, apart from
+    each other and from the pieces; a good one is served with the parts' descriptors after the arena's."""
+    page = arena.PAGE
+
+    def attempt(parts: list[tuple[int, int, bool]], fds_for: int | None = None) -> str:
+        key = f"k{os.urandom(4).hex()}"
+        assert daemon.request("lookup", key=key, wait=False)["status"] == "load"
+        daemon.request("reserve", key=key, bytes=8 * page, descriptors=2 + len(parts))
+        graph, data = arena.ArenaWriter(16), arena.ArenaWriter(4 * page)
+        graph.view[:] = bytes(16)
+        writers = [arena.ArenaWriter(size) for _, size, _ in parts]
+        for w, (_, size, seal) in zip(writers, parts, strict=True):
+            w.write(0, bytes([7]) * size)
+            if seal:
+                w.seal()
+        fds = [graph.seal(), data.seal(), *(w.fd for w in writers)][:fds_for]
+        try:
+            daemon.request("publish", key=key, fds=fds, graph_bytes=16, arena_bytes=4 * page,
+                           parts=[[offset, size] for offset, size, _ in parts])
+        finally:
+            for w in (graph, data, *writers):
+                w.close()
+        return key
+
+    with pytest.raises(RemoteError, match="not sealed"):
+        attempt([(page, page, False)])
+    with pytest.raises(RemoteError, match="overlaps another"):
+        attempt([(page, 2 * page, True), (2 * page, page, True)])
+    with pytest.raises(RemoteError, match="whole pages"):
+        attempt([(100, page, True)])
+    with pytest.raises(RemoteError, match="outside"):
+        attempt([(3 * page, 2 * page, True)])
+    with pytest.raises(RemoteError, match="one per part"):
+        attempt([(page, page, True)], fds_for=2)
+    key = attempt([(page, page, True), (3 * page, page, True)])
+    other = Client(daemon.home, role="test")
+    try:
+        reply = other.request("lookup", key=key)
+        [entry] = reply["entries"]
+        assert entry["parts"] == [[page, page], [3 * page, page]]
+        assert len(reply.fds) == 1 + 1 + 2
+        m = arena.map_private(reply.fds[1], 4 * page, parts=[arena.Part(fd, offset, size) for fd, (offset, size)
+                                                             in zip(reply.fds[2:], entry["parts"], strict=True)])
+        assert m[:page] == bytes(page) and m[page:2 * page] == bytes([7]) * page
+        assert m[2 * page:3 * page] == bytes(page) and m[3 * page:] == bytes([7]) * page
+        m.close()
+        reply.close()
+    finally:
+        other.close()
+    assert daemon.request("ping")["pong"]

@@ -22,8 +22,9 @@ Wire format. A Unix SOCK_SEQPACKET connection per kernel.
   a bad request gets `{"kind": "error", "error"}` and never stops the copier.
 - `{"kind": "hello", "version"}` -> `{"kind": "hello", "version": PROTOCOL, "pid", "standin"}`. A side
   that does not speak `version` closes the connection.
-- `{"kind": "fill", "entry", "label", "complete", "device", "index", "start", "nbytes", "target"}`, with
-  the entry's arena descriptor (and, for the stand-in, the target's memfd) -> `{"kind": "filled",
+- `{"kind": "fill", "entry", "label", "complete", "device", "index", "start", "nbytes", "target", "parts"}`,
+  with the entry's arena descriptor, one per range of `parts` ([arena offset, bytes] each: Note [Arena
+  parts] in kernel_server/arena.py) and, for the stand-in, the target's memfd -> `{"kind": "filled",
   "source", "seconds", "kept"}`. Bytes [start, start + nbytes) of the arena are written into the
   target: a CUDA allocation of the kernel's (`target`: the eight fields of torch's `_share_cuda_`, bytes
   in base64) on its CUDA device `index` here (the kernel sends the device's `device` id, a CUDA UUID, and
@@ -31,7 +32,7 @@ Wire format. A Unix SOCK_SEQPACKET connection per kernel.
   `source` says where the bytes came from: "device copy" or "host". `kept`: a copy of the entry is now
   on the device (Note [Device copies]). `complete` false: the arena still lacks pieces the entry reads
   from its checkpoint files, so no copy of it is kept (those bytes of the arena are not written yet).
-- `{"kind": "keep", ...}`: the fill's fields without a target, with the arena's descriptor -> `{"kind":
+- `{"kind": "keep", ...}`: the fill's fields without a target, with the arena's descriptors -> `{"kind":
   "kept", "kept", "seconds"}`: make the device copy only (a kernel that moved its model itself, while
   the copier was starting).
 - `{"kind": "drop"}` -> `{"kind": "dropped", "copies": count}`: every copy dropped and its units given back
@@ -57,12 +58,11 @@ import socket
 import sys
 import threading
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kernel_server import lifecycle, settings
+from kernel_server import arena, lifecycle, settings
 from kernel_server.client import Client
 from kernel_server.errors import DaemonError, RemoteError
 from kernel_server.operations import Op
@@ -99,9 +99,13 @@ def lock_path(home: Path) -> Path:
 # any route, reach only its own memory, and the copier's copy is written only from the arena, never from
 # a kernel's memory (docs/design.md invariant 3). A copy is the arena's bytes as of a sealed, complete
 # arena: the copier keys it by the entry and the identity of the arena's file (device and inode number,
-# size), so an entry compacted into a new arena, or a key published again, never meets an old copy; an
-# arena with pieces pending (their bytes still only in checkpoint files) is copied to a kernel's memory
-# only for the ranges the kernel read from it, and no copy of it is kept.
+# size) and of its parts' files (Note [Arena parts] in kernel_server/arena.py), so an entry compacted into
+# a new arena, or a key published again, never meets an old copy; an arena with pieces pending (their
+# bytes still only in checkpoint files) is copied to a kernel's memory only for the ranges the kernel
+# read from it, and no copy of it is kept.
+_Ident = tuple[int, int, int, tuple[tuple[int, int, int, int], ...]]  # the arena's file, its parts' files
+
+
 @dataclass(eq=False)
 class _Copy:
     entry: str
@@ -214,9 +218,9 @@ class Copier:
     def __init__(self, home: Path, standin: bool) -> None:
         self.home = home
         self.backend = _Backend(standin)
-        self.copies: dict[tuple[str, tuple[int, int, int], str], _Copy] = {}
-        self.by_holding: dict[int, tuple[str, tuple[int, int, int], str]] = {}
-        self.hosts: collections.OrderedDict[tuple[int, int, int], tuple[mmap.mmap, Any]] = collections.OrderedDict()
+        self.copies: dict[tuple[str, _Ident, str], _Copy] = {}
+        self.by_holding: dict[int, tuple[str, _Ident, str]] = {}
+        self.hosts: collections.OrderedDict[_Ident, tuple[mmap.mmap, Any]] = collections.OrderedDict()
         self.stats: dict[str, dict[str, float]] = {"fills": {}, "bytes": {}, "seconds": {}}
         self.work: queue.Queue[tuple[Any, ...]] = queue.Queue()
         self.client: Any = None
@@ -300,15 +304,19 @@ class Copier:
         label = str(request.get("label") or entry[:12])
         start, nbytes = int(request.get("start", 0)), int(request.get("nbytes", 0))
         index = self.backend.index_of(request)
+        parts = [arena.Part(fd, int(offset), int(size)) for (offset, size), fd in zip(request.get("parts", []),
+                                                                                     fds[1:], strict=False)]
         st = os.fstat(fds[0])
-        ident = (st.st_dev, st.st_ino, st.st_size)
+        ident = (st.st_dev, st.st_ino, st.st_size,
+                 tuple((p.offset, p.nbytes, os.fstat(p.fd).st_dev, os.fstat(p.fd).st_ino) for p in parts))
+        fds = [fds[0], *fds[1 + len(parts):]]  # the arena, then the stand-in's target
         if start < 0 or nbytes < 0 or start + nbytes > st.st_size:
             raise ValueError(f"bytes {start}+{nbytes} lie outside the arena ({st.st_size} bytes)")
         key = (entry, ident, device)
         copy = self.copies.get(key)
         source = "device copy"
         if copy is None and request.get("complete"):
-            copy = self._make_copy(key, label, fds[0], index)
+            copy = self._make_copy(key, label, fds[0], parts, index)
             source = "host" if copy is not None else source
         if copy is not None:
             copy.last_used = time.time()
@@ -319,14 +327,15 @@ class Copier:
                     self.backend.within(dst, copy.tensor[start:start + nbytes], index)
                 else:
                     source = "host"
-                    self.backend.from_host(dst, self._host(fds[0], ident)[start:start + nbytes], index)
+                    self.backend.from_host(dst, self._host(fds[0], parts, ident)[start:start + nbytes], index)
         seconds = time.perf_counter() - t0
         for name, value in (("fills", 1), ("bytes", nbytes), ("seconds", seconds)):
             self.stats[name][source] = self.stats[name].get(source, 0) + value
         return {"kind": "filled" if target else "kept", "source": source, "seconds": round(seconds, 6),
                 "kept": copy is not None}
 
-    def _make_copy(self, key: tuple[str, tuple[int, int, int], str], label: str, fd: int, index: int) -> _Copy | None:
+    def _make_copy(self, key: tuple[str, _Ident, str], label: str, fd: int, parts: list[arena.Part],
+                   index: int) -> _Copy | None:
         entry, ident, device = key
         nbytes = ident[2]
         units = -(-nbytes // GiB)
@@ -335,7 +344,7 @@ class Copier:
             return None
         try:
             tensor = self.backend.new_copy(index, nbytes)
-            self.backend.from_host(tensor, self._host(fd, ident), index)
+            self.backend.from_host(tensor, self._host(fd, parts, ident), index)
         except BaseException:
             self.release(holding)
             raise
@@ -343,15 +352,13 @@ class Copier:
         self.by_holding[holding] = key
         return copy
 
-    def _host(self, fd: int, ident: tuple[int, int, int]) -> Any:
-        """The arena as a host tensor over a shared read-only mapping, kept for the next fills (at most
-        eight arenas: a mapping costs only its page tables)."""
+    def _host(self, fd: int, parts: list[arena.Part], ident: _Ident) -> Any:
+        """The arena with its parts as a host tensor over a private mapping that nothing writes, kept for
+        the next fills (at most eight arenas: a mapping costs only its page tables)."""
         found = self.hosts.get(ident)
         if found is None:
-            m = mmap.mmap(fd, ident[2], flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-            with warnings.catch_warnings():  # read only: torch warns that the buffer is not writable
-                warnings.simplefilter("ignore")
-                host = self.backend.torch.frombuffer(m, dtype=self.backend.torch.uint8)
+            m = arena.map_private(fd, ident[2], parts=parts)
+            host = self.backend.torch.frombuffer(m, dtype=self.backend.torch.uint8)
             found = self.hosts[ident] = (m, host)
             while len(self.hosts) > 8:
                 self.hosts.popitem(last=False)
