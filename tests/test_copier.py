@@ -28,9 +28,9 @@ import torch
 from kernel_server import Client
 from kernel_server.ledger import Ledger
 from kernel_server.operations import Op
-from overmind_jupyter import demo_models, loading, units
+from overmind_jupyter import loading, units
 from overmind_jupyter.units import copier, filling
-from tests.helpers.cached_modules import arena_backed, in_arena
+from tests.helpers.cached_modules import arena_backed, in_arena, miss_in_parts, wide_llama
 from tests.helpers.faults_helpers import wait_until
 
 
@@ -122,16 +122,15 @@ def test_an_arena_in_parts_is_filled_whole_from_the_host_then_from_its_device_co
 
     if core_model_loading.GLOBAL_WORKERS < 2:
         pytest.skip("transformers converts in one thread on a machine of one core")
-    client = standin()
-    path = demo_models.build_llama(tmp_path / "llama", "tiny", dtype="bfloat16")
+    standin()
+    path = wide_llama(tmp_path / "llama")
     plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    loading.cached(AutoModelForCausalLM.from_pretrained, str(path), dtype=torch.float32)
-    [entry] = [e for e in client.request("status")["entries"] if not e["meta"].get("random")]
-    assert entry["meta"]["made"]["files"] >= 2, entry["meta"]["made"]
+    miss_in_parts(path, torch.float32)
     for source in ("host", "device copy"):
         hit = loading.cached(AutoModelForCausalLM.from_pretrained, str(path), dtype=torch.float32)
         units.place(hit, "cuda:0")
-        assert units.state()["kernel"]["events"][-1]["fill"]["sources"] == {source: 1}
+        placed = units.state()["kernel"]["events"][-1]
+        assert placed.get("fill", {}).get("sources") == {source: 1}, (placed, filling.reasons())
         assert not any(in_arena(p) for p in hit.parameters())
         for (name, a), (_, b) in zip(plain.state_dict().items(), hit.state_dict().items(), strict=True):
             assert torch.equal(a, b), name

@@ -18,6 +18,7 @@ from kernel_server import Client, arena
 from kernel_server.errors import RemoteError
 from overmind_jupyter import demo_models, loading
 from overmind_jupyter.errors import FallbackWarning
+from tests.helpers.cached_modules import miss_in_parts, wide_llama
 from tests.helpers.faults_helpers import wait_until
 from tests.helpers.snippets import last_json, run_py
 
@@ -217,7 +218,7 @@ def logits_sum(model: torch.nn.Module) -> float:
 
 
 def test_each_converting_thread_writes_a_file_of_its_own_and_every_hit_maps_them_as_one_arena(
-        overmind_home: Path, bf16_llama: Path) -> None:
+        overmind_home: Path, tmp_path: Path) -> None:
     """transformers converts in a pool of threads: each writes into a memfd of its own (one memfd would
     make them wait for its lock), and the entry is the arena's own file and its parts. The loading kernel
     and a kernel started afterwards both see every weight at its place, equal to plain's."""
@@ -225,15 +226,14 @@ def test_each_converting_thread_writes_a_file_of_its_own_and_every_hit_maps_them
 
     if core_model_loading.GLOBAL_WORKERS < 2:
         pytest.skip("transformers converts in one thread on a machine of one core")
-    plain = AutoModelForCausalLM.from_pretrained(bf16_llama, dtype=torch.float32)
-    model = loading.cached(AutoModelForCausalLM.from_pretrained, str(bf16_llama), dtype=torch.float32)
-    assert not loading.fallbacks()
-    made = entry_meta("llama")["made"]
-    assert made["files"] >= 2 and made["staged"] >= converted_bytes(plain), made
+    path = wide_llama(tmp_path / "llama")
+    plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model, made = miss_in_parts(path, torch.float32)
+    assert made["staged"] >= converted_bytes(plain), made
     files = staged_files(model)
     assert len(files) >= 2 and all(f.startswith("/memfd:overmind:") for f in files), files
     assert logits_sum(model) == logits_sum(plain)
-    hit = last_json(run_py(PARTS_PROBE.replace("PATH", repr(str(bf16_llama)))))
+    hit = last_json(run_py(PARTS_PROBE.replace("PATH", repr(str(path)))))
     assert hit["calls"] == {"hit": 1} and hit["out"] == logits_sum(plain)
     assert set(hit["files"]) == files, "the hit maps the same files: the arena's own and its parts"
 
@@ -245,7 +245,7 @@ def test_an_entry_of_parts_and_pending_pieces_is_compacted_whole(overmind_home: 
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
-    path = demo_models.build_llama(tmp_path / "mixed", "tiny", dtype="bfloat16", num_hidden_layers=4)
+    path = wide_llama(tmp_path / "mixed")
     file = path / "model.safetensors"
     tensors = {k: v.float() if "norm" in k else v for k, v in load_file(file).items()}
     save_file(tensors, file, metadata={"format": "pt"})

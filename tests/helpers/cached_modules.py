@@ -3,10 +3,17 @@ private mappings of the daemon's arena."""
 
 from __future__ import annotations
 
+import gc
+from pathlib import Path
+from typing import Any
+
 import torch
 
-from overmind_jupyter import loading, rebuild
+from overmind_jupyter import demo_models, loading, rebuild
 from tests.helpers import tiny_modules
+
+# a Llama whose weights are MiBs each, so that every thread of transformers' pool has tensors to convert
+WIDE_LLAMA = {"hidden_size": 512, "intermediate_size": 1536, "num_attention_heads": 8, "num_key_value_heads": 8}
 
 
 def arena_backed(kind: str) -> torch.nn.Module:
@@ -19,3 +26,27 @@ def arena_backed(kind: str) -> torch.nn.Module:
 
 def in_arena(t: torch.Tensor) -> bool:
     return rebuild.entry_of(t.untyped_storage().data_ptr()) is not None
+
+
+def wide_llama(path: Path) -> Path:
+    return demo_models.build_llama(path, "tiny", dtype="bfloat16", **WIDE_LLAMA)
+
+
+def miss_in_parts(path: Path, dtype: torch.dtype) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """The converting miss of `path` loaded as `dtype` whose arena lies in more than one file (Note [Arena
+    parts] in kernel_server/arena.py), and its entry's `made`. Which pool thread converts which tensor is
+    the pool's choice, and on a loaded machine one thread may convert them all: so the miss is made again
+    (the entry evicted) until two threads took part, three times at most."""
+    from transformers import AutoModelForCausalLM
+
+    client = loading.shared_client()
+    for _ in range(3):
+        model = loading.cached(AutoModelForCausalLM.from_pretrained, str(path), dtype=dtype)
+        assert not loading.fallbacks()
+        [entry] = [e for e in client.request("status")["entries"] if not e["meta"].get("random")]
+        if entry["meta"]["made"]["files"] >= 2:
+            return model, entry["meta"]["made"]
+        del model
+        gc.collect()
+        client.request("evict", all=True)
+    raise AssertionError(f"three misses of {path} converted in one thread each: {entry['meta']['made']}")
