@@ -63,6 +63,13 @@ class ArenaFile:
     complete: bool
     parts: tuple[Part, ...] = ()
 
+    def fds(self) -> list[int]:
+        """The arena's descriptor, then its parts', as the copier takes them."""
+        return [self.fd, *(p.fd for p in self.parts)]
+
+    def dup(self) -> ArenaFile:
+        return ArenaFile(os.dup(self.fd), self.complete, tuple(p.dup() for p in self.parts))
+
     def close(self) -> None:
         os.close(self.fd)
         for part in self.parts:

@@ -200,7 +200,7 @@ class Stage:
         with self._lock:
             self._seen += 1
             seen = self._seen
-            if seen <= len(self._files) or len(self._files) >= self._most_files:
+            if seen == 1 or len(self._files) >= self._most_files:
                 file = self._files[(seen - 1) % len(self._files)]
             else:
                 writer = arena.ArenaWriter(self.capacity, name=f"overmind:{self._key[:12]}:{seen - 1}")

@@ -307,8 +307,9 @@ class Copier:
         parts = [arena.Part(fd, int(offset), int(size)) for (offset, size), fd in zip(request.get("parts", []),
                                                                                      fds[1:], strict=False)]
         st = os.fstat(fds[0])
+        part_stats = [os.fstat(p.fd) for p in parts]
         ident = (st.st_dev, st.st_ino, st.st_size,
-                 tuple((p.offset, p.nbytes, os.fstat(p.fd).st_dev, os.fstat(p.fd).st_ino) for p in parts))
+                 tuple((p.offset, p.nbytes, s.st_dev, s.st_ino) for p, s in zip(parts, part_stats, strict=True)))
         fds = [fds[0], *fds[1 + len(parts):]]  # the arena, then the stand-in's target
         if start < 0 or nbytes < 0 or start + nbytes > st.st_size:
             raise ValueError(f"bytes {start}+{nbytes} lie outside the arena ({st.st_size} bytes)")

@@ -253,14 +253,13 @@ def _fill_group(conn: socket.socket, group: _Group, device: torch.device, unit_d
     request = {"kind": "fill", "entry": group.key, "label": label, "complete": group.arena.complete,
                "device": unit_device, "start": group.low, "nbytes": nbytes,
                "parts": [p.describe() for p in group.arena.parts]}
-    arena_fds = [group.arena.fd, *(p.fd for p in group.arena.parts)]
     if device.type == "cuda":
         block = torch.empty(nbytes, dtype=torch.uint8, device=device)
         torch.cuda.synchronize(device)  # what the allocator reused this memory from is done with it
         shared = block.untyped_storage()._share_cuda_()
         request["target"] = [base64.b64encode(f).decode() if isinstance(f, bytes) else f for f in shared]
         with _lock:
-            reply = _request(conn, request, arena_fds, nbytes)
+            reply = _request(conn, request, group.arena.fds(), nbytes)
         return block, reply
     # the stand-in: a memfd only this kernel keeps mapped once the copier has written it
     fd = os.memfd_create(f"overmind-fill:{group.key[:12]}", os.MFD_CLOEXEC)
@@ -268,7 +267,7 @@ def _fill_group(conn: socket.socket, group: _Group, device: torch.device, unit_d
         os.ftruncate(fd, nbytes)
         m = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         with _lock:
-            reply = _request(conn, request, [*arena_fds, fd], nbytes)
+            reply = _request(conn, request, [*group.arena.fds(), fd], nbytes)
     finally:
         os.close(fd)
     return torch.frombuffer(m, dtype=torch.uint8, count=nbytes), reply
@@ -287,8 +286,7 @@ def _view(block: torch.Tensor, t: torch.Tensor, at: int) -> torch.Tensor | None:
 def _keep_when_up(groups: dict[str, _Group], unit_device: str, label: str) -> None:
     """Once the copier answers, ask it to keep a copy of each complete entry of `groups` on the device
     (in a thread: the move that started the copier does not wait for it)."""
-    wanted = [(g.key, mappings.ArenaFile(os.dup(g.arena.fd), True, tuple(p.dup() for p in g.arena.parts)))
-              for g in groups.values() if g.arena.complete]
+    wanted = [(g.key, g.arena.dup()) for g in groups.values() if g.arena.complete]
     if not wanted:
         return
 
@@ -300,7 +298,7 @@ def _keep_when_up(groups: dict[str, _Group], unit_device: str, label: str) -> No
                     with contextlib.suppress(OSError, ValueError, RuntimeError), _lock:
                         _request(conn, {"kind": "keep", "entry": key, "label": label, "complete": True,
                                         "device": unit_device, "parts": [p.describe() for p in arena.parts]},
-                                 [arena.fd, *(p.fd for p in arena.parts)], os.fstat(arena.fd).st_size)
+                                 arena.fds(), os.fstat(arena.fd).st_size)
         finally:
             for _, arena in wanted:
                 arena.close()
