@@ -93,6 +93,10 @@ def child(spec: dict) -> None:
 
     from overmind_jupyter import loading, rebuild
 
+    if spec.get("enabled"):  # as a kernel after `%overmind on`: its connection and first-call preparation made
+        import overmind_jupyter
+
+        overmind_jupyter.enable()
     torch.manual_seed(0)
     x = torch.randint(0, 32000, (1, 16))
     dtype = getattr(torch, spec["dtype"])
@@ -102,7 +106,7 @@ def child(spec: dict) -> None:
     before = smaps()
     faults, cpu = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.process_time()
     t0 = time.perf_counter()
-    if spec["case"] == "plain":
+    if spec["case"] == "plain" or spec.get("enabled"):  # (the loader is patched after enable())
         model = LlamaForCausalLM.from_pretrained(spec["model"], dtype=dtype)
     elif spec["case"] == "torch.load":
         model = torch.load(spec["file"], mmap=True, weights_only=False)
@@ -635,6 +639,10 @@ def main() -> None:
                         help="--miss: run the package from a compiled copy, as a user's install has it (the "
                              "libraries' bytecode is there either way; without this, a miss compiles what it "
                              "imports lazily when PYTHONDONTWRITEBYTECODE is set)")
+    parser.add_argument("--patch-free", action="store_true",
+                        help="--miss: the miss and hit through overmind_jupyter.cached(...) with nothing of ours "
+                             "called before (its connection made in the call), not the patched loader after "
+                             "enable()")
     parser.add_argument("--pss-table", action="store_true",
                         help="--pss: also three hits that map the whole input embedding table, as hits did before")
     parser.add_argument("--fork-parent", help=argparse.SUPPRESS)
@@ -666,7 +674,7 @@ def main() -> None:
             daemon(env, "start")
             tree = package_copy(Path(tempfile.mkdtemp(prefix="om-bytecode-")), bytecode=True) if args.bytecode else None
             rows = miss_study(cases, env | ({"OVERMIND_BENCH_TREE": str(tree)} if tree else {}), args.repeat,
-                              args.before_tree)
+                              args.before_tree, args.patch_free)
         finally:
             daemon(env, "stop")
         (OUT / "load_miss.json").write_text(json.dumps(rows, indent=2))
@@ -772,11 +780,14 @@ MISS_CASES = "1.1b:bfloat16,1.1b:float16,1.1b:float32,3b:bfloat16,3b:float32"
 
 
 def miss_study(cases: list[tuple[str, str]], env: dict[str, str], repeat: int,
-               before_tree: str | None = None) -> dict:
+               before_tree: str | None = None, patch_free: bool = False) -> dict:
     """--miss: plain, miss and hit of each (model, dtype) in rounds, each in a fresh process from an empty
     store (the round's miss publishes its hit's entry), the checkpoint in the page cache: the call's wall
     and CPU time (the process's, all its threads) and minor faults, and how the miss made its entry's
-    bytes (Note [Staged conversions] in overmind_jupyter/staging.py). With `before_tree`, also the miss of
+    bytes (Note [Staged conversions] in overmind_jupyter/staging.py). The miss and the hit are the
+    patched `from_pretrained` after `enable()`, as in a kernel after `%overmind on` (`patch_free`:
+    `overmind_jupyter.cached(...)` with nothing of ours called before, its connection made in the
+    call). With `before_tree`, also the miss of
     that checkout's overmind_jupyter (another PYTHONPATH), in the same rounds. Every other round runs the
     plain load last instead of first: on a VM that hands memory freed by one process back to its host,
     the next process's first touches of fresh pages cost what the host makes them cost, and which case
@@ -785,6 +796,7 @@ def miss_study(cases: list[tuple[str, str]], env: dict[str, str], repeat: int,
     for size, dtype in cases:
         path = build([size], torch_files=False)[size]
         base = {"model": str(path), "dtype": dtype}
+        ours = {"enabled": not patch_free}
         cases = ("plain", "miss", "hit") + (("miss before",) if before_tree else ())
         runs: dict[str, list[dict]] = {case: [] for case in cases}
         for file in path.glob("*.safetensors"):
@@ -795,9 +807,10 @@ def miss_study(cases: list[tuple[str, str]], env: dict[str, str], repeat: int,
                     daemon(env, "evict", "--all")  # plain runs beside no entry: the memory is the machine's
                 settle()
                 if case == "miss before":
-                    runs[case].append(run_child(base | {"case": "miss"}, env | {"OVERMIND_BENCH_TREE": before_tree}))
+                    runs[case].append(run_child(base | ours | {"case": "miss"},
+                                                env | {"OVERMIND_BENCH_TREE": before_tree}))
                     continue
-                runs[case].append(run_child(base | {"case": case}, env))
+                runs[case].append(run_child(base | (ours if case != "plain" else {}) | {"case": case}, env))
                 if case == "miss":
                     runs[case][-1]["compacted"] = wait_compacted(env)
         daemon(env, "evict", "--all")

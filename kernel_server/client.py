@@ -333,14 +333,24 @@ class Client:
 
         Raises RemoteError (or a subclass) on an error reply. A wait cut short by anything but the daemon
         leaves the reply to be given back when it comes (Note [Interrupted waits])."""
+        return self.send(op, fds=fds, timeout=timeout, **fields)()
+
+    def send(self, op: str, *, fds: Sequence[int] = (), timeout: float | None = 60.0,
+             **fields: Any) -> Callable[[], Response[Any]]:
+        """Send a request now, and return the wait for its reply (as `request` waits), for work the caller
+        does while the daemon answers. The caller must wait: a reply nobody waits for stays pending."""
         request_id, fut = self.submit(op, fds=fds, **fields)
-        try:
-            return self.wait(request_id, fut, timeout)
-        except DaemonError:
-            raise
-        except BaseException:
-            self._leave_reply(request_id, fut)
-            raise
+
+        def reply() -> Response[Any]:
+            try:
+                return self.wait(request_id, fut, timeout)
+            except DaemonError:
+                raise
+            except BaseException:
+                self._leave_reply(request_id, fut)
+                raise
+
+        return reply
 
     def request_alive(self, op: str, timeout: float | None, *, meanwhile: Callable[[], Any] | None = None,
                       **fields: Any) -> Response[Any]:

@@ -133,7 +133,7 @@ Handler = Callable[[Peer, Request[Any]], "Reply[Any] | None"]
 
 # Error code -> what the client raises for it (RemoteError for the rest). The codes, and who answers
 # them: bad_frame, protocol_mismatch, unknown_op, no_hello, bad_request, internal, refused (the
-# dispatcher); budget_exceeded, descriptors_exhausted, not_reserved, not_loading, missing_dependency,
+# dispatcher); budget_exceeded, descriptors_exhausted, not_loading, missing_dependency,
 # bad_arena, ambiguous_key, no_entry (the store); bad_config, no_device, unknown_device, units_too_large,
 # units_timeout, no_holding (the units ledger, whose client maps them to overmind_jupyter.units errors).
 ERRORS: dict[str, type[RemoteError]] = {

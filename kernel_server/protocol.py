@@ -84,7 +84,7 @@ __all__ = [
 ]
 
 MAGIC = b"OVMD"
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 HEADER = struct.Struct("!4sHBBI")
 MAX_PAYLOAD = 1 << 20
 MAX_FDS = 64

@@ -22,6 +22,13 @@ entry whose dependent is pinned counts as pinned. Descriptors are accounted the 
 the descriptor limit sets (Note [Descriptor budget] in descriptors.py). Neither the sums nor the order of
 eviction are computed from every entry: the catalogue keeps them (Note [Eviction in O(log n)] in catalogue.py).
 
+# Note [Reserved at publish]
+A loader reserves the room of its entry before it writes gigabytes (a converting miss's stage, a large
+copy). A publish also reserves whatever was not reserved before it, bytes and descriptors, as `reserve`
+would, evicting or refusing alike: so a miss that writes only a few MiB before it publishes (a
+same-dtype load: its weights stay in the checkpoint files until the compactor copies them) makes one
+round trip, not two.
+
 # Note [Orphaned entries]
 An entry's key names the checkpoint files it was loaded from, by their identity: once they are deleted
 or replaced, no lookup can reach the entry again (a checkpoint written anew has another key). So a
@@ -284,35 +291,38 @@ class Store:
         """Reserve room for the load of `key` owned by `conn`: `nbytes` of the budget and the `nfds`
         descriptors its entry will hold (Note [Descriptor budget]); returns the keys evicted to make it."""
         with self._locked():
-            load = self._owned_load(conn, key)
-            if nbytes > self.budget:
-                raise BudgetExceeded(
-                    "budget_exceeded",
-                    f"this entry needs {byte_text(nbytes)} but the store's whole budget is {byte_text(self.budget)}: "
-                    "raise OVERMIND_BUDGET (bytes, or a suffix like 40G) and restart the daemon "
-                    "with `overmind-daemon stop`",
-                )
-            need, need_fds = nbytes - load.reserved, nfds - load.nfds
-            evicted = self._make_room(need, need_fds)
-            if not self._fits_fds(need_fds):
-                raise self._refuse_for_descriptors(nfds)
-            if not self._fits_disk(need):
-                raise BudgetExceeded("budget_exceeded", self.disk.refusal(nbytes, self.in_flight.nbytes)
-                                     if self.disk is not None else "no room on the disk")
-            if not self._fits_bytes(need):
-                pinned = self._held_bytes().nbytes
-                raise BudgetExceeded(
-                    "budget_exceeded",
-                    f"no room for {byte_text(nbytes)}: {byte_text(pinned)} of the {byte_text(self.budget)} budget "
-                    "is held "
-                    "by entries that kernels use now and {} is reserved by other loads; free models in "
-                    "other kernels, `%overmind evict`, or raise OVERMIND_BUDGET".format(
-                        byte_text(self.in_flight.nbytes)),
-                )
-            load.reserved, load.nfds = nbytes, nfds
-            if load.loaded is None:
-                load.loaded = time.time()  # Note [Load time saved]
-            return evicted
+            return self._reserve(self._owned_load(conn, key), nbytes, nfds)
+
+    def _reserve(self, load: _Load, nbytes: int, nfds: int) -> list[str]:
+        """`reserve` for `load`, with the lock held."""
+        if nbytes > self.budget:
+            raise BudgetExceeded(
+                "budget_exceeded",
+                f"this entry needs {byte_text(nbytes)} but the store's whole budget is {byte_text(self.budget)}: "
+                "raise OVERMIND_BUDGET (bytes, or a suffix like 40G) and restart the daemon "
+                "with `overmind-daemon stop`",
+            )
+        need, need_fds = nbytes - load.reserved, nfds - load.nfds
+        evicted = self._make_room(need, need_fds)
+        if not self._fits_fds(need_fds):
+            raise self._refuse_for_descriptors(nfds)
+        if not self._fits_disk(need):
+            raise BudgetExceeded("budget_exceeded", self.disk.refusal(nbytes, self.in_flight.nbytes)
+                                 if self.disk is not None else "no room on the disk")
+        if not self._fits_bytes(need):
+            pinned = self._held_bytes().nbytes
+            raise BudgetExceeded(
+                "budget_exceeded",
+                f"no room for {byte_text(nbytes)}: {byte_text(pinned)} of the {byte_text(self.budget)} budget "
+                "is held "
+                "by entries that kernels use now and {} is reserved by other loads; free models in "
+                "other kernels, `%overmind evict`, or raise OVERMIND_BUDGET".format(
+                    byte_text(self.in_flight.nbytes)),
+            )
+        load.reserved, load.nfds = nbytes, nfds
+        if load.loaded is None:
+            load.loaded = time.time()  # Note [Load time saved]
+        return evicted
 
     def publish(self, conn: ConnId, key: str, *, graph_fd: int, arena_fd: int, graph_bytes: int,
                 arena_bytes: int, backing: str, meta: dict[str, Any], deps: list[str],
@@ -328,16 +338,9 @@ class Store:
         try:
             with self._locked():
                 load = self._owned_load(conn, key)
-                if graph_bytes + arena_bytes > load.reserved:
-                    raise RemoteError(
-                        "not_reserved",
-                        f"publish of {graph_bytes + arena_bytes} bytes exceeds the {load.reserved} reserved",
-                    )
-                extra_fds = 2 + len(parts) + len(sources) - load.nfds  # more than reserved: a client that did not say
-                if extra_fds > 0:
-                    self._make_room(0, extra_fds)
-                    if not self._fits_fds(extra_fds):
-                        raise self._refuse_for_descriptors(2 + len(parts) + len(sources))
+                nfds = 2 + len(parts) + len(sources)
+                if graph_bytes + arena_bytes > load.reserved or nfds > load.nfds:  # Note [Reserved at publish]
+                    self._reserve(load, max(graph_bytes + arena_bytes, load.reserved), max(nfds, load.nfds))
                 missing = [d for d in deps if d not in self._entries]
                 if missing:
                     raise RemoteError("missing_dependency", f"entries {missing} were evicted meanwhile")

@@ -21,7 +21,7 @@ import os
 import sys
 from typing import Any
 
-from . import keys
+from . import keys, randomness
 
 __all__ = ["born_old", "collect_young", "heap_frozen", "prepare", "promote"]
 
@@ -65,6 +65,9 @@ def prepare() -> None:
         # and a checkpoint folder's, as a loader's first argument (this package's smallest folder)
         keys.make_key(_Warm.from_pretrained, (os.path.join(os.path.dirname(__file__), "units"),),
                       {"dtype": sys.modules["torch"].float32})
+        # and the generators' states, which a miss reads before and after its load (numpy's first read
+        # of its state costs 0.1-0.2 ms more than the next)
+        randomness.random_state()
     except Exception:  # noqa: BLE001 (the hit imports it again, and falls back there: Note [Never worse] in loading.py)
         pass
     gc.collect(1)

@@ -14,7 +14,8 @@ from a source user code cannot reach (docs/design.md, invariant 3):
   (so that the copy's source is freed while the next pieces are copied: Note [Filling an arena] in
   kernel_server/arena.py).
 - The pieces' tensors are moved onto this module's own private mapping of their file (the same page
-  cache pages: no copy), so that the registry knows them (Note [Mapping registry] in mappings.py).
+  cache pages: no copy), so that the registry knows them (Note [Mapping registry] in mappings.py),
+  while the daemon takes the publish: every byte of the entry is fixed by then.
 So when the call returns, the result is backed by private, copy-on-write mappings of the entry or of its
 checkpoint files, in this kernel as in every other, and the entry is already servable: no thread reads
 the result afterwards, nothing moves a tensor later, and a write by any route (`.data`, a fused
@@ -98,16 +99,21 @@ def publish(client: Client, key: str, label: str, meta: dict[str, Any], packed: 
     published = False
     try:
         with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.no_grad())  # for the moves (`_move`)
             for src in plan.sources:
                 stack.callback(os.close, src.fd)
             try:
-                if stage is not None and not stage.top:  # nothing staged: an arena as any other miss's
-                    stage = None
+                if stage is not None and not stage.top and not plan.sources:
+                    stage = None  # nothing staged, nothing for the daemon to compact: the configured backing
                 staged_arena, staged_parts = stage.finish(packed.arena_bytes) if stage is not None else (None, [])
-                # The descriptors the entry will hold: graph, arena, one per part and per source (Note
-                # [Descriptor budget] in kernel_server/descriptors.py).
-                client.request(Op.RESERVE, key=key, bytes=packed.arena_bytes + len(packed.graph),
-                               descriptors=2 + len(staged_parts) + len(plan.sources), timeout=ANSWER_TIMEOUT)
+                if (staged_arena is None or staged_arena.backing != "memfd"
+                        or meta["made"]["copied"] + len(packed.graph) > _CHUNK):
+                    # Else the publish reserves it all: a few MiB written into memory first (Note [Reserved
+                    # at publish] in kernel_server/store.py); a file on a disk is reserved before it is written
+                    # (Note [Disk room] in kernel_server/disk.py). The descriptors the entry will hold: graph,
+                    # arena, one per part and per source (Note [Descriptor budget] in kernel_server/descriptors.py).
+                    client.request(Op.RESERVE, key=key, bytes=packed.arena_bytes + len(packed.graph),
+                                   descriptors=2 + len(staged_parts) + len(plan.sources), timeout=ANSWER_TIMEOUT)
                 if staged_arena is None:
                     staged_arena = staging.new_arena(packed.arena_bytes, key, client.home, backing)
                 data = stack.enter_context(contextlib.closing(staged_arena))
@@ -134,7 +140,7 @@ def publish(client: Client, key: str, label: str, meta: dict[str, Any], packed: 
                     arena.ArenaWriter(len(packed.graph), name=f"overmind-graph:{key[:12]}")))
                 graph.view[:] = packed.graph
                 times = clock.times()  # as the publish is sent: the call returns right after
-                client.request(
+                reply = client.send(
                     Op.PUBLISH, key=key, fds=[graph.seal(), data.seal(), *(p.fd for p in parts),
                                               *(s.fd for s in plan.sources)],
                     times=times, parts=[p.describe() for p in parts],
@@ -143,16 +149,20 @@ def publish(client: Client, key: str, label: str, meta: dict[str, Any], packed: 
                     pieces=[[own.offset, own.nbytes, i, at]
                             for i, s in enumerate(plan.sources) for own, at in s.pieces],
                     pin=True, watch=_identities(watch), timeout=ANSWER_TIMEOUT)
+                try:  # while the daemon takes the entry (every byte of it fixed by now: Note [Atomic miss])
+                    for src in plan.sources:
+                        try:
+                            forget.append(_remap(src, key, pin, by_storage))
+                        except OSError as exc:  # no mapping to be had: the tensors stay on the library's own
+                            _log.info("cannot map %s again (%s); its tensors stay where the load put them",
+                                      src.path, exc)
+                finally:
+                    reply()
                 published = True
             except (DaemonError, OSError) as exc:
                 _abandon(client, key)
                 kind = _REFUSALS.get(exc.code, "publish") if isinstance(exc, RemoteError) else "publish"
                 raise PublishError(kind, f"it was loaded normally but not cached: {exc}") from exc
-            for src in plan.sources:
-                try:
-                    _remap(src, key, pin, by_storage)
-                except OSError as exc:  # no mapping to be had: the tensors stay on the library's own
-                    _log.info("cannot map %s again (%s); its tensors stay where the load put them", src.path, exc)
     finally:
         if not published:
             for undo in forget:
@@ -243,10 +253,10 @@ def _tensors_by_storage(packed: rebuild.Packed) -> dict[int, list[torch.Tensor]]
 
 
 def _move(tensors: list[torch.Tensor], storage: torch.UntypedStorage) -> None:
-    """Put `tensors` (all of one storage) onto `storage`, which holds the same bytes."""
-    with torch.no_grad():
-        for t in tensors:  # set_ takes the untyped storage itself (the offset in elements of t's dtype)
-            t.set_(storage, t.storage_offset(), t.size(), t.stride())
+    """Put `tensors` (all of one storage) onto `storage`, which holds the same bytes. Under
+    torch.no_grad() (`publish` holds it), as set_ of a parameter that requires grad must be."""
+    for t in tensors:  # set_ takes the untyped storage itself (the offset in elements of t's dtype)
+        t.set_(storage, t.storage_offset(), t.size(), t.stride())
 
 
 def _move_onto(private: Any, own: rebuild.Own, by_storage: dict[int, list[torch.Tensor]]) -> None:
@@ -323,14 +333,16 @@ def _progress(total: int, label: str) -> Any:
         yield advance
 
 
-def _remap(src: _Source, key: str, pin: mappings.Pin, by_storage: dict[int, list[torch.Tensor]]) -> None:
+def _remap(src: _Source, key: str, pin: mappings.Pin,
+           by_storage: dict[int, list[torch.Tensor]]) -> Callable[[], None]:
     """Move the pieces of `src` onto a private mapping of the file that the registry knows: the same
-    page cache pages the load mapped, so nothing is copied (Note [Atomic miss])."""
+    page cache pages the load mapped, so nothing is copied (Note [Atomic miss]). Returns what takes the
+    mapping out of the registry again (a publish the daemon refused)."""
     if not src.pieces:
-        return
+        return lambda: None
     m = arena.map_private(src.fd, src.identity["size"])
-    mappings.register(m, key, pin, [(at, own.nbytes, own.offset) for own, at in src.pieces],
-                      source=arena.SourceFile(os.dup(src.fd), src.identity, src.path))
+    forget = mappings.register(m, key, pin, [(at, own.nbytes, own.offset) for own, at in src.pieces],
+                               source=arena.SourceFile(os.dup(src.fd), src.identity, src.path))
     for own, at in src.pieces:
         storage = own.storage
         if storage is None:
@@ -338,6 +350,7 @@ def _remap(src: _Source, key: str, pin: mappings.Pin, by_storage: dict[int, list
         new = torch.frombuffer(m, dtype=torch.uint8, count=own.nbytes, offset=at).untyped_storage()
         _move(by_storage.pop(storage._cdata, []), new)
         own.storage = None
+    return forget
 
 
 def _abandon(client: Client, key: str) -> None:

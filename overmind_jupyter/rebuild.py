@@ -182,13 +182,15 @@ class _Placer:
         return found
 
     def _place(self, untyped: torch.UntypedStorage) -> tuple[Any, ...]:
-        if untyped.device.type == "meta":
+        where = untyped.device
+        if where.type == "meta":
             raise PackError("a storage on the meta device cannot be cached")
         nbytes = untyped.nbytes()
-        device = str(untyped.device)
-        if untyped.device.type != "cpu":
+        device = str(where)
+        on_cpu = where.type == "cpu"
+        if not on_cpu:
             self.devices[device] = None
-        if untyped.device.type == "cpu" and nbytes:
+        if on_cpu and nbytes:
             staged = self.stage.offset_of(untyped) if self.stage is not None else None
             if staged is not None:
                 self.own.append(Own(untyped, staged, nbytes, staged=True))

@@ -366,3 +366,46 @@ def test_written_pages_are_found_alike_by_the_scan_and_by_reading_pagemap(tmp_pa
     assert mappings._scan_works or release < (6, 7), "this kernel has PAGEMAP_SCAN: the scan answered"
     del t
     m.close()
+
+
+def test_file_mappings_are_found_alike_by_the_query_and_by_reading_maps(tmp_path: Path) -> None:
+    """Which file maps a storage (Note [Finding file mappings] in mappings.py): the PROCMAP_QUERY ioctl
+    says what /proc/self/maps says, for a private and a shared mapping of a file (at its offset), an
+    unlinked one, anonymous memory and an address where nothing is mapped."""
+    import mmap
+
+    from kernel_server.arena import PAGE
+    from overmind_jupyter import mappings
+
+    file = tmp_path / "weights with a space.bin"
+    file.write_bytes(os.urandom(16 * PAGE))
+    gone = tmp_path / "gone.bin"
+    gone.write_bytes(os.urandom(4 * PAGE))
+    with open(file, "r+b") as f, open(gone, "r+b") as g:
+        private = mmap.mmap(f.fileno(), 8 * PAGE, flags=mmap.MAP_PRIVATE, offset=4 * PAGE)
+        shared = mmap.mmap(f.fileno(), 16 * PAGE, flags=mmap.MAP_SHARED)
+        unlinked = mmap.mmap(g.fileno(), 4 * PAGE, flags=mmap.MAP_PRIVATE)
+    gone.unlink()
+    anonymous = mmap.mmap(-1, 4 * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    st = file.stat()
+    addresses = {name: mappings.address_of(m) for name, m in
+                 (("private", private), ("shared", shared), ("unlinked", unlinked), ("anonymous", anonymous))}
+    found = {}
+    for name, address in addresses.items():
+        queried = mappings.query_mapping(address + 5 * PAGE // 4)
+        assert queried == mappings.ProcessMaps.read(address + 5 * PAGE // 4), name
+        found[name] = queried
+    assert found["private"] == mappings.FileMapping(addresses["private"], addresses["private"] + 8 * PAGE, 4 * PAGE,
+                                                    st.st_dev, st.st_ino, str(file), True)
+    assert found["shared"] is not None and not found["shared"].private and found["shared"].path == str(file)
+    assert found["unlinked"] is not None and found["unlinked"].path == f"{gone} (deleted)"
+    assert found["anonymous"] is None
+    nowhere = addresses["anonymous"]
+    anonymous.close()
+    assert mappings.query_mapping(nowhere) is None and mappings.ProcessMaps.read(nowhere) is None
+    release = tuple(int(x) for x in os.uname().release.split(".")[:2])
+    assert mappings._query_works or release < (6, 11), "this kernel has PROCMAP_QUERY: the query answered"
+    maps = mappings.ProcessMaps()  # asked again inside a mapping it found: the same answer
+    assert maps.at(addresses["private"]) == maps.at(addresses["private"] + 7 * PAGE) == found["private"]
+    for m in (private, shared, unlinked):
+        m.close()

@@ -261,6 +261,40 @@ def test_budget_evicts_lru_unpinned_and_is_never_exceeded(overmind_home: Path, m
         client.close()
 
 
+def test_a_publish_reserves_what_its_load_did_not(overmind_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Note [Reserved at publish] in store.py: a publish with no reservation before it is reserved then,
+    evicting the least recently used entry as `reserve` would, and refused as `reserve` would when the
+    budget cannot hold it; the refused load can still be abandoned, and the budget is never exceeded."""
+    entry = 4 * PAGE + 16
+    monkeypatch.setenv("OVERMIND_BUDGET", str(3 * entry))
+    client = Client(overmind_home)
+
+    def publish_unreserved(key: str, nbytes: int) -> None:
+        assert client.request("lookup", key=key, wait=False)["status"] == "load"
+        graph, data = arena.ArenaWriter(16), arena.ArenaWriter(nbytes)
+        try:
+            graph.view[:] = b"g" * 16
+            client.request("publish", key=key, fds=[graph.seal(), data.seal()], graph_bytes=16, arena_bytes=nbytes,
+                           meta={"label": key}, deps=[])
+        finally:
+            graph.close()
+            data.close()
+
+    try:
+        for key in ("a", "b", "c"):
+            publish_unreserved(key, 4 * PAGE)
+        client.request("lookup", key="a", wait=False).close()  # a: the most recently used
+        publish_unreserved("d", 4 * PAGE)
+        assert sorted(entry_keys(client)) == ["a", "c", "d"], "b was the least recently used entry"
+        with pytest.raises(BudgetExceeded, match="OVERMIND_BUDGET"):
+            publish_unreserved("huge", 10 * entry)
+        client.request("abandon", key="huge")
+        status = client.request("status")
+        assert status["used"] <= status["budget"] and "huge" not in entry_keys(client)
+    finally:
+        client.close()
+
+
 def test_evicting_a_base_evicts_what_is_built_on_it(daemon: Client) -> None:
     publish(daemon, "base", 2 * PAGE)
     publish(daemon, "adapter", PAGE, deps=["base"])

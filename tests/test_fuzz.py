@@ -58,7 +58,7 @@ FIELDS = ["key", "wait", "adopt", "bytes", "graph_bytes", "arena_bytes", "meta",
 # waits for units), or never while the connection lives.
 DEFERRABLE = {"lookup", "units_acquire"}
 ERROR_CODES = {"bad_frame", "bad_request", "unknown_op", "no_hello", "protocol_mismatch", "not_loading",
-               "not_reserved", "missing_dependency", "budget_exceeded", "bad_arena", "ambiguous_key", "no_entry",
+               "missing_dependency", "budget_exceeded", "bad_arena", "ambiguous_key", "no_entry",
                "bad_config", "no_device", "unknown_device", "units_too_large", "no_holding", "units_timeout",
                "descriptors_exhausted"}
 
