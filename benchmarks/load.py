@@ -787,11 +787,14 @@ def miss_study(cases: list[tuple[str, str]], env: dict[str, str], repeat: int,
     bytes (Note [Staged conversions] in overmind_jupyter/staging.py). The miss and the hit are the
     patched `from_pretrained` after `enable()`, as in a kernel after `%overmind on` (`patch_free`:
     `overmind_jupyter.cached(...)` with nothing of ours called before, its connection made in the
-    call). With `before_tree`, also the miss of
-    that checkout's overmind_jupyter (another PYTHONPATH), in the same rounds. Every other round runs the
+    call). With `before_tree`, also the miss of that checkout's overmind_jupyter (another PYTHONPATH),
+    in the same rounds. Every other round runs the
     plain load last instead of first: on a VM that hands memory freed by one process back to its host,
     the next process's first touches of fresh pages cost what the host makes them cost, and which case
     comes after which large free is then the same for both."""
+    from kernel_server.settings import flag
+
+    compacting = flag(env.get("OVERMIND_COMPACT", "1"))  # else the hit maps the miss's pieces in place
     rows = {}
     for size, dtype in cases:
         path = build([size], torch_files=False)[size]
@@ -811,7 +814,7 @@ def miss_study(cases: list[tuple[str, str]], env: dict[str, str], repeat: int,
                                                 env | {"OVERMIND_BENCH_TREE": before_tree}))
                     continue
                 runs[case].append(run_child(base | (ours if case != "plain" else {}) | {"case": case}, env))
-                if case == "miss":
+                if case == "miss" and compacting:
                     runs[case][-1]["compacted"] = wait_compacted(env)
         daemon(env, "evict", "--all")
         rows[f"{size} {dtype}"] = {case: summarize(r) for case, r in runs.items()}

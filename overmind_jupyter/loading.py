@@ -263,52 +263,46 @@ def _release_hit(client: Client, reply: Response[LookupReply]) -> None:
         results.unpin(client, e["key"])
 
 
-def _publish(client: Client, ck: keys.CallKey, obj: Any, replay: Replay, random_after: tuple[Any, ...] | None,
-             stage: Stage | None, clock: progress.MissClock) -> None:
-    """Make `obj` the entry of `ck` before the call returns (Note [Atomic miss] in publishing.py), with
-    the generators' state after the call for a load that drew random numbers (Note [Random loads]);
-    `stage`: where the load's conversions were written (Note [Staged conversions] in staging.py)."""
-    from . import rebuild
-
-    with rebuild.gc_paused():  # what a publish allocates, the objects the load just made (Note [A miss's collections])
-        _pack_and_publish(client, ck, obj, replay, random_after, stage, clock)
-
-
 # Note [A miss's collections]
 # A load leaves thousands of young objects (its modules, their dicts, tensors); the publish that follows
 # allocated enough to trigger two young collections, which traverse them all, and one of the middle
 # generation: about 0.8 ms of a same-dtype 1.1B miss. The plain load leaves those objects to the user's
 # next allocations. The collector now pauses while the miss packs and publishes (what it allocates is
 # freed as it goes, by reference counts); one young collection (0.3 ms) still comes when it resumes.
-def _pack_and_publish(client: Client, ck: keys.CallKey, obj: Any, replay: Replay,
-                      random_after: tuple[Any, ...] | None, stage: Stage | None, clock: progress.MissClock) -> None:
+def _publish(client: Client, ck: keys.CallKey, obj: Any, replay: Replay, random_after: tuple[Any, ...] | None,
+             stage: Stage | None, clock: progress.MissClock) -> None:
+    """Make `obj` the entry of `ck` before the call returns (Note [Atomic miss] in publishing.py), with
+    the generators' state after the call for a load that drew random numbers (Note [Random loads]);
+    `stage`: where the load's conversions were written (Note [Staged conversions] in staging.py). The
+    collector pauses meanwhile (Note [A miss's collections])."""
     from . import publishing, rebuild
 
-    try:
-        packed = rebuild.pack((obj, replay.roots, random_after), substitutes=replay.paths, stage=stage)
-        devices = device_identities(packed.devices)  # Note [Tensors on a device] in placement.py
-    except PackError as exc:
-        _abandon(client, ck.key)
-        fall_back(ck.label, "unpicklable", f"{exc}; it was loaded normally and will not be cached")
-        return
-    meta = ck.meta | dynamic_modules.describe(packed.graph, ck.sources[0][0] if ck.sources else None)
-    if devices:
-        meta["devices"] = devices
-    try:
-        with progress.loading(client, ck.key, ck.label):  # the copy reports too (Note [Load progress])
-            times = publishing.publish(client, ck.key, ck.label, meta, packed, backing=options.backing,
-                                       watch=[path for path, _, _ in ck.sources if os.path.isabs(path)],
-                                       unpin=lambda key: results.unpin(client, key), stage=stage, clock=clock)
-    except PublishError as exc:
-        fall_back(ck.label, exc.kind, str(exc))
-        return
-    except Exception as exc:  # noqa: BLE001 (a bug in publishing must not break a load: never worse)
-        _abandon(client, ck.key)  # the result is still the plain load's bytes, wherever they lie now
-        fall_back(ck.label, "publish", f"it was loaded normally but not cached: {type(exc).__name__}: {exc}")
-        return
-    count("miss")
-    remember(obj, ck.key, packed.graph, replay, pickled_here=True, random_after=random_after)
-    progress.tell_miss(ck.label, times)
+    with rebuild.gc_paused():
+        try:
+            packed = rebuild.pack((obj, replay.roots, random_after), substitutes=replay.paths, stage=stage)
+            devices = device_identities(packed.devices)  # Note [Tensors on a device] in placement.py
+        except PackError as exc:
+            _abandon(client, ck.key)
+            fall_back(ck.label, "unpicklable", f"{exc}; it was loaded normally and will not be cached")
+            return
+        meta = ck.meta | dynamic_modules.describe(packed.graph, ck.sources[0][0] if ck.sources else None)
+        if devices:
+            meta["devices"] = devices
+        try:
+            with progress.loading(client, ck.key, ck.label):  # the copy reports too (Note [Load progress])
+                times = publishing.publish(client, ck.key, ck.label, meta, packed, backing=options.backing,
+                                           watch=[path for path, _, _ in ck.sources if os.path.isabs(path)],
+                                           unpin=lambda key: results.unpin(client, key), stage=stage, clock=clock)
+        except PublishError as exc:
+            fall_back(ck.label, exc.kind, str(exc))
+            return
+        except Exception as exc:  # noqa: BLE001 (a bug in publishing must not break a load: never worse)
+            _abandon(client, ck.key)  # the result is still the plain load's bytes, wherever they lie now
+            fall_back(ck.label, "publish", f"it was loaded normally but not cached: {type(exc).__name__}: {exc}")
+            return
+        count("miss")
+        remember(obj, ck.key, packed.graph, replay, pickled_here=True, random_after=random_after)
+        progress.tell_miss(ck.label, times)
 
 
 def _label(fn: Callable[..., Any]) -> str:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import errno
 import mmap
 import os
 import threading
@@ -229,6 +230,7 @@ _PAGE_IS_FILE, _PAGE_IS_PRESENT, _PAGE_IS_SWAPPED = 1 << 2, 1 << 3, 1 << 4
 _SCAN_REGIONS = 256
 _libc = ctypes.CDLL(None, use_errno=True)
 _scan_works = True  # until the kernel says it has no PAGEMAP_SCAN
+_NO_SUCH_IOCTL = (errno.ENOTTY, errno.EINVAL)  # what a kernel older than an ioctl answers
 
 
 def _scan_written(fd: int, start: int, end: int) -> list[tuple[int, int]] | None:
@@ -245,7 +247,7 @@ def _scan_written(fd: int, start: int, end: int) -> list[tuple[int, int]] | None
                        category_anyof_mask=_PAGE_IS_PRESENT | _PAGE_IS_SWAPPED, return_mask=_PAGE_IS_PRESENT)
         count = _libc.ioctl(fd, _PAGEMAP_SCAN, ctypes.byref(arg))
         if count < 0:
-            if ctypes.get_errno() in (25, 22):  # ENOTTY, EINVAL: a kernel before 6.7
+            if ctypes.get_errno() in _NO_SUCH_IOCTL:  # a kernel before 6.7
                 _scan_works = False
                 return None
             raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
@@ -349,13 +351,13 @@ def query_mapping(address: int) -> FileMapping | Literal[False] | None:
     fd = os.open("/proc/self/maps", os.O_RDONLY | os.O_CLOEXEC)
     try:
         failed = _libc.ioctl(fd, _PROCMAP_QUERY, ctypes.byref(query)) < 0
-        errno = ctypes.get_errno()
+        error = ctypes.get_errno()
     finally:
         os.close(fd)
     if failed:
-        if errno == 2:  # ENOENT: nothing mapped there
+        if error == errno.ENOENT:  # nothing mapped there
             return None
-        if errno in (25, 22):  # ENOTTY, EINVAL: a kernel before 6.11
+        if error in _NO_SUCH_IOCTL:  # a kernel before 6.11
             _query_works = False
         return False
     if not query.inode:
