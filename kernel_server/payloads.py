@@ -509,8 +509,12 @@ Check = Callable[[Any, str], None]  # raises RemoteError("bad_request") unless t
 
 def check(declared: Any, payload: Mapping[str, Any], op: str) -> None:
     """Raise RemoteError("bad_request") unless `payload` has every field `declared` (a TypedDict)
-    requires, each of its declared type and within its bounds."""
-    _checker(declared)(payload, op)
+    requires, each of its declared type and within its bounds. Asked first without naming where a
+    value fails (`_accepts`: a publish's few hundred pieces took the daemon 0.7-1.3 ms, most of it
+    the names of places that were not wrong); only a request it does not accept is checked again by
+    `_checker`, which says what is wrong, or lets it through where the quick check was stricter."""
+    if not _accepts(declared)(payload):
+        _checker(declared)(payload, op)
 
 
 @functools.cache
@@ -584,6 +588,72 @@ def _checker(hint: Any) -> Check:  # noqa: C901 (one case per kind of hint, each
                 raise RemoteError("bad_request", f"{where} needs {name!r} ({_describe(fields[name])})")
 
     return fits
+
+
+@functools.cache
+def _accepts(hint: Any) -> Callable[[Any], bool]:
+    """Whether a value fits `hint` by `_checker`'s rules, without saying where it does not: True only
+    where `_checker` passes it (it may be stricter: exact ints in a list of numbers, as JSON makes them)."""
+    bounds: list[Any] = []
+    if typing.get_origin(hint) is Annotated:
+        hint, *bounds = typing.get_args(hint)
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return lambda value: True
+    if origin in (typing.Union, types.UnionType):
+        options = [_accepts(arg) for arg in args]
+        return lambda value: any(option(value) for option in options)
+    if origin is Literal:
+        return lambda value: value in args
+    kind = _KINDS.get(origin or hint, (dict,) if typing.is_typeddict(hint) else ())
+    item = args[0] if origin is list and args and args[0] is not Any else None
+    ints = _int_ranges(item) if item is not None else None  # a list of integers: asked of all at once
+    each = _accepts(item) if item is not None and ints is None else None
+    required, fields = _fields(hint) if typing.is_typeddict(hint) else (frozenset(), {})
+    field_accepts = [(name, _accepts(field), name in required) for name, field in fields.items()]
+
+    def accepts(value: Any) -> bool:
+        if not _of_kind(value, kind):
+            return False
+        for bound in bounds:
+            if not _within(bound, value):
+                return False
+        if ints is not None and not _ints_within(value, ints):
+            return False
+        if each is not None and not all(map(each, value)):
+            return False
+        for name, field_accepts_, needed in field_accepts:
+            if name in value:
+                if not field_accepts_(value[name]):
+                    return False
+            elif needed:
+                return False
+        return True
+
+    return accepts
+
+
+_EXACT_INT = {int}
+
+
+def _ints_within(values: list[Any], ranges: list[Range]) -> bool:
+    """Whether `values` are all ints (as JSON makes them: no bools, no subclasses) within `ranges`."""
+    if not values:
+        return True
+    if not _EXACT_INT.issuperset(map(type, values)):
+        return False
+    low, high = min(values), max(values)
+    return all((r.low is None or low >= r.low) and (r.high is None or high <= r.high) for r in ranges)
+
+
+def _int_ranges(hint: Any) -> list[Range] | None:
+    """The Range bounds of `hint` where it is an integer with no other bound (`Count`); else None."""
+    bounds: list[Any] = []
+    if typing.get_origin(hint) is Annotated:
+        hint, *bounds = typing.get_args(hint)
+    if hint is not int or not all(isinstance(bound, Range) for bound in bounds):
+        return None
+    return bounds
 
 
 def _of_kind(value: Any, kind: tuple[type, ...]) -> bool:

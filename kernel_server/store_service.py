@@ -183,7 +183,7 @@ def _check_pieces(pieces: list[list[int]], arena_bytes: int, sources: list[arena
         offset, nbytes, source, file_offset = piece
         if offset < end or offset + nbytes > arena_bytes or file_offset + nbytes > sources[source].identity["size"]:
             raise ValueError(f"piece {piece!r} overlaps another or lies outside its arena or file")
-        if any(offset < p.offset + p.nbytes and p.offset < offset + nbytes for p in parts):
+        if parts and any(offset < p.offset + p.nbytes and p.offset < offset + nbytes for p in parts):
             raise ValueError(f"piece {piece!r} overlaps a part of the arena")
         end = offset + nbytes
 

@@ -37,6 +37,7 @@ import bisect
 import ctypes
 import errno
 import mmap
+import operator
 import os
 import threading
 import weakref
@@ -85,7 +86,7 @@ class ArenaFile:
             part.close()
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True, eq=False)  # a miss makes one per piece, hundreds: a plain __init__
 class Span:
     start: int  # address
     end: int
@@ -134,23 +135,32 @@ def address_of(mapping: mmap.mmap) -> int:
 
 
 def register(mapping: mmap.mmap, key: str, pin: Pin | None, pieces: list[tuple[int, int, int]] | None = None,
-             source: SourceFile | None = None, arena_file: ArenaFile | None = None) -> Callable[[], None]:
+             source: SourceFile | None = None, arena_file: ArenaFile | None = None,
+             keep: list[Any] | None = None) -> Callable[[], None]:
     """Record `mapping` as holding entry `key`: `pieces` are (offset in the mapping, length, arena
     offset), by default the whole mapping at arena offset 0. `pin` is held until the mapping dies;
-    `source` and `arena_file` (a mapping of the entry's arena: its descriptor) are closed then. Returns a
-    function that takes the record back at once (a publish that failed after mapping its arena)."""
+    `source` and `arena_file` (a mapping of the entry's arena: its descriptor) are closed then, and
+    `keep` is emptied. Returns a function that takes the record back at once (a publish that failed
+    after mapping its arena)."""
     start = address_of(mapping)
     if pieces is None:
         pieces = [(0, len(mapping), 0)]
-    spans = [Span(start + at, start + at + length, key, base, source, arena_file)
-             for at, length, base in pieces if length]
+    spans = sorted((Span(start + at, start + at + length, key, base, source, arena_file)
+                    for at, length, base in pieces if length), key=_start_of)
     ref = weakref.ref(mapping)
     records = [(ref, at, length, base) for at, length, base in pieces]
     with _lock:
-        for span in spans:
-            i = bisect.bisect(_starts, span.start)
-            _starts.insert(i, span.start)
-            _spans.insert(i, span)
+        i = bisect.bisect(_starts, start)
+        if not spans or i == len(_starts) or spans[-1].start <= _starts[i]:
+            # in one place: no other mapping's span starts inside this mapping, whose addresses are its
+            # own until it is unmapped, which `forget` comes before
+            _starts[i:i] = [span.start for span in spans]
+            _spans[i:i] = spans
+        else:  # (a mapping closed by hand, its spans still here: each span where it sorts)
+            for span in spans:
+                i = bisect.bisect(_starts, span.start)
+                _starts.insert(i, span.start)
+                _spans.insert(i, span)
         _by_key.setdefault(key, []).extend(records)
     if pin is not None:
         pin.hold()
@@ -177,6 +187,8 @@ def register(mapping: mmap.mmap, key: str, pin: Pin | None, pieces: list[tuple[i
             source.close()
         if arena_file is not None:
             arena_file.close()
+        if keep is not None:
+            keep.clear()
         if pin is not None:
             pin.release()
 
@@ -184,7 +196,12 @@ def register(mapping: mmap.mmap, key: str, pin: Pin | None, pieces: list[tuple[i
     return forget
 
 
+_start_of = operator.attrgetter("start")
+
+
 def span_of(address: int) -> Span | None:
+    if not _starts:  # (a process's first miss: nothing to look up, nor a lock to take)
+        return None
     with _lock:
         i = bisect.bisect(_starts, address) - 1
         if i < 0:

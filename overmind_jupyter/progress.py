@@ -6,10 +6,13 @@ A first load runs the library's own loading, which shows its own tqdm bars (tran
 weights"; `tqdm.auto`, so an ipywidgets bar in a notebook). While a miss loads, `loading(...)` makes the
 bars that transformers creates on this thread (through its public `set_tqdm_hook`) carry the model's
 name, and passes their progress on to the daemon as `progress` reports of the load's key (Note [Progress]
-in kernel_server/store.py), sent without waiting for the answer and at most every `REPORT_S`, and never
-waiting long for the connection: a bar's close can run inside a send of its own thread (Note [Requests
-from finalizers] in kernel_server/client.py), and a report that cannot be sent at once is dropped. The copy
-of a miss into shared memory reports the same way (publishing.py). Bars of other threads, and bars outside
+in kernel_server/store.py), sent without waiting for the answer and at most every `REPORT_S`, the first
+once the load has run that long: a load over sooner (a same-dtype 1B load takes 0.1 s) is too short to
+watch, and reports nothing, not even at its bar's close, since each report wakes the daemon (0.1-0.4 ms
+of the call on these machines). Never waiting long for the connection either: a bar's close can run
+inside a send of its own thread (Note [Requests from finalizers] in kernel_server/client.py), and a
+report that cannot be sent at once is dropped. The copy of a miss into shared memory reports the same
+way (publishing.py). Bars of other threads, and bars outside
 a miss, are left exactly as they were. A failure to report is ignored: progress never fails a load.
 
 # Note [Hit times]
@@ -63,7 +66,8 @@ def model_name(label: str) -> str:
 
 
 class Reporter:
-    """Passes one load's progress to the daemon (fire and forget, at most every `REPORT_S`).
+    """Passes one load's progress to the daemon (fire and forget, at most every `REPORT_S`, the first
+    `REPORT_S` after it is made: Note [Load progress]).
 
     Args:
         client: the connection that loads `key`.
@@ -75,13 +79,15 @@ class Reporter:
         self.client = client
         self.key = key
         self.name = name
-        self._last = 0.0
+        self._last = time.monotonic()  # (as if it had reported as it was made)
+        self._sent = False
 
     def report(self, what: str, done: float, total: float, unit: str = "it", *, force: bool = False) -> None:
+        """Report now if the last report is `REPORT_S` old; `force`: now, if any was sent (a bar's end)."""
         now = time.monotonic()
-        if not force and now - self._last < REPORT_S:
+        if now - self._last < REPORT_S and not (force and self._sent):
             return
-        self._last = now
+        self._last, self._sent = now, True
         # Never waiting for the connection: a bar's close may run inside one of this thread's sends
         # (Note [Requests from finalizers] in kernel_server/client.py).
         try:

@@ -21,8 +21,10 @@ import bisect
 import collections
 import contextlib
 import copyreg
+import functools
 import gc
 import io
+import itertools
 import mmap
 import operator
 import os
@@ -51,7 +53,7 @@ entry_of = mappings.entry_of
 _FORMAT = GRAPH_FORMAT  # keys.py names it in every key
 
 
-@dataclass
+@dataclass(slots=True)  # one per storage: a plain __init__
 class Own:
     storage: torch.UntypedStorage | None  # dropped once its bytes are in the arena (publishing.py)
     offset: int
@@ -115,8 +117,11 @@ class _Placer:
         self.intact: dict[int, bool] = {}  # id(source file) -> whether it is unchanged
         self.mapped: dict[tuple[str, int, int, str], torch.UntypedStorage] = {}
         self.offset = stage.top if stage is not None else 0  # the staged ranges come first
+        self.staged = stage.placed() if stage is not None else {}  # address -> (arena offset, bytes)
         self.own: list[Own] = []
-        self.seen: dict[int, _Call] = {}  # storage -> what unpickles to it (Note [Cheap rebuild])
+        # storage -> what unpickles to it (Note [Cheap rebuild]); or the tensor made over it, whose
+        # storage it is (a `_Call` of `_STORAGE_OF` made when a second user of the storage asks)
+        self.seen: dict[int, _Call | torch.Tensor] = {}
         self.deps: list[str] = []
         self.tensors: list[torch.Tensor] = []
         self.devices: dict[str, None] = {}  # the devices but the CPU met, in order
@@ -132,46 +137,42 @@ class _Placer:
         return table
 
     def tensor(self, t: torch.Tensor) -> Any:
+        """A tensor's reduction (the pickler's dispatch entry of Tensor and Parameter). Met once for each
+        tensor of a model, so written for few Python calls (Note [Cheap pack])."""
         self.tensors.append(t)
         kind = type(t)
-        if not (t.layout is torch.strided and not t.is_meta and t.dtype in _PLAIN_DTYPES
+        if not (t.layout is _STRIDED and not t.is_meta and t.dtype in _PLAIN_DTYPES
                 and not t.is_conj() and not t.is_neg()
-                and (kind is torch.nn.Parameter or not (t.requires_grad or t._backward_hooks or vars(t)))):
+                and (kind is _PARAMETER or not (t.requires_grad or t._backward_hooks or vars(t)))):
             return t.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
         # Note [Plain tensors]
-        untyped, dtype = t.untyped_storage(), t.dtype
+        untyped = t.untyped_storage()
         attributes = vars(t) or None
         # Attributes that hold objects could lead back to this tensor's storage before the tensor is
-        # pickled whole, where `fresh` would make them refer to the tensor itself (a recursion).
-        if untyped._cdata not in self.seen and (attributes is None or all(
-                type(v) in _ATOMIC for v in attributes.values())):
-            fresh = self.fresh(t, untyped, attributes)
-            if fresh is not None:
-                return fresh
-        shape = (dtype, t.storage_offset(), tuple(t.shape), t.stride())
-        if kind is torch.nn.Parameter:
-            return (_parameter, (self.source(untyped), *shape, t.requires_grad, attributes))
-        return (_tensor, (self.source(untyped), *shape))
-
-    def fresh(self, t: torch.Tensor, untyped: torch.UntypedStorage,
-              attributes: dict[str, Any] | None) -> tuple[Any, ...] | None:
-        """The reduction of the first tensor met on a storage of this entry's arena: a tensor made over
-        the arena's bytes in one call, which makes its storage too (Note [Cheap rebuild]); or None."""
-        placed = self._place(untyped)
-        kind, _, at, nbytes, device = placed
-        itemsize = t.dtype.itemsize
-        if kind != "own" or device != "cpu" or not nbytes or nbytes % itemsize:
-            self.seen[untyped._cdata] = _Call(_storage_at, *placed)
-            return None
-        self.seen[untyped._cdata] = _Call(_STORAGE_OF, t)  # later users of the storage take this tensor's
-        count = nbytes // itemsize
-        size, stride, offset = tuple(t.shape), t.stride(), t.storage_offset()
-        shape: _Shape = None  # the whole storage, flat
-        if (size, stride, offset) != ((count,), (1,), 0):
-            shape = (size, stride, offset) if offset else (size, stride)  # Note [Cheap rebuild]
-        if type(t) is torch.nn.Parameter:
-            return (_fresh_parameter, (_OWN_MAPPING, at, count, t.dtype, shape, t.requires_grad, attributes))
-        return (_fresh_tensor, (_OWN_MAPPING, at, count, t.dtype, shape))
+        # pickled whole, where the fresh tensor would make them refer to the tensor itself (a recursion).
+        if untyped._cdata not in self.seen and (attributes is None or _ATOMIC.issuperset(
+                map(type, attributes.values()))):
+            # The first tensor met on a storage of this entry's arena on the CPU: a tensor made over the
+            # arena's bytes in one call, which makes its storage too (Note [Cheap rebuild]).
+            placed = self._place(untyped, t.is_cpu)
+            kind_, _, at, nbytes, device = placed
+            itemsize = t.dtype.itemsize
+            if kind_ != "own" or device != "cpu" or not nbytes or nbytes % itemsize:
+                self.seen[untyped._cdata] = _Call(_storage_at, *placed)
+            else:
+                self.seen[untyped._cdata] = t  # later users of the storage take this tensor's
+                count = nbytes // itemsize
+                size, stride, offset = tuple(t.shape), t.stride(), t.storage_offset()
+                shape: _Shape = None  # the whole storage, flat
+                if (size, stride, offset) != ((count,), (1,), 0):
+                    shape = (size, stride, offset) if offset else (size, stride)  # Note [Cheap rebuild]
+                if kind is _PARAMETER:
+                    return (_fresh_parameter, (_OWN_MAPPING, at, count, t.dtype, shape, t.requires_grad, attributes))
+                return (_fresh_tensor, (_OWN_MAPPING, at, count, t.dtype, shape))
+        shape_ = (t.dtype, t.storage_offset(), tuple(t.shape), t.stride())
+        if kind is _PARAMETER:
+            return (_parameter, (self.source(untyped), *shape_, t.requires_grad, attributes))
+        return (_tensor, (self.source(untyped), *shape_))
 
     def source(self, untyped: torch.UntypedStorage) -> _Call:
         """What unpickles to `untyped`'s storage: one object per storage, so that the pickler's memo
@@ -179,23 +180,30 @@ class _Placer:
         found = self.seen.get(untyped._cdata)
         if found is None:
             found = self.seen[untyped._cdata] = _Call(_storage_at, *self._place(untyped))
+        elif type(found) is not _Call:  # the fresh tensor made over it: its storage
+            found = self.seen[untyped._cdata] = _Call(_STORAGE_OF, found)
         return found
 
-    def _place(self, untyped: torch.UntypedStorage) -> tuple[Any, ...]:
-        where = untyped.device
-        if where.type == "meta":
-            raise PackError("a storage on the meta device cannot be cached")
-        nbytes = untyped.nbytes()
-        device = str(where)
-        on_cpu = where.type == "cpu"
-        if not on_cpu:
+    def _place(self, untyped: torch.UntypedStorage, on_cpu: bool | None = None) -> tuple[Any, ...]:
+        """Where `untyped` goes (`on_cpu`: whether it lies on the CPU, where the caller knows):
+        ("own", None, arena offset, bytes, device), or ("ref", entry key, offset, bytes, device)."""
+        if on_cpu is None:
+            on_cpu = untyped.device.type == "cpu"
+        if on_cpu:
+            device = "cpu"
+        else:
+            where = untyped.device
+            if where.type == "meta":
+                raise PackError("a storage on the meta device cannot be cached")
+            device = str(where)
             self.devices[device] = None
+        nbytes = untyped.nbytes()
         if on_cpu and nbytes:
-            staged = self.stage.offset_of(untyped) if self.stage is not None else None
-            if staged is not None:
-                self.own.append(Own(untyped, staged, nbytes, staged=True))
-                return ("own", None, staged, nbytes, device)
             address = untyped.data_ptr()
+            staged = self.staged.get(address)
+            if staged is not None and staged[1] == nbytes:
+                self.own.append(Own(untyped, staged[0], nbytes, staged=True))
+                return ("own", None, staged[0], nbytes, device)
             span = mappings.span_of(address)
             if span is not None and address + nbytes <= span.end and self._trusted(span, address, nbytes):
                 key, offset = span.key, span.offset(address)
@@ -206,7 +214,7 @@ class _Placer:
                     self.deps.append(key)
                 return ("ref", key, offset, nbytes, device)
         offset = self.offset
-        self.offset = arena.align(offset + nbytes)
+        self.offset = (offset + nbytes + _PAGE - 1) // _PAGE * _PAGE  # arena.align
         self.own.append(Own(untyped, offset, nbytes))
         return ("own", None, offset, nbytes, device)
 
@@ -234,18 +242,23 @@ def _reduce_ordered_dict(d: collections.OrderedDict[Any, Any]) -> tuple[Any, ...
 class _Dispatch(dict):  # type: ignore[type-arg]
     """A pickler's dispatch table that gives each module class `_reduce_module` when the pickler first
     meets one (the C pickler looks classes up with `__missing__`; dill's Python pickler does not, and
-    pickles modules the default way)."""
+    pickles modules the default way), and every other class the pickler's own way, `__reduce_ex__`, from
+    then on without asking again (classes themselves excepted: the pickler saves those by name)."""
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
-        self.others: set[type] = set()
+        # the empty hook dicts' stand-ins this pack's modules take, each once (Note [Empty hook dicts])
+        self.reduce_module = functools.partial(_reduce_module, itertools.chain(
+            _HOOK_MARKERS, itertools.starmap(_EmptyHooks, itertools.repeat(()))))
 
     def __missing__(self, cls: type) -> Callable[[Any], Any]:
-        if cls not in self.others and _plain_module_class(cls):
-            self[cls] = _reduce_module
-            return _reduce_module
-        self.others.add(cls)
-        raise KeyError(cls)
+        if issubclass(cls, type):
+            raise KeyError(cls)
+        found = self[cls] = self.reduce_module if _plain_module_class(cls) else _REDUCE_EX
+        return found
+
+
+_REDUCE_EX = operator.methodcaller("__reduce_ex__", pickle.HIGHEST_PROTOCOL)  # what the pickler calls
 
 
 def _plain_module_class(cls: type) -> bool:
@@ -322,15 +335,38 @@ _SET_DICT = _SetDict()
 _STORAGE_OF = torch._C.TensorBase.untyped_storage
 
 
-def _reduce_module(module: torch.nn.Module) -> tuple[Any, ...]:
-    """What `object.__reduce_ex__` gives for a module, with its empty hook dicts as `_EmptyHooks` and
-    its state set by `_SET_DICT` (Note [Cheap rebuild])."""
+def _reduce_module(markers: Iterator[_EmptyHooks], module: torch.nn.Module) -> tuple[Any, ...]:
+    """What `object.__reduce_ex__` gives for a module, with its empty hook dicts as `_EmptyHooks` (the
+    next of `markers`) and its state set by `_SET_DICT` (Note [Cheap rebuild])."""
     state = module.__getstate__()  # a copy
-    for name in _HOOK_DICTS:
-        hooks = state.get(name)
-        if type(hooks) is _OrderedDict and not hooks and not vars(hooks):
-            state[name] = _EmptyHooks()
+    try:
+        hooks = _hook_dicts_of(state)
+    except KeyError:
+        hooks = ()
+    # Note [Empty hook dicts]: all of them at once, in C, nearly always
+    if hooks and not gc.get_referents(*hooks) and set(map(type, hooks)) == _ORDERED_DICT_ONLY:
+        state.update(zip(_HOOK_DICTS, markers, strict=False))  # (one marker a name: `markers` never ends)
+    else:
+        for name in _HOOK_DICTS:
+            found = state.get(name)
+            if type(found) is _OrderedDict and not found and not gc.get_referents(found):
+                state[name] = next(markers)
     return (_NEWOBJ, (type(module),), state, None, None, _SET_DICT)
+
+
+# Note [Empty hook dicts]
+# Eleven per module, 3,200 in a 1.1B model: each is a Python object the pickler meets, so they were half
+# of the time a miss's pack spends on modules. So:
+# - One stands as an `_EmptyHooks` only when it is an OrderedDict that refers to nothing: no items, and
+#   no instance attributes, which would be lost. Its attributes are asked of the collector
+#   (`gc.get_referents`: an OrderedDict refers to its instance dict, where it has one), for all of a
+#   module's at once, and not of `vars`, which makes an empty instance dict for each OrderedDict it is
+#   asked of, to keep: 3,200 dicts left to the next young collection (0.6 ms of a miss, on the clock) and
+#   to the heap.
+# - The stand-ins are made once, at import (`_HOOK_MARKERS`, enough for 512 modules; a larger model's
+#   pack makes the rest), not by each pack: the pickler's memo tells objects apart by identity, so what
+#   matters is that no two of one pack's hook dicts share a stand-in (each pack walks the list from its
+#   start, with a memo of its own), not which objects they are.
 
 
 def _new(cls: Any) -> Any:
@@ -344,9 +380,13 @@ def _new(cls: Any) -> Any:
 
 
 _OrderedDict = collections.OrderedDict
+_STRIDED, _PARAMETER, _PAGE = torch.strided, torch.nn.Parameter, arena.PAGE
 _MODULE_STATE = vars(torch.nn.Module())  # what a new nn.Module holds
 # A module's hook dicts: the attributes that a new nn.Module holds as empty OrderedDicts
 _HOOK_DICTS = tuple(k for k, v in _MODULE_STATE.items() if type(v) is _OrderedDict and not v)
+_hook_dicts_of = operator.itemgetter(*_HOOK_DICTS)  # (several: a tuple)
+_ORDERED_DICT_ONLY = {_OrderedDict}
+_HOOK_MARKERS = list(itertools.starmap(_EmptyHooks, itertools.repeat((), 512 * len(_HOOK_DICTS))))
 
 
 def _dtype(dtype: torch.dtype) -> str:
@@ -388,13 +428,14 @@ def _substitute(paths: dict[int, str], otherwise: Callable[[Any], Any] | None) -
 
 
 @contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
+def gc_paused() -> Iterator[bool]:
     """Pickling a model graph allocates many short-lived objects, enough to trigger full collections
-    of the whole heap (0.2 s with torch and transformers loaded) though almost nothing survives."""
+    of the whole heap (0.2 s with torch and transformers loaded) though almost nothing survives.
+    Yields whether the collector was on (and comes back on after)."""
     enabled = gc.isenabled()
     gc.disable()
     try:
-        yield
+        yield enabled
     finally:
         if enabled:
             gc.enable()

@@ -242,13 +242,13 @@ class Stage:
         self._stopped = True
         return False
 
-    def offset_of(self, storage: torch.UntypedStorage) -> int | None:
-        """Where in the arena `storage` lies, if it is a whole range this stage wrote."""
-        found = self._starts.get(storage.data_ptr())
-        if found is None or self._ranges[found][0] != storage.nbytes():
-            return None
-        file, at = found
-        return self._layout()[self._files.index(file)] + at
+    def placed(self) -> dict[int, tuple[int, int]]:
+        """Where each range this stage wrote lies in the arena, by the address of its tensors' mapping:
+        (arena offset, bytes). The files are laid out by then: the load is done."""
+        starts = dict(zip(self._files, self._layout(), strict=True))
+        with self._lock:
+            return {address: (starts[file] + at, self._ranges[(file, at)][0])
+                    for address, (file, at) in self._starts.items()}
 
     def finish(self, nbytes: int) -> tuple[arena.ArenaWriter, list[tuple[arena.ArenaWriter, int]]]:
         """The arena's writer, cut to the entry's `nbytes` (the staged ranges first, then what

@@ -158,3 +158,29 @@ def test_a_bar_collected_inside_a_send_of_its_own_thread_ends_without_a_hang(ove
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
                           timeout=120, check=True)
     assert json.loads(proc.stdout.splitlines()[-1]) == {"freed": True, "ping": True}
+
+
+def test_a_load_over_within_a_report_interval_reports_nothing(daemon: Client) -> None:
+    """Note [Load progress]: a load reports its progress once it has run REPORT_S, and a bar's end
+    (a forced report) is reported only after a first report: a 0.1 s load wakes the daemon for nothing."""
+    from overmind_jupyter import progress
+
+    key = "b" * 64
+    assert daemon.request("lookup", key=key, wait=False)["status"] == "load"
+
+    def shown() -> dict[str, Any] | None:
+        (load,) = [load for load in daemon.request("status")["loading"] if load["key"] == key]
+        return load["progress"]
+
+    reporter = progress.Reporter(daemon, key, "quick")
+    reporter.report("Loading weights", 1, 10)
+    reporter.report("Loading weights", 10, 10, force=True)
+    assert shown() is None, "nothing reported within the first interval"
+    time.sleep(progress.REPORT_S)
+    reporter.report("Loading weights", 5, 10)
+    assert shown() is not None and shown()["done"] == 5
+    reporter.report("Loading weights", 6, 10)
+    assert shown()["done"] == 5, "at most one report an interval"
+    reporter.report("Loading weights", 10, 10, force=True)
+    assert shown()["done"] == 10, "the bar's end, reported at once after a first report"
+    daemon.request("abandon", key=key)

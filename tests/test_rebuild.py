@@ -11,6 +11,7 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -194,6 +195,42 @@ def test_hook_dicts_are_new_per_module_and_hooks_registered_after_a_hit_stay_on_
     assert not any(d for m in (first, third) for sub in m.modules() for d in vars(sub).values()
                    if type(d) is collections.OrderedDict), "hooks stay on the module they were added to"
     assert len(second.layers[0]._forward_hooks) == 1 and not second.layers[0]._forward_pre_hooks
+
+
+def rebuilt_from(packed: rebuild.Packed) -> Any:
+    """The object of `packed` (a pack of (object, [], None)) rebuilt in this process over an arena of its
+    storages' bytes (the daemon not involved)."""
+    writer = arena.ArenaWriter(packed.arena_bytes)
+    for own in packed.own:
+        writer.write(own.offset, bytes(own.storage))  # type: ignore[arg-type]
+    fd = writer.seal()
+    try:
+        rebuilt, _, _ = rebuild.rebuild(packed.graph, {"k": rebuild.ArenaRef("k", fd, packed.arena_bytes)}, "k",
+                                        populate=False)
+    finally:
+        writer.close()  # and its descriptor: the rebuild's mapping stays
+    return rebuilt
+
+
+def test_packing_leaves_hook_dicts_as_it_found_them_and_keeps_their_attributes() -> None:
+    """Note [Empty hook dicts]: more modules than the stand-ins made at import, each with hook dicts of
+    its own after a rebuild; packing makes no instance dict for a hook dict, and one that has
+    attributes keeps them."""
+    import gc
+
+    depth = len(rebuild._HOOK_MARKERS) // len(rebuild._HOOK_DICTS) + 50
+    model = tiny_modules.build("mlp", width=2, depth=depth)
+    hook_dicts = [d for m in model.modules() for d in vars(m).values() if type(d) is collections.OrderedDict]
+    assert len(hook_dicts) > len(rebuild._HOOK_MARKERS) and not any(gc.get_referents(*hook_dicts))
+    noted = model.layers[1]._forward_pre_hooks
+    noted.note = "kept"  # an empty hook dict with an attribute
+    rebuilt = rebuilt_from(rebuild.pack((model, [], None)))
+    assert not any(gc.get_referents(*(d for d in hook_dicts if d is not noted))), "no instance dict made by the pack"
+    assert_same_modules(model, rebuilt)
+    again = [d for m in rebuilt.modules() for d in vars(m).values() if type(d) is collections.OrderedDict]
+    assert len({id(d) for d in again}) == len(again) == len(hook_dicts), "a hook dict of its own, each"
+    assert rebuilt.layers[1]._forward_pre_hooks.note == "kept" and not rebuilt.layers[1]._forward_pre_hooks
+    assert not hasattr(rebuilt.layers[2]._forward_pre_hooks, "note")
 
 
 def test_a_module_with_its_own_init_state_and_a_cycle_through_it(overmind_home: Path) -> None:
