@@ -262,7 +262,11 @@ def _open_source(fm: mappings.FileMapping, count: int) -> _Source | None:
 
 
 def _tensors_by_storage(packed: rebuild.Packed) -> dict[int, list[torch.Tensor]]:
+    """The graph's tensors by their storage (its `_cdata`): the plain ones as `pack` grouped them, and
+    the others."""
     out: dict[int, list[torch.Tensor]] = collections.defaultdict(list)
+    for cdata, tensors in packed.by_storage.items():
+        out[cdata].extend(tensors)
     for t in packed.tensors:
         out[t.untyped_storage()._cdata].append(t)
     return out

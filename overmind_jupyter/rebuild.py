@@ -69,7 +69,9 @@ class Packed:
     own: list[Own]
     deps: list[str]
     arena_bytes: int
-    tensors: list[torch.Tensor] = field(repr=False)  # the plain tensors and parameters of the graph
+    # the plain tensors and parameters of the graph by their storage (its `_cdata`), and the others
+    by_storage: dict[int, list[torch.Tensor]] = field(repr=False)
+    tensors: list[torch.Tensor] = field(repr=False)
     pickler: str = "pickle"
     # storages that lie, unwritten, in entries' mappings: (entry key, offset, bytes, device) -> storage
     mapped: dict[tuple[str, int, int, str], torch.UntypedStorage] = field(default_factory=dict, repr=False)
@@ -123,7 +125,8 @@ class _Placer:
         # storage it is (a `_Call` of `_STORAGE_OF` made when a second user of the storage asks)
         self.seen: dict[int, _Call | torch.Tensor] = {}
         self.deps: list[str] = []
-        self.tensors: list[torch.Tensor] = []
+        self.by_storage: dict[int, list[torch.Tensor]] = collections.defaultdict(list)
+        self.tensors: list[torch.Tensor] = []  # those not plain (Note [Plain tensors])
         self.devices: dict[str, None] = {}  # the devices but the CPU met, in order
 
     def dispatch_table(self) -> dict[type, Callable[[Any], Any]]:
@@ -139,14 +142,15 @@ class _Placer:
     def tensor(self, t: torch.Tensor) -> Any:
         """A tensor's reduction (the pickler's dispatch entry of Tensor and Parameter). Met once for each
         tensor of a model, so written for few Python calls (Note [Cheap pack])."""
-        self.tensors.append(t)
         kind = type(t)
         if not (t.layout is _STRIDED and not t.is_meta and t.dtype in _PLAIN_DTYPES
                 and not t.is_conj() and not t.is_neg()
                 and (kind is _PARAMETER or not (t.requires_grad or t._backward_hooks or vars(t)))):
+            self.tensors.append(t)
             return t.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
         # Note [Plain tensors]
         untyped = t.untyped_storage()
+        self.by_storage[untyped._cdata].append(t)
         attributes = vars(t) or None
         # Attributes that hold objects could lead back to this tensor's storage before the tensor is
         # pickled whole, where the fresh tensor would make them refer to the tensor itself (a recursion).
@@ -481,8 +485,8 @@ def pack(obj: Any, *, self_key: str | None = None, trust_mappings: bool = False,
         except Exception as exc:  # noqa: BLE001 (any reason a graph does not pickle: try the next)
             errors.append(f"{name}: {type(exc).__name__}: {exc}")
             continue
-        return Packed(buf.getvalue(), placer.own, placer.deps, placer.offset, placer.tensors, name, placer.mapped,
-                      list(placer.devices))
+        return Packed(buf.getvalue(), placer.own, placer.deps, placer.offset, placer.by_storage, placer.tensors, name,
+                      placer.mapped, list(placer.devices))
     raise PackError(f"{type(obj).__name__} cannot be pickled ({'; '.join(errors)})")
 
 
