@@ -11,7 +11,8 @@ mapping of what was written; publishing only moves those tensors onto the arena'
   loading thread (the conversion itself may run in its thread pool). While a miss loads, a wrapper of it
   stages a conversion on the CPU of a tensor that goes to the model as it is (no `tensor_idx`: no
   WeightConverter merges it with others). Everything else goes the library's way: same-dtype tensors
-  (pieces of the checkpoint, nothing written), devices, sharding, merged weights. A library without that
+  (pieces of the checkpoint, nothing written; told by the slice's dtype, before it is read), devices,
+  sharding, merged weights. A library without that
   function (diffusers, transformers 4) stages nothing: its converted weights are copied at publish.
 - How: a chunk at a time (8 MiB) into a buffer each converting thread reuses, then `pwrite` into the file
   (page cache; for a memfd, shmem). Measured against a shared writable mapping of the file, which takes a
@@ -342,11 +343,25 @@ def _wrapped(module: Any) -> Iterator[None]:
                 module.spawn_materialize = module.spawn_materialize.__overmind_original__
 
 
+# safetensors' names of the dtypes a load converts to
+_SAFETENSORS_NAMES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64"}
+
+
+def _of_dtype(tensor: Any, dtype: torch.dtype) -> bool:
+    """Whether `tensor` (a checkpoint slice, not read yet, or a tensor) is of `dtype` already, so that
+    the library's own way takes it as it is (a same-dtype load: the stage has nothing to write)."""
+    if isinstance(tensor, torch.Tensor):
+        return tensor.dtype == dtype
+    get_dtype = getattr(tensor, "get_dtype", None)  # safetensors' slice
+    return get_dtype is not None and get_dtype() == _SAFETENSORS_NAMES.get(dtype)
+
+
 def _wrapper(module: Any, original: Callable[..., Any]) -> Callable[..., Any]:
     def spawn_materialize(thread_pool: Any, tensor: Any, device: Any = None, dtype: Any = None,
                           sharding_op: Any = None, tensor_idx: Any = None) -> Any:
         stage = _ACTIVE.get()
-        if stage is None or sharding_op is not None or dtype is None or not (device is None or str(device) == "cpu"):
+        if (stage is None or sharding_op is not None or dtype is None or not (device is None or str(device) == "cpu")
+                or _of_dtype(tensor, dtype)):
             return original(thread_pool, tensor, device, dtype, sharding_op=sharding_op, tensor_idx=tensor_idx)
 
         def job() -> torch.Tensor:
