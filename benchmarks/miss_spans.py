@@ -1,13 +1,16 @@
-"""Where a miss's time goes: in one process, the plain load and the miss of one model alternate (the store
-emptied before each miss, compaction off), and the miss's own functions are timed by perf_counter spans
-around them. Prints the medians of the calls and of every span (the first round left out: its imports).
+"""Where a miss's time goes: the plain load and the miss of one model alternate (the store emptied before
+each miss, compaction off), and the miss's own functions are timed by perf_counter spans around them.
+Prints the medians of the calls and of every span.
 
-    .venv/bin/python benchmarks/miss_spans.py [SIZE] [DTYPE] [ROUNDS]     # 1.1b bfloat16 11
+    .venv/bin/python benchmarks/miss_spans.py [SIZE] [DTYPE] [ROUNDS]            # 1.1b bfloat16 11
+    .venv/bin/python benchmarks/miss_spans.py [SIZE] [DTYPE] [ROUNDS] --fresh    # each call in a process
 
-The model is benchmarks/load.py's (built there on first use: benchmarks/out/models/llama-SIZE). One process
-for both loads puts them on the same footing as to imports and the library's first calls; on a VM that
-hands freed memory back to its host, a converting load's fresh pages still cost what the host makes them
-cost (benchmarks/RESULTS.md, issue 39).
+In one process (the first round left out: its imports), both loads are on the same footing as to imports
+and the library's first calls. With --fresh each call runs in a process of its own, as
+benchmarks/load.py --miss runs them: the miss in the kernel form (`enable()` before the clock, then the
+patched `from_pretrained`), with "ours" the call less the load inside it. On a VM that hands freed memory
+back to its host, a load's fresh pages still cost what the host makes them cost (benchmarks/RESULTS.md,
+issue 39). The model is benchmarks/load.py's (built there on first use: benchmarks/out/models/llama-SIZE).
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ from __future__ import annotations
 import collections
 import functools
 import gc
+import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -27,6 +32,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 spans: dict[str, list[float]] = collections.defaultdict(list)
+IGNORED = ("request evict", "request shutdown", "request hello", "request unpin")  # not the call's
+OURS = "ours: the miss less its load"
 
 
 def timed(owner: Any, name: str, label: str) -> None:
@@ -44,26 +51,16 @@ def timed(owner: Any, name: str, label: str) -> None:
     setattr(owner, name, wrapper)
 
 
-def main() -> None:
-    size = sys.argv[1] if len(sys.argv) > 1 else "1.1b"
-    dtype_name = sys.argv[2] if len(sys.argv) > 2 else "bfloat16"
-    rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 11
-    os.environ.update(OVERMIND_HOME=tempfile.mkdtemp(prefix="om-spans-"), OVERMIND_COMPACT="0",
-                      TRANSFORMERS_VERBOSITY="error")
-    import torch
-    import transformers.models.llama.modeling_llama  # noqa: F401 (imported before the clock, as in a kernel)
-    from transformers import AutoModelForCausalLM
-
-    from benchmarks.load import build
-    from kernel_server import Client
+def instrument() -> None:
+    """Time the miss's own functions, its requests, and the load inside it ("the load, in the miss")."""
     from kernel_server.client import Client as ClientClass
-    from overmind_jupyter import keys, loading, publishing, rebuild
+    from overmind_jupyter import keys, loading, progress, publishing, randomness, rebuild, staging
 
-    path = str(build([size], torch_files=False)[size])
-    dtype = getattr(torch, dtype_name)
     for owner, name in ((rebuild, "pack"), (publishing, "publish"), (publishing, "_plan"),
                         (publishing, "_remap"), (publishing, "_fill"), (keys, "make_key"),
-                        (loading, "_lookup"), (loading, "_publish")):
+                        (loading, "_lookup"), (loading, "_publish"), (randomness, "random_state"),
+                        (keys, "changed_since"), (progress, "tell_miss"),
+                        (staging.Stage, "__init__"), (staging.Stage, "close"), (loading, "_cached_call")):
         timed(owner, name, f"{owner.__name__.rsplit('.', 1)[-1]}.{name}")
     request = ClientClass.request
 
@@ -75,19 +72,99 @@ def main() -> None:
             spans[f"request {getattr(op, 'value', op)}"].append(time.perf_counter() - start)
 
     ClientClass.request = timed_request  # type: ignore[method-assign]
+    miss = loading._miss
+    loading_now: list[bool] = []
 
-    def load(checkpoint: str, dtype: torch.dtype) -> Any:
+    def timed_miss(client: Any, ck: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        def load(*a: Any, **k: Any) -> Any:
+            start = time.perf_counter()
+            loading_now.append(True)
+            try:
+                return fn(*a, **k)
+            finally:
+                loading_now.clear()
+                spans["the load, in the miss"].append(time.perf_counter() - start)
+
         start = time.perf_counter()
         try:
-            return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype)
+            return miss(client, ck, load, *args, **kwargs)
         finally:
-            spans["the load, in the miss"].append(time.perf_counter() - start)
+            spans["loading._miss"].append(time.perf_counter() - start)
 
+    loading._miss = timed_miss
+    started: list[float] = []
+
+    def collections(phase: str, info: dict[str, Any]) -> None:  # the collector's own time, by generation
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            where = "in the load" if loading_now else "ours"
+            spans[f"gc {where}: generation {info['generation']}"].append(time.perf_counter() - started.pop())
+
+    gc.callbacks.append(collections)
+
+
+def child(case: str, path: str, dtype_name: str) -> None:
+    """One call in this fresh process: the plain load, or the miss after `enable()`; prints its JSON."""
+    import torch
+    from transformers import LlamaForCausalLM  # as benchmarks/load.py calls it (the Auto class reads the
+    # config before the concrete class's patched loader runs: time that is neither the load's nor ours)
+
+    if case == "miss":
+        import overmind_jupyter
+
+        overmind_jupyter.enable()  # a kernel after `%overmind on`: the loader patched
+        instrument()
+    dtype = getattr(torch, dtype_name)
+    start = time.perf_counter()
+    model = LlamaForCausalLM.from_pretrained(path, dtype=dtype)
+    call = time.perf_counter() - start  # (the model still held: its end is not the call's)
+    print(json.dumps({"call": call, "spans": {k: sum(v) for k, v in spans.items()}}))
+    del model
+
+
+def fresh_rounds(path: str, dtype_name: str, rounds: int) -> dict[str, list[float]]:
+    """Rounds of a plain and a miss process (in turns first), against one daemon."""
+    from benchmarks.load import daemon
+
+    env = dict(os.environ, OVERMIND_HOME=tempfile.mkdtemp(prefix="om-spans-"), OVERMIND_COMPACT="0",
+               TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore", HF_HUB_OFFLINE="1")
+    runs: dict[str, list[float]] = collections.defaultdict(list)
+    daemon(env, "start")
+    try:
+        for r in range(rounds):
+            for case in ("plain", "miss") if r % 2 == 0 else ("miss", "plain"):
+                daemon(env, "evict", "--all")
+                out = subprocess.run([sys.executable, __file__, "--child", case, path, dtype_name], env=env,
+                                     capture_output=True, text=True, check=True)
+                result = json.loads(out.stdout.strip().splitlines()[-1])
+                runs[case].append(result["call"])
+                for label, seconds in result["spans"].items():
+                    runs[label].append(seconds)
+                if case == "miss":
+                    runs[OURS].append(result["call"] - result["spans"]["the load, in the miss"])
+    finally:
+        daemon(env, "stop")
+    return runs
+
+
+def in_process(path: str, dtype_name: str, rounds: int) -> dict[str, list[float]]:
+    os.environ.update(OVERMIND_HOME=tempfile.mkdtemp(prefix="om-spans-"), OVERMIND_COMPACT="0",
+                      TRANSFORMERS_VERBOSITY="error")
+    import torch
+    import transformers.models.llama.modeling_llama  # noqa: F401 (imported before the clock, as in a kernel)
+    from transformers import AutoModelForCausalLM
+
+    from kernel_server import Client
+    from overmind_jupyter import loading
+
+    instrument()
+    dtype = getattr(torch, dtype_name)
     client = Client(Path(os.environ["OVERMIND_HOME"]), role="bench")
     calls: dict[str, list[float]] = {"plain": [], "miss": []}
     cases: dict[str, Callable[[], Any]] = {
         "plain": lambda: AutoModelForCausalLM.from_pretrained(path, dtype=dtype),
-        "miss": lambda: loading.cached(load, path, dtype=dtype),
+        "miss": lambda: loading.cached(AutoModelForCausalLM.from_pretrained, path, dtype=dtype),
     }
     try:
         for _ in range(rounds):
@@ -102,16 +179,34 @@ def main() -> None:
     finally:
         client.request("shutdown")
         client.close()
+    # the first round left out: its imports
+    return {label: values[1:] or values for label, values in (calls | spans).items()}
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--child"]:
+        child(*sys.argv[2:5])
+        return
+    args = [a for a in sys.argv[1:] if a != "--fresh"]
+    size = args[0] if args else "1.1b"
+    dtype_name = args[1] if len(args) > 1 else "bfloat16"
+    rounds = int(args[2]) if len(args) > 2 else 11
+    fresh = "--fresh" in sys.argv
+    from benchmarks.load import build
+
+    path = str(build([size], torch_files=False)[size])
+    runs = fresh_rounds(path, dtype_name, rounds) if fresh else in_process(path, dtype_name, rounds)
 
     def median_ms(values: list[float]) -> float:
-        return statistics.median(values[1:] or values) * 1000
+        return statistics.median(values) * 1000
 
-    print(f"{size} {dtype_name}, {rounds} rounds, medians (the first round left out)")
-    for case, values in calls.items():
-        print(f"{case:34} {median_ms(values):9.2f} ms")
-    for label, values in sorted(spans.items(), key=lambda kv: -median_ms(kv[1])):
-        if label not in ("request evict", "request shutdown", "request hello", "request unpin"):  # not the call's
-            print(f"  {label:32} {median_ms(values):9.2f} ms  ({len(values) / rounds:.0f} a miss)")
+    print(f"{size} {dtype_name}, {rounds} rounds, {'a process per call' if fresh else 'in one process'}, medians")
+    for case in ("plain", "miss", OURS):
+        if case in runs:
+            print(f"{case:34} {median_ms(runs[case]):9.2f} ms")
+    others = [label for label in runs if label not in ("plain", "miss", OURS, *IGNORED)]
+    for label in sorted(others, key=lambda label: -median_ms(runs[label])):
+        print(f"  {label:32} {median_ms(runs[label]):9.2f} ms")
 
 
 if __name__ == "__main__":

@@ -12,8 +12,8 @@ watch, and reports nothing, not even at its bar's close, since each report wakes
 of the call on these machines). Never waiting long for the connection either: a bar's close can run
 inside a send of its own thread (Note [Requests from finalizers] in kernel_server/client.py), and a
 report that cannot be sent at once is dropped. The copy of a miss into shared memory reports the same
-way (publishing.py). Bars of other threads, and bars outside
-a miss, are left exactly as they were. A failure to report is ignored: progress never fails a load.
+way (publishing.py). Bars of other threads, and bars outside a miss, are left exactly as they were. A
+failure to report is ignored: progress never fails a load.
 
 # Note [Hit times]
 The daemon logs each hit with the plain load time it saved (Note [Load time saved] in

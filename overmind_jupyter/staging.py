@@ -12,8 +12,8 @@ mapping of what was written; publishing only moves those tensors onto the arena'
   stages a conversion on the CPU of a tensor that goes to the model as it is (no `tensor_idx`: no
   WeightConverter merges it with others). Everything else goes the library's way: same-dtype tensors
   (pieces of the checkpoint, nothing written; told by the slice's dtype, before it is read), devices,
-  sharding, merged weights. A library without that
-  function (diffusers, transformers 4) stages nothing: its converted weights are copied at publish.
+  sharding, merged weights. A library without that function (diffusers, transformers 4) stages nothing:
+  its converted weights are copied at publish.
 - How: a chunk at a time (8 MiB) into a buffer each converting thread reuses, then `pwrite` into the file
   (page cache; for a memfd, shmem). Measured against a shared writable mapping of the file, which takes a
   write fault per page or folio (0.2-1.7 s for 512 MiB on these VMs against 0.15 s for pwrite, RESULTS.md).
