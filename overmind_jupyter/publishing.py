@@ -280,16 +280,21 @@ def _move(tensors: list[torch.Tensor], storage: torch.UntypedStorage) -> None:
 
 
 def _storage_of(mapping: Any) -> torch.UntypedStorage:
-    """One storage over all of `mapping`. Each tensor moved onto the mapping gets a slice of it (a
-    storage of its own that keeps this one, and so the mapping, alive): a quarter of the cost of a
-    `torch.frombuffer` per storage."""
+    """One storage over all of `mapping`. Each tensor moved onto the mapping gets a slice of it
+    (`_slice`: a storage of its own that keeps this one, and so the mapping, alive): a quarter of the
+    cost of a `torch.frombuffer` per storage."""
     return torch.frombuffer(mapping, dtype=torch.uint8).untyped_storage()
+
+
+# A slice of a CPU storage, by torch's own C method: UntypedStorage.__getitem__ only asks first whether
+# the storage is on the meta device (a `device` object made per call), which `_storage_of`'s are not.
+_SLICE = vars(torch._C.StorageBase)["__getitem__"]
 
 
 def _move_onto(whole: torch.UntypedStorage, own: rebuild.Own, by_storage: dict[int, list[torch.Tensor]]) -> None:
     """Put the tensors of `own` onto its bytes in `whole` (`_storage_of` the arena's private mapping)."""
     assert own.storage is not None
-    _move(by_storage.pop(own.storage._cdata, []), whole[own.offset:own.offset + own.nbytes])
+    _move(by_storage.pop(own.storage._cdata, []), _SLICE(whole, slice(own.offset, own.offset + own.nbytes)))
     own.storage = None  # the last reference of ours: the old bytes go now, not at the end
 
 
@@ -377,7 +382,7 @@ def _remap(src: _Source, key: str, pin: mappings.Pin,
         storage = own.storage
         if storage is None:
             continue
-        _move(by_storage.pop(storage._cdata, []), whole[at:at + own.nbytes])
+        _move(by_storage.pop(storage._cdata, []), _SLICE(whole, slice(at, at + own.nbytes)))
         retired.append(storage)
         own.storage = None
     return forget
