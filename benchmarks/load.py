@@ -821,6 +821,13 @@ def miss_study(cases: list[tuple[str, str]], env: dict[str, str], repeat: int,
     return rows
 
 
+def paired(case: dict, plain: dict, field: str) -> tuple[float, float, float]:
+    """The ratios of `case` to plain round by round (each round's two processes ran one after the other,
+    so a machine that slows for a while slows both): their median, lowest and highest."""
+    ratios = [r[field] / p[field] for r, p in zip(case["runs"], plain["runs"], strict=True)]
+    return statistics.median(ratios), min(ratios), max(ratios)
+
+
 def print_miss_study(rows: dict) -> None:
     print(f"{'model dtype':18} {'case':11} {'call s':>8} {'CPU s':>8} {'minflt k':>9} {'x plain wall':>13} "
           f"{'x plain CPU':>12} {'call+fwd s':>11}  made (MiB staged/copied/pieces)")
@@ -833,6 +840,12 @@ def print_miss_study(rows: dict) -> None:
             print(f"{name:18} {case:11} {r['call']:8.3f} {r['cpu']:8.3f} {r['minflt'] / 1000:9.1f} "
                   f"{r['call'] / plain['call']:13.3f} {r['cpu'] / plain['cpu']:12.3f} {r['first']:11.3f}  "
                   f"{made_text}{flag}  {','.join(r['code'])}")
+    print("\nround by round, x plain: median [lowest, highest] (wall; CPU)")
+    for name, cases in rows.items():
+        for case, r in cases.items():
+            if case != "plain" and len(r["runs"]) == len(cases["plain"]["runs"]):
+                (wall, lo, hi), (cpu, clo, chi) = (paired(r, cases["plain"], f) for f in ("call", "cpu"))
+                print(f"{name:18} {case:11} {wall:6.3f} [{lo:.3f}, {hi:.3f}]; {cpu:6.3f} [{clo:.3f}, {chi:.3f}]")
 
 
 def arena_study(path: Path, env: dict[str, str], repeat: int) -> dict:
