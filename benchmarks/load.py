@@ -149,6 +149,7 @@ def child(spec: dict) -> None:
             raise RuntimeError("the miss returned before its entry was listed")
         result["published"] = t1 - t0
         result["made"] = listed[key]["meta"].get("made")  # Note [Staged conversions]
+        result["load_s"] = listed[key]["load_s"]  # the load inside the miss (Note [Miss times] in progress.py)
     if spec.get("hold"):
         print(json.dumps(result), flush=True)
         sys.stdin.read()  # hold the model until the parent closes our stdin
@@ -450,7 +451,7 @@ def read_through(file: Path) -> None:
 
 def summarize(runs: list[dict]) -> dict:
     fields = ["call", "first", "second", "anon_growth", "rss_growth"] + [
-        f for f in ("published", "compacted", "cpu", "minflt") if f in runs[0]]
+        f for f in ("published", "compacted", "cpu", "minflt", "load_s") if f in runs[0]]
     summary = {f: median_of(runs, f) for f in fields}
     summary["checksum"] = runs[0]["checksum"]
     summary["code"] = sorted({r.get("code", "") for r in runs})
@@ -788,10 +789,10 @@ def miss_study(cases: list[tuple[str, str]], env: dict[str, str], repeat: int,
     patched `from_pretrained` after `enable()`, as in a kernel after `%overmind on` (`patch_free`:
     `overmind_jupyter.cached(...)` with nothing of ours called before, its connection made in the
     call). With `before_tree`, also the miss of that checkout's overmind_jupyter (another PYTHONPATH),
-    in the same rounds. Every other round runs the
-    plain load last instead of first: on a VM that hands memory freed by one process back to its host,
-    the next process's first touches of fresh pages cost what the host makes them cost, and which case
-    comes after which large free is then the same for both."""
+    in the same rounds. Every other round runs the plain load last instead of first (and that checkout's
+    miss first instead of last): on a VM that hands memory freed by one process back to its host, the
+    next process's first touches of fresh pages cost what the host makes them cost, and which case comes
+    after which large free is then the same for both."""
     from kernel_server.settings import flag
 
     compacting = flag(env.get("OVERMIND_COMPACT", "1"))  # else the hit maps the miss's pieces in place
@@ -805,7 +806,7 @@ def miss_study(cases: list[tuple[str, str]], env: dict[str, str], repeat: int,
         for file in path.glob("*.safetensors"):
             read_through(file)
         for r in range(repeat):
-            for case in (cases if r % 2 == 0 else (*cases[1:3], "plain", *cases[3:])):
+            for case in (cases if r % 2 == 0 else (*cases[3:], *cases[1:3], "plain")):
                 if case != "hit":
                     daemon(env, "evict", "--all")  # plain runs beside no entry: the memory is the machine's
                 settle()
@@ -846,6 +847,15 @@ def print_miss_study(rows: dict) -> None:
             if case != "plain" and len(r["runs"]) == len(cases["plain"]["runs"]):
                 (wall, lo, hi), (cpu, clo, chi) = (paired(r, cases["plain"], f) for f in ("call", "cpu"))
                 print(f"{name:18} {case:11} {wall:6.3f} [{lo:.3f}, {hi:.3f}]; {cpu:6.3f} [{clo:.3f}, {chi:.3f}]")
+    print("\nthe miss's own part (its call less the load inside it, one process), and plain with it added")
+    for name, cases in rows.items():
+        for case, r in cases.items():
+            if "load_s" in r:
+                own = [run["call"] - run["load_s"] for run in r["runs"]]
+                plain = cases["plain"]["call"]
+                print(f"{name:18} {case:11} own {statistics.median(own) * 1e3:5.1f} ms [{min(own) * 1e3:.1f}, "
+                      f"{max(own) * 1e3:.1f}]; the load in it {r['load_s']:.3f} s, plain {plain:.3f} s; "
+                      f"1 + own / plain = {1 + statistics.median(own) / plain:.3f}")
 
 
 def arena_study(path: Path, env: dict[str, str], repeat: int) -> dict:
