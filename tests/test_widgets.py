@@ -179,6 +179,7 @@ def test_status_panel_follows_loads_units_and_evictions(sim_daemon: Client, tiny
     closing.append(panel)
     table, bar = panel.table, panel.units
     within("status: first snapshot", lambda: daemon_pid(table))
+    within("units: first snapshot", lambda: devices(bar))  # its own poll: it may come after the table's
     assert table.state["entries"] == [] and table.error == ""
     assert table.state["daemon"]["pid"] != os.getpid() and table.local["pid"] == os.getpid()
     assert [d["device"] for d in devices(bar)] == ["cuda:0", "cuda:1"]
