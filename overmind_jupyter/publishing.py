@@ -281,7 +281,7 @@ def _move(tensors: list[torch.Tensor], storage: torch.UntypedStorage) -> None:
 
 def _storage_of(mapping: Any) -> torch.UntypedStorage:
     """One storage over all of `mapping`. Each tensor moved onto the mapping gets a slice of it
-    (`_slice`: a storage of its own that keeps this one, and so the mapping, alive): a quarter of the
+    (`_SLICE`: a storage of its own that keeps this one, and so the mapping, alive): a quarter of the
     cost of a `torch.frombuffer` per storage."""
     return torch.frombuffer(mapping, dtype=torch.uint8).untyped_storage()
 
