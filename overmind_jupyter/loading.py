@@ -31,7 +31,7 @@ from kernel_server.operations import Op
 from kernel_server.payloads import LookupReply
 from kernel_server.transport import close_fds
 
-from . import dynamic_modules, hit_tuning, keys, notices, progress, randomness, results, threads
+from . import dynamic_modules, hit_tuning, keys, load_maps, notices, progress, randomness, results, threads
 from .errors import CorruptEntry, EntryElsewhere, PackError, PublishError, Uncacheable
 from .load_log import load_log
 from .notices import calls, clear_fallbacks, count, fall_back, fallbacks, tell_once
@@ -48,6 +48,7 @@ from .placement import (
 from .results import NO_REPLAY, Replay, remember, result_key
 
 if TYPE_CHECKING:
+    from .load_maps import LoadMap
     from .staging import Stage
 
 __all__ = [
@@ -189,7 +190,8 @@ def _miss(client: Client, ck: keys.CallKey, fn: Callable[..., Any], args: tuple[
         before = randomness.random_state()
         progress.flush_hit_times(client)
         loaded = time.perf_counter()
-        with load_log() as said, progress.loading(client, ck.key, ck.label):  # Note [Load progress]
+        with (load_log() as said, progress.loading(client, ck.key, ck.label),  # Note [Load progress]
+              load_maps.files_mapped() as maps):  # Note [Files the load maps] in load_maps.py
             obj = fn(*args, **kwargs)
         clock.load_s = time.perf_counter() - loaded  # Note [Miss times] in progress.py
     except BaseException:
@@ -207,9 +209,9 @@ def _miss(client: Client, ck: keys.CallKey, fn: Callable[..., Any], args: tuple[
     if drawn and not ck.meta.get("random"):  # it drew random numbers: Note [Random loads]
         keyed = _mark_random(client, ck, randomness.only(before, drawn), drawn)
         if keyed is not None:
-            _publish(client, keyed, obj, replay, randomness.only(after, drawn), stage, clock)
+            _publish(client, keyed, obj, replay, randomness.only(after, drawn), stage, maps, clock)
     else:
-        _publish(client, ck, obj, replay, randomness.only(after, drawn) if drawn else None, stage, clock)
+        _publish(client, ck, obj, replay, randomness.only(after, drawn) if drawn else None, stage, maps, clock)
     if drawn and _draws_on_device(ck.label, drawn, device):
         randomness.set_random_state(randomness.only(before, drawn))  # the call as made starts where this one did
         return _AS_CALLED
@@ -273,11 +275,12 @@ def _release_hit(client: Client, reply: Response[LookupReply]) -> None:
 # instead while the daemon answers the publish, when the thread would only wait; where the user turned
 # the collector off, none runs.
 def _publish(client: Client, ck: keys.CallKey, obj: Any, replay: Replay, random_after: tuple[Any, ...] | None,
-             stage: Stage | None, clock: progress.MissClock) -> None:
+             stage: Stage | None, maps: list[LoadMap], clock: progress.MissClock) -> None:
     """Make `obj` the entry of `ck` before the call returns (Note [Atomic miss] in publishing.py), with
     the generators' state after the call for a load that drew random numbers (Note [Random loads]);
-    `stage`: where the load's conversions were written (Note [Staged conversions] in staging.py). The
-    collector pauses meanwhile (Note [A miss's collections])."""
+    `stage`: where the load's conversions were written (Note [Staged conversions] in staging.py); `maps`:
+    the files it mapped through us (Note [Files the load maps] in load_maps.py). The collector pauses
+    meanwhile (Note [A miss's collections])."""
     from . import publishing, rebuild
 
     with rebuild.gc_paused() as collecting:
@@ -295,7 +298,8 @@ def _publish(client: Client, ck: keys.CallKey, obj: Any, replay: Replay, random_
             with progress.loading(client, ck.key, ck.label):  # the copy reports too (Note [Load progress])
                 times = publishing.publish(client, ck.key, ck.label, meta, packed, backing=options.backing,
                                            watch=[path for path, _, _ in ck.sources if os.path.isabs(path)],
-                                           unpin=lambda key: results.unpin(client, key), stage=stage, clock=clock,
+                                           unpin=lambda key: results.unpin(client, key), stage=stage,
+                                           load_maps=maps, clock=clock,
                                            meanwhile=_collect_young if collecting else None)
         except PublishError as exc:
             fall_back(ck.label, exc.kind, str(exc))

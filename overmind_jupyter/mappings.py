@@ -41,7 +41,7 @@ import operator
 import os
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -386,10 +386,12 @@ def query_mapping(address: int) -> FileMapping | Literal[False] | None:
 class ProcessMaps:
     """Which file (if any) backs an address, as the kernel says once asked (Note [Finding file mappings]):
     by PROCMAP_QUERY, or else from /proc/self/maps read once, a line parsed only when an address falls in
-    it (a process with torch imported has a few thousand lines, a miss asks of tens)."""
+    it (a process with torch imported has a few thousand lines, a miss asks of tens). `known`: mappings
+    whose place and file this process knows already (Note [Files the load maps] in load_maps.py)."""
 
-    def __init__(self) -> None:
-        self._found: list[FileMapping] = []  # what the kernel answered so far (a miss's storages share few)
+    def __init__(self, known: Sequence[FileMapping] = ()) -> None:
+        # what the kernel answered so far (a miss's storages share few), and the mappings known already
+        self._found: list[FileMapping] = list(known)
         self._lines: list[str] | None = None
         self._starts: list[int] = []
         self._parsed: dict[int, FileMapping | None] = {}

@@ -13,9 +13,11 @@ from a source user code cannot reach (docs/design.md, invariant 3):
   copied into the new arena here, and its tensors are moved at once onto a private mapping of the arena
   (so that the copy's source is freed while the next pieces are copied: Note [Filling an arena] in
   kernel_server/arena.py).
-- The pieces' tensors are moved onto this module's own private mapping of their file (the same page
-  cache pages: no copy), so that the registry knows them (Note [Mapping registry] in mappings.py),
-  while the daemon takes the publish: every byte of the entry is fixed by then.
+- The pieces' tensors lie on a private mapping of their file that the registry holds (Note [Mapping
+  registry] in mappings.py): the one the load made through us (Note [Files the load maps] in
+  load_maps.py), registered as it is; or else they are moved onto this module's own private mapping of
+  the file (the same page cache pages: no copy). Either while the daemon takes the publish: every byte
+  of the entry is fixed by then.
 So when the call returns, the result is backed by private, copy-on-write mappings of the entry or of its
 checkpoint files, in this kernel as in every other, and the entry is already servable: no thread reads
 the result afterwards, nothing moves a tensor later, and a write by any route (`.data`, a fused
@@ -28,6 +30,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import mmap
 import os
 import stat
 import threading
@@ -45,6 +48,7 @@ from kernel_server.payloads import MissTimes
 
 from . import mappings, progress, rebuild, staging, threads
 from .errors import PublishError
+from .load_maps import LoadMap
 
 __all__ = ["publish", "publish_marker"]
 
@@ -63,6 +67,7 @@ class _Source:
     path: str
     fd: int
     identity: dict[str, int]
+    mapping: mmap.mmap | None  # the load's own mapping of the file, where it made one through us
     pieces: list[tuple[rebuild.Own, int]] = field(default_factory=list)  # (storage, file offset)
 
 
@@ -82,16 +87,18 @@ class _Plan:
 
 def publish(client: Client, key: str, label: str, meta: dict[str, Any], packed: rebuild.Packed, *,
             backing: str, unpin: Callable[[str], None], clock: progress.MissClock, watch: Sequence[str] = (),
-            stage: staging.Stage | None = None, meanwhile: Callable[[], None] | None = None) -> MissTimes:
+            stage: staging.Stage | None = None, load_maps: Sequence[LoadMap] = (),
+            meanwhile: Callable[[], None] | None = None) -> MissTimes:
     """Make `packed` (the graph of a result just loaded) the entry `key`, moving the result's tensors
     onto private mappings of it (Note [Atomic miss]). `watch`: the checkpoint paths the load read, for
     the daemon to drop the entry once they are gone (Note [Orphaned entries] in kernel_server/store.py).
     `stage`: the arena the load's conversions were written into, if `packed` was packed with it (Note
-    [Staged conversions] in staging.py). `clock`: the miss's, whose times the publish carries and
+    [Staged conversions] in staging.py). `load_maps`: the files the load mapped through us (Note [Files
+    the load maps] in load_maps.py). `clock`: the miss's, whose times the publish carries and
     this returns (Note [Miss times] in progress.py). `meanwhile` runs while the daemon answers, last
     (Note [A miss's collections] in loading.py). Raises PublishError
     (with a `kind` for fallbacks): the result is then still correct, only not cached."""
-    plan = _plan(packed)
+    plan = _plan(packed, load_maps)
     by_storage = _tensors_by_storage(packed)
     meta = meta | {"made": plan.made()}
     pin = mappings.Pin(key, unpin)
@@ -204,10 +211,11 @@ def publish_marker(client: Client, key: str, meta: dict[str, Any]) -> None:
         raise PublishError("publish", str(exc)) from exc
 
 
-def _plan(packed: rebuild.Packed) -> _Plan:
+def _plan(packed: rebuild.Packed, load_maps: Sequence[LoadMap]) -> _Plan:
     """Which storages are pieces of files (unwritten private file mappings, Note [Atomic miss]) and
-    which are copied."""
-    maps = mappings.ProcessMaps()
+    which are copied; `load_maps`: the mappings the load made through us, known without asking."""
+    maps = mappings.ProcessMaps([m.file for m in load_maps])
+    ours = {id(m.file): m.mapping for m in load_maps}
     written = mappings.WrittenPages()
     sources: dict[tuple[int, int], _Source | None] = {}
     copies: list[rebuild.Own] = []
@@ -235,7 +243,7 @@ def _plan(packed: rebuild.Packed) -> _Plan:
                     last, last_clean = fm, not written.any(fm.start, fm.end, fm.start, fm.end - fm.start)
             if fm is not None:
                 if (fm.dev, fm.ino) not in sources:
-                    sources[(fm.dev, fm.ino)] = _open_source(fm, len(sources))
+                    sources[(fm.dev, fm.ino)] = _open_source(fm, len(sources), ours.get(id(fm)))
                 src = sources[(fm.dev, fm.ino)]
                 at = fm.offset + address - fm.start
                 if src is not None and at + own.nbytes <= src.identity["size"]:
@@ -246,8 +254,9 @@ def _plan(packed: rebuild.Packed) -> _Plan:
     return _Plan(copies, [s for s in sources.values() if s is not None], staged)
 
 
-def _open_source(fm: mappings.FileMapping, count: int) -> _Source | None:
-    """The file of `fm` opened read-only, if it still is the file mapped (not replaced since)."""
+def _open_source(fm: mappings.FileMapping, count: int, mapping: mmap.mmap | None) -> _Source | None:
+    """The file of `fm` opened read-only, if it still is the file mapped (not replaced since); `mapping`:
+    `fm`'s mmap object, where the load made it through us."""
     if count >= _MAX_SOURCES:
         return None
     try:
@@ -258,7 +267,7 @@ def _open_source(fm: mappings.FileMapping, count: int) -> _Source | None:
     if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != (fm.dev, fm.ino):
         os.close(fd)
         return None
-    return _Source(fm.path, fd, arena.file_identity(st))
+    return _Source(fm.path, fd, arena.file_identity(st), mapping)
 
 
 def _tensors_by_storage(packed: rebuild.Packed) -> dict[int, list[torch.Tensor]]:
@@ -367,16 +376,23 @@ def _progress(total: int, label: str) -> Any:
 def _remap(src: _Source, key: str, pin: mappings.Pin,
            by_storage: dict[int, list[torch.Tensor]]) -> Callable[[], None]:
     """Move the pieces of `src` onto a private mapping of the file that the registry knows: the same
-    page cache pages the load mapped, so nothing is copied (Note [Atomic miss]). The load's own
-    storages (its mapping of the file) are let go of with that mapping, not now: freeing them took
-    0.4 ms of the call, which the plain load does not spend either. Returns what takes the mapping out
-    of the registry again (a publish the daemon refused)."""
+    page cache pages the load mapped, so nothing is copied (Note [Atomic miss]); or, where they all lie
+    on the load's mapping of the file made through us, register that one and move nothing (Note [Files
+    the load maps] in load_maps.py). The load's own storages (torch's mapping of the file) are let go of
+    with the new mapping, not now: freeing them took 0.4 ms of the call, which the plain load does not
+    spend either. Returns what takes the mapping out of the registry again (a publish the daemon refused)."""
     if not src.pieces:
         return lambda: None
+    spans = [(at, own.nbytes, own.offset) for own, at in src.pieces]
+    if src.mapping is not None and _all_on(src.mapping, src.pieces):
+        for own, _ in src.pieces:
+            own.storage = None
+        return mappings.register(src.mapping, key, pin, spans,
+                                 source=arena.SourceFile(os.dup(src.fd), src.identity, src.path))
     m = arena.map_private(src.fd, src.identity["size"])
     retired: list[torch.UntypedStorage] = []  # the load's own storages, kept while this mapping is
-    forget = mappings.register(m, key, pin, [(at, own.nbytes, own.offset) for own, at in src.pieces],
-                               source=arena.SourceFile(os.dup(src.fd), src.identity, src.path), keep=retired)
+    forget = mappings.register(m, key, pin, spans, source=arena.SourceFile(os.dup(src.fd), src.identity, src.path),
+                               keep=retired)
     whole = _storage_of(m)
     for own, at in src.pieces:
         storage = own.storage
@@ -386,6 +402,12 @@ def _remap(src: _Source, key: str, pin: mappings.Pin,
         retired.append(storage)
         own.storage = None
     return forget
+
+
+def _all_on(mapping: mmap.mmap, pieces: list[tuple[rebuild.Own, int]]) -> bool:
+    """Whether every piece's storage lies on `mapping` at its file offset (a file mapped from offset 0)."""
+    start = mappings.address_of(mapping)
+    return all(own.storage is not None and own.storage.data_ptr() == start + at for own, at in pieces)
 
 
 def _abandon(client: Client, key: str) -> None:

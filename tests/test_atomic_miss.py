@@ -8,10 +8,12 @@ user's alive, as in JupyterLab.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -19,7 +21,7 @@ import pytest
 import torch
 
 from kernel_server import Client
-from overmind_jupyter import demo_models, loading, rebuild
+from overmind_jupyter import demo_models, load_maps, loading, rebuild
 from tests.helpers import tiny_modules
 from tests.helpers.faults_helpers import wait_until
 from tests.helpers.kernels import USER_THREAD, execute, kernel, kernel_env
@@ -185,6 +187,96 @@ def test_a_same_dtype_miss_is_servable_at_once_and_compacted_by_the_daemon(
     with torch.no_grad():
         assert model(torch.arange(8)[None]).logits.double().sum().item() == ref
     client.close()
+
+
+def test_a_same_dtype_miss_leaves_its_tensors_on_the_one_mapping_its_load_made(
+        overmind_home: Path, tmp_path: Path) -> None:
+    """The load maps the checkpoint through us (Note [Files the load maps] in load_maps.py): after the
+    miss, the file is mapped once in this process, every parameter lies on that mapping (nothing was
+    moved onto a second one), the registry holds it for the entry, and torch's `from_file` is its own
+    again."""
+    from transformers import AutoModelForCausalLM
+
+    path = demo_models.build_llama(tmp_path / "m", "tiny", num_hidden_layers=2)
+    checkpoint = str(path / "model.safetensors")
+    misses = loading.calls().get("miss", 0)
+    model = loading.cached(AutoModelForCausalLM.from_pretrained, str(path), dtype=torch.bfloat16)
+    assert loading.calls().get("miss", 0) == misses + 1 and not loading.fallbacks()
+    [line] = mapped(checkpoint)
+    start, end = (int(x, 16) for x in line.split()[0].split("-"))
+    assert all(start <= p.data_ptr() < end for p in model.parameters())
+    first = next(model.parameters()).data_ptr()
+    key, _ = rebuild.entry_of(first)
+    assert all(rebuild.entry_of(p.data_ptr())[0] == key for p in model.parameters())
+    assert "from_file" not in vars(torch.UntypedStorage)
+    del model
+    gc.collect()
+    assert not mapped(checkpoint)
+    assert rebuild.entry_of(first) is None, "the registry lets the mapping go with the model"
+
+
+def test_a_miss_whose_file_torch_mapped_moves_its_tensors_onto_a_mapping_of_ours(
+        overmind_home: Path, tmp_path: Path) -> None:
+    """Where torch's own `from_file` mapped the checkpoint (a load on a worker thread, outside the
+    miss's context), the publish maps the file once more and moves the tensors onto that mapping, which
+    the registry holds: the file is mapped twice, every parameter lies on the second mapping, and the
+    model computes what plain's does."""
+    from transformers import AutoModelForCausalLM
+
+    path = demo_models.build_llama(tmp_path / "m", "tiny", num_hidden_layers=2)
+    checkpoint = str(path / "model.safetensors")
+    ids = torch.arange(8)[None]
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)(ids).logits
+    model = loading.cached(tiny_modules.load_on_a_worker, str(path))
+    assert not loading.fallbacks()
+    lines = mapped(checkpoint)
+    assert len(lines) == 2, lines
+    spans = [tuple(int(x, 16) for x in line.split()[0].split("-")) for line in lines]
+    key, _ = rebuild.entry_of(next(model.parameters()).data_ptr())
+    for p in model.parameters():
+        assert rebuild.entry_of(p.data_ptr())[0] == key
+        assert sum(start <= p.data_ptr() < end for start, end in spans) == 1
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref)
+
+
+def mapped(path: str) -> list[str]:
+    """The lines of /proc/self/maps that map `path`."""
+    return [line for line in Path("/proc/self/maps").read_text().splitlines() if line.endswith(path)]
+
+
+def test_files_mapped_maps_only_its_own_loads_files(tmp_path: Path) -> None:
+    """`files_mapped` maps the files of `from_file(path, shared=False, nbytes=size)` calls of its own
+    context, privately, and leaves every other call to torch: another size, another thread. The patch
+    is undone after the block, also when the block raised."""
+    data = bytes(range(256)) * 64
+    f = tmp_path / "w.bin"
+    f.write_bytes(data)
+
+    def content(storage: torch.UntypedStorage) -> bytes:
+        return torch.empty(0, dtype=torch.uint8).set_(storage).numpy().tobytes()
+
+    others: list[torch.UntypedStorage] = []
+    with load_maps.files_mapped() as made:
+        ours = torch.UntypedStorage.from_file(str(f), shared=False, nbytes=len(data))
+        part = torch.UntypedStorage.from_file(str(f), False, 4096)
+        thread = threading.Thread(target=lambda: others.append(
+            torch.UntypedStorage.from_file(str(f), shared=False, nbytes=len(data))))
+        thread.start()
+        thread.join()
+    [load_map] = made
+    st = f.stat()
+    assert load_map.file.start == ours.data_ptr() and load_map.file.end == ours.data_ptr() + len(data)
+    assert (load_map.file.path, load_map.file.dev, load_map.file.ino) == (str(f), st.st_dev, st.st_ino)
+    assert content(ours) == data and content(part) == data[:4096] and content(others[0]) == data
+    torch.empty(0, dtype=torch.uint8).set_(ours).fill_(7)  # private: the file keeps its bytes
+    assert f.read_bytes() == data and content(ours) == bytes([7]) * len(data)
+    assert "from_file" not in vars(torch.UntypedStorage)
+    with pytest.raises(ValueError, match="the load failed"), load_maps.files_mapped() as made:
+        torch.UntypedStorage.from_file(str(f), shared=False, nbytes=len(data))
+        raise ValueError("the load failed")
+    assert made == [] and "from_file" not in vars(torch.UntypedStorage)
 
 
 def test_a_checkpoint_rewritten_while_referred_to_makes_its_entry_stale(

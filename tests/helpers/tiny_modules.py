@@ -172,6 +172,18 @@ def counted_build(kind: str, delay: float = 0.0, seed: int = 0) -> nn.Module:
     return build(kind, seed)
 
 
+def load_on_a_worker(path: str) -> nn.Module:
+    """A bf16 transformers load run on a worker thread, as a library that reads its checkpoint there
+    would: the file is mapped outside the caller's context, by torch's own `from_file`."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from transformers import AutoModelForCausalLM
+
+    with ThreadPoolExecutor(1) as pool:
+        model: nn.Module = pool.submit(AutoModelForCausalLM.from_pretrained, path, dtype=torch.bfloat16).result()
+    return model
+
+
 def failing_build(kind: str) -> nn.Module:
     raise FileNotFoundError(f"no checkpoint for {kind}")
 
