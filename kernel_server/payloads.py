@@ -12,6 +12,7 @@ says: descriptors against the fields that describe them, pieces against their ar
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import types
 import typing
@@ -608,7 +609,8 @@ def _accepts(hint: Any) -> Callable[[Any], bool]:
     kind = _KINDS.get(origin or hint, (dict,) if typing.is_typeddict(hint) else ())
     item = args[0] if origin is list and args and args[0] is not Any else None
     ints = _int_ranges(item) if item is not None else None  # a list of integers: asked of all at once
-    each = _accepts(item) if item is not None and ints is None else None
+    rows = _int_rows(item) if item is not None and ints is None else None  # a list of such lists: the same
+    each = _accepts(item) if item is not None and ints is None and rows is None else None
     required, fields = _fields(hint) if typing.is_typeddict(hint) else (frozenset(), {})
     field_accepts = [(name, _accepts(field), name in required) for name, field in fields.items()]
 
@@ -619,6 +621,8 @@ def _accepts(hint: Any) -> Callable[[Any], bool]:
             if not _within(bound, value):
                 return False
         if ints is not None and not _ints_within(value, ints):
+            return False
+        if rows is not None and not _rows_within(value, *rows):
             return False
         if each is not None and not all(map(each, value)):
             return False
@@ -634,6 +638,7 @@ def _accepts(hint: Any) -> Callable[[Any], bool]:
 
 
 _EXACT_INT = {int}
+_EXACT_LIST = {list}
 
 
 def _ints_within(values: list[Any], ranges: list[Range]) -> bool:
@@ -644,6 +649,26 @@ def _ints_within(values: list[Any], ranges: list[Range]) -> bool:
         return False
     low, high = min(values), max(values)
     return all((r.low is None or low >= r.low) and (r.high is None or high <= r.high) for r in ranges)
+
+
+def _rows_within(values: list[Any], length: int, ranges: list[Range]) -> bool:
+    """Whether `values` are all lists (as JSON makes them) of `length` ints within `ranges`: a publish's
+    pieces, a few hundred, asked of all at once (one by one they took the daemon 0.2 ms)."""
+    return (_EXACT_LIST.issuperset(map(type, values)) and set(map(len, values)) <= {length}
+            and _ints_within(list(itertools.chain.from_iterable(values)), ranges))
+
+
+def _int_rows(hint: Any) -> tuple[int, list[Range]] | None:
+    """(length, Range bounds) where `hint` is a list of integers of one length with no other bound
+    (`Piece`, `Part`); else None."""
+    bounds: list[Any] = []
+    if typing.get_origin(hint) is Annotated:
+        hint, *bounds = typing.get_args(hint)
+    if (typing.get_origin(hint) is not list or len(bounds) != 1 or not isinstance(bounds[0], Size)
+            or bounds[0].low != bounds[0].high):
+        return None
+    ranges = _int_ranges(typing.get_args(hint)[0])
+    return None if ranges is None else (bounds[0].low, ranges)
 
 
 def _int_ranges(hint: Any) -> list[Range] | None:

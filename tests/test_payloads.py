@@ -123,10 +123,12 @@ def test_the_quick_check_lets_through_only_what_the_full_check_does() -> None:
     field of every operation set to each wrong value, to each nested wrong value, and to the valid one."""
     from kernel_server import payloads
 
-    nested = [[0, 1, 0, -1], [0, 1, 0], [0, 1, 0, True], [0, 1, 0, 2.0], [0, 1, 0, 1 << 70], [0, "1", 0, 0]]
+    nested = [[0, 1, 0, -1], [0, 1, 0], [0, 1, 0, True], [0, 1, 0, 2.0], [0, 1, 0, 1 << 70], [0, "1", 0, 0],
+              [], [0, 1], [0, -1], [0, None], (0, 1, 0, 0), (0, 1), {"0": 1}, "0101", 7]
     for op, name in cases():
         declared = PAYLOADS[op].request
-        values = [VALID[op][name], *WRONG, *([[p] for p in nested] if name == "pieces" else [])]
+        values = [VALID[op][name], *WRONG, *([[p] for p in nested] + [[[0, 1, 0, 0], p] for p in nested]
+                                             if name in ("pieces", "parts") else [])]
         for value in values:
             payload = {**VALID[op], name: value}
             try:
