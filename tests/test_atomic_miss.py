@@ -389,7 +389,10 @@ def test_status_widget_and_cli_show_the_copy_left_with_its_model_percent_and_tim
         overmind_home: Path, tmp_path: Path) -> None:
     """While the daemon copies a same-dtype entry from its checkpoint (slowed here: every core is busy,
     so it waits for an idle one before each chunk), `%overmind status`'s text, the status widget's
-    table and `overmind-daemon ls` name the model and show the percent done and the time left."""
+    table and `overmind-daemon ls` name the model and show the percent done and the time left. The
+    copy's arena takes its memory a chunk at a time, after each wait: none of it while the first wait
+    lasts (the compactor once allocated the whole arena at once, as the loading kernel ran its first
+    forward)."""
     import subprocess
     import sys
 
@@ -405,6 +408,12 @@ def test_status_widget_and_cli_show_the_copy_left_with_its_model_percent_and_tim
     try:
         model = loading.cached(AutoModelForCausalLM.from_pretrained, str(path), dtype=torch.bfloat16)
         client = Client(overmind_home, role="test")
+        [entry] = entries(client)
+        wait_until(lambda: len(arenas_of(client, entry["key"])) == 2, 10, "the copy's arena was made")
+        time.sleep(0.3)  # (an arena allocated at once is allocated by now)
+        allocated = sum(arenas_of(client, entry["key"]).values())  # the entry's own holds a few pages
+        done = (entries(client)[0]["pending"] or {}).get("done", 0)
+        assert allocated <= done + COMPACTION_CHUNK < entry["bytes"], (allocated, done)
         wait_until(lambda: (entries(client)[0]["pending"] or {}).get("done", 0) > 0, 60, "a chunk was copied")
         status = overmind_jupyter.status()
         text = format_status(status)
@@ -424,6 +433,24 @@ def test_status_widget_and_cli_show_the_copy_left_with_its_model_percent_and_tim
     assert "copying" not in format_status(overmind_jupyter.status())
     del model
     client.close()
+
+
+COMPACTION_CHUNK = 32 << 20  # kernel_server/compaction.py's _CHUNK
+
+
+def arenas_of(client: Client, key: str) -> dict[int, int]:
+    """The memory allocated to each of `key`'s arenas (memfds) in the daemon, by inode: the entry's, and
+    the one it compacts into."""
+    pid = client.request("status")["daemon"]["pid"]
+    found = {}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            if f"memfd:overmind:{key[:12]}" in os.readlink(f"/proc/{pid}/fd/{fd}"):
+                st = os.stat(f"/proc/{pid}/fd/{fd}")
+                found[st.st_ino] = st.st_blocks * 512
+        except OSError:
+            pass
+    return found
 
 
 def test_written_pages_are_found_alike_by_the_scan_and_by_reading_pagemap(tmp_path: Path) -> None:
