@@ -9,9 +9,9 @@ being compact a moment earlier: the copy runs in one SCHED_IDLE thread and, befo
 pages stalls its core whatever its scheduling class (Note [Filling an arena] in arena.py). Its pages
 are allocated a chunk at a time too, after that wait: one fallocate of a whole 2 GiB arena zeroed its
 pages in 0.16 s of a core, right as the loading kernel ran its first forward (1.1B bf16 on 2 cores:
-call and first forward 0.50 s after a miss, against plain's 0.31 s). With the
-daemon out of descriptors, an entry is put back in the queue for later (Note [Descriptor budget] in
-descriptors.py); it stays servable from its files meanwhile.
+call and first forward 0.50 s after a miss, against plain's 0.31 s). With the daemon out of
+descriptors, an entry is put back in the queue for later (Note [Descriptor budget] in descriptors.py);
+it stays servable from its files meanwhile.
 """
 
 from __future__ import annotations

@@ -63,9 +63,9 @@ def files_mapped() -> Iterator[list[LoadMap]]:
     token = _made.set(made)
     try:
         with _lock:
-            _loads += 1
-            if _loads == 1:
+            if _loads == 0:
                 patching.patch(torch.UntypedStorage, "from_file", _patched)
+            _loads += 1
         try:
             yield made
         except BaseException:
