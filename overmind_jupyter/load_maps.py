@@ -27,6 +27,7 @@ import mmap
 import os
 import stat
 import threading
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -41,9 +42,11 @@ __all__ = ["LoadMap", "files_mapped"]
 
 @dataclass(frozen=True)
 class LoadMap:
-    """A file the load mapped through us: the mmap object its tensors' storages lie on, and where."""
+    """A file the load mapped through us: the mmap object its tensors' storages lie on (weakly: the
+    mapping goes with the last of them, as torch's would, such as those a conversion read and dropped),
+    and where."""
 
-    mapping: mmap.mmap
+    mapping: weakref.ref[mmap.mmap]
     file: FileMapping
 
 
@@ -55,7 +58,7 @@ _loads = 0  # the loads in progress, in every thread: the patch stays while ther
 @contextlib.contextmanager
 def files_mapped() -> Iterator[list[LoadMap]]:
     """While the block runs (a miss's load), the files this context maps with `from_file` are mapped here
-    and listed in the list yielded (Note [Files the load maps]). The list is the caller's to drop."""
+    and listed in the list yielded (Note [Files the load maps])."""
     import torch
 
     global _loads
@@ -68,9 +71,6 @@ def files_mapped() -> Iterator[list[LoadMap]]:
             _loads += 1
         try:
             yield made
-        except BaseException:
-            made.clear()  # a load that raised: its mappings go with its tensors
-            raise
         finally:
             with _lock:
                 _loads -= 1
@@ -130,4 +130,5 @@ def _map(filename: Any, nbytes: int) -> tuple[Any, LoadMap] | None:
         os.close(fd)
     storage = torch.frombuffer(mapping, dtype=torch.uint8).untyped_storage()
     start = storage.data_ptr()
-    return storage, LoadMap(mapping, FileMapping(start, start + nbytes, 0, st.st_dev, st.st_ino, path, True))
+    return storage, LoadMap(weakref.ref(mapping), FileMapping(start, start + nbytes, 0, st.st_dev, st.st_ino, path,
+                                                               True))

@@ -213,9 +213,10 @@ def publish_marker(client: Client, key: str, meta: dict[str, Any]) -> None:
 
 def _plan(packed: rebuild.Packed, load_maps: Sequence[LoadMap]) -> _Plan:
     """Which storages are pieces of files (unwritten private file mappings, Note [Atomic miss]) and
-    which are copied; `load_maps`: the mappings the load made through us, known without asking."""
-    maps = mappings.ProcessMaps([m.file for m in load_maps])
-    ours = {id(m.file): m.mapping for m in load_maps}
+    which are copied; `load_maps`: the mappings the load made through us, known without asking (those
+    still alive: a mapping gone may have left its addresses to another)."""
+    ours = {id(m.file): (m.file, mapping) for m in load_maps if (mapping := m.mapping()) is not None}
+    maps = mappings.ProcessMaps([file for file, _ in ours.values()])
     written = mappings.WrittenPages()
     sources: dict[tuple[int, int], _Source | None] = {}
     copies: list[rebuild.Own] = []
@@ -243,7 +244,7 @@ def _plan(packed: rebuild.Packed, load_maps: Sequence[LoadMap]) -> _Plan:
                     last, last_clean = fm, not written.any(fm.start, fm.end, fm.start, fm.end - fm.start)
             if fm is not None:
                 if (fm.dev, fm.ino) not in sources:
-                    sources[(fm.dev, fm.ino)] = _open_source(fm, len(sources), ours.get(id(fm)))
+                    sources[(fm.dev, fm.ino)] = _open_source(fm, len(sources), ours.get(id(fm), (fm, None))[1])
                 src = sources[(fm.dev, fm.ino)]
                 at = fm.offset + address - fm.start
                 if src is not None and at + own.nbytes <= src.identity["size"]:

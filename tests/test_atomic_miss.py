@@ -273,10 +273,12 @@ def test_files_mapped_maps_only_its_own_loads_files(tmp_path: Path) -> None:
     torch.empty(0, dtype=torch.uint8).set_(ours).fill_(7)  # private: the file keeps its bytes
     assert f.read_bytes() == data and content(ours) == bytes([7]) * len(data)
     assert "from_file" not in vars(torch.UntypedStorage)
+    del ours
+    assert load_map.mapping() is None, "the mapping goes with its last storage"
     with pytest.raises(ValueError, match="the load failed"), load_maps.files_mapped() as made:
         torch.UntypedStorage.from_file(str(f), shared=False, nbytes=len(data))
         raise ValueError("the load failed")
-    assert made == [] and "from_file" not in vars(torch.UntypedStorage)
+    assert made[0].mapping() is None and "from_file" not in vars(torch.UntypedStorage)
 
 
 def test_a_checkpoint_rewritten_while_referred_to_makes_its_entry_stale(
