@@ -81,11 +81,13 @@ def files_mapped() -> Iterator[list[LoadMap]]:
 
 
 def _patched(original: Any) -> staticmethod[..., Any]:
+    """`from_file` made by `_from_file` over `original` (torch's staticmethod, as the patch engine hands it)."""
     function = original.__func__ if isinstance(original, staticmethod) else original
     return staticmethod(functools.partial(_from_file, function))
 
 
 def _from_file(original: Any, *args: Any, **kwargs: Any) -> Any:
+    """`from_file`: mapped here where a miss of this context loads (Note [Files the load maps]), else torch's."""
     made = _made.get()
     if made is not None:
         try:
