@@ -215,8 +215,9 @@ def _plan(packed: rebuild.Packed, load_maps: Sequence[LoadMap]) -> _Plan:
     """Which storages are pieces of files (unwritten private file mappings, Note [Atomic miss]) and
     which are copied; `load_maps`: the mappings the load made through us, known without asking (those
     still alive: a mapping gone may have left its addresses to another)."""
-    ours = {id(m.file): (m.file, mapping) for m in load_maps if (mapping := m.mapping()) is not None}
-    maps = mappings.ProcessMaps([file for file, _ in ours.values()])
+    live = [(m.file, mapping) for m in load_maps if (mapping := m.mapping()) is not None]
+    maps = mappings.ProcessMaps([file for file, _ in live])  # which answers with these very objects
+    ours = {id(file): mapping for file, mapping in live}
     written = mappings.WrittenPages()
     sources: dict[tuple[int, int], _Source | None] = {}
     copies: list[rebuild.Own] = []
@@ -244,7 +245,7 @@ def _plan(packed: rebuild.Packed, load_maps: Sequence[LoadMap]) -> _Plan:
                     last, last_clean = fm, not written.any(fm.start, fm.end, fm.start, fm.end - fm.start)
             if fm is not None:
                 if (fm.dev, fm.ino) not in sources:
-                    sources[(fm.dev, fm.ino)] = _open_source(fm, len(sources), ours.get(id(fm), (fm, None))[1])
+                    sources[(fm.dev, fm.ino)] = _open_source(fm, len(sources), ours.get(id(fm)))
                 src = sources[(fm.dev, fm.ino)]
                 at = fm.offset + address - fm.start
                 if src is not None and at + own.nbytes <= src.identity["size"]:
