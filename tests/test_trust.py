@@ -149,3 +149,48 @@ def test_a_stopped_daemon_costs_a_load_3_s_at_most_and_caching_resumes(overmind_
     loading.clear_fallbacks()
     loading.cached(tiny_modules.build, "mlp", 6, width=16)
     assert loading.calls().get("hit", 0) == hits + 1 and not loading.fallbacks(), "caching resumes after SIGCONT"
+
+
+def stop_the_daemon_then_build(pid: int, seed: int) -> torch.nn.Module:
+    """A load during which the daemon stops answering: it granted the load, then SIGSTOP."""
+    import signal
+
+    os.kill(pid, signal.SIGSTOP)
+    return tiny_modules.build("mlp", seed, width=16)
+
+
+def test_a_daemon_stopped_while_a_miss_loads_costs_it_one_wait(overmind_home: Path) -> None:
+    """Note [Two kinds of waiting]: the daemon grants a miss, then stops answering while it loads. The
+    publish waits 3 s and gives the daemon up; the abandon and the fallback report after it fail at once
+    on the closed connection (each waited 3 s more before: 6 s in all). After SIGCONT the daemon has
+    released the load it granted (the next lookup of that call may load), and caching resumes."""
+    import signal
+
+    from kernel_server import Client
+    from kernel_server.lifecycle import daemon_pid
+    from overmind_jupyter import keys
+
+    loading.cached(tiny_modules.build, "mlp", 6, width=16)  # a daemon, and this process's connection to it
+    pid = daemon_pid(overmind_home)
+    assert pid is not None
+    loading.clear_fallbacks()
+    try:
+        started = time.monotonic()
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            model = loading.cached(stop_the_daemon_then_build, pid, 5)
+        took = time.monotonic() - started
+        assert same(model, tiny_modules.build("mlp", 5, width=16))
+        assert took < 3.5, f"a load whose daemon stopped while it loaded waited {took:.1f} s"
+        [fallback] = loading.fallbacks()
+        assert fallback["kind"] == "publish" and "did not answer within 3 s" in fallback["reason"], fallback
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    with Client(overmind_home, role="test") as other:
+        key = keys.make_key(stop_the_daemon_then_build, (pid, 5), {}).key
+        assert other.request("lookup", key=key, wait=False)["status"] == "load", "the granted load was released"
+        other.request("abandon", key=key)
+    hits = loading.calls().get("hit", 0)
+    loading.clear_fallbacks()
+    loading.cached(tiny_modules.build, "mlp", 6, width=16)
+    assert loading.calls().get("hit", 0) == hits + 1 and not loading.fallbacks(), "caching resumes after SIGCONT"
