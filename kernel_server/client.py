@@ -70,11 +70,10 @@ __all__ = ["ANSWER_TIMEOUT", "Client", "Response", "existing_shared_client", "re
 # holds a lookup for another kernel's load.
 # Any request that waits at most ANSWER_TIMEOUT is owed a prompt answer, so its timeout gives the daemon
 # up too, whatever the request: the connection is closed before DaemonHung is raised. The daemon stopped
-# while a miss loaded, say: the RESERVE or PUBLISH after the load waits 3 s, and the ABANDON and the
-# fallback report that follow then fail at once on the closed connection, instead of waiting 3 s more
-# each (a load cost 6 s that way). Nothing is lost by not sending them: once it runs again, the daemon
-# reads the connection's end and releases all it held, the load it granted included (the next waiter
-# loads).
+# while a miss loaded, say: the RESERVE or PUBLISH after the load waits 3 s, and the ABANDON that
+# follows fails at once on the closed connection instead of waiting 3 s more (a load cost 6 s that way).
+# Nothing is lost by not sending it: once it runs again, the daemon reads the connection's end and
+# releases all it held, the load it granted included (the next waiter loads).
 ANSWER_TIMEOUT = 3.0
 _TURN = 0.002  # see Note [Who reads the socket]
 _BRIEF = 0.05  # see Note [Requests from finalizers]

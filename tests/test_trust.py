@@ -161,8 +161,8 @@ def stop_the_daemon_then_build(pid: int, seed: int) -> torch.nn.Module:
 
 def test_a_daemon_stopped_while_a_miss_loads_costs_it_one_wait(overmind_home: Path) -> None:
     """Note [Two kinds of waiting]: the daemon grants a miss, then stops answering while it loads. The
-    publish waits 3 s and gives the daemon up; the abandon and the fallback report after it fail at once
-    on the closed connection (each waited 3 s more before: 6 s in all). After SIGCONT the daemon has
+    publish waits 3 s and gives the daemon up; the abandon after it fails at once on the closed connection
+    (it waited 3 s more before: 6 s in all). After SIGCONT the daemon has
     released the load it granted (the next lookup of that call may load), and caching resumes."""
     import signal
 
