@@ -5,7 +5,7 @@ paths written in it. keys.py keys each read (Note [What a function reads]).
 `cached(fn)` keys a function by its code, defaults, closure and the globals it names (Note [Never stale]
 in keys.py). Three more reads decide what it returns, and each is found in its bytecode:
 - an attribute reached through a module of the user's own (`helpers.SCALE`, `helpers.sub.PATH`, a module
-  beside the notebook, which no installed distribution provides): keyed by the value it has now, so an
+  beside the notebook, not installed: Note [Installed code]): keyed by the value it has now, so an
   edited module, reloaded, or an attribute set in a cell, is another key. A library's or the standard
   library's module stays keyed by its name: its version is in the key;
 - the environment: `os.environ[NAME]`, `os.environ.get(NAME)`, `os.getenv(NAME)`, `NAME in os.environ`,
@@ -24,18 +24,18 @@ from __future__ import annotations
 import dis
 import functools
 import os
+import site
 import sys
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass
-from importlib import metadata
 
 __all__ = ["Read", "is_users_module", "path_constants", "reads"]
 
 _ROOTS = {"LOAD_GLOBAL", "LOAD_NAME", "LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_BORROW"}
 _ATTRS = {"LOAD_ATTR", "LOAD_METHOD"}
 _STORES = {"STORE_FAST", "STORE_NAME", "STORE_GLOBAL"}
-# Libraries whose modules are never the user's, named without asking the installed metadata (the loaders'
+# Libraries whose modules are never the user's, named without looking where their files lie (the loaders'
 # own, on every key): their code is keyed by their versions.
 _LIBRARIES = frozenset({"transformers", "diffusers", "peft", "torch", "accelerate", "huggingface_hub",
                         "safetensors", "sentence_transformers", "tokenizers", "numpy", "overmind_jupyter"})
@@ -110,21 +110,47 @@ def path_constants(code: types.CodeType, cwd: str) -> dict[str, str]:
 
 
 def is_users_module(module: str) -> bool:
-    """Whether `module` is the user's own code: the notebook (`__main__`), or a module that neither the
-    standard library nor an installed distribution provides (a module beside the notebook)."""
+    """Whether `module` is the user's own code: the notebook (`__main__`), or a module that is neither the
+    standard library's nor installed (a module beside the notebook, a package of the user's installed in
+    place); see Note [Installed code]."""
     top = module.split(".")[0]
     if top == "__main__":
         return True
     if top in _LIBRARIES or top in sys.stdlib_module_names or top in sys.builtin_module_names:
         return False
-    return top not in _distributed()
+    installed = _installed_folders(tuple(sys.path))
+    return not any(os.path.realpath(place).startswith(installed) for place in _places(sys.modules.get(top)))
+
+
+# Note [Installed code]
+# Installed code is what lies in a folder of installed packages: site-packages (the environment's, the
+# user's, or one on sys.path, as Debian's dist-packages). That is where pip, conda and the system's packages
+# put a distribution's modules. A module elsewhere is the user's, and is keyed by what it holds: one beside
+# the notebook, a package installed in place (`pip install -e`, whose files stay in the user's folder),
+# one on PYTHONPATH, one made in memory. Being the user's is the safe side of a wrong answer: its
+# attributes are keyed by value (Note [What a function reads]), where an installed module's are keyed by
+# its name alone.
+# It used to be asked of the installed distributions' metadata (`importlib.metadata.packages_distributions`),
+# whose parse of every distribution's METADATA and RECORD took 0.1-0.3 s of the first call that keyed a
+# module of the user's (0.7 s on a busy machine), and which also counted as installed a name some
+# distribution declared, whatever file was imported under it.
+def _places(module: types.ModuleType | None) -> list[str]:
+    """The file `module` was imported from, or else the folders of a namespace package; none for one
+    made in memory."""
+    if module is None:
+        return []
+    file = getattr(module, "__file__", None)
+    if isinstance(file, str):
+        return [file]
+    return [p for p in getattr(module, "__path__", ()) if isinstance(p, str)]
 
 
 @functools.cache
-def _distributed() -> frozenset[str]:
-    """The top-level names installed distributions provide, read once per process (tens of ms: only a
-    module the names above do not settle asks)."""
-    return frozenset(metadata.packages_distributions())
+def _installed_folders(path: tuple[str, ...]) -> tuple[str, ...]:
+    """The folders of installed packages, real paths ending in a separator, for sys.path `path`."""
+    folders = {*site.getsitepackages(), site.getusersitepackages()}
+    folders.update(p for p in path if os.path.basename(os.path.normpath(p)) in ("site-packages", "dist-packages"))
+    return tuple(os.path.join(os.path.realpath(folder), "") for folder in folders if folder)
 
 
 def _codes(code: types.CodeType) -> Iterator[types.CodeType]:

@@ -325,6 +325,38 @@ def test_a_function_is_keyed_by_the_module_attributes_it_reads(overmind_home: Pa
     assert [g["calls"] for g in got] == [{"miss": 1}, {"miss": 1}, {"hit": 1}]
 
 
+WHOSE = """
+    import json, sys, types
+    sys.path.insert(0, {beside!r})
+    import six, webencodings, beside_the_notebook, kernel_server  # webencodings: the one beside the notebook
+    from overmind_jupyter.reads import is_users_module
+    sys.modules["made_in_memory"] = types.ModuleType("made_in_memory")
+    opened = []
+    sys.addaudithook(lambda event, args: opened.append(str(args[0])) if event == "open" else None)
+    names = ["beside_the_notebook", "webencodings", "kernel_server.client", "made_in_memory", "__main__", "six",
+             "json.decoder", "torch.nn"]
+    whose = {{name: is_users_module(name) for name in names}}
+    print(json.dumps({{"whose": whose, "metadata": [p for p in opened if "-info" in p],
+                      "webencodings": webencodings.__file__}}))
+"""
+
+
+def test_whose_module_it_is_is_told_by_where_its_files_lie(tmp_path: Path) -> None:
+    """Note [Installed code] in reads.py. The user's: a module beside the notebook, one named like an
+    installed distribution's module (`webencodings`) but imported from beside the notebook, a package
+    installed in place (this repository's kernel_server), a module made in memory, the notebook. Not the
+    user's: a module from site-packages (`six`), the standard library's, torch. Telling them apart opens
+    no distribution's metadata (reading all of it took 0.1-0.3 s of a first call)."""
+    (tmp_path / "beside_the_notebook.py").write_text("SCALE = 2\n")
+    (tmp_path / "webencodings.py").write_text("SCALE = 3\n")
+    got = last_json(run_py(WHOSE.format(beside=str(tmp_path))))
+    assert got["webencodings"] == str(tmp_path / "webencodings.py")
+    assert got["whose"] == {"beside_the_notebook": True, "webencodings": True, "kernel_server.client": True,
+                            "made_in_memory": True, "__main__": True, "six": False, "json.decoder": False,
+                            "torch.nn": False}
+    assert got["metadata"] == [], "telling whose a module is reads no distribution's metadata"
+
+
 def test_a_checkpoint_replaced_under_a_literal_path_is_a_miss(overmind_home: Path, tmp_path: Path) -> None:
     """The path written in the function's body names a checkpoint that is replaced between two kernels."""
     checkpoint, other = tmp_path / "model", demo_models.build_llama(tmp_path / "other", "tiny", seed=1)
