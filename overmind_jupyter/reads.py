@@ -132,7 +132,7 @@ def is_users_module(module: str) -> bool:
 # its name alone.
 # It used to be asked of the installed distributions' metadata (`importlib.metadata.packages_distributions`),
 # whose parse of every distribution's METADATA and RECORD took 0.1-0.3 s of the first call that keyed a
-# module of the user's (0.7 s on a busy machine), and which also counted as installed a name some
+# module of the user's (about 0.7 s in CI), and which also counted as installed a name some
 # distribution declared, whatever file was imported under it.
 def _places(module: types.ModuleType | None) -> list[str]:
     """The file `module` was imported from, or else the folders of a namespace package; none for one
