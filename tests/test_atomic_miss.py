@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from kernel_server import Client
+from kernel_server.compaction import _CHUNK as COMPACTION_CHUNK
 from overmind_jupyter import demo_models, load_maps, loading, rebuild
 from tests.helpers import tiny_modules
 from tests.helpers.faults_helpers import wait_until
@@ -435,9 +436,6 @@ def test_status_widget_and_cli_show_the_copy_left_with_its_model_percent_and_tim
     assert "copying" not in format_status(overmind_jupyter.status())
     del model
     client.close()
-
-
-COMPACTION_CHUNK = 32 << 20  # kernel_server/compaction.py's _CHUNK
 
 
 def arenas_of(client: Client, key: str) -> dict[int, int]:
