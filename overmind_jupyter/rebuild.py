@@ -231,7 +231,10 @@ class _Placer:
                 intact = self.intact[id(span.source)] = span.source.intact()
             if not intact:
                 return False
-        return self.trust_mappings or not self.written.any(span.start, span.end, address, nbytes)
+        if self.trust_mappings:
+            return True
+        low, high = span.extent  # asked once per mapping, not per span (Note [Finding written pages] in mappings.py)
+        return not self.written.any(low, high, address, nbytes)
 
 
 def _reduce_ordered_dict(d: collections.OrderedDict[Any, Any]) -> tuple[Any, ...]:

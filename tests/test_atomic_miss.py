@@ -216,6 +216,48 @@ def test_a_same_dtype_miss_leaves_its_tensors_on_the_one_mapping_its_load_made(
     assert rebuild.entry_of(first) is None, "the registry lets the mapping go with the model"
 
 
+KEY_PROBE = """
+    import json, sys, torch
+    from transformers import AutoModelForCausalLM
+    from overmind_jupyter import loading, rebuild
+    opens = []
+    sys.addaudithook(lambda event, args: opens.append(args[0]) if event == "open" else None)
+    m = loading.cached(AutoModelForCausalLM.from_pretrained, sys.argv[1], dtype=torch.bfloat16)
+    key, _ = rebuild.entry_of(m.model.norm.weight.data_ptr())
+    del opens[:]
+    found = loading.result_key(m)
+    asked = sum(path == "/proc/self/pagemap" for path in opens)
+    with torch.no_grad():
+        m.model.layers[1].mlp.down_proj.weight.mul_(2)
+    print(json.dumps({"calls": loading.calls(), "fallbacks": loading.fallbacks(), "same": found == key,
+                      "asked": asked, "storages": len({p.untyped_storage().data_ptr() for p in m.parameters()}),
+                      "after_write": loading.result_key(m)}))
+"""
+
+
+def test_the_key_of_a_model_on_its_checkpoint_asks_for_written_pages_once_per_mapping(
+        overmind_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A same-dtype model passed to a cached call (a base model given to PeftModel.from_pretrained) is
+    keyed by its entry once `pack` has found its storages unwritten (Note [References] in results.py).
+    Its checkpoint's mapping holds a span per piece, and the kernel is asked about written pages once for
+    that mapping, not once per span (Note [Finding written pages] in mappings.py): after the miss, and
+    after a hit whose pieces are still pending (compaction off here). A page written since is found all
+    the same."""
+    monkeypatch.setenv("OVERMIND_COMPACT", "0")
+    path = demo_models.build_llama(tmp_path / "m", "tiny", num_hidden_layers=2)
+    miss = last_json(run_py(KEY_PROBE.replace("sys.argv[1]", repr(str(path)))))
+    hit = last_json(run_py(KEY_PROBE.replace("sys.argv[1]", repr(str(path)))))
+    assert (miss["calls"], hit["calls"]) == ({"miss": 1}, {"hit": 1})
+    for got in (miss, hit):
+        assert got["same"] and not got["fallbacks"]
+        assert got["storages"] >= 15, "a span per piece: many spans on the checkpoint's mapping"
+        assert 1 <= got["asked"] <= 2, f"one question per mapping (the checkpoint's, the arena's): {got['asked']}"
+        assert got["after_write"] is None, "a page written since makes it another object"
+    client = Client(overmind_home, role="test")
+    assert entries(client)[0]["pending"] is not None, "the hit mapped the checkpoint"
+    client.close()
+
+
 def test_a_miss_whose_file_torch_mapped_moves_its_tensors_onto_a_mapping_of_ours(
         overmind_home: Path, tmp_path: Path) -> None:
     """Where torch's own `from_file` mapped the checkpoint (a load on a worker thread, outside the
