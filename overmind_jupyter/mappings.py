@@ -64,7 +64,7 @@ __all__ = [
     "WrittenPages",
     "entry_of",
     "file_mapping_of",
-    "find",
+    "finder",
     "register",
     "span_of",
 ]
@@ -212,6 +212,7 @@ def register(mapping: mmap.mmap, key: str, pin: Pin | None, pieces: list[tuple[i
 
 _start_of = operator.attrgetter("start")
 _end_of = operator.attrgetter("end")
+_base_of = operator.itemgetter(3)  # of a record: (mapping, offset in it, length, arena offset)
 
 
 def span_of(address: int) -> Span | None:
@@ -231,16 +232,26 @@ def entry_of(address: int) -> tuple[str, int] | None:
     return None if span is None else (span.key, span.offset(address))
 
 
-def find(key: str, offset: int, nbytes: int) -> tuple[mmap.mmap, int] | None:
-    """A live mapping of this process that holds bytes [offset, offset + nbytes) of entry `key`, and
-    where in it they start."""
+def finder(key: str) -> Callable[[int, int], tuple[mmap.mmap, int] | None]:
+    """`find(offset, nbytes)`: a live mapping of this process that holds bytes [offset, offset + nbytes)
+    of entry `key`, and where in it they start. The records of the entry's mappings are taken once and
+    sorted by arena offset, for a skeleton that asks for every storage of its graph: a checkpoint's
+    mapping has a record per piece, and one look through them all per storage took 2 ms of a 1.1B
+    model's skeleton. Of the records that hold the bytes, the one that starts nearest below them
+    answers: a pending piece's file rather than the arena around it."""
     with _lock:
-        records = list(_by_key.get(key, []))
-    for ref, at, length, base in records:
-        m = ref()
-        if m is not None and base <= offset and offset + nbytes <= base + length:
-            return m, at + offset - base
-    return None
+        records = sorted(_by_key.get(key, []), key=_base_of)
+    bases = [base for _, _, _, base in records]
+
+    def find(offset: int, nbytes: int) -> tuple[mmap.mmap, int] | None:
+        for i in range(bisect.bisect_right(bases, offset) - 1, -1, -1):
+            ref, at, length, base = records[i]
+            m = ref() if offset + nbytes <= base + length else None
+            if m is not None:
+                return m, at + offset - base
+        return None
+
+    return find
 
 
 class _ScanArg(ctypes.Structure):

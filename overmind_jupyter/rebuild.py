@@ -530,6 +530,8 @@ class _Rebuild:
         self.placeholders: dict[str, Any] | None = None  # skeleton mode
         # the mapping of the own arena, when it holds every byte of it (no pending pieces)
         self.own_mapping: mmap.mmap | None = None
+        # a skeleton's: where an entry's bytes lie in this process's mappings, by entry key
+        self.finders: dict[str, Callable[[int, int], tuple[mmap.mmap, int] | None]] = {}
 
     def argument(self, path: str, cls: type) -> Any:
         if self.placeholders is not None:
@@ -553,7 +555,10 @@ class _Rebuild:
         in it: the entry's arena, or the checkpoint file of a pending piece (Note [Pending pieces] in
         kernel_server/store.py); for a skeleton, whatever mapping of this process holds them."""
         if self.arenas is None:
-            found = mappings.find(key, offset, nbytes)
+            find = self.finders.get(key)
+            if find is None:
+                find = self.finders[key] = mappings.finder(key)
+            found = find(offset, nbytes)
             if found is None:
                 raise CorruptEntry(f"no live mapping of entry {key[:16]} in this process")
             return found

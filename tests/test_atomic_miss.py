@@ -529,6 +529,42 @@ def test_written_pages_are_found_alike_by_the_scan_and_by_reading_pagemap(tmp_pa
     m.close()
 
 
+def test_a_skeleton_finds_a_pending_piece_in_its_file_before_the_arena_around_it(tmp_path: Path) -> None:
+    """A hit of an entry whose pieces are pending maps its arena and its checkpoint, both registered
+    under the entry's key: the arena whole, the checkpoint a record per piece. The finder a skeleton asks
+    (`mappings.finder`) answers a piece's bytes with the checkpoint's mapping, which holds them, not with
+    the arena's range around it, still empty there; other bytes with the arena; and once the checkpoint's
+    mapping is gone, with the arena."""
+    import mmap
+
+    from kernel_server.arena import PAGE, map_private
+    from overmind_jupyter import mappings
+
+    key = "a-pending-entry"
+    arena_mapping = mmap.mmap(-1, 8 * PAGE)
+    file = tmp_path / "weights.bin"
+    file.write_bytes(os.urandom(4 * PAGE))
+    with open(file, "rb") as f:
+        checkpoint = map_private(f.fileno(), 4 * PAGE)  # as a hit maps a pending piece's file
+    forget = mappings.register(arena_mapping, key, None)
+    # two pieces: the arena's [2, 3) pages are the file's [0, 1), its [5, 7) the file's [2, 4)
+    mappings.register(checkpoint, key, None, [(0, PAGE, 2 * PAGE), (2 * PAGE, 2 * PAGE, 5 * PAGE)])
+    find = mappings.finder(key)
+    assert find(2 * PAGE + 10, 100) == (checkpoint, 10)
+    assert find(6 * PAGE, PAGE) == (checkpoint, 3 * PAGE)
+    assert find(0, PAGE) == (arena_mapping, 0)
+    assert find(3 * PAGE, 2 * PAGE) == (arena_mapping, 3 * PAGE), "between the pieces"
+    assert find(2 * PAGE + 10, PAGE) == (arena_mapping, 2 * PAGE + 10), "past a piece's end: the arena holds it"
+    assert find(7 * PAGE, 2 * PAGE) is None, "past the arena's end"
+    del checkpoint
+    gc.collect()
+    assert find(2 * PAGE + 10, 100) == (arena_mapping, 2 * PAGE + 10), "a mapping gone: the one left"
+    assert mappings.finder(key)(6 * PAGE, PAGE) == (arena_mapping, 6 * PAGE)
+    forget()
+    assert mappings.finder(key)(0, PAGE) is None
+    arena_mapping.close()
+
+
 def test_file_mappings_are_found_alike_by_the_query_and_by_reading_maps(tmp_path: Path) -> None:
     """Which file maps a storage (Note [Finding file mappings] in mappings.py): the PROCMAP_QUERY ioctl
     says what /proc/self/maps says, for a private and a shared mapping of a file (at its offset), an
