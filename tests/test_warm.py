@@ -219,8 +219,12 @@ def test_every_start_forks_a_fresh_kernel_and_interrupt_and_shutdown_work(warm: 
         assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "KeyboardInterrupt"
         assert time.perf_counter() - started < 10
         # the same kernel goes on (read from the execute reply: a loaded machine may publish a cell's
-        # stdout after its idle status)
-        after = kc.execute_interactive("", user_expressions={"pid": "__import__('os').getpid()"}, timeout=60)
+        # stdout after its idle status). ipykernel aborts an execute request that reaches it before it has
+        # finished handling the error it just replied with (ipython/ipykernel#609): ask again then.
+        after = wait_until(lambda: (r := kc.execute_interactive(
+            "", user_expressions={"pid": "__import__('os').getpid()"}, timeout=60))["content"]["status"] != "aborted"
+            and r, what="a cell after the interrupt to run")
+        assert after["content"]["status"] == "ok", after["content"]
         assert after["content"]["user_expressions"]["pid"]["data"]["text/plain"] == str(third["pid"])
     finally:
         kc.stop_channels()
