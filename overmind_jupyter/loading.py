@@ -15,6 +15,7 @@ call itself propagates unchanged, and its load is abandoned so that no entry is 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -144,17 +145,12 @@ def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
         client, reply = _lookup(ck.key)
         drawn = reply["entries"][0]["meta"].get("random") if reply["status"] == "hit" else None
         # Note [Random loads] in randomness.py: the result depends on these generators' state
+        called = ck
         if isinstance(drawn, list):
             _release_hit(client, reply)
             if _draws_on_device(label, drawn, device):
                 return _AS_CALLED
-            ck = randomness.under_random_state(ck, randomness.only(randomness.random_state(), drawn))
-            client, reply = _lookup(ck.key)
-            if reply["status"] == "load":
-                tell_once(label, f"overmind: {label} draws random numbers while it loads, so it is cached for "
-                                 f"the state of the {' and '.join(drawn)} generator it starts from, and this "
-                                 "kernel's is another one: seed it (torch.manual_seed) before the load to share "
-                                 "one entry across restarts")
+            ck, client, reply = _random_lookup(ck, drawn)
     except DaemonError as exc:
         full = isinstance(exc, RemoteError) and exc.code == "descriptors_exhausted"  # Note [Descriptor budget]
         fall_back(label, "descriptors" if full else "daemon", str(exc))
@@ -177,13 +173,56 @@ def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
     from . import staging
 
     with staging.staged(client, ck.key, client.home, options.backing) as stage:  # Note [Staged conversions]
-        return _miss(client, ck, fn, args, kwargs, replay, device, stage, progress.MissClock(started))
+        return _miss(client, ck, fn, args, kwargs, replay, device, stage, progress.MissClock(started),
+                     called if ck.meta.get("random") == "replayed" else None)
+
+
+def _random_lookup(ck: keys.CallKey, drawn: list[str]) -> tuple[keys.CallKey, Client, Response[LookupReply]]:
+    """The key to load or map for a call whose marker says that its load draws from the generators
+    `drawn`, with the connection and the lookup's answer (Note [Random loads] in randomness.py): the key
+    of a result that does not depend on the draws (Note [Replayed draws] in draws.py), else that of the
+    generators' state, which a seeded kernel finds first."""
+    if randomness.replayable(drawn):
+        followed = randomness.replayed(ck)
+        client, reply = _lookup(followed.key)
+        if reply["status"] == "hit":
+            if not isinstance(reply["entries"][0]["meta"].get("random"), list):
+                return followed, client, reply
+            _release_hit(client, reply)  # a marker: the result depends on the draws
+        elif reply["status"] == "load":  # this connection loads it, unless this state's entry is there
+            keyed = randomness.under_random_state(ck, randomness.only(randomness.random_state(), drawn))
+            state = client.request(Op.LOOKUP, key=keyed.key, wait=False, timeout=ANSWER_TIMEOUT)
+            if state["status"] == "hit":
+                _abandon(client, followed.key)
+                return keyed, client, state
+            if state["status"] == "load":
+                _abandon(client, keyed.key)
+            return followed, client, reply
+    keyed = randomness.under_random_state(ck, randomness.only(randomness.random_state(), drawn))
+    client, reply = _lookup(keyed.key)
+    if reply["status"] == "load":
+        _tell_seed(ck.label, drawn)
+    return keyed, client, reply
+
+
+def _tell_seed(label: str, drawn: list[str], why: str = "") -> None:
+    tell_once(label, f"overmind: {label} draws random numbers while it loads{why}, so it is cached for the "
+                     f"state of the {' and '.join(drawn)} generator it starts from, and this kernel's is another "
+                     "one: seed it (torch.manual_seed) before the load to share one entry across restarts")
 
 
 def _miss(client: Client, ck: keys.CallKey, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-          replay: Replay, device: Any, stage: Stage | None, clock: progress.MissClock) -> Any:
-    """Load `ck` (this connection is its loader) and publish it before returning; or `_AS_CALLED`."""
+          replay: Replay, device: Any, stage: Stage | None, clock: progress.MissClock,
+          called: keys.CallKey | None = None) -> Any:
+    """Load `ck` (this connection is its loader) and publish it before returning; or `_AS_CALLED`.
+    `called`: the call's own key where `ck` is the key of its result without the draws, and the load is
+    followed (Note [Replayed draws] in draws.py)."""
     label = ck.label
+    following: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    if called is not None:
+        from . import draws
+
+        following = draws.following()
     try:  # this connection is the loader now: whatever ends the call abandons the load
         # The generators' state as the load starts: a plain hit needs none (nothing since the call began
         # drew a random number), and reading them all costs a millisecond (Note [Random loads]).
@@ -191,7 +230,8 @@ def _miss(client: Client, ck: keys.CallKey, fn: Callable[..., Any], args: tuple[
         progress.flush_hit_times(client)
         loaded = time.perf_counter()
         with (load_log() as said, progress.loading(client, ck.key, ck.label),  # Note [Load progress]
-              load_maps.files_mapped() as maps):  # Note [Files the load maps] in load_maps.py
+              load_maps.files_mapped() as maps,  # Note [Files the load maps] in load_maps.py
+              following as drew):
             obj = fn(*args, **kwargs)
         clock.load_s = time.perf_counter() - loaded  # Note [Miss times] in progress.py
     except BaseException:
@@ -206,7 +246,19 @@ def _miss(client: Client, ck: keys.CallKey, fn: Callable[..., Any], args: tuple[
         return obj
     after = randomness.random_state()
     drawn = randomness.drawn(before, after)
-    if drawn and not ck.meta.get("random"):  # it drew random numbers: Note [Random loads]
+    if called is not None and drawn:  # Note [Replayed draws] in draws.py
+        why = drew.independent() or ("" if randomness.replayable(drawn) else
+                                     f"it drew from the {' and '.join(drawn)} generators")
+        if not why and not draws.replays(drew.ops, dict(before)["torch"], dict(after)["torch"]):
+            why = "replaying its draws did not give the generator's state after it"
+        if not why:
+            _publish(client, ck, obj, replay, (("torch-draws", drew.ops),), stage, maps, clock)
+        else:
+            _tell_seed(label, drawn, f" and its result depends on them ({why})")
+            keyed = _mark_random(client, called, randomness.only(before, drawn), drawn, marker=ck)
+            if keyed is not None:
+                _publish(client, keyed, obj, replay, randomness.only(after, drawn), stage, maps, clock)
+    elif drawn and not ck.meta.get("random"):  # it drew random numbers: Note [Random loads]
         keyed = _mark_random(client, ck, randomness.only(before, drawn), drawn)
         if keyed is not None:
             _publish(client, keyed, obj, replay, randomness.only(after, drawn), stage, maps, clock)
@@ -239,20 +291,22 @@ def _draws_on_device(label: str, drawn: list[str], device: Any) -> bool:
     return True
 
 
-def _mark_random(client: Client, ck: keys.CallKey, state: tuple[Any, ...], drawn: list[str]) -> keys.CallKey | None:
-    """Turn `ck` (whose load this connection holds) into a marker that sends lookups to the key of the
-    generators' state, and return that key if this connection may load it; None leaves the result
-    uncached (another kernel holds or loads that key, or the daemon went away)."""
+def _mark_random(client: Client, ck: keys.CallKey, state: tuple[Any, ...], drawn: list[str],
+                 marker: keys.CallKey | None = None) -> keys.CallKey | None:
+    """Turn `marker` (default `ck`; this connection holds its load) into a marker that sends lookups to
+    the key of `ck` for the generators' state, and return that key if this connection may load it; None
+    leaves the result uncached (another kernel holds or loads that key, or the daemon went away)."""
     from . import publishing
 
+    marker = marker or ck
     keyed = randomness.under_random_state(ck, state)
     try:
         reply = client.request(Op.LOOKUP, key=keyed.key, wait=False, timeout=ANSWER_TIMEOUT)
         if reply["status"] == "hit":
             _release_hit(client, reply)
-        publishing.publish_marker(client, ck.key, ck.meta | {"random": drawn})
+        publishing.publish_marker(client, marker.key, marker.meta | {"random": drawn})
     except (DaemonError, PublishError) as exc:
-        _abandon(client, ck.key)
+        _abandon(client, marker.key)
         fall_back(ck.label, "publish", f"it was loaded normally but not cached: {exc}")
         return None
     return keyed if reply["status"] == "load" else None

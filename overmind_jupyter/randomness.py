@@ -6,7 +6,7 @@ from typing import Any
 
 from . import keys
 
-__all__ = ["drawn", "only", "random_state", "set_random_state", "under_random_state"]
+__all__ = ["drawn", "only", "random_state", "replayable", "replayed", "set_random_state", "under_random_state"]
 
 # Note [Random loads]
 # A hit must leave the process as the plain load would (docs/design.md, invariant 2), random numbers
@@ -20,7 +20,8 @@ __all__ = ["drawn", "only", "random_state", "set_random_state", "under_random_st
 # that sends the next lookup to the key of their current state. So two kernels with different seeds get
 # their own weights, a restarted kernel that runs the same cells from the same seed is a hit, and the next
 # random number after a hit is the one a plain run would draw. A full checkpoint's load draws nothing and
-# is keyed as it is.
+# is keyed as it is. A load whose result does not depend on what it draws from torch's generator (PEFT's)
+# is shared across states too: Note [Replayed draws] in draws.py.
 
 def under_random_state(ck: keys.CallKey, state: tuple[Any, ...]) -> keys.CallKey:
     """The key of `ck` for the generators' `state` (Note [Random loads])."""
@@ -30,6 +31,22 @@ def under_random_state(ck: keys.CallKey, state: tuple[Any, ...]) -> keys.CallKey
 
     digest = hashlib.sha256(ck.key.encode() + pickle.dumps(state, protocol=4)).hexdigest()
     return dataclasses.replace(ck, key=digest, meta=ck.meta | {"random": "state"})
+
+
+def replayed(ck: keys.CallKey) -> keys.CallKey:
+    """The key of `ck` for a result that does not depend on the draws, which a hit replays (Note
+    [Replayed draws] in draws.py)."""
+    import dataclasses
+    import hashlib
+
+    digest = hashlib.sha256(ck.key.encode() + b"\0draws replayed").hexdigest()
+    return dataclasses.replace(ck, key=digest, meta=ck.meta | {"random": "replayed"})
+
+
+def replayable(drawn: list[str]) -> bool:
+    """Whether a load that drew from the generators `drawn` may be followed to replay its draws: torch's
+    CPU generator alone (Note [Replayed draws] in draws.py)."""
+    return drawn == ["torch"]
 
 
 def drawn(before: tuple[Any, ...], after: tuple[Any, ...]) -> list[str]:
@@ -83,3 +100,7 @@ def set_random_state(states: tuple[Any, ...]) -> None:
             numpy.random.set_state((kind, numpy.frombuffer(keys_, dtype=numpy.uint32).copy(), pos, has_gauss, gauss))
         elif name == "python":
             random.setstate(state)
+        elif name == "torch-draws":  # Note [Replayed draws] in draws.py
+            from . import draws
+
+            draws.replay(state)

@@ -391,12 +391,18 @@ def test_a_head_the_checkpoint_lacks_follows_each_kernels_seed(overmind_home: Pa
     """Two kernels with different seeds load a causal-LM checkpoint as a classifier (its head is
     initialised randomly): each gets what a plain load gives for its seed, and its next random numbers
     are a plain run's. A kernel restarted with the same seed is a hit with the same head and draws
-    (Note [Random loads])."""
+    (Note [Random loads]). The second kernel's miss is followed and finds the head's random values in the
+    result (Note [Replayed draws] in draws.py), and says so."""
+    told = []
+
     def run(seed: int, cached: bool) -> dict:
-        return last_json(run_py(RANDOM_HEAD.format(seed=seed, path=str(tiny_llama), cached=cached)))
+        proc = run_py(RANDOM_HEAD.format(seed=seed, path=str(tiny_llama), cached=cached))
+        told.append(proc.stderr)
+        return last_json(proc)
 
     plain = {seed: run(seed, False) for seed in (1, 2)}
     first = {seed: run(seed, True) for seed in (1, 2)}
+    assert "its result depends on them (random values outlive the load in 1 storage)" in told[-1], told[-1]
     again = run(1, True)
     for seed in (1, 2):
         assert (first[seed]["head"], first[seed]["rand"]) == (plain[seed]["head"], plain[seed]["rand"])

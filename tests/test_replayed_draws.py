@@ -1,0 +1,174 @@
+"""A load whose result does not depend on the random numbers it draws (PEFT's) is one entry for every
+state of the generator, and a hit replays its draws (Note [Replayed draws] in overmind_jupyter/draws.py)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from overmind_jupyter import demo_models, draws
+from tests.helpers.kernels import USER_THREAD, execute, kernel, kernel_env
+from tests.helpers.snippets import last_json, run_py
+
+# A notebook cell after a restart: the base model and an adapter through the patched loaders, as a user
+# runs them (progress bars on), with or without a seed of its own.
+PEFT_CELL = """
+import json, os, torch
+import overmind_jupyter
+from overmind_jupyter import loading
+SEED = {seed!r}
+if SEED is not None:
+    torch.manual_seed(SEED)
+if {cached}:
+    overmind_jupyter.enable()
+from transformers import AutoModelForCausalLM
+from peft import PeftModel
+base = AutoModelForCausalLM.from_pretrained({base!r}, dtype=torch.float32)
+model = PeftModel.from_pretrained(base, {adapter!r}, adapter_name="fr")
+ids = torch.arange(1, 9).unsqueeze(0)
+with torch.no_grad():
+    logits = model(ids).logits.double().sum().item()
+lora = {{n: p.double().sum().item() for n, p in model.named_parameters() if "lora_" in n}}
+print(json.dumps({{"logits": logits, "lora": lora, "rand": torch.rand(4).tolist(),
+                   "seed": torch.initial_seed(), "calls": loading.calls(),
+                   "fallbacks": [f["kind"] for f in loading.fallbacks()]}}))
+"""
+
+
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("replayed")
+    base = demo_models.build_llama(root / "llama", "tiny")
+    return base, demo_models.build_lora_adapters(base, root / "lora", ("fr",))["fr"]
+
+
+def test_an_adapter_is_a_hit_after_a_restart_with_any_seed_and_draws_as_plain(
+        overmind_home: Path, adapter: tuple[Path, Path]) -> None:
+    """A kernel restarted with its seed finds its state's entry; restarted with another seed, it misses
+    once more, followed; from then on every kernel, seeded or not, shares one entry. Each gets the plain
+    load's weights and logits, and its next random numbers are the ones a plain run from its state draws."""
+    base, path = adapter
+    env = kernel_env(MKL_CBWR="AUTO,STRICT")  # logits compared bit for bit (README, Limits)
+
+    def cell(seed: int | None, cached: bool) -> str:
+        return PEFT_CELL.format(seed=seed, cached=cached, base=str(base), adapter=str(path))
+
+    plain = {seed: last_json(run_py(cell(seed, False), env=env)) for seed in (1, 2, 3)}
+    got = []
+    with kernel(env) as (km, kc):
+        for seed in (1, 1, 2, 3, None):
+            if got:
+                km.restart_kernel(now=False)  # graceful, as the restart button
+                kc.wait_for_ready(timeout=120)
+            got.append(json.loads(execute(kc, USER_THREAD + cell(seed, True)).strip().splitlines()[-1]))
+    first, again, second, third, unseeded = got
+    assert first["calls"] == {"miss": 2}, "the first load: its draws are not known yet"
+    assert again["calls"] == {"hit": 2} and again | {"calls": None} == first | {"calls": None}, "its state's entry"
+    assert second["calls"] == {"hit": 1, "miss": 1}, "another state: the load is followed"
+    assert third["calls"] == {"hit": 2} and unseeded["calls"] == {"hit": 2}, "any state after that: a hit"
+    for seed, one in ((1, first), (2, second), (3, third)):
+        assert not one["fallbacks"]
+        assert (one["logits"], one["lora"]) == (plain[seed]["logits"], plain[seed]["lora"])
+        assert one["rand"] == plain[seed]["rand"], "the generator advanced as the plain load advances it"
+    assert unseeded["seed"] not in (1, 2, 3) and (unseeded["logits"], unseeded["lora"]) == (
+        plain[1]["logits"], plain[1]["lora"])
+    assert plain[1]["rand"] != plain[2]["rand"]
+
+
+# -- what the following sees, on torch's own operations ----------------------------------------------------
+
+def follow(load) -> tuple[draws.Draws, bytes, bytes, object]:  # type: ignore[no-untyped-def]
+    before = torch.random.get_rng_state().numpy().tobytes()
+    with draws.following() as drew:
+        result = load()
+    return drew, before, torch.random.get_rng_state().numpy().tobytes(), result
+
+
+def linear_then_checkpoint() -> torch.nn.Module:
+    """What PEFT does: a layer initialised at random, then overwritten as a whole from the checkpoint."""
+    layer = torch.nn.Linear(8, 4).to(torch.bfloat16).to(torch.float32)
+    with torch.no_grad():
+        layer.weight.copy_(torch.ones(4, 8))
+        layer.bias.zero_()
+    return layer
+
+
+def test_a_layer_overwritten_from_its_checkpoint_does_not_depend_on_the_draws() -> None:
+    drew, before, after, _ = follow(linear_then_checkpoint)
+    assert drew.independent() is None and len(drew.ops) == 2
+    assert draws.replays(drew.ops, before, after) and not draws.replays(drew.ops[:1], before, after)
+    torch.random.set_rng_state(torch.frombuffer(bytearray(before), dtype=torch.uint8))
+    draws.replay(drew.ops)
+    assert torch.random.get_rng_state().numpy().tobytes() == after
+
+
+@pytest.mark.parametrize("load, why", [  # each made inside the following: lambdas, not bound methods
+    (lambda: torch.nn.Linear(8, 4), "outlive the load"),
+    (lambda: torch.nn.Linear(8, 4).weight.to(torch.bfloat16), "outlive the load"),
+    (lambda: torch.nn.Linear(8, 4).weight.detach()[:2].clone(), "outlive the load"),  # noqa: PLW0108
+    (lambda: torch.zeros(4, 8).copy_(torch.nn.Linear(8, 4).weight), "outlive the load"),
+    (lambda: torch.zeros(8)[:4].copy_(torch.rand(4)), "outlive the load"),
+    (lambda: torch.rand(4, 8)[:2].zero_(), "outlive the load"),  # noqa: PLW0108
+    (lambda: torch.zeros(3) if torch.rand(1).item() > 2 else None, "aten._local_scalar_dense.default"),
+    (lambda: torch.zeros(3) if bool((torch.rand(2) > 2).any()) else None, "drawn at random"),
+    (lambda: torch.zeros(len(torch.rand(5).tolist())), "tolist() read values"),
+    (lambda: torch.zeros(int(torch.rand(3).numpy().sum() > 9)), "numpy() read values"),
+    (lambda: torch.nonzero(torch.rand(6) > 0.5).shape, "aten.nonzero.default read values"),
+    (lambda: torch.zeros(2).uniform_(generator=torch.Generator().manual_seed(0)), "generator of the load's own"),
+    (lambda: torch.multinomial(torch.ones(4), 2), "not replayed"),
+])
+def test_what_makes_a_result_depend_on_the_draws(load, why: str) -> None:  # type: ignore[no-untyped-def]
+    drew, _, _, result = follow(load)
+    assert why in (drew.independent() or ""), drew.verdict
+    del result
+
+
+def test_a_thread_the_load_starts_is_not_followed() -> None:
+    def load() -> torch.Tensor:
+        out = torch.zeros(4)
+        worker = threading.Thread(target=lambda: out.copy_(torch.ones(4)))
+        worker.start()
+        worker.join()
+        return out
+
+    drew, _, _, _ = follow(load)
+    assert "started a thread" in (drew.independent() or "")
+    assert threading.Thread.start is not None and threading.Thread.start.__name__ == "start", "put back"
+
+
+def test_a_draw_the_following_does_not_see_breaks_the_replay() -> None:
+    """A draw in a thread that was running already is not followed: the replay then leaves the generator
+    elsewhere, and the load is keyed by the state as before."""
+    go, done = threading.Event(), threading.Event()
+
+    def elsewhere() -> None:
+        go.wait()
+        torch.rand(16)
+        done.set()
+
+    worker = threading.Thread(target=elsewhere)
+    worker.start()
+
+    def load() -> torch.nn.Module:
+        layer = linear_then_checkpoint()
+        go.set()
+        done.wait()
+        return layer
+
+    drew, before, after, _ = follow(load)
+    worker.join()
+    assert drew.independent() is None
+    assert not draws.replays(drew.ops, before, after)
+
+
+def test_the_recorded_draws_pickle_as_the_entry_holds_them() -> None:
+    import pickle
+
+    drew, before, after, _ = follow(linear_then_checkpoint)
+    ops = pickle.loads(pickle.dumps(drew.ops, protocol=pickle.HIGHEST_PROTOCOL))
+    assert draws.replays(ops, before, after)
+    assert json.dumps([op[0] for op in ops]) == '["aten.uniform_.default", "aten.uniform_.default"]'
