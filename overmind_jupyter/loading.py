@@ -172,9 +172,11 @@ def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
         return fn(*args, **kwargs)
     from . import staging
 
+    # a load followed for its draws (Note [Replayed draws] in draws.py): the replayed key's, or PEFT's first
+    followed = ck.meta.get("random") == "replayed" or (ck is called and keys.owner_name(fn)[2] == "peft")
     with staging.staged(client, ck.key, client.home, options.backing) as stage:  # Note [Staged conversions]
         return _miss(client, ck, fn, args, kwargs, replay, device, stage, progress.MissClock(started),
-                     called if ck.meta.get("random") == "replayed" else None)
+                     called if followed else None)
 
 
 def _random_lookup(ck: keys.CallKey, drawn: list[str]) -> tuple[keys.CallKey, Client, Response[LookupReply]]:
@@ -206,17 +208,21 @@ def _random_lookup(ck: keys.CallKey, drawn: list[str]) -> tuple[keys.CallKey, Cl
 
 
 def _tell_seed(label: str, drawn: list[str], why: str = "") -> None:
-    tell_once(label, f"overmind: {label} draws random numbers while it loads{why}, so it is cached for the "
-                     f"state of the {' and '.join(drawn)} generator it starts from, and this kernel's is another "
-                     "one: seed it (torch.manual_seed) before the load to share one entry across restarts")
+    """Say that `label` is cached per state of the generators `drawn`: because its result depends on what
+    it draws (`why`: what showed it), or else because this kernel's state has no entry yet."""
+    cause = f" and its result depends on them ({why})" if why else ""
+    missed = "" if why else ", and this kernel's is another one"
+    tell_once(label, f"overmind: {label} draws random numbers while it loads{cause}, so it is cached for the "
+                     f"state of the {' and '.join(drawn)} generator it starts from{missed}: seed it "
+                     "(torch.manual_seed) before the load to share one entry across restarts")
 
 
 def _miss(client: Client, ck: keys.CallKey, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
           replay: Replay, device: Any, stage: Stage | None, clock: progress.MissClock,
           called: keys.CallKey | None = None) -> Any:
     """Load `ck` (this connection is its loader) and publish it before returning; or `_AS_CALLED`.
-    `called`: the call's own key where `ck` is the key of its result without the draws, and the load is
-    followed (Note [Replayed draws] in draws.py)."""
+    `called`: the call's own key (`ck` itself, or `ck` is the key of its result without the draws) where
+    the load is followed (Note [Replayed draws] in draws.py)."""
     label = ck.label
     following: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     if called is not None:
@@ -251,15 +257,18 @@ def _miss(client: Client, ck: keys.CallKey, fn: Callable[..., Any], args: tuple[
                                      f"it drew from the {' and '.join(drawn)} generators")
         if not why and not draws.replays(drew.ops, dict(before)["torch"], dict(after)["torch"]):
             why = "replaying its draws did not give the generator's state after it"
-        if not why:
-            _publish(client, ck, obj, replay, (("torch-draws", drew.ops),), stage, maps, clock)
+        if not why:  # on the call's first miss its key becomes the marker that sends lookups on
+            keyed = ck if ck is not called else _mark_random(client, ck, randomness.replayed(ck), drawn)
+            if keyed is not None:
+                _publish(client, keyed, obj, replay, (("torch-draws", drew.ops),), stage, maps, clock)
         else:
-            _tell_seed(label, drawn, f" and its result depends on them ({why})")
-            keyed = _mark_random(client, called, randomness.only(before, drawn), drawn, marker=ck)
+            _tell_seed(label, drawn, why)
+            keyed = _mark_random(client, ck, randomness.under_random_state(called, randomness.only(before, drawn)),
+                                 drawn)
             if keyed is not None:
                 _publish(client, keyed, obj, replay, randomness.only(after, drawn), stage, maps, clock)
     elif drawn and not ck.meta.get("random"):  # it drew random numbers: Note [Random loads]
-        keyed = _mark_random(client, ck, randomness.only(before, drawn), drawn)
+        keyed = _mark_random(client, ck, randomness.under_random_state(ck, randomness.only(before, drawn)), drawn)
         if keyed is not None:
             _publish(client, keyed, obj, replay, randomness.only(after, drawn), stage, maps, clock)
     else:
@@ -291,15 +300,13 @@ def _draws_on_device(label: str, drawn: list[str], device: Any) -> bool:
     return True
 
 
-def _mark_random(client: Client, ck: keys.CallKey, state: tuple[Any, ...], drawn: list[str],
-                 marker: keys.CallKey | None = None) -> keys.CallKey | None:
-    """Turn `marker` (default `ck`; this connection holds its load) into a marker that sends lookups to
-    the key of `ck` for the generators' state, and return that key if this connection may load it; None
-    leaves the result uncached (another kernel holds or loads that key, or the daemon went away)."""
+def _mark_random(client: Client, marker: keys.CallKey, keyed: keys.CallKey, drawn: list[str]) -> keys.CallKey | None:
+    """Turn `marker` (whose load this connection holds) into a marker of a load that drew from the
+    generators `drawn`, which sends lookups on (Note [Random loads] in randomness.py), and return `keyed`,
+    where they go, if this connection may load it; None leaves the result uncached (another kernel holds
+    or loads that key, or the daemon went away)."""
     from . import publishing
 
-    marker = marker or ck
-    keyed = randomness.under_random_state(ck, state)
     try:
         reply = client.request(Op.LOOKUP, key=keyed.key, wait=False, timeout=ANSWER_TIMEOUT)
         if reply["status"] == "hit":
@@ -307,7 +314,7 @@ def _mark_random(client: Client, ck: keys.CallKey, state: tuple[Any, ...], drawn
         publishing.publish_marker(client, marker.key, marker.meta | {"random": drawn})
     except (DaemonError, PublishError) as exc:
         _abandon(client, marker.key)
-        fall_back(ck.label, "publish", f"it was loaded normally but not cached: {exc}")
+        fall_back(marker.label, "publish", f"it was loaded normally but not cached: {exc}")
         return None
     return keyed if reply["status"] == "load" else None
 
