@@ -29,9 +29,12 @@ from transformers import AutoModelForCausalLM
 from peft import PeftModel
 base = AutoModelForCausalLM.from_pretrained({base!r}, dtype=torch.float32)
 model = PeftModel.from_pretrained(base, {adapter!r}, adapter_name="fr")
+model.load_adapter({other!r}, adapter_name="de")
 ids = torch.arange(1, 9).unsqueeze(0)
 with torch.no_grad():
     logits = model(ids).logits.double().sum().item()
+    model.set_adapter("de")
+    logits += model(ids).logits.double().sum().item()
 lora = {{n: p.double().sum().item() for n, p in model.named_parameters() if "lora_" in n}}
 print(json.dumps({{"logits": logits, "lora": lora, "rand": torch.rand(4).tolist(),
                    "seed": torch.initial_seed(), "calls": loading.calls(),
@@ -40,22 +43,23 @@ print(json.dumps({{"logits": logits, "lora": lora, "rand": torch.rand(4).tolist(
 
 
 @pytest.fixture(scope="module")
-def adapter(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+def adapters(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Path]]:
     root = tmp_path_factory.mktemp("replayed")
     base = demo_models.build_llama(root / "llama", "tiny")
-    return base, demo_models.build_lora_adapters(base, root / "lora", ("fr",))["fr"]
+    return base, demo_models.build_lora_adapters(base, root / "lora", ("fr", "de"))
 
 
 def test_an_adapter_is_a_hit_after_a_restart_with_any_seed_and_draws_as_plain(
-        overmind_home: Path, adapter: tuple[Path, Path]) -> None:
-    """PEFT's first miss is followed: from the first restart on, with another seed or none, every kernel
-    shares one entry. Each gets the plain load's weights and logits, and its next random numbers are the
-    ones a plain run from its state draws."""
-    base, path = adapter
+        overmind_home: Path, adapters: tuple[Path, dict[str, Path]]) -> None:
+    """PEFT's first misses (`from_pretrained`, `load_adapter`) are followed: from the first restart on,
+    with another seed or none, every kernel shares their entries. Each gets the plain load's weights and
+    logits, and its next random numbers are the ones a plain run from its state draws."""
+    base, paths = adapters
     env = kernel_env(MKL_CBWR="AUTO,STRICT")  # logits compared bit for bit (README, Limits)
 
     def cell(seed: int | None, cached: bool) -> str:
-        return PEFT_CELL.format(seed=seed, cached=cached, base=str(base), adapter=str(path))
+        return PEFT_CELL.format(seed=seed, cached=cached, base=str(base), adapter=str(paths["fr"]),
+                                other=str(paths["de"]))
 
     plain = {seed: last_json(run_py(cell(seed, False), env=env)) for seed in (1, 2)}
     got = []
@@ -66,8 +70,8 @@ def test_an_adapter_is_a_hit_after_a_restart_with_any_seed_and_draws_as_plain(
                 kc.wait_for_ready(timeout=120)
             got.append(json.loads(execute(kc, USER_THREAD + cell(seed, True)).strip().splitlines()[-1]))
     first, second, unseeded = got
-    assert first["calls"] == {"miss": 2}
-    assert second["calls"] == {"hit": 2} and unseeded["calls"] == {"hit": 2}, "another state, or none: a hit"
+    assert first["calls"] == {"miss": 3}
+    assert second["calls"] == {"hit": 3} and unseeded["calls"] == {"hit": 3}, "another state, or none: hits"
     for seed, one in ((1, first), (2, second)):
         assert not one["fallbacks"]
         assert (one["logits"], one["lora"]) == (plain[seed]["logits"], plain[seed]["lora"])
