@@ -7,14 +7,16 @@ import threading
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["Draws", "Scratch", "following", "replay", "replays"]
+from .randomness import Scratch, replay
+
+__all__ = ["Draws", "following", "replays"]
 
 # Note [Replayed draws]
 # PEFT draws from torch's generator for every LoRA layer it creates, then overwrites each one with the
@@ -23,7 +25,7 @@ __all__ = ["Draws", "Scratch", "following", "replay", "replays"]
 # seed torch, though only the generator's state after it depends on the draws, not the result.
 #
 # So a load whose call is marked as drawing from torch's CPU generator alone runs, the next time it misses,
-# under `Draws`; PEFT's loaders, known to draw, already on their first miss (it costs about 1.8 x the
+# under `Draws`; PEFT's loaders, known to draw, already on their first miss (it costs about 1.6 x the
 # plain load, once). `Draws` follows every operation torch dispatches in the loading thread:
 # - Taint, by storage: a random operation taints what it writes; any operation with a tainted input
 #   taints what it writes or returns; copy_, fill_ and zero_ of a whole storage from untainted inputs
@@ -39,10 +41,11 @@ __all__ = ["Draws", "Scratch", "following", "replay", "replays"]
 # the generator's state before the load gives its state after, byte for byte (an operation not followed
 # would leave them apart). Then the entry is published under a key without the state (`replayed` in
 # randomness.py), with the recorded operations where a state-keyed entry holds the state after. A hit
-# replays them: the generator ends where the plain load would leave it from this kernel's state, and the
-# next random number is the plain run's. Otherwise the replayed key becomes a marker that sends lookups
-# to the state's key, as before. A call's marker sends lookups to the replayed key first; where that is
-# still missing, a kernel whose state has its entry (a seeded one) maps that instead of loading.
+# replays them (`replay` in randomness.py): the generator ends where the plain load would leave it from
+# this kernel's state, and the next random number is the plain run's. Otherwise the replayed key becomes a
+# marker that sends lookups to the state's key, as before. A call's marker sends lookups to the replayed
+# key first; where that is still missing, a kernel whose state has its entry (a seeded one) maps that
+# instead of loading.
 #
 # transformers loads a checkpoint in worker threads by default (HF_DEACTIVATE_ASYNC_LOAD), so its loads that
 # draw stay keyed by the state; they draw for weights the checkpoint lacks, which stay in the result anyway.
@@ -94,14 +97,6 @@ def _whole(t: torch.Tensor) -> bool:
     """Whether `t` covers every byte of its storage."""
     return (t.storage_offset() == 0 and t.is_contiguous()
             and t.numel() * t.element_size() == t.untyped_storage().nbytes())
-
-
-class Scratch(NamedTuple):
-    """A tensor a random operation wrote, as replay makes it: uninitialised, of this layout."""
-
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    dtype: torch.dtype
 
 
 def _spec(value: Any) -> Any:
@@ -266,22 +261,6 @@ def following() -> Iterator[Draws]:
             yield draws
     finally:
         threading.Thread.start = start  # type: ignore[method-assign]
-
-
-def _make(spec: Any) -> Any:
-    if isinstance(spec, Scratch):
-        return torch.empty_strided(spec.shape, spec.stride, dtype=spec.dtype)
-    if isinstance(spec, list | tuple):
-        return type(spec)(_make(v) for v in spec)
-    return spec
-
-
-def replay(ops: list[tuple[str, tuple[Any, ...], dict[str, Any]]]) -> None:
-    """Draw from torch's generator as the recorded operations did (into scratch tensors)."""
-    for name, args, kwargs in ops:
-        namespace, op, overload = name.split(".")
-        func = getattr(getattr(getattr(torch.ops, namespace), op), overload)
-        func(*_make(args), **{k: _make(v) for k, v in kwargs.items()})
 
 
 def replays(ops: list[tuple[str, tuple[Any, ...], dict[str, Any]]], before: bytes, after: bytes) -> bool:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import keys
 
-__all__ = ["drawn", "only", "random_state", "replayable", "replayed", "set_random_state", "under_random_state"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["Scratch", "drawn", "only", "random_state", "replay", "replayable", "replayed", "set_random_state",
+           "under_random_state"]
 
 # Note [Random loads]
 # A hit must leave the process as the plain load would (docs/design.md, invariant 2), random numbers
@@ -101,6 +105,31 @@ def set_random_state(states: tuple[Any, ...]) -> None:
         elif name == "python":
             random.setstate(state)
         elif name == "torch-draws":  # Note [Replayed draws] in draws.py
-            from . import draws
+            replay(state)
 
-            draws.replay(state)
+
+class Scratch(NamedTuple):
+    """A tensor a random operation wrote, as `replay` makes it: uninitialised, of this layout (Note
+    [Replayed draws] in draws.py; here, beside `set_random_state`, so that a hit imports nothing more)."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def replay(ops: list[tuple[str, tuple[Any, ...], dict[str, Any]]]) -> None:
+    """Draw from torch's generator as the recorded operations did, into scratch tensors (Note [Replayed
+    draws] in draws.py)."""
+    import torch
+
+    def make(spec: Any) -> Any:
+        if isinstance(spec, Scratch):
+            return torch.empty_strided(spec.shape, spec.stride, dtype=spec.dtype)
+        if isinstance(spec, list | tuple):
+            return type(spec)(make(v) for v in spec)
+        return spec
+
+    for name, args, kwargs in ops:
+        namespace, op, overload = name.split(".")
+        func = getattr(getattr(getattr(torch.ops, namespace), op), overload)
+        func(*make(args), **{k: make(v) for k, v in kwargs.items()})

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from overmind_jupyter import demo_models, draws
+from overmind_jupyter import demo_models, draws, randomness
 from tests.helpers.kernels import USER_THREAD, execute, kernel, kernel_env
 from tests.helpers.snippets import last_json, run_py
 
@@ -140,7 +140,7 @@ def test_a_layer_overwritten_from_its_checkpoint_does_not_depend_on_the_draws() 
     assert drew.independent() is None and len(drew.ops) == 2
     assert draws.replays(drew.ops, before, after) and not draws.replays(drew.ops[:1], before, after)
     torch.random.set_rng_state(torch.frombuffer(bytearray(before), dtype=torch.uint8))
-    draws.replay(drew.ops)
+    randomness.replay(drew.ops)
     assert torch.random.get_rng_state().numpy().tobytes() == after
 
 
