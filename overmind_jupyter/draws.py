@@ -117,7 +117,7 @@ class Draws:
         self.thread: str | None = None  # the first thread started meanwhile (told last: the least telling)
         self.ops: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
         self._tainted: dict[int, weakref.ref[torch.UntypedStorage]] = {}
-        self._ops: dict[Any, _Op] = {}
+        self._operators: dict[Any, _Op] = {}  # what is known of each operator seen
 
     def independent(self) -> str | None:
         """Why the result may depend on the draws, after the load returned; None: it does not (the
@@ -134,9 +134,9 @@ class Draws:
         return self.verdict
 
     def follow(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-        op = self._ops.get(func)
+        op = self._operators.get(func)
         if op is None:
-            op = self._ops[func] = _Op(func)
+            op = self._operators[func] = _Op(func)
         written = [t for i, name in op.written if isinstance(t := _argument(args, kwargs, i, name), torch.Tensor)]
         if op.random:
             self._draw(op, args, kwargs, written, out)
