@@ -137,12 +137,12 @@ class Draws:
         op = self._operators.get(func)
         if op is None:
             op = self._operators[func] = _Op(func)
+        if not op.random and not self._tainted:
+            return  # nothing random yet: nothing to follow
         written = [t for i, name in op.written if isinstance(t := _argument(args, kwargs, i, name), torch.Tensor)]
         if op.random:
             self._draw(op, args, kwargs, written, out)
             return
-        if not self._tainted:
-            return  # nothing random yet: nothing to follow
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if op.overwrite:
             dst = written[0]
@@ -166,8 +166,8 @@ class Draws:
                 self._taint(t)
 
     def read(self, func: Any, args: tuple[Any, ...]) -> None:
-        """A Python-level read of a tensor's values (tolist(), numpy(), ...)."""
-        if func in _READS and self._tainted and any(self._holds(t) for t in tree_leaves(args)
+        """A Python-level read of a tensor's values (`func`, one of `_READS`: tolist(), numpy(), ...)."""
+        if self._tainted and any(self._holds(t) for t in tree_leaves(args)
                                                     if isinstance(t, torch.Tensor)):
             self.verdict = f"{getattr(func, '__name__', func)}() read values drawn at random"
 

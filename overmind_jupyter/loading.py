@@ -192,7 +192,7 @@ def _random_lookup(ck: keys.CallKey, drawn: list[str]) -> tuple[keys.CallKey, Cl
                 return followed, client, reply
             _release_hit(client, reply)  # a marker: the result depends on the draws
         elif reply["status"] == "load":  # this connection loads it, unless this state's entry is there
-            keyed = randomness.under_random_state(ck, randomness.only(randomness.random_state(), drawn))
+            keyed = _state_key(ck, drawn)
             state = client.request(Op.LOOKUP, key=keyed.key, wait=False, timeout=ANSWER_TIMEOUT)
             if state["status"] == "hit":
                 _abandon(client, followed.key)
@@ -200,11 +200,17 @@ def _random_lookup(ck: keys.CallKey, drawn: list[str]) -> tuple[keys.CallKey, Cl
             if state["status"] == "load":
                 _abandon(client, keyed.key)
             return followed, client, reply
-    keyed = randomness.under_random_state(ck, randomness.only(randomness.random_state(), drawn))
+    keyed = _state_key(ck, drawn)
     client, reply = _lookup(keyed.key)
     if reply["status"] == "load":
         _tell_seed(ck.label, drawn)
     return keyed, client, reply
+
+
+def _state_key(ck: keys.CallKey, drawn: list[str]) -> keys.CallKey:
+    """The key of `ck` for the current state of the generators `drawn` (read only where it is needed: a
+    millisecond, Note [Random loads] in randomness.py)."""
+    return randomness.under_random_state(ck, randomness.only(randomness.random_state(), drawn))
 
 
 def _tell_seed(label: str, drawn: list[str], why: str = "") -> None:
