@@ -255,6 +255,16 @@ def kernel_load(prelude: str, call: str, cwd: Path, **env: str) -> dict:
     return last_json(run_py(code, env=dict(os.environ, **env), cwd=cwd))
 
 
+def plain_sum(path: Path, **kwargs: object) -> float:
+    """KERNEL's "sum" for a plain load of the files at `path` now, loaded here: no process of its own is
+    needed for a load the cache takes no part in (the sum of a checkpoint's values is exact in float64)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    with torch.no_grad():
+        return float(sum(p.double().sum() for p in model.parameters()))
+
+
 PRUNED = """
     class Pruned(LlamaForCausalLM):
         def __init__(self, config):
@@ -289,9 +299,8 @@ def test_a_function_is_keyed_by_the_environment_it_reads(overmind_home: Path, ti
     prelude = "def load():\n    return AutoModelForCausalLM.from_pretrained(os.environ['CHECKPOINT'])\n"
     first = kernel_load(prelude, "loading.cached(load)", tmp_path, CHECKPOINT=str(tiny_llama))
     second = kernel_load(prelude, "loading.cached(load)", tmp_path, CHECKPOINT=str(other))
-    plain = kernel_load(prelude, "load()", tmp_path, CHECKPOINT=str(other))
     assert first["calls"] == second["calls"] == {"miss": 1}
-    assert second["sum"] == plain["sum"] != first["sum"]
+    assert second["sum"] == plain_sum(other) != first["sum"]
     # os.getenv and a module imported in the function are read the same way: a hit for the same value
     prelude = ("def load():\n    import os as o\n"
                "    return AutoModelForCausalLM.from_pretrained(o.getenv('CHECKPOINT'))\n")
@@ -368,9 +377,8 @@ def test_a_checkpoint_replaced_under_a_literal_path_is_a_miss(overmind_home: Pat
     shutil.rmtree(checkpoint)
     shutil.copytree(other, checkpoint)
     second = kernel_load(prelude, "loading.cached(load)", tmp_path)
-    plain = kernel_load(prelude, "load()", tmp_path)
     assert (first["calls"], second["calls"]) == ({"miss": 1}, {"miss": 1})
-    assert second["sum"] == plain["sum"] != first["sum"]
+    assert second["sum"] == plain_sum(checkpoint, dtype=torch.float32) != first["sum"]
 
 
 # -- 4. random weights follow the caller's seed -------------------------------------------------------------
@@ -380,8 +388,7 @@ RANDOM_HEAD = """
     from transformers import LlamaForSequenceClassification
     from overmind_jupyter import loading
     torch.manual_seed({seed})
-    load = LlamaForSequenceClassification.from_pretrained
-    m = loading.cached(load, {path!r}) if {cached} else load({path!r})
+    m = loading.cached(LlamaForSequenceClassification.from_pretrained, {path!r})
     print(json.dumps({{"head": m.score.weight.float().sum().item(), "rand": torch.rand(3).tolist(),
                        "fallbacks": [f["kind"] for f in loading.fallbacks()], "calls": loading.calls()}}))
 """
@@ -393,17 +400,25 @@ def test_a_head_the_checkpoint_lacks_follows_each_kernels_seed(overmind_home: Pa
     are a plain run's. A kernel restarted with the same seed is a hit with the same head and draws
     (Note [Random loads]). The second kernel's miss is followed and finds the head's random values in the
     result (Note [Replayed draws] in draws.py), and says so."""
+    from transformers import LlamaForSequenceClassification
+
     told = []
 
-    def run(seed: int, cached: bool) -> dict:
-        proc = run_py(RANDOM_HEAD.format(seed=seed, path=str(tiny_llama), cached=cached))
+    def run(seed: int) -> dict:
+        proc = run_py(RANDOM_HEAD.format(seed=seed, path=str(tiny_llama)))
         told.append(proc.stderr)
         return last_json(proc)
 
-    plain = {seed: run(seed, False) for seed in (1, 2)}
-    first = {seed: run(seed, True) for seed in (1, 2)}
+    def plain_run(seed: int) -> dict:  # RANDOM_HEAD's plain load, here: the seed decides all it draws
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            m = LlamaForSequenceClassification.from_pretrained(tiny_llama)
+            return {"head": m.score.weight.float().sum().item(), "rand": torch.rand(3).tolist()}
+
+    plain = {seed: plain_run(seed) for seed in (1, 2)}
+    first = {seed: run(seed) for seed in (1, 2)}
     assert "its result depends on them (random values outlive the load in 1 storage)" in told[-1], told[-1]
-    again = run(1, True)
+    again = run(1)
     for seed in (1, 2):
         assert (first[seed]["head"], first[seed]["rand"]) == (plain[seed]["head"], plain[seed]["rand"])
         assert first[seed]["calls"] == {"miss": 1} and not first[seed]["fallbacks"]
