@@ -258,27 +258,21 @@ def _miss(client: Client, ck: keys.CallKey, fn: Callable[..., Any], args: tuple[
         return obj
     after = randomness.random_state()
     drawn = randomness.drawn(before, after)
-    if called is not None and drawn:  # Note [Replayed draws] in draws.py
-        why = drew.independent() or ("" if randomness.replayable(drawn) else
-                                     f"it drew from the {' and '.join(drawn)} generators")
-        if not why and not draws.replays(drew.ops, dict(before)["torch"], dict(after)["torch"]):
-            why = "replaying its draws did not give the generator's state after it"
-        if not why:  # on the call's first miss its key becomes the marker that sends lookups on
-            keyed = ck if ck is not called else _mark_random(client, ck, randomness.replayed(ck), drawn)
-            if keyed is not None:
-                _publish(client, keyed, obj, replay, (("torch-draws", drew.ops),), stage, maps, clock)
-        else:
+    keyed: keys.CallKey | None = ck
+    state = randomness.only(after, drawn) if drawn else None
+    # a followed load's: "" when its result does not depend on the draws (Note [Replayed draws] in draws.py)
+    why = _why_dependent(drew, drawn, before, after) if called is not None and drawn else None
+    if why == "":
+        state = (("torch-draws", drew.ops),)
+        if ck is called:  # on the call's first miss its key becomes the marker that sends lookups on
+            keyed = _mark_random(client, ck, randomness.replayed(ck), drawn)
+    elif why or (drawn and not ck.meta.get("random")):  # it drew random numbers: Note [Random loads]
+        if why:
             _tell_seed(label, drawn, why)
-            keyed = _mark_random(client, ck, randomness.under_random_state(called, randomness.only(before, drawn)),
-                                 drawn)
-            if keyed is not None:
-                _publish(client, keyed, obj, replay, randomness.only(after, drawn), stage, maps, clock)
-    elif drawn and not ck.meta.get("random"):  # it drew random numbers: Note [Random loads]
-        keyed = _mark_random(client, ck, randomness.under_random_state(ck, randomness.only(before, drawn)), drawn)
-        if keyed is not None:
-            _publish(client, keyed, obj, replay, randomness.only(after, drawn), stage, maps, clock)
-    else:
-        _publish(client, ck, obj, replay, randomness.only(after, drawn) if drawn else None, stage, maps, clock)
+        keyed = _mark_random(client, ck, randomness.under_random_state(called or ck, randomness.only(before, drawn)),
+                             drawn)
+    if keyed is not None:
+        _publish(client, keyed, obj, replay, state, stage, maps, clock)
     if drawn and _draws_on_device(ck.label, drawn, device):
         randomness.set_random_state(randomness.only(before, drawn))  # the call as made starts where this one did
         return _AS_CALLED
@@ -294,6 +288,18 @@ def _miss(client: Client, ck: keys.CallKey, fn: Callable[..., Any], args: tuple[
 # marker (Note [Random loads] in randomness.py) before anything is loaded; on a miss, only after the CPU
 # load, which is published (a CPU load of that state is a hit) before the generators are put back where
 # the call found them and the call runs as made.
+def _why_dependent(drew: Any, drawn: list[str], before: tuple[Any, ...], after: tuple[Any, ...]) -> str:
+    """Why the result of a load followed by `drew` (draws.Draws) may depend on what it drew from the
+    generators `drawn`; "": it does not (Note [Replayed draws] in draws.py)."""
+    from . import draws
+
+    why = drew.independent() or ("" if randomness.replayable(drawn) else
+                                 f"it drew from the {' and '.join(drawn)} generators")
+    if not why and not draws.replays(drew.ops, dict(before)["torch"], dict(after)["torch"]):
+        why = "replaying its draws did not give the generator's state after it"
+    return why
+
+
 def _draws_on_device(label: str, drawn: list[str], device: Any) -> bool:
     """Whether a load that drew from the generators `drawn` and goes to `device` must run as called
     (Note [Draws on a device]); the reason is told."""
