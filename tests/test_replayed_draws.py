@@ -102,11 +102,13 @@ print(json.dumps({{"weight": layer.weight.double().sum().item(), "rand": torch.r
 
 
 def own_load_plainly(path: Path, seed: int) -> dict:
-    """What OWN_LOADER's load gives without the cache, here: the same operations from the same seed."""
-    torch.manual_seed(seed)
-    layer = torch.nn.Linear(16, 8)
-    layer.load_state_dict(torch.load(path))
-    return {"weight": layer.weight.double().sum().item(), "rand": torch.rand(4).tolist()}
+    """What OWN_LOADER's load gives without the cache, here: the same operations from the same seed (this
+    process's generator is left as it was)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        layer = torch.nn.Linear(16, 8)
+        layer.load_state_dict(torch.load(path))
+        return {"weight": layer.weight.double().sum().item(), "rand": torch.rand(4).tolist()}
 
 
 def test_another_loader_is_followed_from_its_second_miss_and_a_seeded_kernel_finds_its_state_first(
