@@ -176,6 +176,31 @@ def fork_parent() -> None:
         print(json.dumps({"code": os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])}), flush=True)
 
 
+class JsonLines:
+    """The JSON lines a process writes to a pipe, each awaited at most a timeout. It reads the pipe itself:
+    a buffered file's readline may take two lines at once, and a select() on the pipe then waits for the
+    second, which has already come (a job that ends at once: its "pid" and "code" lines together)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd, self.pending = fd, b""
+
+    def next(self, timeout: float) -> dict[str, Any] | None:
+        """The next line, or None if none came in `timeout` seconds. Raises EOFError at the pipe's end."""
+        import select
+
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.pending:
+            if not select.select([self.fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                return None
+            chunk = os.read(self.fd, 1 << 16)
+            if not chunk:
+                raise EOFError
+            self.pending += chunk
+        line, _, self.pending = self.pending.partition(b"\n")
+        answer: dict[str, Any] = json.loads(line)
+        return answer
+
+
 class ForkParent:
     """A `fork_parent` process; `run` forks a job from it and waits for it, at most a timeout."""
 
@@ -187,19 +212,15 @@ class ForkParent:
         self.log = self.log_path.open("a")
         self.proc = subprocess.Popen([sys.executable, __file__, "--fork-parent"], env=self.env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
+        self.lines = JsonLines(self.proc.stdout.fileno())
         if self._line(600) is None:
             raise RuntimeError(f"the fork parent did not start in 600 s: see {self.log_path}")
 
     def _line(self, timeout: float) -> dict[str, Any] | None:
-        import select
-
-        if not select.select([self.proc.stdout], [], [], timeout)[0]:
-            return None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the fork parent ended: see {self.log_path}")
-        answer: dict[str, Any] = json.loads(line)
-        return answer
+        try:
+            return self.lines.next(timeout)
+        except EOFError:
+            raise RuntimeError(f"the fork parent ended: see {self.log_path}") from None
 
     def run(self, request: dict[str, Any], timeout: float) -> dict[str, Any]:
         """Run `request` in a forked process; its result, or {"error": ...} (the partial result kept)."""
@@ -211,7 +232,8 @@ class ForkParent:
             raise RuntimeError(f"the fork parent did not fork in 60 s: see {self.log_path}")
         done = self._line(timeout)
         if done is None:
-            os.kill(started["pid"], signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+                os.kill(started["pid"], signal.SIGKILL)
             error = f"timed out after {timeout:.0f} s"
             if self._line(60) is None:  # the job is stuck in the kernel (a driver call): leave it, and
                 self.proc.kill()  # start another parent, since this one waits for it

@@ -9,8 +9,11 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "benchmarks" / "gpu.py"
@@ -80,13 +83,18 @@ def test_without_the_carried_wheels_the_dry_run_says_what_it_skips(tmp_path: Pat
     assert "scripts/device_wheels.sh" in table and "warm restart: skipped" in table
 
 
-def test_a_job_that_hangs_is_killed_and_the_next_one_runs(tmp_path: Path) -> None:
-    """A probe stuck in a driver call (a registration that never ends) costs its timeout, not the run."""
+def _gpu_module() -> Any:
     sys.path.insert(0, str(SCRIPT.parent))
     try:
         import gpu
     finally:
         sys.path.remove(str(SCRIPT.parent))
+    return gpu
+
+
+def test_a_job_that_hangs_is_killed_and_the_next_one_runs(tmp_path: Path) -> None:
+    """A probe stuck in a driver call (a registration that never ends) costs its timeout, not the run."""
+    gpu = _gpu_module()
     parent = gpu.ForkParent(dict(os.environ), tmp_path / "parent.log")
     try:
         hung = parent.run({"job": "sleep", "seconds": 60}, timeout=1)
@@ -94,3 +102,27 @@ def test_a_job_that_hangs_is_killed_and_the_next_one_runs(tmp_path: Path) -> Non
         assert parent.run({"job": "sleep", "seconds": 0}, timeout=30) == {"partial": True}
     finally:
         parent.close()
+
+
+def test_two_lines_that_come_at_once_are_both_read_without_waiting() -> None:
+    """A job that ends at once: the fork parent's "pid" and "code" lines reach the pipe together. A buffered
+    readline took both, and the wait for the second then ran to its timeout (the job reported as hung)."""
+    gpu = _gpu_module()
+    read, write = os.pipe()
+    try:
+        os.write(write, b'{"pid": 7}\n{"code": 0}\n{"pa')
+        lines = gpu.JsonLines(read)
+        started = time.monotonic()
+        assert lines.next(5) == {"pid": 7} and lines.next(5) == {"code": 0}
+        assert time.monotonic() - started < 1, "the second line was waited for"
+        assert lines.next(0.05) is None  # the third is not whole yet
+        os.write(write, b'rtial": true}\n')
+        assert lines.next(5) == {"partial": True}
+        os.close(write)
+        write = -1
+        with pytest.raises(EOFError):
+            lines.next(5)
+    finally:
+        os.close(read)
+        if write >= 0:
+            os.close(write)
