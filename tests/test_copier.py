@@ -60,6 +60,7 @@ def standin(overmind_home: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Ca
 
     yield start
     pid = copier_pid() if clients else None
+    filling.disconnect()  # this process's connection to the copier of a home that goes with the test
     for c in clients:
         c.close()
     if pid is not None:

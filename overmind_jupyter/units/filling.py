@@ -49,7 +49,7 @@ from .. import mappings
 from ..notices import tell_once
 from .copier import MAX_MESSAGE, PROTOCOL, socket_path
 
-__all__ = ["Filled", "connect", "enabled", "fill", "reasons", "state"]
+__all__ = ["Filled", "connect", "disconnect", "enabled", "fill", "reasons", "state"]
 
 log = logging.getLogger("overmind")
 
@@ -144,6 +144,16 @@ def _drop(conn: socket.socket) -> None:
             if known is conn:
                 del _conns[path]
     conn.close()
+
+
+def disconnect() -> None:
+    """Close this process's connections to copiers (a kernel's lives as long as the kernel); the next move
+    connects again."""
+    with _lock:
+        conns = list(_conns.values())
+        _conns.clear()
+    for conn in conns:
+        conn.close()
 
 
 def state() -> dict[str, Any] | None:
