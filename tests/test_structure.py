@@ -263,3 +263,11 @@ def test_no_widget_holds_javascript_or_css_in_a_python_string() -> None:
     anywidget loads (widgets/live.py), not strings in the widgets' modules."""
     found = front_end_strings(REPO)
     assert not found, "\n".join(found)
+
+
+def test_the_files_run_first_are_the_suite_s_own_and_named_once() -> None:
+    """conftest's LONGEST_FIRST names files of the suite: a renamed one would silently run in its place."""
+    from tests.conftest import LONGEST_FIRST
+
+    assert sorted(set(LONGEST_FIRST)) == sorted(LONGEST_FIRST), "a file named twice"
+    assert [name for name in LONGEST_FIRST if not (REPO / "tests" / name).is_file()] == []
