@@ -10,6 +10,7 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -60,6 +61,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _no_adapter_gate_left_open() -> Iterator[None]:
+    """Each test closes the adapter gates it opened (after its own fixtures' teardown, which may close
+    them). A gate left open keeps its guards patched on PEFT's classes until the collector finds it, and
+    a later test of those patches on the same worker failed, depending on which files ran there before."""
+    yield
+    gating = sys.modules.get("overmind_jupyter.adapters.gating")
+    left = gating.open_gates() if gating is not None else []
+    named = [repr(gate) for gate in left]
+    for gate in left:
+        gate.close()
+    assert not named, f"the test left adapter gates open: {named}"
 
 
 def stop_daemon(home: Path) -> None:

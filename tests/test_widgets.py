@@ -305,16 +305,23 @@ def test_views_going_and_closing_stop_the_updates(sim_daemon: Client, closing: l
 
 @pytest.fixture
 def peft_model() -> Iterator[Any]:
-    """A tiny PEFT Llama with LoRA adapters fr, de, es (tests/adapters/adapter_models.py), one torch thread."""
+    """A tiny PEFT Llama with LoRA adapters fr, de, es (tests/adapters/adapter_models.py), one torch thread.
+    The gate a panel opened on it is closed at the end: left open, it keeps its guards patched on PEFT's
+    classes until the collector finds it, and a later file's test of those patches fails."""
     import torch
 
+    from overmind_jupyter import adapters
     from tests.adapters.adapter_models import build_peft
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)
+    model = build_peft()
     try:
-        yield build_peft()
+        yield model
     finally:
+        for gate in adapters.open_gates():
+            if gate.model is model:
+                gate.close()
         torch.set_num_threads(before)
 
 
