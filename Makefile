@@ -52,7 +52,7 @@ lint: setup
 # (a fresh check is 24 s of CPU); its findings print after the suite's, and either failing fails the command.
 test: setup
 	$(RUFF)
-	@$(PY) -m mypy > $(VENV)/mypy.out 2>&1 & mypy=$$!; \
+	$(PY) -m mypy > $(VENV)/mypy.out 2>&1 & mypy=$$!; \
 	$(if $(wildcard $(LOCK)),OVERMIND_LOCK=$(LOCK)) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS); \
 	suite=$$?; wait $$mypy; types=$$?; echo "$(PY) -m mypy:"; cat $(VENV)/mypy.out; \
 	test $$suite = 0 && test $$types = 0
