@@ -315,8 +315,9 @@ def peft_model() -> Iterator[Any]:
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)
-    model = build_peft()
+    model = None
     try:
+        model = build_peft()
         yield model
     finally:
         for gate in adapters.open_gates():
