@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import _thread
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -16,14 +17,16 @@ from kernel_server import arena
 __all__ = ["populate_ahead"]
 
 
-def populate_ahead(spans: list[tuple[int, int]], result: Any) -> None:
-    """Start one thread that faults in `spans` ((address, bytes) of a hit's mappings), less the input
-    embedding table of `result` (Note [Populate what a forward reads]).
+def populate_ahead(spans: list[tuple[int, int]], result: Any,
+                   holes: Sequence[tuple[int, int]] = ()) -> None:
+    """Start one thread that faults in the pages of `spans` ((address, bytes) of what a hit's storages
+    lie on), less those inside `holes` (the ranges of an arena whose bytes lie in a checkpoint file) and
+    the input embedding table of `result` (Note [Populate what a forward reads]).
 
     One thread for all the mappings, started without waiting for it to run: threading's start() waits
     until the new thread is scheduled, a slice on a loaded machine, on the hit's path.
     """
-    _thread.start_new_thread(_populate, (_without(spans, _sparse_tables(result)),))
+    _thread.start_new_thread(_populate, (_without(_pages(spans), [*holes, *_sparse_tables(result)]),))
 
 
 def _populate(spans: list[tuple[int, int]]) -> None:
@@ -33,8 +36,14 @@ def _populate(spans: list[tuple[int, int]]) -> None:
 
 
 # Note [Populate what a forward reads]
-# A hit maps every page of its arenas ahead of the first forward (arena.populate), in one background
-# thread, so that the forward takes no page faults. Every page but those of the input embedding table:
+# A hit maps every page its storages lie on ahead of the first forward (arena.populate), in one background
+# thread, so that the forward takes no page faults. Of an entry whose weights still lie in its checkpoint
+# files (Note [Pending pieces] in kernel_server/store.py), that is the pieces in each file's mapping and
+# the rest of its arena, not the arena's ranges under the pieces: those are holes in the arena's file,
+# which no storage of the hit lies on, and a read fault there fills them with new zeroed pages. Mapped
+# whole, a 1.1B bf16 entry's arena took 2 GiB of zeroes into the kernel and 3.8 s of a core, while the
+# kernel's next load waited for the mmap lock that populating holds (benchmarks/RESULTS.md, "A hit while
+# the compactor copies"). Every page but those of the input embedding table:
 # a forward reads the rows of its tokens only, and a page mapped is a page counted in the process's RSS
 # and PSS. Three kernels holding a 1.1B fp32 model from the cache each mapped all of its 4.4 GB, the
 # embedding table included (262 MB that no forward reads; benchmarks/RESULTS.md, issue 39). A table read
@@ -67,6 +76,18 @@ def _sparse_tables(obj: Any, depth: int = 2) -> list[tuple[int, int]]:
         return [(storage.data_ptr(), storage.nbytes())]
     except Exception:  # noqa: BLE001 (a model without them: every page is mapped, as before)
         return []
+
+
+def _pages(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The whole pages of `spans` (madvise takes page-aligned ranges), in order, overlaps merged."""
+    page = arena.PAGE
+    merged: list[list[int]] = []
+    for start, end in sorted((at // page * page, -(-(at + nbytes) // page) * page) for at, nbytes in spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(start, end - start) for start, end in merged if end > start]
 
 
 def _without(spans: list[tuple[int, int]], holes: list[tuple[int, int]]) -> list[tuple[int, int]]:

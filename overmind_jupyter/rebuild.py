@@ -533,6 +533,21 @@ class _Rebuild:
         # a skeleton's: where an entry's bytes lie in this process's mappings, by entry key
         self.finders: dict[str, Callable[[int, int], tuple[mmap.mmap, int] | None]] = {}
 
+    def spans(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """(address, bytes) of what this rebuild's storages may lie on, and of the holes among them: an
+        arena's mapping whole, its pending pieces' ranges there as holes, and the pieces in their
+        checkpoint files' mappings (Note [Populate what a forward reads] in populating.py)."""
+        spans, holes = [], []
+        for (key, source), m in self.maps.items():
+            address = mappings.address_of(m)
+            pieces = self.arenas[key].pieces if self.arenas else []
+            if source is None:
+                spans.append((address, len(m)))
+                holes += [(address + at, nbytes) for at, nbytes, _, _ in pieces]
+            else:
+                spans += [(address + at, nbytes) for _, nbytes, i, at in pieces if i == source]
+        return spans, holes
+
     def argument(self, path: str, cls: type) -> Any:
         if self.placeholders is not None:
             obj = self.placeholders[path] = _new(cls)
@@ -806,6 +821,7 @@ def rebuild(graph: bytes, arenas: dict[str, ArenaRef], own_key: str, *,
         for key in arenas:
             if key not in state.pins:
                 on_unmap(key)
-    if populate and state.maps:  # in the background (Note [Populate what a forward reads])
-        populating.populate_ahead([(mappings.address_of(m), len(m)) for m in state.maps.values()], obj)
+    if populate and state.maps:  # in the background (Note [Populate what a forward reads] in populating.py)
+        spans, holes = state.spans()
+        populating.populate_ahead(spans, obj, holes)
     return obj

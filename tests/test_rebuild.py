@@ -787,7 +787,7 @@ def test_a_hit_maps_no_page_of_an_embedding_table_that_no_forward_read(env: dict
     """A hit's populate thread maps the whole output layer ahead of the first forward, but of the input
     embedding table (untied: the forward reads only its tokens' rows) only what the forward read, so
     that kernels holding the model count no more of it in their RSS and PSS (Note [Populate what a
-    forward reads] in rebuild.py)."""
+    forward reads] in populating.py)."""
     from overmind_jupyter.demo_models import build_llama
 
     path = build_llama(models_dir / "wide-vocab-llama", "tiny", vocab_size=32000, hidden_size=128,
@@ -819,6 +819,55 @@ def test_a_hit_maps_no_page_of_an_embedding_table_that_no_forward_read(env: dict
     assert hit["head"][0] == hit["head"][1], f"the populate thread left the output layer unmapped: {hit}"
     mapped, pages = hit["table"]
     assert pages > 1000 and mapped < 0.25 * pages, f"{mapped} of the table's {pages} pages mapped: {hit}"
+
+
+def test_a_hit_on_weights_still_in_their_checkpoint_maps_none_of_the_holes_of_its_arena(
+        env: dict[str, str], models_dir: Path) -> None:
+    """While an entry's weights still lie in its checkpoint (compaction off here, to hold them there), a
+    hit's populate thread maps the pieces in the checkpoint's mapping, and of the entry's arena only what
+    lies outside them: the arena's ranges under the pieces are holes in its file, and mapping them made
+    new zeroed pages, as many bytes as the weights (Note [Populate what a forward reads] in populating.py)."""
+    from overmind_jupyter.demo_models import build_llama
+
+    path = build_llama(models_dir / "wide-vocab-llama", "tiny", vocab_size=32000, hidden_size=128,
+                       intermediate_size=256, tie_word_embeddings=False)
+    checkpoint = str(path / "model.safetensors")
+    code = f"""
+        import json, os, re, time, torch
+        from transformers import AutoModelForCausalLM
+        from overmind_jupyter import loading
+        {textwrap.indent(PRESENT_PAGES, " " * 8).strip()}
+        m = loading.cached(AutoModelForCausalLM.from_pretrained, {str(path)!r}, dtype=torch.bfloat16)
+        head = m.lm_head.weight
+        span = lambda t: (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        deadline = time.monotonic() + 60 * ("hit" in loading.calls())  # a miss populates nothing
+        while present(*span(head))[0] < present(*span(head))[1] and time.monotonic() < deadline:
+            time.sleep(0.05)  # until the populate thread has mapped the output layer
+        time.sleep(0.5)  # and the rest
+        rss, where = {{"arena": 0, "checkpoint": 0}}, None
+        for line in open("/proc/self/smaps"):
+            if re.match(r"[0-9a-f]+-[0-9a-f]+ ", line):
+                start, end = (int(x, 16) for x in line.split()[0].split("-"))
+                name = line.split(maxsplit=5)[5].strip() if len(line.split()) > 5 else ""
+                where = ("checkpoint" if name == {checkpoint!r} else "arena" if name.startswith(
+                    (os.environ["OVERMIND_HOME"], "/memfd:overmind")) else None)
+                if where == "checkpoint" and start <= head.data_ptr() < end:
+                    rss["head_in_checkpoint"] = True
+            elif line.startswith("Rss:") and where:
+                rss[where] += int(line.split()[1]) << 10
+        print(json.dumps({{"rss": rss, "weights": sum(p.nbytes for p in m.parameters()),
+                           "calls": loading.calls(), "fallbacks": loading.fallbacks()}}))
+    """
+    env = dict(env, OVERMIND_COMPACT="0")  # the daemon starts with the miss below
+    miss = last_json(run_py(code, env=env))
+    hit = last_json(run_py(code, env=env))
+    assert (miss["calls"], hit["calls"]) == ({"miss": 1}, {"hit": 1}) and not hit["fallbacks"], (miss, hit)
+    rss, weights = hit["rss"], hit["weights"]
+    assert rss.get("head_in_checkpoint"), f"the hit's weights lie in the checkpoint's mapping: {hit}"
+    assert rss["checkpoint"] >= weights // 3, f"the populate thread mapped the pieces: {hit}"
+    # the arena's pages outside the pieces: its own storages (rotary tables), and the pages that pieces
+    # start or end inside (tensors lie unaligned in a safetensors file, and keep their offsets there)
+    assert rss["arena"] < weights // 16, f"{rss['arena']} bytes of the arena mapped, of {weights} in its holes: {hit}"
 
 
 def test_only_untied_embedding_tables_are_left_to_the_forward(models_dir: Path) -> None:
