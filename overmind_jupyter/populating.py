@@ -1,4 +1,4 @@
-"""A hit's pages mapped ahead of its first forward: all of them but those no forward reads whole.
+"""A hit's pages mapped ahead of its first forward: those its storages lie on, but those no forward reads whole.
 
 `rebuild` calls `populate_ahead` once a hit's graph is rebuilt; one background thread faults the pages in
 (kernel_server/arena.py `populate`), so that the first forward takes no page faults.
