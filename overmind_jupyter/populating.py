@@ -91,20 +91,24 @@ def _pages(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 def _without(spans: list[tuple[int, int]], holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """`spans` less the whole pages of `holes` (both as (address, bytes))."""
+    """`spans` (whole pages, in order and apart, as `_pages` gives them) less the whole pages of `holes`
+    (both as (address, bytes)): one pass over both, in order, for the hundreds of pieces of a pending
+    entry."""
     page = arena.PAGE
-    for hole_at, hole_bytes in holes:
-        start, end = -(-hole_at // page) * page, (hole_at + hole_bytes) // page * page
-        if end <= start:
-            continue
-        kept = []
-        for at, nbytes in spans:
-            if end <= at or at + nbytes <= start:
-                kept.append((at, nbytes))
-                continue
-            if at < start:
-                kept.append((at, start - at))
-            if end < at + nbytes:
-                kept.append((end, at + nbytes - end))
-        spans = kept
-    return spans
+    cuts = sorted(cut for at, nbytes in holes
+                  if (cut := (-(-at // page) * page, (at + nbytes) // page * page))[1] > cut[0])
+    kept, first = [], 0
+    for at, nbytes in spans:
+        start, end = at, at + nbytes
+        while first < len(cuts) and cuts[first][1] <= start:  # cuts that end before this span
+            first += 1
+        i = first
+        while i < len(cuts) and cuts[i][0] < end:  # cuts that start inside it
+            cut_start, cut_end = cuts[i]
+            if cut_start > start:
+                kept.append((start, cut_start - start))
+            start = max(start, cut_end)
+            i += 1
+        if start < end:
+            kept.append((start, end - start))
+    return kept

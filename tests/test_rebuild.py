@@ -893,3 +893,14 @@ def test_only_untied_embedding_tables_are_left_to_the_forward(models_dir: Path) 
     assert populating._without(spans, [(2 * page + 1, 4 * page)]) == [(0, 3 * page), (6 * page, 4 * page),
                                                                     (20 * page, 10 * page)]
     assert populating._without(spans, [(5 * page, 20 * page)]) == [(0, 5 * page), (25 * page, 5 * page)]
+
+
+def test_the_pages_populated_are_whole_merged_and_leave_out_every_hole() -> None:
+    """A pending entry's spans: its pieces, unaligned in their file (whole pages, merged), and its arena
+    less the pieces' ranges there (only the pages wholly inside a hole are left out)."""
+    page = arena.PAGE
+    assert populating._pages([(5 * page + 7, 10), (0, page + 1), (page + 3, page), (9 * page, 0)]) == [
+        (0, 3 * page), (5 * page, page)], "rounded out to pages, overlaps merged, empty spans dropped"
+    spans = [(0, 10 * page), (20 * page, 10 * page)]
+    holes = [(8 * page, 14 * page), (page + 1, 2 * page), (4 * page, page - 1), (3 * page, page)]
+    assert populating._without(spans, holes) == [(0, 2 * page), (4 * page, 4 * page), (22 * page, 8 * page)]
