@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -96,6 +97,7 @@ def main() -> None:
                     got[(case, when)][-1]["pending"] = any(e.get("pending") is not None for e in entries)
                 finally:
                     daemon(env, "stop")
+                    shutil.rmtree(env["OVERMIND_HOME"], ignore_errors=True)
             got.setdefault((case, "plain"), []).append(run(case, quiet, False))
 
     print(f"{args.size} bf16, {args.rounds} rounds, medians; bytecode "
@@ -112,6 +114,7 @@ def main() -> None:
         pending = sum(r["pending"] for r in got[(case, "during")])
         print(f"{'':<10}walls during: {during}; the base still pending after it: {pending} of {args.rounds}; "
               f"compacted {statistics.median(r['s'] for r in got[(case, 'compacted')]):.1f} s after the miss")
+
 
 if __name__ == "__main__":
     main()

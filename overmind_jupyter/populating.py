@@ -82,7 +82,7 @@ def _pages(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """The whole pages of `spans` (madvise takes page-aligned ranges), in order, overlaps merged."""
     page = arena.PAGE
     merged: list[list[int]] = []
-    for start, end in sorted((at // page * page, -(-(at + nbytes) // page) * page) for at, nbytes in spans):
+    for start, end in sorted((at // page * page, arena.align(at + nbytes)) for at, nbytes in spans):
         if merged and start <= merged[-1][1]:
             merged[-1][1] = max(merged[-1][1], end)
         else:
@@ -96,7 +96,7 @@ def _without(spans: list[tuple[int, int]], holes: list[tuple[int, int]]) -> list
     entry."""
     page = arena.PAGE
     cuts = sorted(cut for at, nbytes in holes
-                  if (cut := (-(-at // page) * page, (at + nbytes) // page * page))[1] > cut[0])
+                  if (cut := (arena.align(at), (at + nbytes) // page * page))[1] > cut[0])
     kept, first = [], 0
     for at, nbytes in spans:
         start, end = at, at + nbytes
