@@ -137,7 +137,7 @@ def child(spec: dict) -> None:
         from kernel_server import arena
 
         table = model.get_input_embeddings().weight.untyped_storage()
-        arena.populate(table.data_ptr(), table.nbytes(), background=False)
+        arena.populate(table.data_ptr(), table.nbytes())
     if spec["case"] == "miss":
         # ready: when the entry serves the next kernel. It is published before the call returns, so
         # this is the call's time, unless the daemon does not list it (then the run fails).

@@ -67,7 +67,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import settings
+from . import helper_threads, settings
 
 __all__ = [
     "PAGE",
@@ -300,10 +300,9 @@ class ArenaWriter:
 
         # A helper shares more than one chunk's work; a smaller copy costs less than starting a thread.
         work = -(-sum(length for _, _, length in pieces) // chunk)
-        helpers = [threading.Thread(target=helper, name="overmind-fill", daemon=True)
-                   for _ in range(min(threads, len(jobs), work) - 1)]
-        for h in helpers:
-            h.start()
+        # (a helper the OS refuses leaves its share to the others and this thread)
+        helpers = [h for _ in range(min(threads, len(jobs), work) - 1)
+                   if (h := helper_threads.start(helper, name="overmind-fill")) is not None]
         try:
             while not errors and step():
                 report()
@@ -416,26 +415,17 @@ def map_private(fd: int, nbytes: int, offset: int = 0, parts: Sequence[Part] = (
     return m
 
 
-def populate(address: int, nbytes: int, *, background: bool = True) -> threading.Thread | None:
+def populate(address: int, nbytes: int) -> None:
     """Map every page of [address, address + nbytes) of a private mapping read-only ahead of use, so
-    that the first forward pass takes no page faults. Runs in a thread by default (the call releases
-    the GIL); a no-op on kernels without MADV_POPULATE_READ. Writes later still copy-on-write (see
-    Note [Copy-on-write mappings])."""
-
-    def run() -> None:
-        # In chunks: the call holds the mmap lock, which every mmap() and large malloc of the
-        # process waits for. An error (an old kernel, a mapping gone) only means faults do the work.
-        for start in range(address, address + nbytes, _POPULATE_CHUNK):
-            length = min(_POPULATE_CHUNK, address + nbytes - start)
-            if _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), _MADV_POPULATE_READ):
-                return
-
-    if not background:
-        run()
-        return None
-    thread = threading.Thread(target=run, name="overmind-populate", daemon=True)
-    thread.start()
-    return thread
+    that the first forward pass takes no page faults (the call releases the GIL: overmind_jupyter's
+    populating.py runs it on a thread of its own); a no-op on kernels without MADV_POPULATE_READ. Writes
+    later still copy-on-write (see Note [Copy-on-write mappings])."""
+    # In chunks: the call holds the mmap lock, which every mmap() and large malloc of the
+    # process waits for. An error (an old kernel, a mapping gone) only means faults do the work.
+    for start in range(address, address + nbytes, _POPULATE_CHUNK):
+        length = min(_POPULATE_CHUNK, address + nbytes - start)
+        if _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), _MADV_POPULATE_READ):
+            return
 
 
 def read_all(fd: int) -> bytes:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, Literal, TypeVar, overload
 
-from . import lifecycle
+from . import helper_threads, lifecycle
 from .errors import (
     DaemonError,
     DaemonHung,
@@ -479,9 +479,8 @@ class Client:
         """Call `handler(payload)` (on a helper thread) for each push `op`; returns the undo."""
         self._push_handlers.setdefault(op, []).append(handler)
         with self._threads_lock:
-            if self._pusher is None:
-                self._pusher = threading.Thread(target=self._push_loop, name="overmind-push", daemon=True)
-                self._pusher.start()
+            if self._pusher is None:  # None where no thread starts: pushes are dropped then
+                self._pusher = helper_threads.start(self._push_loop, name="overmind-push")
         self._start_reader()  # pushes come unasked: someone must read them
         return lambda: self._push_handlers.get(op, []).remove(handler)
 
@@ -512,10 +511,8 @@ class Client:
         if self._reader is not None:
             return
         with self._threads_lock:
-            if self._reader is None:
-                reader = threading.Thread(target=self._read_loop, name="overmind-client", daemon=True)
-                reader.start()
-                self._reader = reader
+            if self._reader is None:  # None where no thread starts: each caller reads for itself, as before
+                self._reader = helper_threads.start(self._read_loop, name="overmind-client")
 
     def _read_loop(self) -> None:
         with self._read_lock:

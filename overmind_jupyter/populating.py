@@ -24,15 +24,19 @@ def populate_ahead(spans: list[tuple[int, int]], result: Any,
     the input embedding table of `result` (Note [Populate what a forward reads]).
 
     One thread for all the mappings, started without waiting for it to run: threading's start() waits
-    until the new thread is scheduled, a slice on a loaded machine, on the hit's path.
+    until the new thread is scheduled, a slice on a loaded machine, on the hit's path. Where the process
+    can start no thread, none: the first forward faults the pages in (Note [Helper threads] in threads.py).
     """
-    _thread.start_new_thread(_populate, (_without(_pages(spans), [*holes, *_sparse_tables(result)]),))
+    try:
+        _thread.start_new_thread(_populate, (_without(_pages(spans), [*holes, *_sparse_tables(result)]),))
+    except RuntimeError:  # "can't start new thread"
+        pass
 
 
 def _populate(spans: list[tuple[int, int]]) -> None:
     """Fault in the pages of a rebuild's mappings ahead of the first forward (arena.populate)."""
     for address, nbytes in spans:
-        arena.populate(address, nbytes, background=False)
+        arena.populate(address, nbytes)
 
 
 # Note [Populate what a forward reads]

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kernel_server import helper_threads
 from kernel_server.client import Client
 from kernel_server.errors import DaemonError
 from kernel_server.operations import Op
@@ -179,15 +180,14 @@ _unpinner_lock = threading.Lock()
 def unpin(client: Client, key: str) -> None:
     """Unpin `key` for `client` soon, from a thread of ours: this runs in finalizers, which must not
     wait for the daemon. The thread starts with the first unpin, never at import; where no helper
-    thread may start, the loading thread sends the unpins at its next load or cell (`send_unpins`,
+    thread may or can start, the loading thread sends the unpins at its next load or cell (`send_unpins`,
     Note [Helper threads] in threads.py)."""
     global _unpinner
     _unpins.put((client, key))
     if _unpinner is None and threads.allowed():
         with _unpinner_lock:
-            if _unpinner is None:
-                _unpinner = threading.Thread(target=_unpin_loop, name="overmind-unpin", daemon=True)
-                _unpinner.start()
+            if _unpinner is None:  # None where no thread starts: as without helpers
+                _unpinner = helper_threads.start(_unpin_loop, name="overmind-unpin")
 
 
 def _forget_unpinner() -> None:

@@ -19,6 +19,11 @@ promises that: transformers loads on the calling thread alone when `HF_DEACTIVAT
 - the client's reader and push threads (kernel_server/client.py): only for a wait on another kernel's
   load longer than a second, a timed-out wait, or push handlers (widgets); a hit and a miss read their
   replies on the calling thread (Note [Who reads the socket]).
+A process that cannot start a thread at all (its user's process limit, `ulimit -u`, reached on a shared
+machine; no memory for a stack) still loads plainly where the library starts no thread, so the cache
+must too: each helper is started through kernel_server's `helper_threads.start`, and one the OS refuses
+is done without, as above (the fill's share by the calling thread, the pages by the first forward, the
+unpins at the next load, the long wait's reading by the waiting thread; pushes are dropped).
 """
 
 from __future__ import annotations

@@ -7,13 +7,18 @@ tests/utils/, which transformers' sdist does not ship, so the conformance run ca
 
 from __future__ import annotations
 
+import json
 import os
+import time
 from pathlib import Path
 
 import pytest
 
+from kernel_server import Client
+from kernel_server.client import ANSWER_TIMEOUT
 from overmind_jupyter import demo_models
-from tests.helpers.snippets import last_json, run_py
+from tests.helpers.faults_helpers import Gate, wait_until
+from tests.helpers.snippets import last_json, run_py, start_py
 
 # Records the name of every thread the process starts from the first line on: threading's threads by
 # their name, `_thread` ones by their function. Nothing is changed about how they start. The loads run
@@ -108,3 +113,78 @@ def test_a_cached_load_starts_only_the_threads_it_needs(overmind_home: Path, che
 
     assert ours(miss["small"]) == ours(miss["eager"]) == [], miss
     assert ours(hit["small"]) == ours(hit["eager"]) == ["_populate"], hit
+
+
+# A kernel that can start no thread: every new thread's stack is refused (it asks for more than any address
+# space), as at a user's process limit on a shared machine (`ulimit -u`). The plain call of a loader that
+# starts no thread of its own works there, so the cached call must too: what a helper thread of ours would do
+# (fill an arena, populate a hit's pages, send unpins, read a long wait's reply) the calling thread does, or
+# nobody (Note [Helper threads]). LOADER is the cached function; the last line is JSON.
+STARVED = """
+    import gc, json, os, threading
+    threading.stack_size(1 << 48)
+    try:
+        threading.Thread(target=print).start()
+        refused = False
+    except RuntimeError:
+        refused = True
+    from kernel_server.client import shared_client
+    from overmind_jupyter import loading
+    from tests.helpers import faults_helpers, tiny_modules
+
+    loader = getattr(faults_helpers, os.environ["LOADER"])
+    width = int(os.environ["WIDTH"])
+    model = loading.cached(loader, "mlp", width=width)
+    same = faults_helpers.digest(model) == faults_helpers.digest(tiny_modules.build("mlp", width=width))
+    del model
+    gc.collect()  # its mappings die: its entry is unpinned, by the next load here
+    kept = loading.cached(tiny_modules.build, "tied")
+    client = shared_client()
+    pinned = [e["meta"]["label"] for e in client.request("status")["entries"]
+              if any(p["conn"] == client.conn_id for p in e["pinned_by"])]
+    print(json.dumps({"refused": refused, "same": same, "pinned": pinned, "calls": loading.calls(),
+                      "fallbacks": loading.fallbacks()}))
+"""
+
+
+def test_a_kernel_that_can_start_no_thread_loads_through_the_cache_as_it_loads_plainly(
+        overmind_home: Path, tmp_path: Path) -> None:
+    """In a process that can start no thread: a miss that fills a file arena of 128 MiB (a helper's size),
+    the hit of it in the next such process, and a wait of several seconds for another kernel's load
+    each give the plain load's weights, cached, with no fallback; and each result's unpin reaches the
+    daemon at the next load, so the entry can be evicted again."""
+    env = dict(os.environ, OVERMIND_ARENA="file", LOADER="gated_build")  # (no gate yet: it loads at once)
+    env.pop("HF_DEACTIVATE_ASYNC_LOAD", None)
+    miss = last_json(run_py(STARVED, env=dict(env, WIDTH="4096"), timeout=300))
+    hit = last_json(run_py(STARVED, env=dict(env, WIDTH="4096"), timeout=300))
+    assert miss["calls"] == {"miss": 2} and hit["calls"] == {"hit": 2}, (miss, hit)
+
+    gate = Gate(tmp_path / "gate")
+    gate.close()  # another kernel's load that lasts until the gate opens
+    env["FAULTS_GATE"] = str(gate.path)
+    holder = start_py("""
+        from overmind_jupyter import loading
+        from tests.helpers import faults_helpers
+        loading.cached(faults_helpers.gated_build, "mlp", width=64)
+        print("loaded", flush=True)
+    """, env=env)
+    try:
+        gate.wait_for("started")
+        waiter = start_py(STARVED, env=dict(env, WIDTH="64"))
+        with Client(overmind_home, role="test") as watcher:
+            wait_until(lambda: [load["waiters"] for load in watcher.request("status")["loading"]] == [1], 60,
+                       "the starved kernel waits for the load in flight")
+        time.sleep(2 * ANSWER_TIMEOUT / 3)  # past the wait on the calling thread alone (Note [Who reads the socket])
+        gate.open()
+        out, err = waiter.communicate(timeout=120)
+        assert waiter.returncode == 0, err
+        waited = json.loads(out.strip().splitlines()[-1])
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "loaded"
+    finally:
+        gate.open()
+        holder.kill()
+        holder.wait()
+    assert waited["calls"] == {"hit": 2}, waited
+    for run in (miss, hit, waited):
+        assert run["refused"] and run["same"] and not run["fallbacks"], run
+        assert run["pinned"] == ["tiny_modules.build()"], run  # the "tied" model's alone

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from kernel_server import lifecycle, settings
+from kernel_server import helper_threads, lifecycle, settings
 
 from .. import mappings
 from ..notices import tell_once
@@ -313,4 +313,6 @@ def _keep_when_up(groups: dict[str, _Group], unit_device: str, label: str) -> No
             for _, arena in wanted:
                 arena.close()
 
-    threading.Thread(target=run, name="overmind-keep", daemon=True).start()
+    if helper_threads.start(run, name="overmind-keep") is None:  # no thread to be had: nothing kept
+        for _, arena in wanted:
+            arena.close()
