@@ -20,6 +20,7 @@ __all__ = [
     "DaemonUnavailable",
     "EntryElsewhere",
     "FallbackWarning",
+    "NoRoomHere",
     "OvermindError",
     "OvermindWarning",
     "PackError",
@@ -63,6 +64,12 @@ class CorruptEntry(OvermindError):
 class EntryElsewhere(OvermindError):
     """A cache entry this kernel cannot rebuild though others can (its tensors lie on a device this kernel
     does not see as the one they were on); the call runs as a plain load and the entry stays."""
+
+
+class NoRoomHere(OvermindError):
+    """This kernel ran short of what rebuilding a cache entry takes (memory for a mapping, address space
+    under `ulimit -v`, descriptors, a device's memory): the call runs as a plain load, and the entry, which
+    is sound, stays for the kernels that have room."""
 
 
 class PreloadError(OvermindError):

@@ -33,7 +33,7 @@ from kernel_server.payloads import LookupReply
 from kernel_server.transport import close_fds
 
 from . import dynamic_modules, hit_tuning, keys, load_maps, notices, progress, randomness, results, threads
-from .errors import CorruptEntry, EntryElsewhere, PackError, PublishError, Uncacheable
+from .errors import CorruptEntry, EntryElsewhere, NoRoomHere, PackError, PublishError, Uncacheable
 from .load_log import load_log
 from .notices import calls, clear_fallbacks, count, fall_back, fallbacks, tell_once
 from .placement import (
@@ -166,6 +166,9 @@ def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
             return fn(*args, **kwargs)
         except EntryElsewhere as exc:  # Note [Tensors on a device] in placement.py
             fall_back(label, "device", f"{exc}; the entry stays for the kernels that see that device")
+            return fn(*args, **kwargs)
+        except NoRoomHere as exc:
+            fall_back(label, "no_room", f"{exc}; the entry stays for the kernels that have room")
             return fn(*args, **kwargs)
     if reply["status"] != "load":
         fall_back(label, "daemon", f"unexpected lookup answer {reply['status']!r}")

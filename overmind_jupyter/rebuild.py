@@ -21,6 +21,7 @@ import bisect
 import collections
 import contextlib
 import copyreg
+import errno
 import functools
 import gc
 import io
@@ -40,7 +41,7 @@ import torch
 from kernel_server import arena
 
 from . import mappings, populating
-from .errors import CorruptEntry, PackError
+from .errors import CorruptEntry, NoRoomHere, PackError
 from .keys import GRAPH_FORMAT
 
 if TYPE_CHECKING:
@@ -780,16 +781,31 @@ def _unpickle(graph: bytes, state: _Rebuild) -> Any:
             source = io.BytesIO(graph)  # shares the bytes (read-only), no copy
             source.seek(1)
             return _Unpickler(source).load()
-    except CorruptEntry:
+    except (CorruptEntry, NoRoomHere):
         state.roll_back()
         raise
     except BaseException as exc:
         state.roll_back()
         if not isinstance(exc, Exception):
             raise
-        raise CorruptEntry(f"cannot rebuild the cached object: {type(exc).__name__}: {exc}") from exc
+        raise _failure(exc, "cannot rebuild the cached object") from exc
     finally:
         _current.rebuild = outer
+
+
+# What this process ran short of, not what the entry holds: the entry stays (NoRoomHere)
+_SHORTAGES = (errno.ENOMEM, errno.EMFILE, errno.ENFILE)
+
+
+def _failure(exc: Exception, what: str) -> CorruptEntry | NoRoomHere:
+    """What a rebuild that raised `exc` raises: NoRoomHere where this process ran short of memory,
+    address space (a mapping refused under `ulimit -v`), descriptors or a device's memory; else
+    CorruptEntry, which evicts the entry."""
+    message = f"{what}: {type(exc).__name__}: {exc}"
+    if (isinstance(exc, MemoryError | torch.OutOfMemoryError)
+            or (isinstance(exc, OSError) and exc.errno in _SHORTAGES)):
+        return NoRoomHere(message)
+    return CorruptEntry(message)
 
 
 def rebuild(graph: bytes, arenas: dict[str, ArenaRef], own_key: str, *,
@@ -801,7 +817,8 @@ def rebuild(graph: bytes, arenas: dict[str, ArenaRef], own_key: str, *,
     for entries the graph does not use, at once. `arguments` are the call's objects by path (see Note
     [Argument replay]); `reuse` are storages of other entries this process holds unwritten
     (`Packed.mapped`), taken instead of mapping their arenas again. Raises CorruptEntry, also when a
-    checkpoint file of a pending piece is no longer the one the entry was made from."""
+    checkpoint file of a pending piece is no longer the one the entry was made from, and NoRoomHere where
+    this process ran short of what the rebuild takes."""
     for ref in arenas.values():
         for src in ref.sources:
             if not src.intact():
@@ -814,8 +831,8 @@ def rebuild(graph: bytes, arenas: dict[str, ArenaRef], own_key: str, *,
         if own is not None and own.nbytes and not own.pieces:
             try:
                 state.own_mapping = state._map(own, None)
-            except (OSError, ValueError) as exc:  # an arena shorter than the entry says, or unreadable
-                raise CorruptEntry(f"cannot map the arena of entry {own_key[:16]}: {exc}") from exc
+            except (OSError, ValueError) as exc:  # an arena shorter than the entry says, unreadable, or no room
+                raise _failure(exc, f"cannot map the arena of entry {own_key[:16]}") from exc
         obj = _unpickle(graph, state)
     finally:  # entries mapped here are unpinned when their mappings die, the others now
         for key in arenas:

@@ -388,6 +388,47 @@ def test_a_corrupt_entry_is_evicted_and_loaded_plainly(overmind_home: Path, case
     assert "Traceback" not in daemon_log(overmind_home)
 
 
+# A kernel under `ulimit -v` with too little address space left to map the entry's 32 MiB arena; the last line
+# is JSON: what its cached call raised, what the plain call raises there, and its fallbacks.
+SHORT_KERNEL = """
+    import json, resource
+    from kernel_server.client import shared_client
+    from overmind_jupyter import loading
+    from tests.helpers import tiny_modules
+
+    shared_client()  # connected before the limit, as a kernel with overmind on
+    size = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+    resource.setrlimit(resource.RLIMIT_AS, (size + (8 << 20), resource.RLIM_INFINITY))
+    raised = {}
+    for how, call in (("cached", lambda: loading.cached(tiny_modules.build, "mlp", 6, width=2048)),
+                      ("plain", lambda: tiny_modules.build("mlp", 6, width=2048))):
+        try:
+            call()
+        except Exception as exc:
+            raised[how] = type(exc).__name__
+    resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    print(json.dumps({"raised": raised, "fallbacks": [f["kind"] for f in loading.fallbacks()]}))
+"""
+
+
+def test_a_kernel_without_room_for_an_entry_loads_plainly_and_the_entry_stays(overmind_home: Path) -> None:
+    """A rebuild that fails for want of this process's room (here a mapping refused under `ulimit -v`)
+    says nothing of the entry: the call runs plainly, raising as the plain call raises there, and the entry
+    is not evicted; the next kernel's call is a hit."""
+    ref = digest(tiny_modules.build("mlp", 6, width=2048))
+    model = loading.cached(tiny_modules.build, "mlp", 6, width=2048)
+    client = loading.shared_client()
+    kept = entries(client)
+    assert len(kept) == 1 and in_arena(model)
+    out = last_json(run_py(SHORT_KERNEL, env=kernel_env()))
+    assert out["raised"] == {"cached": "RuntimeError", "plain": "RuntimeError"}, out  # torch's allocator refuses
+    assert out["fallbacks"] == ["no_room"], out
+    assert entries(client) == kept, "the entry stays"
+    hits = loading.calls().get("hit", 0)
+    assert digest(loading.cached(tiny_modules.build, "mlp", 6, width=2048)) == ref
+    assert loading.calls().get("hit", 0) == hits + 1
+
+
 # -- the checkpoint changes under the load ---------------------------------------------------------------
 
 def _plain_digest(path: Path) -> str:
