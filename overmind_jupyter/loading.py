@@ -252,34 +252,50 @@ def _miss(client: Client, ck: keys.CallKey, fn: Callable[..., Any], args: tuple[
     except BaseException:
         _abandon(client, ck.key)
         raise
-    if said:
-        ck.meta["log"] = said  # Note [What the load said] in load_log.py
-    changed = keys.changed_since(ck)
-    if changed is not None:  # the load may have read the new files: never publish them under the old key
-        _abandon(client, ck.key)
-        fall_back(label, "changed", f"{changed} changed while it was loading; the result is not cached")
-        return obj
-    after = randomness.random_state()
-    drawn = randomness.drawn(before, after)
     keyed: keys.CallKey | None = ck
-    state = randomness.only(after, drawn) if drawn else None
-    # a followed load's: "" when its result does not depend on the draws (Note [Replayed draws] in draws.py)
-    why = _why_dependent(drew, drawn, before, after) if called is not None and drawn else None
-    if why == "":
-        state = (("torch-draws", drew.ops),)
-        if ck is called:  # on the call's first miss its key becomes the marker that sends lookups on
-            keyed = _mark_random(client, ck, randomness.replayed(ck), drawn)
-    elif why or (drawn and not ck.meta.get("random")):  # it drew random numbers: Note [Random loads]
-        if why:
-            _tell_seed(label, drawn, why)
-        keyed = _mark_random(client, ck, randomness.under_random_state(called or ck, randomness.only(before, drawn)),
-                             drawn)
-    if keyed is not None:
-        _publish(client, keyed, obj, replay, state, stage, maps, clock)
-    if drawn and _draws_on_device(ck.label, drawn, device):
-        randomness.set_random_state(randomness.only(before, drawn))  # the call as made starts where this one did
-        return _AS_CALLED
-    return obj
+    try:  # whatever ends the caching gives the load up too (Note [Interrupted caching])
+        if said:
+            ck.meta["log"] = said  # Note [What the load said] in load_log.py
+        changed = keys.changed_since(ck)
+        if changed is not None:  # the load may have read the new files: never publish them under the old key
+            _abandon(client, ck.key)
+            fall_back(label, "changed", f"{changed} changed while it was loading; the result is not cached")
+            return obj
+        after = randomness.random_state()
+        drawn = randomness.drawn(before, after)
+        state = randomness.only(after, drawn) if drawn else None
+        # a followed load's: "" when its result does not depend on the draws (Note [Replayed draws] in draws.py)
+        why = _why_dependent(drew, drawn, before, after) if called is not None and drawn else None
+        if why == "":
+            state = (("torch-draws", drew.ops),)
+            if ck is called:  # on the call's first miss its key becomes the marker that sends lookups on
+                keyed = _mark_random(client, ck, randomness.replayed(ck), drawn)
+        elif why or (drawn and not ck.meta.get("random")):  # it drew random numbers: Note [Random loads]
+            if why:
+                _tell_seed(label, drawn, why)
+            keyed = _mark_random(client, ck, randomness.under_random_state(called or ck,
+                                                                           randomness.only(before, drawn)), drawn)
+        if keyed is not None:
+            _publish(client, keyed, obj, replay, state, stage, maps, clock)
+        if drawn and _draws_on_device(ck.label, drawn, device):
+            randomness.set_random_state(randomness.only(before, drawn))  # the call as made starts where it did
+            return _AS_CALLED
+        return obj
+    except BaseException:
+        _abandon(client, ck.key)
+        if keyed is not None and keyed is not ck:
+            _abandon(client, keyed.key)
+        raise
+
+
+# Note [Interrupted caching]
+# A KeyboardInterrupt (the user stops the cell) can come after the load, while its result is cached: the
+# pack, or the copy of a large model into its arena, seconds long. The kernel lives on with its connection,
+# so the daemon would keep the load in flight, with the arena's bytes reserved out of the budget, and every
+# other kernel asking for the model would wait for it for as long as that kernel lives. So whatever ends
+# the caching abandons the load (each key this connection loads: the call's, and the one its result goes
+# under where it drew random numbers) before the exception goes on; an entry already published is no
+# load, and its abandon does nothing.
 
 
 # Note [Draws on a device]

@@ -119,6 +119,35 @@ def test_an_interrupted_wait_takes_no_pin_when_the_load_succeeds(
         loader.join(5)
 
 
+def test_a_cell_interrupted_while_it_caches_leaves_no_load_in_flight(
+        overmind_home: Path, daemon: Client, gate: Gate) -> None:
+    """The user stops the cell after the load, while the miss caches its result (here: packing it): the
+    load is given up before the KeyboardInterrupt reaches the cell, so no other kernel waits for it and
+    its reservation is freed; the next call loads and caches."""
+    gate.close()
+    kernel = start_py(INTERRUPTED_KERNEL.format(fn="faults_helpers.packing_gated_build", prelude=""),
+                      env=dict(os.environ))
+    try:
+        assert kernel.stdout is not None and kernel.stdout.readline().strip() == "waiting"
+        gate.wait_for("packing")
+        assert len(daemon.request("status")["loading"]) == 1
+        kernel.send_signal(signal.SIGINT)
+        line = kernel.stdout.readline().strip()
+        assert line == "interrupted", f"the cell said {line!r}: {kernel.stderr.read() if kernel.stderr else ''}"
+        status = daemon.request("status")
+        assert status["loading"] == [] and status["reserved"] == 0, status["loading"]
+        assert status["entries"] == []
+        gate.open()
+        model = loading.cached(faults_helpers.packing_gated_build, "mlp", 42, width=64)
+        assert digest(model) == digest(tiny_modules.build("mlp", 42, width=64))
+        assert len(daemon.request("status")["entries"]) == 1 and loading.fallbacks() == []
+        assert kernel.poll() is None, "the interrupted kernel lives on with its connection"
+    finally:
+        gate.open()
+        kernel.kill()
+        kernel.wait()
+
+
 # An interrupt that lands as the lookup is sent: the kernel sends itself SIGINT the moment `submit` of the
 # lookup returns (a profile hook of the process, not a change to any of its code), as a real SIGINT did on a
 # loaded machine, where the test's signal came while the kernel was still between the send and the wait.

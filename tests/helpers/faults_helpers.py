@@ -25,6 +25,7 @@ from tests.helpers import tiny_modules
 
 __all__ = [
     "Gate",
+    "PackingGate",
     "Rendezvous",
     "daemon_fds",
     "daemon_log",
@@ -33,6 +34,7 @@ __all__ = [
     "from_pretrained_after",
     "gated_build",
     "kill_daemon",
+    "packing_gated_build",
     "rendezvous_build",
     "wait_until",
 ]
@@ -111,6 +113,21 @@ def _rendezvous() -> Rendezvous:
 def rendezvous_build(kind: str = "mlp", seed: int = 0, **kwargs: Any) -> nn.Module:
     model = tiny_modules.build(kind, seed, **kwargs)
     model.rendezvous = Rendezvous()
+    return model
+
+
+class PackingGate:
+    """An attribute of a cached model: packing it (a miss caching the result it loaded) announces "packing"
+    and waits at the gate, after the load and before the entry is published."""
+
+    def __reduce__(self) -> tuple[type[PackingGate], tuple[()]]:
+        _announce_and_wait("packing")
+        return PackingGate, ()
+
+
+def packing_gated_build(kind: str = "mlp", seed: int = 0, **kwargs: Any) -> nn.Module:
+    model = tiny_modules.build(kind, seed, **kwargs)
+    model.packing = PackingGate()
     return model
 
 
