@@ -17,6 +17,7 @@ import signal
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -191,6 +192,7 @@ class Client:
         self._pushes: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
         self._reader: threading.Thread | None = None
         self._pusher: threading.Thread | None = None
+        _connections.add(self)  # disowned in a forked child (Note [Connections after a fork])
         try:
             hello = self.request(Op.HELLO, **HelloRequest(protocol=PROTOCOL_VERSION, role=role, label=label,
                                                           pid=os.getpid()), timeout=ANSWER_TIMEOUT)
@@ -716,10 +718,25 @@ def reset_shared_client() -> None:
         _shared = None
 
 
+# Note [Connections after a fork]
+# A kernel that holds cached models forks: a DataLoader's workers, multiprocessing's fork context, the
+# user's own os.fork. The child inherits the parent's connections, socket and all, and its finalizers
+# still run: dropping an inherited model (or exiting through Python's exit) unpins its entry, and an
+# unpin sent on the inherited socket is the parent's, to the daemon, which took the pin of a model the
+# parent still held, so the budget could evict it; a reply meant for the child would reach the parent.
+# So in the child every inherited connection is closed for this process at the fork: nothing is sent or
+# read on it (its socket is not shut down, which would end the parent's connection too), what would
+# have been sent is dropped as on a closed connection, and the child's own loads open a connection of
+# their own (`shared_client`).
+_connections: weakref.WeakSet[Client] = weakref.WeakSet()
+
+
 def _after_fork_in_child() -> None:
     global _shared, _shared_lock
-    _shared = None  # the parent's connection is not ours; never write to it
+    _shared = None
     _shared_lock = threading.Lock()
+    for client in list(_connections):  # the parent's: never written to or read here (Note [Connections after a fork])
+        client._closed = True
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

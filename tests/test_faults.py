@@ -228,6 +228,54 @@ def test_a_sigkilled_kernel_frees_its_units_pins_and_load_within_1s(
         watcher.close()
 
 
+# -- a kernel forks ----------------------------------------------------------------------------------------
+
+# A kernel holding a cached model forks (a DataLoader's workers, multiprocessing's fork context, the user's
+# own os.fork). The child drops what it inherited, which runs the finalizers of the model's mappings there,
+# loads through the cache itself, and exits through Python's exit. Without helper threads (as with
+# HF_DEACTIVATE_ASYNC_LOAD=1) a finalizer's unpin is sent by the next load, so the child's would be sent
+# before its load. The parent's last line is JSON.
+FORKING_KERNEL = """
+    import gc, json, os, sys
+    from kernel_server.client import shared_client
+    from overmind_jupyter import loading
+    from tests.helpers import tiny_modules
+
+    model = loading.cached(tiny_modules.build, "mlp", 8, width=64)
+    client = shared_client()
+
+    def pinned():
+        return [sorted(p["pid"] for p in e["pinned_by"]) for e in client.request("status")["entries"]]
+
+    before = pinned()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.environ["HF_DEACTIVATE_ASYNC_LOAD"] = "1"
+        del model
+        gc.collect()
+        child = loading.cached(tiny_modules.build, "mlp", 8, width=64)
+        os.write(w, json.dumps(loading.calls()).encode())
+        sys.exit(0)
+    os.close(w)
+    child_calls = json.loads(os.read(r, 4096))
+    os.waitpid(pid, 0)
+    print(json.dumps({"before": before, "after": pinned(), "pid": os.getpid(), "child": child_calls,
+                      "parent": loading.calls()}))
+"""
+
+
+def test_a_forked_child_never_speaks_on_its_parents_connection(overmind_home: Path) -> None:
+    """What the child inherits of its parent's connection stays the parent's: the child's finalizers unpin
+    nothing there (the parent's model stays pinned by the parent while it lives), and the child's own
+    load goes through a connection of its own."""
+    loading.cached(tiny_modules.build, "mlp", 8, width=64)  # the entry (its result dropped at once)
+    out = last_json(run_py(FORKING_KERNEL, env=kernel_env()))
+    assert out["parent"] == {"hit": 1} and out["child"] == {"hit": 2}, out
+    assert out["before"] == [[out["pid"]]], out
+    assert out["after"] == out["before"], "the child's finalizers unpinned the parent's model"
+
+
 # -- the disk is full --------------------------------------------------------------------------------------
 
 @pytest.fixture
