@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from . import arena, descriptors
+from . import arena, descriptors, helper_threads
 from .store import CompactionJob, Store
 
 __all__ = ["Compactor", "idle_cores"]
@@ -82,10 +82,9 @@ class Compactor:
         with self._lock:
             if self._stop.is_set() or not self.enabled:
                 return
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="overmind-compact", daemon=True)
-                self._thread.start()
-        self._queue.put(key)
+            self._queue.put(key)
+            if self._thread is None:  # None also where no thread could start: the next submit tries again
+                self._thread = helper_threads.start(self._run, name="overmind-compact")
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import arena, descriptors, settings
+from . import arena, descriptors, helper_threads, settings
 from ._version import __version__
 from .catalogue import STATUS_ENTRIES
 from .compaction import Compactor
@@ -148,6 +148,7 @@ class Daemon:
         self._fallbacks: collections.deque[FallbackStatus] = collections.deque(maxlen=_MAX_FALLBACKS)
         self.errors = collections.Counter[str]()  # error replies by code, for status ("internal" is a bug)
         self._short_log = descriptors.Throttle()  # out of descriptors: one line every few seconds at most
+        self._no_thread_log = descriptors.Throttle()
 
     # -- serving ------------------------------------------------------------------------------
 
@@ -169,8 +170,12 @@ class Daemon:
                 log.exception("accept failed")
                 time.sleep(0.1)
                 continue
-            threading.Thread(target=self._serve_connection, args=(sock,), daemon=True,
-                             name="overmind-conn").start()
+            if helper_threads.start(self._serve_connection, sock, name="overmind-conn") is None:
+                # the user's process limit, reached for now: this connection goes (its client loads
+                # plainly, and asks again at its next load), the daemon and its entries stay
+                self._no_thread_log.log(logging.WARNING, "no thread to be had for a new connection (the "
+                                        "process limit, ulimit -u?): it was closed")
+                sock.close()
         self._close_all()
 
     def _accept_later(self, listener: socket.socket, exc: OSError) -> None:

@@ -188,3 +188,55 @@ def test_a_kernel_that_can_start_no_thread_loads_through_the_cache_as_it_loads_p
     for run in (miss, hit, waited):
         assert run["refused"] and run["same"] and not run["fallbacks"], run
         assert run["pinned"] == ["tiny_modules.build()"], run  # the "tied" model's alone
+
+
+# A daemon that can start no thread while the file $STARVED exists: a watcher, started before, makes every new
+# thread's stack too large to be had then (as at the user's process limit) and lifts that once the file is gone.
+STARVABLE_DAEMON = """
+    import os, sys, threading, time
+
+    def watch():
+        starved = False
+        while True:
+            if os.path.exists(os.environ["STARVED"]) != starved:
+                starved = not starved
+                threading.stack_size(1 << 48 if starved else 0)
+            time.sleep(0.01)
+
+    threading.Thread(target=watch, daemon=True).start()
+    from kernel_server.cli import main
+    sys.exit(main(["start", "--foreground"]))
+"""
+
+KERNEL = """
+    import json
+    from overmind_jupyter import loading
+    from tests.helpers import tiny_modules
+    loading.cached(tiny_modules.build, "mlp", 9, width=64)
+    print(json.dumps({"calls": loading.calls(), "fallbacks": [f["kind"] for f in loading.fallbacks()]}))
+"""
+
+
+def test_a_daemon_that_can_start_no_thread_for_a_while_keeps_serving_its_entries(
+        overmind_home: Path, tmp_path: Path) -> None:
+    """While the daemon's process can start no thread, a kernel that connects is closed on (it loads
+    plainly, told why); the daemon lives on with its entries, and serves the next kernel a hit once threads
+    can be had again."""
+    starved = tmp_path / "starved"
+    env = dict(os.environ, STARVED=str(starved))
+    daemon = start_py(STARVABLE_DAEMON, env=env)
+    try:
+        wait_until(lambda: (overmind_home / "daemon.sock").exists(), 30, "the daemon serves")
+        assert last_json(run_py(KERNEL, env=env))["calls"] == {"miss": 1}
+        starved.touch()
+        time.sleep(0.2)  # the watcher has seen it
+        during = last_json(run_py(KERNEL, env=env, timeout=60))
+        assert during["calls"] == {"plain": 1} and during["fallbacks"] == ["daemon"], during
+        starved.unlink()
+        time.sleep(0.2)
+        assert last_json(run_py(KERNEL, env=env))["calls"] == {"hit": 1}
+        assert daemon.poll() is None, "the daemon lived through it"
+    finally:
+        starved.unlink(missing_ok=True)
+        daemon.terminate()
+        daemon.wait(30)
