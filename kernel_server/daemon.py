@@ -11,6 +11,7 @@ keeps descriptors and JSON.
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import logging
 import os
@@ -171,12 +172,26 @@ class Daemon:
                 time.sleep(0.1)
                 continue
             if helper_threads.start(self._serve_connection, sock, name="overmind-conn") is None:
-                # the user's process limit, reached for now: this connection goes (its client loads
-                # plainly, and asks again at its next load), the daemon and its entries stay
-                self._no_thread_log.log(logging.WARNING, "no thread to be had for a new connection (the "
-                                        "process limit, ulimit -u?): it was closed")
-                sock.close()
+                self._turn_away(sock)
         self._close_all()
+
+    def _turn_away(self, sock: socket.socket) -> None:
+        """No thread to be had for the connection `sock` (the user's process limit, reached for now): tell its
+        client why, and close it. Its load runs plainly and the next one asks again; the daemon and its
+        entries stay."""
+        self._no_thread_log.log(logging.WARNING, "no thread to be had for a new connection (the process limit, "
+                                "ulimit -u?): turned away")
+        message = (f"the daemon at {self.home} can start no thread for this kernel now (the user's process limit, "
+                   "ulimit -u, is reached: the threads of every kernel count); this load runs plainly, and the "
+                   "next one asks again")
+        with contextlib.suppress(OSError):  # (a timeout too)
+            send_frame(sock, FrameKind.REPLY, {"id": None, "ok": False, "error": {"code": "no_thread",
+                                                                                 "message": message}}, [])
+            sock.shutdown(socket.SHUT_WR)
+            sock.settimeout(0.5)
+            while sock.recv(1 << 16):  # its hello, read until the client closes: a close with unread bytes
+                pass  # would reset the connection, and the client could lose the reason before reading it
+        sock.close()
 
     def _accept_later(self, listener: socket.socket, exc: OSError) -> None:
         """The descriptor table is full. Linux takes a new connection's descriptor before it waits for

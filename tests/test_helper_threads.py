@@ -213,7 +213,7 @@ KERNEL = """
     from overmind_jupyter import loading
     from tests.helpers import tiny_modules
     loading.cached(tiny_modules.build, "mlp", 9, width=64)
-    print(json.dumps({"calls": loading.calls(), "fallbacks": [f["kind"] for f in loading.fallbacks()]}))
+    print(json.dumps({"calls": loading.calls(), "fallbacks": [(f["kind"], f["reason"]) for f in loading.fallbacks()]}))
 """
 
 
@@ -226,12 +226,13 @@ def test_a_daemon_that_can_start_no_thread_for_a_while_keeps_serving_its_entries
     env = dict(os.environ, STARVED=str(starved))
     daemon = start_py(STARVABLE_DAEMON, env=env)
     try:
-        wait_until(lambda: (overmind_home / "daemon.sock").exists(), 30, "the daemon serves")
+        wait_until((overmind_home / "daemon.sock").exists, 30, "the daemon serves")
         assert last_json(run_py(KERNEL, env=env))["calls"] == {"miss": 1}
         starved.touch()
         time.sleep(0.2)  # the watcher has seen it
         during = last_json(run_py(KERNEL, env=env, timeout=60))
-        assert during["calls"] == {"plain": 1} and during["fallbacks"] == ["daemon"], during
+        assert during["calls"] == {"plain": 1} and [kind for kind, _ in during["fallbacks"]] == ["daemon"], during
+        assert "process limit" in during["fallbacks"][0][1], during  # told why
         starved.unlink()
         time.sleep(0.2)
         assert last_json(run_py(KERNEL, env=env))["calls"] == {"hit": 1}
