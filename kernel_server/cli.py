@@ -15,7 +15,17 @@ from typing import Any
 from . import lifecycle
 from .client import Client
 from .errors import DaemonError, RemoteError
-from .formats import byte_text, disk_text, evicted_text, kernel_name, miss_text, pending_text, progress_text, saved_text
+from .formats import (
+    byte_text,
+    disk_text,
+    entries_text,
+    evicted_text,
+    kernel_name,
+    miss_text,
+    pending_text,
+    progress_text,
+    saved_text,
+)
 from .operations import Op
 from .payloads import StatusReply
 
@@ -156,7 +166,7 @@ def _STATUS_TEXT(p: StatusReply) -> str:
     lines = [
         f"daemon pid {d['pid']}  version {d['version']}  protocol {d['protocol']}  home {d['home']}",
         f"store  {byte_text(p['used'])} used + {byte_text(p['reserved'])} reserved of "
-        f"{byte_text(p['budget'])}  ({p['entries_total']} entries; "
+        f"{byte_text(p['budget'])}  ({entries_text(p['entries_total'])}; "
         + ", ".join(f"{k} {v}" for k, v in sorted(p["stats"].items())) + ")",
         f"kernels {len(p['kernels'])}" + ("" if p["kernels"] else " connected"),
     ]

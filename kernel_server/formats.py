@@ -87,6 +87,11 @@ def saved_seconds(sums: TimeSaved) -> float:
     return sums["plain_s"] - sums["hit_s"] - sums["cache_s"]
 
 
+def entries_text(n: int) -> str:
+    """"1 entry", "3 entries"."""
+    return f"{n} entr{'y' if n == 1 else 'ies'}"
+
+
 def saved_text(sums: TimeSaved) -> str:
     """`saved_seconds` in words, with its parts: "12 s saved: 3 hits took 0.4 s instead of 14 s, less 1.6 s
     of caching in 2 misses"."""

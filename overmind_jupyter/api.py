@@ -119,6 +119,8 @@ def _patched_text(s: dict[str, Any]) -> str:
 
 def format_status(s: dict[str, Any]) -> str:
     """`status()` as text, for terminals: the view every other one shows (view.state_view)."""
+    from kernel_server.formats import entries_text
+
     from .view import state_view
 
     lines = [f"overmind {'on' if s['enabled'] else 'off'}; " + _patched_text(s)]
@@ -127,11 +129,11 @@ def format_status(s: dict[str, Any]) -> str:
     else:
         v = state_view(s["daemon"], my_conn=s.get("conn"))
         lines.append(f"daemon pid {v['daemon']['pid']} at {v['daemon']['home']}: {v['texts']['used']} of "
-                     f"{v['texts']['budget']} in {v['entries_total']} entries; "
+                     f"{v['texts']['budget']} in {entries_text(v['entries_total'])}; "
                      + ", ".join(f"{k} {n}" for k, n in sorted(v["stats"].items())))
         if v["texts"]["disk"]:
             lines.append(v["texts"]["disk"])
-        lines.append(f"time saved {v['texts']['saved_detail']}")  # Note [Load time saved] in kernel_server/store.py
+        lines.append(f"time: {v['texts']['saved_detail']}")  # Note [Load time saved] in kernel_server/store.py
         for e in v["entries"]:
             users = ", ".join(k["name"] + (" (this kernel)" if k["mine"] else "") for k in e["pinned_by"]) or "-"
             lines.append(f"  {e['key'][:12]}  {e['label']}  {e['bytes_text']}  hits {e['hits']}  "
