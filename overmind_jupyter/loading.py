@@ -377,7 +377,8 @@ def _publish(client: Client, ck: keys.CallKey, obj: Any, replay: Replay, random_
 
     with rebuild.gc_paused() as collecting:
         try:
-            packed = rebuild.pack((obj, replay.roots, random_after), substitutes=replay.paths, stage=stage)
+            packed = rebuild.pack((obj, replay.roots, random_after), substitutes=replay.paths, stage=stage,
+                                  what=f"the result ({type(obj).__name__})")
             devices = device_identities(packed.devices)  # Note [Tensors on a device] in placement.py
         except PackError as exc:
             _abandon(client, ck.key)

@@ -457,7 +457,7 @@ def _picklers() -> list[tuple[str, type]]:
 
 
 def pack(obj: Any, *, self_key: str | None = None, trust_mappings: bool = False,
-         substitutes: dict[str, Any] | None = None, stage: Stage | None = None) -> Packed:
+         substitutes: dict[str, Any] | None = None, stage: Stage | None = None, what: str = "") -> Packed:
     """Pickle `obj`'s graph, placing its storages; nothing is copied yet. Raises PackError.
 
     Args:
@@ -470,6 +470,7 @@ def pack(obj: Any, *, self_key: str | None = None, trust_mappings: bool = False,
             replay]).
         stage: the stage of the miss being packed: its ranges keep their offsets (Note [Staged
             conversions] in staging.py).
+        what: what `obj` is, for PackError's message (else its type's name).
     """
     errors = []
     for name, cls in _picklers():
@@ -491,7 +492,7 @@ def pack(obj: Any, *, self_key: str | None = None, trust_mappings: bool = False,
             continue
         return Packed(buf.getvalue(), placer.own, placer.deps, placer.offset, placer.by_storage, placer.tensors, name,
                       placer.mapped, list(placer.devices))
-    raise PackError(f"{type(obj).__name__} cannot be pickled ({'; '.join(errors)})")
+    raise PackError(f"{what or type(obj).__name__} cannot be pickled ({'; '.join(errors)})")
 
 
 # -- rebuild ---------------------------------------------------------------------------------------

@@ -483,6 +483,7 @@ def test_unpicklable_result_is_returned_and_reported(overmind_home: Path) -> Non
         model = loading.cached(tiny_modules.build, "unpicklable")
     assert isinstance(model, tiny_modules.Unpicklable)
     assert loading.fallbacks()[-1]["kind"] == "unpicklable"
+    assert loading.fallbacks()[-1]["reason"].startswith("the result (Unpicklable) cannot be pickled (pickle: ")
     assert loading.shared_client().request("ls")["entries"] == []
 
 
