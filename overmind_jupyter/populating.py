@@ -27,8 +27,9 @@ def populate_ahead(spans: list[tuple[int, int]], result: Any,
     until the new thread is scheduled, a slice on a loaded machine, on the hit's path. Where the process
     can start no thread, none: the first forward faults the pages in (Note [Helper threads] in threads.py).
     """
+    pages = _without(_pages(spans), [*holes, *_sparse_tables(result)])
     try:
-        _thread.start_new_thread(_populate, (_without(_pages(spans), [*holes, *_sparse_tables(result)]),))
+        _thread.start_new_thread(_populate, (pages,))
     except RuntimeError:  # "can't start new thread"
         pass
 
