@@ -158,6 +158,9 @@ def make_key(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
         "classes": classes,
         "versions": {"torch": _version("torch"), package: _version(package)},
     }
+    default_dtype = _default_dtype()
+    if default_dtype != "torch.float32":  # Note [Torch's default dtype]
+        document["default_dtype"] = default_dtype
     text = json.dumps(document, sort_keys=True, separators=(",", ":"))
     key = hashlib.sha256(text.encode()).hexdigest()
     meta = {
@@ -167,6 +170,18 @@ def make_key(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
         "dtype": _dtype_label(arguments).removeprefix(", dtype=") or None,
     }
     return CallKey(key, str(meta["label"]), meta, canon.references, canon.sources, canon.roots)
+
+
+# Note [Torch's default dtype]
+# A kernel may call `torch.set_default_dtype(torch.float64)`: every floating tensor made without a dtype is
+# then a float64 one, the weights of a module built in a cached function included (transformers' own loads
+# take their dtype from the checkpoint or the call). So a key holds the default dtype where it is not
+# torch's own float32 (keys made under float32 stay what they were): a hit of an entry made under another
+# default would return other weights than the plain call makes. Where torch is not imported, nothing has
+# changed it.
+def _default_dtype() -> str:
+    torch = sys.modules.get("torch")
+    return str(torch.get_default_dtype()) if torch is not None else "torch.float32"
 
 
 def files_named(ck: CallKey, name: str) -> list[tuple[str, tuple[Any, ...]]]:

@@ -232,6 +232,31 @@ def test_another_notebooks_function_of_the_same_name(overmind_home: Path) -> Non
     assert two["sum"] == want != one["sum"]
 
 
+def test_a_kernel_with_another_default_dtype_gets_the_weights_its_plain_call_makes(overmind_home: Path) -> None:
+    """Note [Torch's default dtype]: after `torch.set_default_dtype(torch.float64)` a cached function that
+    builds modules misses the entry made under float32, and its own entry is float64, as the plain call's
+    weights are; back under float32, the first entry is a hit again."""
+    def dtypes(model: torch.nn.Module) -> set[torch.dtype]:
+        return {p.dtype for p in model.parameters()}
+
+    assert dtypes(loading.cached(tiny_modules.build, "mlp", 3, width=8)) == {torch.float32}
+    calls = dict(loading.calls())
+    torch.set_default_dtype(torch.float64)
+    try:
+        want = tiny_modules.build("mlp", 3, width=8)
+        assert dtypes(want) == {torch.float64}
+        for _ in range(2):  # a miss, then a hit of its own entry
+            got = loading.cached(tiny_modules.build, "mlp", 3, width=8)
+            assert dtypes(got) == {torch.float64}
+            assert all(torch.equal(x, y) for x, y in zip(got.state_dict().values(), want.state_dict().values(),
+                                                         strict=True))
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert dtypes(loading.cached(tiny_modules.build, "mlp", 3, width=8)) == {torch.float32}
+    assert loading.calls().get("miss", 0) == calls.get("miss", 0) + 1
+    assert loading.calls().get("hit", 0) == calls.get("hit", 0) + 2
+
+
 # -- 3b. what a function reads, and the user's classes (issue 38) --------------------------------------------
 
 # A kernel: loads through the cache (or plainly), and says what it got. {prelude} is the notebook's own code.
