@@ -19,8 +19,9 @@ import contextlib
 import gc
 import logging
 import os
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -177,9 +178,55 @@ def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
 
     # a load followed for its draws (Note [Replayed draws] in draws.py): the replayed key's, or PEFT's first
     followed = ck.meta.get("random") == "replayed" or (ck is called and keys.owner_name(fn)[2] == "peft")
-    with staging.staged(client, ck.key, client.home, options.backing) as stage:  # Note [Staged conversions]
-        return _miss(client, ck, fn, args, kwargs, replay, device, stage, progress.MissClock(started),
-                     called if followed else None)
+    with _loading_here(ck.key) as alone:
+        if not alone:  # another thread of this kernel loaded it meanwhile: ask again (a hit, most likely)
+            return _cached_call(fn, args, kwargs, device)
+        with staging.staged(client, ck.key, client.home, options.backing) as stage:  # Note [Staged conversions]
+            return _miss(client, ck, fn, args, kwargs, replay, device, stage, progress.MissClock(started),
+                         called if followed else None)
+
+
+# Note [Loads in the user's threads]
+# A kernel's threads share its connection, and the daemon tells a connection that loads a key to load it
+# (its own retry), so threads of one kernel that asked for one model at once each loaded it, and all but
+# the first fell back at the publish, with a warning each. The daemon cannot tell the threads apart; this
+# process can. A thread told to load a key that another of its threads loads waits for that load to end,
+# as another kernel would, then asks again: a hit, or the load itself where that one failed. A thread
+# asking again inside its own load of that key (a loader that calls itself) loads it, as before.
+_loads_here: dict[str, tuple[int, threading.Event]] = {}  # key -> (its loading thread, set at the load's end)
+_loads_here_lock = threading.Lock()
+
+
+def _forget_loads_here() -> None:
+    global _loads_here_lock
+    _loads_here.clear()  # a forked child has none of its parent's threads, whose loads would never end here
+    _loads_here_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_loads_here)
+
+
+@contextlib.contextmanager
+def _loading_here(key: str) -> Iterator[bool]:
+    """While this thread loads `key`; False where another thread of this process loaded it meanwhile and
+    this one waited for it to end (Note [Loads in the user's threads])."""
+    me = threading.get_ident()
+    with _loads_here_lock:
+        held = _loads_here.get(key)
+        if held is None:
+            done = threading.Event()
+            _loads_here[key] = (me, done)
+    if held is not None:
+        if held[0] != me:
+            held[1].wait(options.wait_timeout)
+        yield held[0] == me
+        return
+    try:
+        yield True
+    finally:
+        with _loads_here_lock:
+            del _loads_here[key]
+        done.set()
 
 
 def _random_lookup(ck: keys.CallKey, drawn: list[str]) -> tuple[keys.CallKey, Client, Response[LookupReply]]:

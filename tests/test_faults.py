@@ -228,6 +228,35 @@ def test_a_sigkilled_kernel_frees_its_units_pins_and_load_within_1s(
         watcher.close()
 
 
+# -- the user's threads ------------------------------------------------------------------------------------
+
+def test_threads_of_one_kernel_asking_for_one_model_load_it_once(overmind_home: Path, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Threads of one kernel share its connection: asked for one model at once, one thread loads it and
+    the others wait for its entry and map it, as other kernels do (Note [Loads in the user's threads]);
+    none falls back, and the model is loaded once."""
+    counter = tmp_path / "loads"
+    monkeypatch.setenv("LOAD_COUNTER", str(counter))
+    calls = dict(loading.calls())
+    got: dict[int, torch.nn.Module] = {}
+
+    def load(i: int) -> None:
+        got[i] = loading.cached(tiny_modules.counted_build, "mlp", 0.5, 11)
+
+    threads = [threading.Thread(target=load, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(got) == 3
+    assert counter.read_text().count("\n") == 1, "loaded once"
+    assert loading.fallbacks() == []
+    now = loading.calls()
+    assert (now.get("miss", 0) - calls.get("miss", 0), now.get("hit", 0) - calls.get("hit", 0)) == (1, 2)
+    ref = digest(tiny_modules.build("mlp", 11))
+    assert all(digest(m) == ref for m in got.values())
+
+
 # -- a kernel forks ----------------------------------------------------------------------------------------
 
 # A kernel holding a cached model forks (a DataLoader's workers, multiprocessing's fork context, the user's
