@@ -191,8 +191,9 @@ def unpin(client: Client, key: str) -> None:
 
 
 def _forget_unpinner() -> None:
-    global _unpinner
-    _unpinner = None  # a forked child (a warm kernel) has none of its parent's threads
+    global _unpinner, _unpinner_lock
+    _unpinner = None  # a forked child (a warm kernel) has none of its parent's threads,
+    _unpinner_lock = threading.Lock()  # nor one that holds the lock
 
 
 os.register_at_fork(after_in_child=_forget_unpinner)
