@@ -225,7 +225,7 @@ def _loading_here(key: str) -> Iterator[bool]:
         yield True
     finally:
         with _loads_here_lock:
-            del _loads_here[key]
+            _loads_here.pop(key, None)  # (gone already in a child forked during the load)
         done.set()
 
 
