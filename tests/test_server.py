@@ -238,9 +238,10 @@ def test_a_miss_and_a_hit_have_one_set_of_figures_in_the_cell_status_the_panel_a
 
     text = run_py("from overmind_jupyter import api; print(api.format_status(api.status()))").stdout
     assert f"missed in {shown['miss_text']}" in text, text
-    assert f"time: {state['texts']['saved_detail']}" in text, text
+    assert f"time: {state['texts']['saved_detail']}" in text and " in 1 entry; " in text, text
     cli = run_py("from kernel_server.cli import main; main(['status'])").stdout
     assert f"missed in {shown['miss_text']}" in cli and state["texts"]["saved_detail"] in cli, cli
+    assert "(1 entry; " in cli, cli
 
 
 def test_evict_one_by_prefix_then_all(fetch, daemon: Client) -> None:
