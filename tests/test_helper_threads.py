@@ -150,7 +150,7 @@ STARVED = """
 def test_a_kernel_that_can_start_no_thread_loads_through_the_cache_as_it_loads_plainly(
         overmind_home: Path, tmp_path: Path) -> None:
     """In a process that can start no thread: a miss that fills a file arena of 128 MiB (a helper's size),
-    the hit of it in the next such process, and a wait of several seconds for another kernel's load
+    the hit of it in the next such process, and a wait of two seconds for another kernel's load
     each give the plain load's weights, cached, with no fallback; and each result's unpin reaches the
     daemon at the next load, so the entry can be evicted again."""
     env = dict(os.environ, OVERMIND_ARENA="file", LOADER="gated_build")  # (no gate yet: it loads at once)
@@ -168,6 +168,7 @@ def test_a_kernel_that_can_start_no_thread_loads_through_the_cache_as_it_loads_p
         loading.cached(faults_helpers.gated_build, "mlp", width=64)
         print("loaded", flush=True)
     """, env=env)
+    waiter = None
     try:
         gate.wait_for("started")
         waiter = start_py(STARVED, env=dict(env, WIDTH="64"))
@@ -182,8 +183,10 @@ def test_a_kernel_that_can_start_no_thread_loads_through_the_cache_as_it_loads_p
         assert holder.stdout is not None and holder.stdout.readline().strip() == "loaded"
     finally:
         gate.open()
-        holder.kill()
-        holder.wait()
+        for process in (holder, waiter):
+            if process is not None:
+                process.kill()
+                process.wait()
     assert waited["calls"] == {"hit": 2}, waited
     for run in (miss, hit, waited):
         assert run["refused"] and run["same"] and not run["fallbacks"], run
@@ -219,7 +222,7 @@ KERNEL = """
 
 def test_a_daemon_that_can_start_no_thread_for_a_while_keeps_serving_its_entries(
         overmind_home: Path, tmp_path: Path) -> None:
-    """While the daemon's process can start no thread, a kernel that connects is closed on (it loads
+    """While the daemon's process can start no thread, a kernel that connects is turned away (it loads
     plainly, told why); the daemon lives on with its entries, and serves the next kernel a hit once threads
     can be had again."""
     starved = tmp_path / "starved"
