@@ -32,6 +32,7 @@ import os
 import pickle
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -243,8 +244,16 @@ def _reduce_ordered_dict(d: collections.OrderedDict[Any, Any]) -> tuple[Any, ...
     type cannot cache (it was half of the Python time of packing a model, when every module's hook
     dicts came this way; now only those `_reduce_module` does not stand in for)."""
     if not d:  # most of a module's dozen OrderedDicts (hooks) are empty
-        return (collections.OrderedDict, (), vars(d) or None)
-    return (collections.OrderedDict, (), vars(d) or None, None, iter(d.items()))
+        return (collections.OrderedDict, (), _attributes(d))
+    return (collections.OrderedDict, (), _attributes(d), None, iter(d.items()))
+
+
+def _attributes(d: collections.OrderedDict[Any, Any]) -> dict[str, Any] | None:
+    """`vars(d) or None`, without making `d` an instance dict where it has none, as `vars` would (Note
+    [Empty hook dicts]). The collector visits an OrderedDict's instance dict first, then its keys, of
+    which none is a dict (unhashable)."""
+    found = gc.get_referents(d)
+    return (found[0] or None) if found and type(found[0]) is dict else None
 
 
 class _Dispatch(dict):  # type: ignore[type-arg]
@@ -352,12 +361,14 @@ def _reduce_module(markers: Iterator[_EmptyHooks], module: torch.nn.Module) -> t
     except KeyError:
         hooks = ()
     # Note [Empty hook dicts]: all of them at once, in C, nearly always
-    if hooks and not gc.get_referents(*hooks) and set(map(type, hooks)) == _ORDERED_DICT_ONLY:
+    if (hooks and not gc.get_referents(*hooks) and not any(map(_weak_references, hooks))
+            and set(map(type, hooks)) == _ORDERED_DICT_ONLY):
         state.update(zip(_HOOK_DICTS, markers, strict=False))  # (one marker a name: `markers` never ends)
     else:
         for name in _HOOK_DICTS:
             found = state.get(name)
-            if type(found) is _OrderedDict and not found and not gc.get_referents(found):
+            if (type(found) is _OrderedDict and not found and not gc.get_referents(found)
+                    and not _weak_references(found)):
                 state[name] = next(markers)
     return (_NEWOBJ, (type(module),), state, None, None, _SET_DICT)
 
@@ -371,6 +382,15 @@ def _reduce_module(markers: Iterator[_EmptyHooks], module: torch.nn.Module) -> t
 #   module's at once, and not of `vars`, which makes an empty instance dict for each OrderedDict it is
 #   asked of, to keep: 3,200 dicts left to the next young collection (0.6 ms of a miss, on the clock) and
 #   to the heap.
+# - Nor when a hook's handle may refer to it: a handle refers to its module's hook dicts weakly
+#   (`weakref.getweakrefcount`), and pickles them where it lies in the graph (PEFT's ShadowPEFT keeps its
+#   handles). Stood in for, the dict would unpickle as one object in the module and another in the
+#   handle, which nothing holds: the hit's handle would refer to no dict. Pickled as itself, it is one
+#   object, as in the plain load. (A strong reference to a hook dict from elsewhere in the graph is not
+#   looked for: nothing in torch, transformers, diffusers or PEFT keeps one.)
+# - No OrderedDict is made an instance dict by a pack (`_reduce_ordered_dict` asks the collector too), so
+#   the next pack of the same object stands in for the same dicts: Note [References] in results.py
+#   compares the two pickles.
 # - The stand-ins are made once, at import (`_HOOK_MARKERS`, enough for 512 modules; a larger model's
 #   pack makes the rest), not by each pack: the pickler's memo tells objects apart by identity, so what
 #   matters is that no two of one pack's hook dicts share a stand-in (each pack walks the list from its
@@ -388,6 +408,7 @@ def _new(cls: Any) -> Any:
 
 
 _OrderedDict = collections.OrderedDict
+_weak_references = weakref.getweakrefcount
 _STRIDED, _PARAMETER, _PAGE = torch.strided, torch.nn.Parameter, arena.PAGE
 _MODULE_STATE = vars(torch.nn.Module())  # what a new nn.Module holds
 # A module's hook dicts: the attributes that a new nn.Module holds as empty OrderedDicts

@@ -233,6 +233,40 @@ def test_packing_leaves_hook_dicts_as_it_found_them_and_keeps_their_attributes()
     assert not hasattr(rebuilt.layers[2]._forward_pre_hooks, "note")
 
 
+def test_a_model_that_keeps_its_hooks_handles_stays_a_reference_and_its_handles_stay_its_own(
+        overmind_home: Path) -> None:
+    """A handle refers to its module's hook dicts, two of them empty (PEFT's ShadowPEFT keeps its
+    handles). Packing once must not change how the next pack sees them: the miss's result and the hit
+    are references (Note [References] in results.py) as often as they are asked, and the hit's handle
+    removes its hook from the hit's own dicts, as the plain model's does."""
+    import gc
+
+    miss = loading.cached(tiny_modules.build, "handled")
+    layer = miss.layers[0]
+    kwargs_hooks, always_called = layer._forward_hooks_with_kwargs, layer._forward_hooks_always_called
+    assert not kwargs_hooks and not always_called and layer._forward_hooks
+    key = loading.result_key(miss)
+    assert key is not None and loading.result_key(miss) == key, "asked twice: packing changed nothing"
+    assert not gc.get_referents(kwargs_hooks, always_called), "no instance dict made by the packs"
+    hit = loading.cached(tiny_modules.build, "handled")
+    assert rebuild.entry_of(hit.layers[0].weight.data_ptr())[0] == key, "a hit"
+    assert loading.result_key(hit) == key and loading.result_key(hit) == key
+    assert loading.cached(tiny_modules.wrap, hit).inner is not None  # keyed by its reference: no fallback
+    layer = hit.layers[0]
+    assert hit.handle.hooks_dict_ref() is layer._forward_hooks
+    assert [ref() for ref in hit.handle.extra_dict_ref] == [layer._forward_hooks_with_kwargs,
+                                                            layer._forward_hooks_always_called]
+    assert all(ref() is d for ref, d in zip(hit.handle.extra_dict_ref, (layer._forward_hooks_with_kwargs,
+                                                                           layer._forward_hooks_always_called),
+                                            strict=True)), "the handle's dicts are its module's"
+    x = torch.ones(1, 8)
+    with torch.no_grad():
+        assert torch.equal(hit(x), 2 * hit.layers[0].forward(x))
+        hit.handle.remove()
+        assert not layer._forward_hooks and torch.equal(hit(x), hit.layers[0].forward(x))
+        assert torch.equal(miss(x), 2 * miss.layers[0].forward(x)), "the miss's hook stays on it"
+
+
 def test_a_module_with_its_own_init_state_and_a_cycle_through_it(overmind_home: Path) -> None:
     first, second = load_twice("stateful")
     assert rebuild.entry_of(second.block.weight.data_ptr()) is not None, "the second load is a hit"

@@ -14,6 +14,8 @@ from the last run's reports). `check` runs the selection with the cache and fail
   lists it with the reason;
 - fewer hits than `min_hits` in expected.json (in all, or in a group): a run in which the cache never
   engaged cannot pass; nor can a group in which no load went through the cache at all;
+- more loads of a group falling back to the plain call than expected.json recorded with the cache
+  (`PLAIN_SLACK`): a load the cache no longer takes changes no test's outcome;
 - a selection that no longer matches: more than `TOLERANCE` of the tests differ from expected.json's
   (a library upgrade: run `record` again);
 - a group whose pytest did not finish (an internal error, an interruption, the group's time limit).
@@ -52,6 +54,7 @@ PER_TEST_TIMEOUT = 120  # seconds, pytest-timeout
 GROUP_TIMEOUT = 900  # seconds, a whole group's pytest process
 HIT_FRACTION = 0.5  # of the hits `record` observed: the least a `check` must reach
 TOLERANCE = 0.02  # of the expected tests that may be missing from the run or new in it (at least 10)
+PLAIN_SLACK = 2  # plain loads more than recorded that a group may have
 PASSING = {"passed"}
 REGRESSIONS_SHOWN = 40  # printed; all are written to REGRESSIONS_FILE
 REGRESSIONS_FILE = fetch.CACHE / "reports" / "regressions.tsv"
@@ -263,6 +266,25 @@ def _failures(results: list[dict[str, Any]]) -> list[str]:
     return problems
 
 
+def _more_plain_loads(result: dict[str, Any], document: dict[str, Any]) -> list[str]:
+    """A group whose loads fall back to the plain call more often than when expected.json was recorded
+    (beyond `PLAIN_SLACK`): loads the cache took then and gives up now, which no test's outcome shows."""
+    recorded = document["groups"].get(result["group"], {}).get("with_cache", {}).get("calls", {})
+    if "plain" not in recorded:
+        return []
+    calls = result.get("report", {}).get("calls", {})
+    got = calls.get("plain", 0)
+    allowed = recorded["plain"] + PLAIN_SLACK
+    if got <= allowed:
+        return []
+    reasons = collections.Counter({f"{kind}: {reason}": n
+                                   for kind, entry in result.get("report", {}).get("fallbacks", {}).items()
+                                   for reason, n in entry.get("reasons", {}).items()})
+    named = "; ".join(f"{n} x {reason[:160]}" for reason, n in reasons.most_common(3))
+    return [f"group {result['group']}: {got} loads fell back to the plain call, {recorded['plain']} when "
+            f"expected.json was recorded (the most frequent reasons now: {named})"]
+
+
 def _groups(names: list[str] | None) -> list[selection.Group]:
     if not names:
         return list(selection.GROUPS)
@@ -369,6 +391,7 @@ def check(jobs: int, names: list[str] | None = None) -> int:
         got = result.get("report", {}).get("calls", {}).get("hit", 0)
         if got < need:
             problems.append(f"group {result['group']}: {got} hits, fewer than its {need}")
+        problems += _more_plain_loads(result, document)
     if versions != document["versions"]:
         print(f"  note: expected.json was recorded with {document['versions']}, this is {versions}")
     changed = len(diff["missing"]) + len(diff["new"])

@@ -133,6 +133,14 @@ def hooked() -> nn.Module:
     return model
 
 
+def handled() -> nn.Module:
+    """A module that keeps the handle of a hook it registered, as PEFT's ShadowPEFT does: the handle
+    refers (weakly) to its module's hook dicts, two of which stay empty."""
+    model = Mlp(width=8, depth=1)
+    model.handle = model.layers[0].register_forward_hook(doubled)
+    return model
+
+
 def _seeded(seed: int) -> None:
     """Seed the CPU generator only, inside `fork_rng(devices=[])`, which restores that one alone:
     `torch.manual_seed` seeds every CUDA generator too (at once where CUDA is initialised, at its
@@ -148,7 +156,8 @@ def build(kind: str, seed: int = 0, **kwargs: object) -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         _seeded(seed)
         return {"tied": TiedWeights, "noncontig": NonContiguous, "dtypes": Dtypes, "mlp": Mlp,
-                "unpicklable": Unpicklable, "ordered": OrderedState, "hooked": hooked, "bf16": Bf16,
+                "unpicklable": Unpicklable, "ordered": OrderedState, "hooked": hooked, "handled": handled,
+                "bf16": Bf16,
                 "stateful": Stateful}[kind](**kwargs)
 
 
