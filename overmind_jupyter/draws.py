@@ -12,7 +12,6 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from .randomness import Scratch, replay
 
@@ -99,6 +98,34 @@ def _whole(t: torch.Tensor) -> bool:
             and t.numel() * t.element_size() == t.untyped_storage().nbytes())
 
 
+_STORAGE = torch._C.TensorBase.untyped_storage
+
+
+def _leaves(value: Any, into: list[Any] | None = None) -> list[Any]:
+    """`value` flattened through its lists and tuples (named ones included): what an operator takes or
+    returns holds nothing else that can hold a tensor (a schema's Tensor[] and Tensor?[]; a tuple of
+    results, of lists at most). Met on every operation of a followed load, so not pytree's `tree_leaves`,
+    which asks each value its node type: half of following's own time (benchmarks/following.py)."""
+    if into is None:
+        into = []
+    if isinstance(value, list | tuple):
+        for v in value:
+            _leaves(v, into)
+    else:
+        into.append(value)
+    return into
+
+
+def _tensors(arguments: tuple[Any, ...]) -> list[torch.Tensor]:
+    """The tensors among an operator's arguments: each one a tensor, or a list or tuple of them (a
+    schema's Tensor[] and Tensor?[]), as `_leaves` finds them, in one loop."""
+    found = [a for a in arguments if isinstance(a, torch.Tensor)]
+    for a in arguments:
+        if isinstance(a, list | tuple):
+            found += [t for t in _leaves(a) if isinstance(t, torch.Tensor)]
+    return found
+
+
 def _spec(value: Any) -> Any:
     """`value` with its tensors as `Scratch`."""
     if isinstance(value, torch.Tensor):
@@ -143,21 +170,21 @@ class Draws:
         if op.random:
             self._draw(op, args, kwargs, written, out)
             return
-        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        inputs = _tensors((*args, *kwargs.values()))
         if op.overwrite:
             dst = written[0]
             from_tainted = any(self._holds(t) for t in inputs if t is not dst)
             if from_tainted:
                 self._taint(dst)
             elif _whole(dst):
-                self._tainted.pop(dst.untyped_storage()._cdata, None)
+                self._tainted.pop(_STORAGE(dst)._cdata, None)
             return
-        if not any(self._holds(t) for t in inputs):
+        if not any(map(self._holds, inputs)):
             return
         if op.reads:
             self.verdict = f"{op.name} read values drawn at random"
             return
-        results = tree_leaves(out)
+        results = _leaves(out)
         if any(r is not None and not isinstance(r, torch.Tensor) for r in results):
             self.verdict = f"{op.name} turned values drawn at random into a Python value"
             return
@@ -167,13 +194,13 @@ class Draws:
 
     def read(self, func: Any, args: tuple[Any, ...]) -> None:
         """A Python-level read of a tensor's values (`func`, one of `_READS`: tolist(), numpy(), ...)."""
-        if self._tainted and any(self._holds(t) for t in tree_leaves(args)
+        if self._tainted and any(self._holds(t) for t in _leaves(args)
                                                     if isinstance(t, torch.Tensor)):
             self.verdict = f"{getattr(func, '__name__', func)}() read values drawn at random"
 
     def _draw(self, op: _Op, args: tuple[Any, ...], kwargs: dict[str, Any], written: list[torch.Tensor],
               out: Any) -> None:
-        made = [t for t in (*written, *tree_leaves(out)) if isinstance(t, torch.Tensor)]
+        made = [t for t in (*written, *_leaves(out)) if isinstance(t, torch.Tensor)]
         if made and all(t.device.type == "meta" for t in made):
             return  # nothing drawn
         if op.generator is not None and _argument(args, kwargs, op.generator, "generator") is not None:
@@ -190,7 +217,7 @@ class Draws:
             self._taint(t)
 
     def _holds(self, t: torch.Tensor) -> bool:
-        return t.device.type != "meta" and t.untyped_storage()._cdata in self._tainted
+        return not t.is_meta and _STORAGE(t)._cdata in self._tainted
 
     def _taint(self, t: torch.Tensor) -> None:
         if t.device.type == "meta":

@@ -164,6 +164,10 @@ def test_a_layer_overwritten_from_its_checkpoint_does_not_depend_on_the_draws() 
     (lambda: torch.zeros(4, 8).copy_(torch.nn.Linear(8, 4).weight), "outlive the load"),
     (lambda: torch.zeros(8)[:4].copy_(torch.rand(4)), "outlive the load"),
     (lambda: torch.rand(4, 8)[:2].zero_(), "outlive the load"),  # noqa: PLW0108
+    (lambda: torch.cat([torch.zeros(2), torch.rand(2)]) * 0 + 1, "outlive the load"),  # through a list's
+    (lambda: torch.stack((torch.zeros(2), torch.rand(2)))[0], "outlive the load"),  # and a tuple's tensors
+    (lambda: torch.rand(4).split(2)[1].clone(), "outlive the load"),  # noqa: PLW0108 (a list of results)
+    (lambda: torch.zeros(3) if torch.equal(torch.rand(2), torch.zeros(2)) else None, "aten.equal.default read"),
     (lambda: torch.zeros(3) if torch.rand(1).item() > 2 else None, "aten._local_scalar_dense.default"),
     (lambda: torch.zeros(3) if bool((torch.rand(2) > 2).any()) else None, "drawn at random"),
     (lambda: torch.zeros(len(torch.rand(5).tolist())), "tolist() read values"),
