@@ -27,15 +27,10 @@ def main() -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from benchmarks.load import build
-    from overmind_jupyter import demo_models, draws
+    from benchmarks.replayed_draws import base_and_adapter
+    from overmind_jupyter import draws
 
-    size = sys.argv[1] if len(sys.argv) > 1 else "1.1b"
-    rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 10
-    rank = int(sys.argv[3]) if len(sys.argv) > 3 else 4
-    base = build([size], torch_files=False)[size]
-    adapter = demo_models.build_lora_adapters(base, base.parent.parent / f"adapters-{size}-r{rank}", ("fr",),
-                                              rank=rank)["fr"]
+    size, rounds, rank, base, adapter = base_and_adapter(10)
     follow = draws.Draws.follow
     in_follow: list[float] = []
 

@@ -48,16 +48,25 @@ print(json.dumps({"wall": wall, "cpu": cpu, "calls": loading.calls()}))
 """
 
 
-def main() -> None:
-    from benchmarks.load import build, daemon
+def base_and_adapter(default_rounds: int) -> tuple[str, int, int, Path, Path]:
+    """SIZE, ROUNDS and RANK from the command line, and the base model and the adapter they name (each
+    built on first use)."""
+    from benchmarks.load import build
     from overmind_jupyter import demo_models
 
     size = sys.argv[1] if len(sys.argv) > 1 else "1.1b"
-    rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 6
+    rounds = int(sys.argv[2]) if len(sys.argv) > 2 else default_rounds
     rank = int(sys.argv[3]) if len(sys.argv) > 3 else 4
     base = build([size], torch_files=False)[size]
     adapter = demo_models.build_lora_adapters(base, base.parent.parent / f"adapters-{size}-r{rank}", ("fr",),
                                               rank=rank)["fr"]
+    return size, rounds, rank, base, adapter
+
+
+def main() -> None:
+    from benchmarks.load import daemon
+
+    size, rounds, rank, base, adapter = base_and_adapter(6)
     env = dict(os.environ, OVERMIND_HOME=tempfile.mkdtemp(prefix="om-draws-"), TRANSFORMERS_VERBOSITY="error",
                PYTHONWARNINGS="ignore", HF_HUB_OFFLINE="1")
 
