@@ -254,11 +254,9 @@ def test_a_model_that_keeps_its_hooks_handles_stays_a_reference_and_its_handles_
     assert loading.cached(tiny_modules.wrap, hit).inner is not None  # keyed by its reference: no fallback
     layer = hit.layers[0]
     assert hit.handle.hooks_dict_ref() is layer._forward_hooks
-    assert [ref() for ref in hit.handle.extra_dict_ref] == [layer._forward_hooks_with_kwargs,
-                                                            layer._forward_hooks_always_called]
-    assert all(ref() is d for ref, d in zip(hit.handle.extra_dict_ref, (layer._forward_hooks_with_kwargs,
-                                                                           layer._forward_hooks_always_called),
-                                            strict=True)), "the handle's dicts are its module's"
+    extra = (layer._forward_hooks_with_kwargs, layer._forward_hooks_always_called)
+    assert all(ref() is d for ref, d in zip(hit.handle.extra_dict_ref, extra, strict=True)), \
+        "the handle's dicts are its module's"
     x = torch.ones(1, 8)
     with torch.no_grad():
         assert torch.equal(hit(x), 2 * hit.layers[0].forward(x))

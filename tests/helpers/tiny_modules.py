@@ -157,8 +157,7 @@ def build(kind: str, seed: int = 0, **kwargs: object) -> nn.Module:
         _seeded(seed)
         return {"tied": TiedWeights, "noncontig": NonContiguous, "dtypes": Dtypes, "mlp": Mlp,
                 "unpicklable": Unpicklable, "ordered": OrderedState, "hooked": hooked, "handled": handled,
-                "bf16": Bf16,
-                "stateful": Stateful}[kind](**kwargs)
+                "bf16": Bf16, "stateful": Stateful}[kind](**kwargs)
 
 
 def build_on(kind: str, device: str) -> nn.Module:
