@@ -434,6 +434,8 @@ def _publish(client: Client, ck: keys.CallKey, obj: Any, replay: Replay, random_
         meta = ck.meta | dynamic_modules.describe(packed.graph, ck.sources[0][0] if ck.sources else None)
         if devices:
             meta["devices"] = devices
+        if packed.next_hook_id:
+            meta["hook_ids"] = packed.next_hook_id  # Note [Hook ids] in rebuild.py
         try:
             with progress.loading(client, ck.key, ck.label):  # the copy reports too (Note [Load progress])
                 times = publishing.publish(client, ck.key, ck.label, meta, packed, backing=options.backing,
@@ -524,12 +526,21 @@ def _from_hit(client: Client, ck: keys.CallKey, reply: Response[LookupReply], re
     finally:
         close_fds(fds)
     remember(obj, ck.key, graph, replay, pickled_here=False, random_after=random_after)
+    _hooks_after(entries[0]["meta"].get("hook_ids"))
     for name, level, message in entries[0]["meta"].get("log") or ():
         logging.getLogger(name).log(level, message)  # Note [What the load said]
     if random_after is not None:
         randomness.set_random_state(random_after)  # as the plain load leaves the generators (Note [Random loads])
     count("hit")
     return obj
+
+
+def _hooks_after(next_id: Any) -> None:
+    """Hooks registered from now on take ids past the hit's (Note [Hook ids] in rebuild.py)."""
+    if type(next_id) is int:
+        from torch.utils.hooks import RemovableHandle
+
+        RemovableHandle.next_id = max(RemovableHandle.next_id, next_id)
 
 
 def _abandon(client: Client, key: str) -> None:

@@ -78,6 +78,7 @@ class Packed:
     # storages that lie, unwritten, in entries' mappings: (entry key, offset, bytes, device) -> storage
     mapped: dict[tuple[str, int, int, str], torch.UntypedStorage] = field(default_factory=dict, repr=False)
     devices: list[str] = field(default_factory=list)  # the devices but the CPU its storages lie on ("cuda:0")
+    next_hook_id: int = 0  # past the ids of the hooks in the graph (Note [Hook ids])
 
 
 @dataclass
@@ -130,6 +131,7 @@ class _Placer:
         self.by_storage: dict[int, list[torch.Tensor]] = collections.defaultdict(list)
         self.tensors: list[torch.Tensor] = []  # those not plain (Note [Plain tensors])
         self.devices: dict[str, None] = {}  # the devices but the CPU met, in order
+        self.hook_ids: list[int] = []  # the highest int key of each non-empty OrderedDict (Note [Hook ids])
 
     def dispatch_table(self) -> dict[type, Callable[[Any], Any]]:
         table = _Dispatch(copyreg.dispatch_table)
@@ -137,7 +139,7 @@ class _Placer:
         table[torch.UntypedStorage] = lambda s: (_typed, (self.source(s), None))
         table[torch.Tensor] = self.tensor
         table[torch.nn.Parameter] = self.tensor
-        table[collections.OrderedDict] = _reduce_ordered_dict
+        table[collections.OrderedDict] = functools.partial(_reduce_ordered_dict, self.hook_ids)
         table[_Call] = table[_EmptyHooks] = table[_SetDict] = _reduced
         return table
 
@@ -239,13 +241,28 @@ class _Placer:
         return not self.written.any(low, high, address, nbytes)
 
 
-def _reduce_ordered_dict(d: collections.OrderedDict[Any, Any]) -> tuple[Any, ...]:
+def _reduce_ordered_dict(hook_ids: list[int], d: collections.OrderedDict[Any, Any]) -> tuple[Any, ...]:
     """What `OrderedDict.__reduce__` returns, without its call of `copyreg._slotnames`, which a builtin
     type cannot cache (it was half of the Python time of packing a model, when every module's hook
-    dicts came this way; now only those `_reduce_module` does not stand in for)."""
+    dicts came this way; now only those `_reduce_module` does not stand in for). The highest int key of
+    a non-empty one goes to `hook_ids` (Note [Hook ids])."""
     if not d:  # most of a module's dozen OrderedDicts (hooks) are empty
         return (collections.OrderedDict, (), _attributes(d))
+    ids = [k for k in d if type(k) is int]
+    if ids:
+        hook_ids.append(max(ids))
     return (collections.OrderedDict, (), _attributes(d), None, iter(d.items()))
+
+
+# Note [Hook ids]
+# A module's hooks sit in its hook dicts under the ids of their handles, which torch counts per process
+# (`RemovableHandle.next_id`). A hit brings hooks with the ids of the process that loaded them; a hook
+# the user then registers takes this process's next id, which may be one of those: it replaced the
+# cached hook in the dict (and its handle's remove() would remove that one). torch's own unpickling moves
+# the count past a handle it unpickles, but most hooks' handles are not kept. So a pack notes the highest
+# int key of each non-empty OrderedDict it meets (hook dicts among them, which the pack never stands in
+# for; other OrderedDicts with int keys only make the count skip ids), the entry's meta holds the next
+# id ("hook_ids"), and a hit moves this process's count past it.
 
 
 def _attributes(d: collections.OrderedDict[Any, Any]) -> dict[str, Any] | None:
@@ -512,7 +529,7 @@ def pack(obj: Any, *, self_key: str | None = None, trust_mappings: bool = False,
             errors.append(f"{name}: {type(exc).__name__}: {exc}")
             continue
         return Packed(buf.getvalue(), placer.own, placer.deps, placer.offset, placer.by_storage, placer.tensors, name,
-                      placer.mapped, list(placer.devices))
+                      placer.mapped, list(placer.devices), max(placer.hook_ids, default=-1) + 1)
     raise PackError(f"{what or type(obj).__name__} cannot be pickled ({'; '.join(errors)})")
 
 

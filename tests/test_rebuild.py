@@ -265,6 +265,29 @@ def test_a_model_that_keeps_its_hooks_handles_stays_a_reference_and_its_handles_
         assert torch.equal(miss(x), 2 * miss.layers[0].forward(x)), "the miss's hook stays on it"
 
 
+def test_a_hook_registered_after_a_hit_takes_an_id_of_its_own(env: dict[str, str]) -> None:
+    """Note [Hook ids]: in a restarted kernel, a hook registered on a hit model takes an id past those of
+    the hooks the model came with, so it is added beside them, not over one; its handle removes it alone."""
+    code = """
+        import json
+        from tests.helpers import tiny_modules
+        from overmind_jupyter import loading
+        m = loading.cached(tiny_modules.build, "hooked")  # its hook's handle is not kept
+        cached = dict(m._forward_hooks)
+        handle = m.register_forward_hook(tiny_modules.doubled)
+        kept = all(m._forward_hooks.get(k) is hook for k, hook in cached.items())
+        handle.remove()
+        print(json.dumps({"calls": loading.calls(), "cached": list(cached), "new": handle.id, "kept": kept,
+                          "left": list(m._forward_hooks)}))
+    """
+    miss = last_json(run_py(code, env=env))
+    hit = last_json(run_py(code, env=env))
+    assert miss["calls"] == {"miss": 1} and hit["calls"] == {"hit": 1}
+    assert hit["cached"] == miss["cached"], "the hit's hook keeps the id the loading process gave it"
+    assert hit["new"] not in hit["cached"] and hit["kept"], "the new hook is added beside the cached one"
+    assert hit["left"] == hit["cached"], "removing the new hook leaves the cached one"
+
+
 def test_a_module_with_its_own_init_state_and_a_cycle_through_it(overmind_home: Path) -> None:
     first, second = load_twice("stateful")
     assert rebuild.entry_of(second.block.weight.data_ptr()) is not None, "the second load is a hit"
