@@ -14,9 +14,10 @@ from the last run's reports). `check` runs the selection with the cache and fail
   lists it with the reason;
 - fewer hits than `min_hits` in expected.json (in all, or in a group): a run in which the cache never
   engaged cannot pass; nor can a group in which no load went through the cache at all;
-- more loads of a group falling back to the plain call than expected.json recorded with the cache
-  (`PLAIN_SLACK`): a load the cache no longer takes changes no test's outcome (`record` refuses such a
-  new baseline too, unless told `--allow-more-plain`);
+- more loads of a group falling back to the plain call than expected.json recorded with the cache, or
+  fewer hits (by more than `PLAIN_SLACK`): a load the cache no longer takes, or no longer finds, changes
+  no test's outcome (`record` refuses a new baseline with more plain loads, unless told
+  `--allow-more-plain`);
 - a selection that no longer matches: more than `TOLERANCE` of the tests differ from expected.json's
   (a library upgrade: run `record` again);
 - a group whose pytest did not finish (an internal error, an interruption, the group's time limit).
@@ -55,7 +56,7 @@ PER_TEST_TIMEOUT = 120  # seconds, pytest-timeout
 GROUP_TIMEOUT = 900  # seconds, a whole group's pytest process
 HIT_FRACTION = 0.5  # of the hits `record` observed: the least a `check` must reach
 TOLERANCE = 0.02  # of the expected tests that may be missing from the run or new in it (at least 10)
-PLAIN_SLACK = 2  # plain loads more than recorded that a group may have
+PLAIN_SLACK = 2  # plain loads more, or hits fewer, than recorded that a group may have
 PASSING = {"passed"}
 REGRESSIONS_SHOWN = 40  # printed; all are written to REGRESSIONS_FILE
 REGRESSIONS_FILE = fetch.CACHE / "reports" / "regressions.tsv"
@@ -286,6 +287,17 @@ def _more_plain_loads(result: dict[str, Any], document: dict[str, Any]) -> list[
             f"expected.json was recorded (the most frequent reasons now: {named})"]
 
 
+def _fewer_hits(result: dict[str, Any], document: dict[str, Any]) -> list[str]:
+    """A group with fewer hits than when expected.json was recorded (beyond `PLAIN_SLACK`): loads that
+    were hits miss now, which no test's outcome shows either (a key that no longer finds its entry)."""
+    recorded = document["groups"].get(result["group"], {}).get("with_cache", {}).get("calls", {})
+    got = result.get("report", {}).get("calls", {}).get("hit", 0)
+    if "hit" not in recorded or got >= recorded["hit"] - PLAIN_SLACK:
+        return []
+    return [f"group {result['group']}: {got} hits, {recorded['hit']} when expected.json was recorded: loads "
+            "that were hits miss now"]
+
+
 def _groups(names: list[str] | None) -> list[selection.Group]:
     if not names:
         return list(selection.GROUPS)
@@ -398,7 +410,7 @@ def check(jobs: int, names: list[str] | None = None) -> int:
         got = result.get("report", {}).get("calls", {}).get("hit", 0)
         if got < need:
             problems.append(f"group {result['group']}: {got} hits, fewer than its {need}")
-        problems += _more_plain_loads(result, document)
+        problems += _more_plain_loads(result, document) + _fewer_hits(result, document)
     if versions != document["versions"]:
         print(f"  note: expected.json was recorded with {document['versions']}, this is {versions}")
     changed = len(diff["missing"]) + len(diff["new"])
