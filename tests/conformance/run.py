@@ -15,7 +15,7 @@ from the last run's reports). `check` runs the selection with the cache and fail
 - fewer hits than `min_hits` in expected.json (in all, or in a group): a run in which the cache never
   engaged cannot pass; nor can a group in which no load went through the cache at all;
 - more loads of a group falling back to the plain call than expected.json recorded with the cache, or
-  fewer hits (by more than `PLAIN_SLACK`): a load the cache no longer takes, or no longer finds, changes
+  fewer hits (by more than `CALLS_SLACK`): a load the cache no longer takes, or no longer finds, changes
   no test's outcome (`record` refuses a new baseline with more plain loads, unless told
   `--allow-more-plain`);
 - a selection that no longer matches: more than `TOLERANCE` of the tests differ from expected.json's
@@ -56,7 +56,7 @@ PER_TEST_TIMEOUT = 120  # seconds, pytest-timeout
 GROUP_TIMEOUT = 900  # seconds, a whole group's pytest process
 HIT_FRACTION = 0.5  # of the hits `record` observed: the least a `check` must reach
 TOLERANCE = 0.02  # of the expected tests that may be missing from the run or new in it (at least 10)
-PLAIN_SLACK = 2  # plain loads more, or hits fewer, than recorded that a group may have
+CALLS_SLACK = 2  # plain loads more, or hits fewer, than recorded that a group may have
 PASSING = {"passed"}
 REGRESSIONS_SHOWN = 40  # printed; all are written to REGRESSIONS_FILE
 REGRESSIONS_FILE = fetch.CACHE / "reports" / "regressions.tsv"
@@ -270,13 +270,13 @@ def _failures(results: list[dict[str, Any]]) -> list[str]:
 
 def _more_plain_loads(result: dict[str, Any], document: dict[str, Any]) -> list[str]:
     """A group whose loads fall back to the plain call more often than when expected.json was recorded
-    (beyond `PLAIN_SLACK`): loads the cache took then and gives up now, which no test's outcome shows."""
+    (beyond `CALLS_SLACK`): loads the cache took then and gives up now, which no test's outcome shows."""
     recorded = document["groups"].get(result["group"], {}).get("with_cache", {}).get("calls", {})
     if "plain" not in recorded:
         return []
     calls = result.get("report", {}).get("calls", {})
     got = calls.get("plain", 0)
-    allowed = recorded["plain"] + PLAIN_SLACK
+    allowed = recorded["plain"] + CALLS_SLACK
     if got <= allowed:
         return []
     reasons = collections.Counter({f"{kind}: {reason}": n
@@ -288,11 +288,11 @@ def _more_plain_loads(result: dict[str, Any], document: dict[str, Any]) -> list[
 
 
 def _fewer_hits(result: dict[str, Any], document: dict[str, Any]) -> list[str]:
-    """A group with fewer hits than when expected.json was recorded (beyond `PLAIN_SLACK`): loads that
+    """A group with fewer hits than when expected.json was recorded (beyond `CALLS_SLACK`): loads that
     were hits miss now, which no test's outcome shows either (a key that no longer finds its entry)."""
     recorded = document["groups"].get(result["group"], {}).get("with_cache", {}).get("calls", {})
     got = result.get("report", {}).get("calls", {}).get("hit", 0)
-    if "hit" not in recorded or got >= recorded["hit"] - PLAIN_SLACK:
+    if "hit" not in recorded or got >= recorded["hit"] - CALLS_SLACK:
         return []
     return [f"group {result['group']}: {got} hits, {recorded['hit']} when expected.json was recorded: loads "
             "that were hits miss now"]
