@@ -194,8 +194,7 @@ class Draws:
 
     def read(self, func: Any, args: tuple[Any, ...]) -> None:
         """A Python-level read of a tensor's values (`func`, one of `_READS`: tolist(), numpy(), ...)."""
-        if self._tainted and any(self._holds(t) for t in _leaves(args)
-                                                    if isinstance(t, torch.Tensor)):
+        if self._tainted and any(map(self._holds, _tensors(args))):
             self.verdict = f"{getattr(func, '__name__', func)}() read values drawn at random"
 
     def _draw(self, op: _Op, args: tuple[Any, ...], kwargs: dict[str, Any], written: list[torch.Tensor],

@@ -268,10 +268,15 @@ def _failures(results: list[dict[str, Any]]) -> list[str]:
     return problems
 
 
+def _recorded_calls(result: dict[str, Any], document: dict[str, Any]) -> dict[str, int]:
+    """The calls expected.json recorded with the cache for `result`'s group."""
+    return document["groups"].get(result["group"], {}).get("with_cache", {}).get("calls", {})
+
+
 def _more_plain_loads(result: dict[str, Any], document: dict[str, Any]) -> list[str]:
     """A group whose loads fall back to the plain call more often than when expected.json was recorded
     (beyond `CALLS_SLACK`): loads the cache took then and gives up now, which no test's outcome shows."""
-    recorded = document["groups"].get(result["group"], {}).get("with_cache", {}).get("calls", {})
+    recorded = _recorded_calls(result, document)
     if "plain" not in recorded:
         return []
     calls = result.get("report", {}).get("calls", {})
@@ -290,7 +295,7 @@ def _more_plain_loads(result: dict[str, Any], document: dict[str, Any]) -> list[
 def _fewer_hits(result: dict[str, Any], document: dict[str, Any]) -> list[str]:
     """A group with fewer hits than when expected.json was recorded (beyond `CALLS_SLACK`): loads that
     were hits miss now, which no test's outcome shows either (a key that no longer finds its entry)."""
-    recorded = document["groups"].get(result["group"], {}).get("with_cache", {}).get("calls", {})
+    recorded = _recorded_calls(result, document)
     got = result.get("report", {}).get("calls", {}).get("hit", 0)
     if "hit" not in recorded or got >= recorded["hit"] - CALLS_SLACK:
         return []
