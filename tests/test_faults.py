@@ -265,7 +265,7 @@ def test_threads_of_one_kernel_asking_for_one_model_load_it_once(overmind_home: 
 # HF_DEACTIVATE_ASYNC_LOAD=1) a finalizer's unpin is sent by the next load, so the child's would be sent
 # before its load. The parent's last line is JSON.
 FORKING_KERNEL = """
-    import gc, json, os, sys
+    import gc, json, os, sys, time
     from kernel_server.client import shared_client
     from overmind_jupyter import loading
     from tests.helpers import tiny_modules
@@ -289,6 +289,11 @@ FORKING_KERNEL = """
     os.close(w)
     child_calls = json.loads(os.read(r, 4096))
     os.waitpid(pid, 0)
+    # The daemon drops the dead child's own pins when it reads the end of the child's connection, which
+    # may come after this kernel's next request: wait for that, at most 10 s.
+    deadline = time.monotonic() + 10
+    while any(pid in pids for pids in pinned()) and time.monotonic() < deadline:
+        time.sleep(0.02)
     print(json.dumps({"before": before, "after": pinned(), "pid": os.getpid(), "child": child_calls,
                       "parent": loading.calls()}))
 """
