@@ -61,7 +61,7 @@ _KEY_FORMAT = 3  # bump on any change to what a key holds: old entries then simp
 # The format of the graphs rebuild.py packs, named by every key: an entry packed in another format is a miss
 # (a daemon that outlived an upgrade keeps such entries), not a corrupt entry with a fallback warning.
 # Bump when the storage or tensor references, or what a graph holds, change.
-GRAPH_FORMAT = 6
+GRAPH_FORMAT = 7
 _SOURCE_PARAMS = ("pretrained_model_name_or_path", "model_id", "pretrained_model_link_or_path", "repo_id",
                   "pretrained_model_link_or_path_or_dict")
 # diffusers' `from_single_file` reads the layout of the model from these when given (a local folder or
@@ -547,7 +547,12 @@ class _Canonical:
                 raise Uncacheable(f"argument {name}: {type(v).__name__}.to_dict() failed: {exc}") from exc
             out = {"object": _qualname(v), "dict": self.value(name, data, depth + 1)}
             if hasattr(v, "__dict__"):
-                out["state"] = self.value(name, dict(vars(v)), depth + 1)
+                state = dict(vars(v))
+                if "_original_object_hash" in state:  # a GenerationConfig's hash as loaded is this process's:
+                    # whether it is still its own is what the load depends on (Note [What a plain pickle
+                    # loses] in rebuild.py)
+                    state["_original_object_hash"] = state["_original_object_hash"] == hash(v)
+                out["state"] = self.value(name, state, depth + 1)
             return out
         if dataclasses.is_dataclass(v) and not isinstance(v, type):
             # A value object (PEFT's LoraRuntimeConfig inside a LoraConfig): its class and its whole state.

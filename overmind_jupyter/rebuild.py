@@ -32,6 +32,7 @@ import os
 import pickle
 import sys
 import threading
+import types
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -275,8 +276,9 @@ def _attributes(d: collections.OrderedDict[Any, Any]) -> dict[str, Any] | None:
 
 class _Dispatch(dict):  # type: ignore[type-arg]
     """A pickler's dispatch table that gives each module class `_reduce_module` when the pickler first
-    meets one (the C pickler looks classes up with `__missing__`; dill's Python pickler does not, and
-    pickles modules the default way), and every other class the pickler's own way, `__reduce_ex__`, from
+    meets one (the C pickler looks classes up with `__missing__`; dill's Python pickler asks with `get`,
+    and pickles modules the default way), the classes of Note [What a plain pickle loses] their own
+    reductions (with either pickler), and every other class the pickler's own way, `__reduce_ex__`, from
     then on without asking again (classes themselves excepted: the pickler saves those by name)."""
 
     def __init__(self, *args: Any) -> None:
@@ -284,12 +286,116 @@ class _Dispatch(dict):  # type: ignore[type-arg]
         # the empty hook dicts' stand-ins this pack's modules take, each once (Note [Empty hook dicts])
         self.reduce_module = functools.partial(_reduce_module, itertools.chain(
             _HOOK_MARKERS, itertools.starmap(_EmptyHooks, itertools.repeat(()))))
+        self.asked: set[type] = set()  # classes `get` found no reduction of its own for
 
     def __missing__(self, cls: type) -> Callable[[Any], Any]:
         if issubclass(cls, type):
             raise KeyError(cls)
-        found = self[cls] = self.reduce_module if _plain_module_class(cls) else _REDUCE_EX
+        found = self[cls] = (_kept_reduction(cls) or
+                             (self.reduce_module if _plain_module_class(cls) else _REDUCE_EX))
         return found
+
+    def get(self, cls: type, default: Any = None) -> Any:
+        found = super().get(cls)
+        if found is None and cls not in self.asked:
+            found = _kept_reduction(cls) if isinstance(cls, type) and not issubclass(cls, type) else None
+            if found is None:
+                self.asked.add(cls)
+            else:
+                self[cls] = found
+        return default if found is None else found
+
+
+# Note [What a plain pickle loses]
+# A hit leaves the process as the plain load would (docs/design.md, invariant 2), but two things of a
+# loaded model or pipeline do not come through a pickle as they were:
+# - transformers' GenerationConfig keeps the hash it had when loaded (`_original_object_hash`), and its
+#   `save_pretrained` turns the config's warnings into errors when the hash is no longer its own: a sign
+#   the user changed it. It is the hash of a string, so it is the loading process's (PYTHONHASHSEED): a
+#   hit's `model.save_pretrained` refused a published config that the plain load saves (any with
+#   `temperature` set and sampling off). Unchanged when packed, the config is given its own hash again
+#   when rebuilt (`_set_rehashed`); changed, it keeps the old one, which still tells it was changed.
+# - An object of an extension type whose state is what a native `__getstate__` gives (`tokenizers`'
+#   Rust classes) keeps nothing of its instance dict through a pickle. transformers' CLIPTokenizer sets
+#   `decode` on its `tokenizers.Tokenizer` so, a wrapper that strips "</w>": a hit's tokenizer (alone,
+#   or in a Stable Diffusion pipeline) decoded "a</w>cat</w>" where the plain load's says "a cat". The
+#   rebuild makes such an attribute again as the library makes it (`_REMADE`, by the function's name);
+#   any other that would be lost makes the result uncacheable (PackError: the plain load, with the
+#   reason said). Classes with a reduction of their own (exceptions, numpy's masked arrays) say what
+#   their state is themselves, and are left to it.
+
+
+def _kept_reduction(cls: type) -> Callable[[Any], Any] | None:
+    """The reduction of `cls` that keeps what a plain pickle loses (Note [What a plain pickle loses]),
+    where it needs one."""
+    generation = getattr(sys.modules.get("transformers.generation.configuration_utils"), "GenerationConfig", None)
+    if generation is not None and issubclass(cls, generation):
+        return _reduce_generation_config
+    # pickled by object's own reduction, with the state a native `__getstate__` gives (a pyo3 class's
+    # way); a class with a reduction of its own says what its state is itself
+    getstate, reduce_ex, reduce = (getattr(cls, name, None) for name in ("__getstate__", "__reduce_ex__", "__reduce__"))
+    if (cls.__dictoffset__ and type(getstate) is _NATIVE_METHOD and getstate is not _OBJECT["__getstate__"]
+            and reduce_ex is _OBJECT["__reduce_ex__"] and reduce is _OBJECT["__reduce__"]):
+        return _reduce_native
+    return None
+
+
+def _reduce_generation_config(config: Any) -> tuple[Any, ...]:
+    reduced: tuple[Any, ...] = config.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+    state = reduced[2] if len(reduced) > 2 else None
+    if (type(state) is not dict or len(reduced) > 5 or hasattr(config, "__setstate__")
+            or state.get("_original_object_hash") != hash(config)):
+        return reduced
+    return _set_by(reduced, state, _set_rehashed)
+
+
+def _set_rehashed(config: Any, state: dict[str, Any]) -> None:
+    vars(config).update(state)
+    config._original_object_hash = hash(config)
+
+
+def _reduce_native(obj: Any) -> tuple[Any, ...]:
+    reduced: tuple[Any, ...] = obj.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+    attributes = getattr(obj, "__dict__", None)
+    state = reduced[2] if len(reduced) > 2 else None
+    if not attributes or state is attributes or (type(state) is tuple and any(s is attributes for s in state)):
+        return reduced
+    remade = [_REMADE.get((name, getattr(value, "__module__", None), getattr(value, "__qualname__", None)))
+              for name, value in attributes.items()]
+    if None in remade or len(reduced) > 5 or not hasattr(obj, "__setstate__"):
+        raise PackError(f"a {type(obj).__qualname__} holds attributes that pickling it loses ({', '.join(attributes)})")
+    return _set_by(reduced, (state, tuple(remade)), _set_state_remade)
+
+
+def _set_by(reduced: tuple[Any, ...], state: Any, setter: Callable[[Any, Any], None]) -> tuple[Any, ...]:
+    """`reduced` (a reduction of at most five items) with `state`, which the unpickler hands to `setter`."""
+    fn, args, _, items, dict_items = (*reduced, None, None, None)[:5]
+    return (fn, args, state, items, dict_items, setter)
+
+
+def _set_state_remade(obj: Any, state: tuple[Any, tuple[Callable[[Any], None], ...]]) -> None:
+    native, remade = state
+    if native is not None:
+        obj.__setstate__(native)
+    for remake in remade:
+        remake(obj)
+
+
+def _remake_clip_decode(tokenizer: Any) -> None:
+    """Wrap `tokenizer.decode` as CLIPTokenizer wraps its backend tokenizer's, by its own method."""
+    from transformers.models.clip.tokenization_clip import CLIPTokenizer
+
+    owner: Any = types.SimpleNamespace(backend_tokenizer=tokenizer)  # all the method reads of its tokenizer
+    CLIPTokenizer._wrap_decode_method_backend_tokenizer(owner)
+
+
+_OBJECT = vars(object)
+_NATIVE_METHOD = type(_OBJECT["__reduce_ex__"])
+# (attribute, module, qualname of the function it holds) -> what makes it again on a rebuilt object
+_REMADE: dict[tuple[str, Any, Any], Callable[[Any], None]] = {
+    ("decode", "transformers.models.clip.tokenization_clip",
+     "CLIPTokenizer._wrap_decode_method_backend_tokenizer.<locals>.new_decode_method"): _remake_clip_decode,
+}
 
 
 _REDUCE_EX = operator.methodcaller("__reduce_ex__", pickle.HIGHEST_PROTOCOL)  # what the pickler calls

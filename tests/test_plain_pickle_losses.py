@@ -1,0 +1,136 @@
+"""A hit is the plain load where a pickle of it would not be (Note [What a plain pickle loses] in
+overmind_jupyter/rebuild.py): a GenerationConfig's own hash, and what CLIPTokenizer sets on its native
+tokenizer. Real checkpoints, real transformers; the hash across two processes that hash strings apart."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from overmind_jupyter import demo_models, loading
+from overmind_jupyter.errors import FallbackWarning
+from tests.helpers.snippets import last_json, run_py
+
+
+@pytest.fixture(scope="module")
+def published_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama whose generation config has sampling settings with sampling off, as many published
+    models do (transformers warns of them, and refuses to save them once the config was changed)."""
+    path = demo_models.build_llama(tmp_path_factory.mktemp("published") / "llama", "tiny")
+    (path / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": 1, "eos_token_id": 2, "do_sample": False, "temperature": 0.6, "top_p": 0.9}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def clip_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return demo_models.build_sd_pipeline(tmp_path_factory.mktemp("sd") / "sd") / "tokenizer"
+
+
+GENERATION_CONFIGS = """
+    import json, os, tempfile, torch
+    import overmind_jupyter
+    from overmind_jupyter import loading
+    overmind_jupyter.enable()
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    path = os.environ["MODEL"]
+
+    def changed(path):
+        model = AutoModelForCausalLM.from_pretrained(path)
+        model.generation_config.top_k = 5  # changed before it is cached: one more setting sampling ignores
+        return model
+
+    def saves(config):
+        try:
+            config.save_pretrained(tempfile.mkdtemp())
+            return "saved"
+        except ValueError:
+            return "refused"
+
+    loaded = AutoModelForCausalLM.from_pretrained(path)
+    edited = loading.cached(changed, path)
+    given = AutoModelForCausalLM.from_pretrained(path, generation_config=GenerationConfig.from_pretrained(path),
+                                                 dtype=torch.float32)
+    print(json.dumps({"calls": loading.calls(), "fallbacks": loading.fallbacks(),
+                      "saves": [saves(m.generation_config) for m in (loaded, edited, given)]}))
+"""
+
+
+def test_a_generation_config_is_as_changed_as_the_plain_loads(overmind_home: Path, published_llama: Path) -> None:
+    """Saving a generation config that warns works where it is unchanged since it was loaded and is
+    refused where it was changed: on a hit in a kernel that hashes strings apart as on the miss. A
+    config given as an argument keys by whether it changed, not by its hash: a hit there too."""
+    env = dict(os.environ, MODEL=str(published_llama))
+    miss = last_json(run_py(GENERATION_CONFIGS, env=env | {"PYTHONHASHSEED": "1"}, timeout=300))
+    hit = last_json(run_py(GENERATION_CONFIGS, env=env | {"PYTHONHASHSEED": "2"}, timeout=300))
+    # (the miss of `changed` runs its load inside, a hit of the first load's entry)
+    assert miss["calls"] == {"miss": 3, "hit": 1} and hit["calls"] == {"hit": 3}, (miss, hit)
+    assert not miss["fallbacks"] and not hit["fallbacks"]
+    # what the plain loads do, which the miss keeps (the library changes a config it is given)
+    assert miss["saves"] == ["saved", "refused", "refused"]
+    assert hit["saves"] == miss["saves"]
+
+
+def test_a_clip_tokenizer_decodes_as_the_plain_ones(overmind_home: Path, clip_tokenizer: Path) -> None:
+    from transformers import CLIPTokenizer
+
+    plain = CLIPTokenizer.from_pretrained(clip_tokenizer)
+    before = loading.calls()
+    miss = loading.cached(CLIPTokenizer.from_pretrained, clip_tokenizer)
+    hit = loading.cached(CLIPTokenizer.from_pretrained, clip_tokenizer)
+    after = loading.calls()
+    assert (after.get("miss", 0) - before.get("miss", 0), after.get("hit", 0) - before.get("hit", 0)) == (1, 1)
+    ids = plain("a hello world").input_ids
+    assert plain.decode(ids, skip_special_tokens=True) == "a hello world", "CLIP's wrapper strips </w>"
+    for tokenizer in (miss, hit):
+        assert tokenizer.decode(ids, skip_special_tokens=True) == "a hello world"
+        assert tokenizer.backend_tokenizer.decode(ids[1:-1]) == "a hello world"
+
+
+def noted(path: Path) -> object:
+    from transformers import CLIPTokenizer
+
+    tokenizer = CLIPTokenizer.from_pretrained(path)
+    tokenizer.backend_tokenizer.note = "mine"  # an attribute a pickle of the native tokenizer drops
+    return tokenizer
+
+
+def test_an_attribute_a_native_pickle_would_drop_leaves_the_result_uncached(overmind_home: Path,
+                                                                         clip_tokenizer: Path) -> None:
+    """Not cached, rather than cached without it: the plain result, with the reason said."""
+    for call in range(2):
+        before = loading.calls()
+        with pytest.warns(FallbackWarning, match="holds attributes") if call == 0 else contextlib.nullcontext():
+            result = loading.cached(noted, clip_tokenizer)
+        after = loading.calls()
+        assert after.get("plain", 0) - before.get("plain", 0) == 1 and after.get("hit") == before.get("hit")
+        assert result.backend_tokenizer.note == "mine"
+        assert result.decode(result("a hello world").input_ids, skip_special_tokens=True) == "a hello world"
+    (fallback, *_) = loading.fallbacks()
+    assert fallback["kind"] == "unpicklable"
+    assert "a Tokenizer holds attributes that pickling it loses (decode, note)" in fallback["reason"]
+
+
+def with_a_closure(path: Path) -> dict[str, object]:
+    from transformers import CLIPTokenizer
+
+    tokenizer = CLIPTokenizer.from_pretrained(path)
+    return {"tokenizer": tokenizer, "lower": lambda text: text.lower()}  # a lambda: dill packs it
+
+
+def test_a_result_dill_packs_keeps_the_tokenizers_wrapper_too(overmind_home: Path, clip_tokenizer: Path) -> None:
+    from overmind_jupyter import rebuild
+
+    before = loading.calls()
+    miss = loading.cached(with_a_closure, clip_tokenizer)
+    assert rebuild.pack(miss).pickler == "dill", "the C pickler cannot pickle the lambda"
+    hit = loading.cached(with_a_closure, clip_tokenizer)
+    after = loading.calls()
+    assert (after.get("miss", 0) - before.get("miss", 0), after.get("hit", 0) - before.get("hit", 0)) == (1, 1)
+    assert hit["lower"]("A") == "a"
+    ids = hit["tokenizer"]("a hello world").input_ids
+    assert hit["tokenizer"].decode(ids, skip_special_tokens=True) == "a hello world"
