@@ -55,6 +55,7 @@ def build_llama(path: str | os.PathLike[str], size: str = "tiny", *, dtype: str 
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     model = model.to(getattr(torch, dtype)).to_empty(device=device)  # allocated in the stored dtype only
+    model.tie_weights()  # (`to_empty` gives tied weights storages of their own)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.02)

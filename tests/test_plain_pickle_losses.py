@@ -18,9 +18,10 @@ from tests.helpers.snippets import last_json, run_py
 
 @pytest.fixture(scope="module")
 def published_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny Llama whose generation config has sampling settings with sampling off, as many published
-    models do (transformers warns of them, and refuses to save them once the config was changed)."""
-    path = demo_models.build_llama(tmp_path_factory.mktemp("published") / "llama", "tiny")
+    """A tiny Llama (tied embeddings) whose generation config has sampling settings with sampling off, as
+    many published models do (transformers warns of them, and refuses to save them once the config was
+    changed)."""
+    path = demo_models.build_llama(tmp_path_factory.mktemp("published") / "llama", "tiny", tie_word_embeddings=True)
     (path / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": 1, "eos_token_id": 2, "do_sample": False, "temperature": 0.6, "top_p": 0.9}))
     return path
@@ -134,3 +135,57 @@ def test_a_result_dill_packs_keeps_the_tokenizers_wrapper_too(overmind_home: Pat
     assert hit["lower"]("A") == "a"
     ids = hit["tokenizer"]("a hello world").input_ids
     assert hit["tokenizer"].decode(ids, skip_special_tokens=True) == "a hello world"
+
+
+GRAPHS = """
+    import json, os, sys, torch
+    from tests.helpers.graphs import describe
+    if sys.argv[1] != "plain":
+        import overmind_jupyter
+        overmind_jupyter.enable()
+    from transformers import AutoModelForCausalLM
+    from diffusers import DiffusionPipeline
+    from peft import PeftModel
+    from overmind_jupyter import loading
+    paths = json.loads(os.environ["PATHS"])
+    results = {
+        "llama": AutoModelForCausalLM.from_pretrained(paths["llama"]),
+        "pipeline": DiffusionPipeline.from_pretrained(paths["pipeline"]),
+    }
+    base = AutoModelForCausalLM.from_pretrained(paths["llama"], dtype=torch.float32)
+    results["peft"] = PeftModel.from_pretrained(base, paths["fr"], adapter_name="fr")
+    results["peft"].load_adapter(paths["de"], adapter_name="de")
+    with open(os.environ["OUT"], "w") as f:
+        json.dump({"calls": loading.calls(), "lines": {name: describe(r) for name, r in results.items()}}, f)
+"""
+
+
+def test_a_hits_object_graph_is_the_plain_loads(overmind_home: Path, published_llama: Path, tmp_path: Path) -> None:
+    """Every object a plain load makes, with its attributes in order, its sharing, and its tensors'
+    bytes, is in the miss and in the hit in another process alike (tests/helpers/graphs.py says what
+    is left out). A release that adds state a pickle loses, or that only the loading process can
+    read, fails here before a user meets it. Each result is compared on its own: two results of a
+    plain process share their classes' constants (transformers' `_pp_plan` tuples), which each entry
+    holds a copy of."""
+    import difflib
+
+    root = tmp_path / "checkpoints"
+    adapters = demo_models.build_lora_adapters(published_llama, root / "lora", ("fr", "de"))
+    paths = {"llama": str(published_llama), "pipeline": str(demo_models.build_sd_pipeline(root / "sd")),
+             "fr": str(adapters["fr"]), "de": str(adapters["de"])}
+    graphs = {}
+    for run in ("plain", "miss", "hit"):
+        out = tmp_path / f"{run}.json"
+        # one hash seed: PEFT's sets and diffusers' lists made from sets come out in its order
+        env = dict(os.environ, PATHS=json.dumps(paths), OUT=str(out), PYTHONHASHSEED="0")
+        run_py(GRAPHS.replace("sys.argv[1]", repr(run)), env=env, timeout=300)
+        graphs[run] = json.loads(out.read_text())
+    assert graphs["miss"]["calls"] == {"miss": 5} and graphs["hit"]["calls"] == {"hit": 5}
+    plain = graphs["plain"]["lines"]
+    assert len(plain["pipeline"]) > 5000, "the whole graph is described"
+    assert any("['lm_head']._parameters['weight']: the object at " in line for line in plain["peft"]), \
+        "sharing is described: the tied weights are one object"
+    for run in ("miss", "hit"):
+        for name, lines in plain.items():
+            diff = list(difflib.unified_diff(lines, graphs[run]["lines"][name], "plain", run, n=0, lineterm=""))
+            assert not diff, f"{name}:\n" + "\n".join(diff[:40]) + f"\n({len(diff)} lines)"
