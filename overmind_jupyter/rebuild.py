@@ -307,7 +307,7 @@ class _Dispatch(dict):  # type: ignore[type-arg]
 
 
 # Note [What a plain pickle loses]
-# A hit leaves the process as the plain load would (docs/design.md, invariant 2), but two things of a
+# A hit leaves the process as the plain load would (docs/design.md, invariant 1), but two things of a
 # loaded model or pipeline do not come through a pickle as they were:
 # - transformers' GenerationConfig keeps the hash it had when loaded (`_original_object_hash`), and its
 #   `save_pretrained` turns the config's warnings into errors when the hash is no longer its own: a sign
