@@ -55,7 +55,9 @@ def build_llama(path: str | os.PathLike[str], size: str = "tiny", *, dtype: str 
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     model = model.to(getattr(torch, dtype)).to_empty(device=device)  # allocated in the stored dtype only
-    model.tie_weights()  # (`to_empty` gives tied weights storages of their own)
+    if config.tie_word_embeddings:  # `to_empty` gave the tied weights storages of their own. (Not by
+        # `model.tie_weights()`: loads in two threads can leave transformers' no-op in its place for good.)
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.02)
