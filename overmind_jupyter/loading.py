@@ -19,6 +19,7 @@ import contextlib
 import gc
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -308,6 +309,13 @@ def _miss(client: Client, ck: keys.CallKey, fn: Callable[..., Any], args: tuple[
             _abandon(client, ck.key)
             fall_back(label, "changed", f"{changed} changed while it was loading; the result is not cached")
             return obj
+        apart = _ties_apart(obj)  # Note [Tying switched off]
+        if apart is not None:
+            _abandon(client, ck.key)
+            fall_back(label, "untied", f"{apart} should be tied and is not: transformers' `tie_weights` does "
+                      "nothing in this process (two `from_pretrained` calls in two threads at once leave it so). "
+                      "The result is not cached; restart the kernel, and load one model at a time")
+            return obj
         after = randomness.random_state()
         drawn = randomness.drawn(before, after)
         state = randomness.only(after, drawn) if drawn else None
@@ -333,6 +341,41 @@ def _miss(client: Client, ck: keys.CallKey, fn: Callable[..., Any], args: tuple[
         if keyed is not None and keyed is not ck:
             _abandon(client, keyed.key)
         raise
+
+
+# Note [Tying switched off]
+# While transformers builds a model, `from_pretrained` puts a no-op in the place of
+# `PreTrainedModel.tie_weights` and puts back what it found after (`initialization.no_tie_weights`): a
+# class attribute, for every thread. Two loads in two threads at once can each put back the other's
+# no-op, and then `tie_weights` does nothing in that process for good. Every later load of a model with
+# tied embeddings has them apart, and where the checkpoint leaves the tied copy out (most do), the copy
+# is drawn at random: the model is wrong, and nothing says so. So a miss that finds the no-op in place
+# when its load returns checks the ties its transformers models expect (`get_expanded_tied_weights_keys`);
+# one found apart keeps the result out of the cache, so that no other kernel is served it, and the
+# user is told why. A model without ties is cached as ever. (A load that tied while another thread was
+# building its model, in that instant, is not seen this way.)
+def _ties_apart(obj: Any) -> str | None:
+    """The first tie that a transformers model in `obj` expects and lacks, where transformers' tying is
+    switched off in this process (Note [Tying switched off]); None otherwise."""
+    modeling = sys.modules.get("transformers.modeling_utils")
+    pretrained = getattr(modeling, "PreTrainedModel", None)
+    if not isinstance(pretrained, type) or getattr(vars(pretrained).get("tie_weights"), "__qualname__", "") != \
+            "no_tie_weights.<locals>.empty_func":
+        return None
+    model_class: Any = pretrained
+    components = getattr(obj, "components", None)  # a diffusers pipeline's models
+    for root in (obj, *(components.values() if isinstance(components, dict) else ())):
+        modules: list[Any] = list(root.modules()) if callable(getattr(root, "modules", None)) else []
+        for module in modules:
+            if not isinstance(module, model_class):
+                continue
+            try:
+                for target, source in module.get_expanded_tied_weights_keys().items():
+                    if module.get_parameter(target) is not module.get_parameter(source):
+                        return f"{type(module).__name__}.{target}"
+            except Exception:  # noqa: BLE001 (a model whose ties cannot be read: not cached either)
+                return f"{type(module).__name__}'s tied weights"
+    return None
 
 
 # Note [Interrupted caching]

@@ -310,6 +310,47 @@ def test_a_forked_child_never_speaks_on_its_parents_connection(overmind_home: Pa
     assert out["after"] == out["before"], "the child's finalizers unpinned the parent's model"
 
 
+# -- transformers' tying switched off by loads in threads -------------------------------------------------
+
+def test_a_load_after_two_threads_switched_tying_off_is_not_cached(overmind_home: Path, tiny_llama: Path,
+                                                                   tmp_path: Path) -> None:
+    """Note [Tying switched off] in loading.py. Two threads' `from_pretrained` calls go through transformers'
+    own `no_tie_weights` in this order (each builds its model under it), and the second puts back the
+    first's no-op: `tie_weights` does nothing in the process after. A load then has its tied embeddings
+    apart, plain or not; the cache does not keep it for other kernels. A model without ties is cached as
+    ever, and once tying works again, the tied one is too."""
+    from transformers import AutoModelForCausalLM, initialization
+    from transformers.modeling_utils import PreTrainedModel
+
+    from overmind_jupyter import demo_models
+
+    untied = demo_models.build_llama(tmp_path / "untied", "tiny")
+
+    original = PreTrainedModel.tie_weights
+    first, second = initialization.no_tie_weights(), initialization.no_tie_weights()
+    first.__enter__()  # thread one builds its model
+    second.__enter__()  # thread two builds its model: it finds thread one's no-op in place
+    first.__exit__(None, None, None)
+    second.__exit__(None, None, None)  # and puts the no-op back
+    try:
+        assert PreTrainedModel.tie_weights is not original, "transformers' own sequence leaves the no-op"
+        before = loading.calls()
+        with pytest.warns(FallbackWarning, match="`tie_weights` does nothing in this process"):
+            model = loading.cached(AutoModelForCausalLM.from_pretrained, tiny_llama)
+        after = loading.calls()
+        assert after.get("plain", 0) - before.get("plain", 0) == 1 and after.get("miss") == before.get("miss")
+        assert model.lm_head.weight is not model.model.embed_tokens.weight, "what the plain load gives here"
+        assert rebuild.entry_of(model.lm_head.weight.data_ptr()) is None, "nothing of it cached"
+        apart = loading.cached(AutoModelForCausalLM.from_pretrained, untied)
+        assert rebuild.entry_of(apart.lm_head.weight.data_ptr()) is not None, "no ties: cached"
+    finally:
+        PreTrainedModel.tie_weights = original
+    model = loading.cached(AutoModelForCausalLM.from_pretrained, tiny_llama)
+    assert loading.calls().get("miss") == (after.get("miss", 0) + 2)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert rebuild.entry_of(model.lm_head.weight.data_ptr()) is not None
+
+
 # -- the disk is full --------------------------------------------------------------------------------------
 
 @pytest.fixture

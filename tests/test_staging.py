@@ -149,6 +149,7 @@ def test_a_load_in_another_thread_meanwhile_is_not_staged(overmind_home: Path, b
     and both equal the plain load. (One dtype for both: transformers sets torch's default dtype for the
     process while it builds a model, so two dtypes at once race in the library itself.)"""
     from transformers import AutoModelForCausalLM
+    from transformers.modeling_utils import PreTrainedModel
 
     other: list[torch.nn.Module] = []
 
@@ -160,7 +161,12 @@ def test_a_load_in_another_thread_meanwhile_is_not_staged(overmind_home: Path, b
         thread.join()
         return model
 
-    model = loading.cached(load_with_a_thread, str(bf16_llama))
+    tie_weights = PreTrainedModel.tie_weights
+    try:
+        model = loading.cached(load_with_a_thread, str(bf16_llama))
+    finally:  # two loads at once may leave transformers' tying switched off in this process (Note [Tying
+        # switched off] in loading.py): this model has no ties, and the loads after get tying back
+        PreTrainedModel.tie_weights = tie_weights
     assert not loading.fallbacks()
     assert entry_meta("load_with_a_thread")["made"]["staged"] >= converted_bytes(model)
     assert mapped_file(model.lm_head.weight.data_ptr()).endswith("(deleted)")  # the entry's arena
