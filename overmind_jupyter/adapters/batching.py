@@ -298,11 +298,15 @@ class BatchingEngine:
         try:
             result = self._gate.generate(*request.args, adapter=request.adapter, **request.kwargs)
         except BaseException as e:
+            self._count_alone(request)
             request.future.set_exception(e)
             if not isinstance(e, Exception):
                 raise
         else:
+            self._count_alone(request)  # before the caller can see its result, and then the engine's state
             request.future.set_result(result)
+
+    def _count_alone(self, request: _Request) -> None:
         with self._cond:
             self._alone += 1
             self._alone_why[request.alone or "no other request to share a batch with"] += 1
