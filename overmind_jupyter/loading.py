@@ -16,7 +16,9 @@ call itself propagates unchanged, and its load is abandoned so that no entry is 
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
+import inspect
 import logging
 import os
 import sys
@@ -130,7 +132,8 @@ def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
     # storages of the references found unchanged (Note [References] in results.py)
     reuse: dict[tuple[str, int, int, str], Any] = {}
     try:
-        ck = keys.make_key(fn, args, kwargs, resolve=lambda obj: result_key(obj, reuse))
+        with _library_held(None):  # the key reads torch's default dtype (Note [One library load at a time])
+            ck = keys.make_key(fn, args, kwargs, resolve=lambda obj: result_key(obj, reuse))
     except Uncacheable as exc:
         fall_back(label, "uncacheable", str(exc))
         return fn(*args, **kwargs)
@@ -187,21 +190,69 @@ def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
                          called if followed else None)
 
 
+# Note [One library load at a time]
+# transformers' `from_pretrained` is not safe in threads: while it builds a model it sets state of the
+# whole process and puts back what it found after: torch's default dtype (`local_torch_dtype`) and
+# `PreTrainedModel.tie_weights` (a no-op, `initialization.no_tie_weights`); diffusers patches
+# `nn.Module.register_parameter` the same way (accelerate's `init_empty_weights`). Two loads in two
+# threads build with each other's settings and may leave them set for good. Measured (transformers
+# 5.25): two threads loading a tied bf16 and fp16 checkpoint three times each got models with
+# parameters of both dtypes and `lm_head` apart from the embeddings, and left the process's default
+# dtype fp16. With the cache on, such a miss was published, and every later hit in every kernel was
+# served the wrong model. So a library's loader (a bound method: `from_pretrained` of any class,
+# patched or given to `cached`) runs its whole cached call (key, lookup, hit or load and publish, the
+# placement) holding one reentrant lock of the process: a load that loads (a pipeline its components)
+# takes it again on its own thread. The key takes it too, for every call, since it reads torch's
+# default dtype (Note [Torch's default dtype] in keys.py), which another thread's load sets while it
+# builds. A function of the user's given to `cached` runs without it, and its own loads take it: so a
+# function that starts a thread loading a model, and waits for it, waits for nothing held by itself.
+# What it costs: a hit waits for another thread's load to end, and loads in threads take the sum of
+# their times rather than overlapping (wrongly). A thread that waits more than `_WAIT_TOLD_S` is told
+# why, once. A library's own code that started a thread loading through the cache and waited for it
+# would wait forever; no library does. Loads that do not go through the cache still race among
+# themselves, as without it (Note [Tying switched off]).
+_library = threading.RLock()
+_WAIT_TOLD_S = 2.0
+
+
+@contextlib.contextmanager
+def _library_held(fn: Callable[..., Any] | None) -> Iterator[None]:
+    """Hold the lock of Note [One library load at a time] for a call of `fn`, if it is a library's
+    loader (None: for any call, as the key does)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    if fn is not None and not inspect.ismethod(fn):
+        yield
+        return
+    if not _library.acquire(timeout=_WAIT_TOLD_S):
+        tell_once("one_load", f"overmind: {_label(fn) if fn is not None else 'a load'} waits for a load in "
+                  "another thread of this kernel to end: transformers and diffusers cannot build two models "
+                  "at once in one process, so loads here run one at a time")
+        _library.acquire()
+    try:
+        yield
+    finally:
+        _library.release()
+
+
 # Note [Loads in the user's threads]
 # A kernel's threads share its connection, and the daemon tells a connection that loads a key to load it
 # (its own retry), so threads of one kernel that asked for one model at once each loaded it, and all but
 # the first fell back at the publish, with a warning each. The daemon cannot tell the threads apart; this
 # process can. A thread told to load a key that another of its threads loads waits for that load to end,
 # as another kernel would, then asks again: a hit, or the load itself where that one failed. A thread
-# asking again inside its own load of that key (a loader that calls itself) loads it, as before.
+# asking again inside its own load of that key (a loader that calls itself) loads it, as before. (Two
+# threads calling one library loader never get here at once: Note [One library load at a time]; this
+# is for the user's functions given to `cached`.)
 _loads_here: dict[str, tuple[int, threading.Event]] = {}  # key -> (its loading thread, set at the load's end)
 _loads_here_lock = threading.Lock()
 
 
 def _forget_loads_here() -> None:
-    global _loads_here_lock
+    global _loads_here_lock, _library
     _loads_here.clear()  # a forked child has none of its parent's threads, whose loads would never end here
     _loads_here_lock = threading.Lock()
+    _library = threading.RLock()
 
 
 os.register_at_fork(after_in_child=_forget_loads_here)
@@ -352,8 +403,9 @@ def _miss(client: Client, ck: keys.CallKey, fn: Callable[..., Any], args: tuple[
 # is drawn at random: the model is wrong, and nothing says so. So a miss that finds the no-op in place
 # when its load returns checks the ties its transformers models expect (`get_expanded_tied_weights_keys`);
 # one found apart keeps the result out of the cache, so that no other kernel is served it, and the
-# user is told why. A model without ties is cached as ever. (A load that tied while another thread was
-# building its model, in that instant, is not seen this way.)
+# user is told why. A model without ties is cached as ever. Loads through the cache run one at a time
+# (Note [One library load at a time]), so the no-op left in place comes from loads that went past it:
+# before `%overmind on`, under `%overmind off`, or of a class the cache does not patch.
 def _ties_apart(obj: Any) -> str | None:
     """The first tie that a transformers model in `obj` expects and lacks, where transformers' tying is
     switched off in this process (Note [Tying switched off]); None otherwise."""
@@ -625,7 +677,13 @@ def _lookup(key: str) -> tuple[Client, Response[LookupReply]]:
 def patched_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """What a patched `from_pretrained` does, and `cached`: the cached call on CPU, then the placement
     the caller asked for with `device_map` (see Note [Devices] in placement.py); the call as made where
-    the cache cannot reproduce it."""
+    the cache cannot reproduce it. A library's loader runs one at a time in this process (Note [One
+    library load at a time])."""
+    with _library_held(fn):
+        return _patched_call(fn, args, kwargs)
+
+
+def _patched_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if _runs_plainly(fn):
         return fn(*args, **kwargs)
     quantization = quantized(kwargs)

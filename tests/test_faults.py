@@ -257,6 +257,96 @@ def test_threads_of_one_kernel_asking_for_one_model_load_it_once(overmind_home: 
     assert all(digest(m) == ref for m in got.values())
 
 
+# Two threads of a kernel with the cache on load two tied checkpoints at once, in other dtypes each round,
+# as a user parallelising loads would; the kernel's last line is JSON: what each load got.
+THREADED_LOADS = """
+    import json, os, threading, torch
+    import overmind_jupyter
+    from overmind_jupyter import loading
+    from transformers import AutoModelForCausalLM
+    overmind_jupyter.enable()
+    a, b = os.environ["A"], os.environ["B"]
+    rounds = [((a, torch.bfloat16), (b, torch.float16)), ((a, torch.float16), (b, torch.bfloat16)),
+              ((a, torch.float32), (b, torch.float32))]
+    got = []
+
+    def load(path, dtype, barrier):
+        barrier.wait()
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        got.append({"load": f"{path} {dtype}", "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+                    "tied": model.lm_head.weight is model.model.embed_tokens.weight,
+                    "sums": [float(p.double().sum()) for p in model.parameters()]})
+
+    for pair in rounds:
+        barrier = threading.Barrier(2)
+        threads = [threading.Thread(target=load, args=(*one, barrier)) for one in pair]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    print(json.dumps({"got": got, "default": str(torch.get_default_dtype()), "calls": loading.calls(),
+                      "fallbacks": loading.fallbacks()}))
+"""
+
+
+def test_loads_in_two_threads_each_get_the_model_they_asked_for(overmind_home: Path, tmp_path: Path) -> None:
+    """Note [One library load at a time] in loading.py. transformers' `from_pretrained` sets torch's default
+    dtype and switches tying off for the whole process while it builds a model; two at once in two threads
+    built models with parameters of both dtypes and untied embeddings, and left the default dtype changed,
+    and the cache published them for every kernel. With the cache on, each load gets what one load alone
+    gets, in the kernel that loads (misses) and in the next one (hits), and the default dtype is left as
+    it was."""
+    from transformers import AutoModelForCausalLM
+
+    from overmind_jupyter import demo_models
+
+    a = demo_models.build_llama(tmp_path / "a", "tiny", tie_word_embeddings=True)
+    b = demo_models.build_llama(tmp_path / "b", "tiny", seed=1, tie_word_embeddings=True)
+    alone = {}
+    for path in (a, b):
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+            alone[f"{path} {dtype}"] = [float(p.double().sum()) for p in model.parameters()]
+    for outcome in ("miss", "hit"):
+        out = last_json(run_py(THREADED_LOADS, env=kernel_env(A=str(a), B=str(b)), timeout=300))
+        assert out["calls"] == {outcome: 6} and out["fallbacks"] == [], out["calls"]
+        assert out["default"] == "torch.float32", "the default dtype as the kernel had it"
+        assert sorted(load["load"] for load in out["got"]) == sorted(alone)
+        for load in out["got"]:
+            assert load["dtypes"] == [load["load"].rsplit(" ", 1)[1]], load["load"]
+            assert load["tied"], load["load"]
+            assert load["sums"] == alone[load["load"]], load["load"]
+
+
+def test_a_load_that_waits_for_another_threads_load_is_told_why(overmind_home: Path, tiny_llama: Path) -> None:
+    """A load waits for another thread's load to end (Note [One library load at a time]); past two seconds
+    the user is told why, once, and the load then goes on as ever."""
+    from transformers import AutoModelForCausalLM
+
+    held, done = threading.Event(), threading.Event()
+
+    def other_load() -> None:  # holds the lock as another thread's load does while it builds its model
+        with loading._library_held(AutoModelForCausalLM.from_pretrained):
+            held.set()
+            done.wait(30)
+
+    other = threading.Thread(target=other_load)
+    other.start()
+    held.wait(10)
+    timer = threading.Timer(2.5, done.set)
+    timer.start()
+    try:
+        started = time.monotonic()
+        with pytest.warns(Warning, match="waits for a load in another thread of this kernel"):
+            model = loading.cached(AutoModelForCausalLM.from_pretrained, tiny_llama)
+        assert time.monotonic() - started >= 2.5
+    finally:
+        done.set()
+        timer.cancel()
+        other.join(10)
+    assert rebuild.entry_of(model.lm_head.weight.data_ptr()) is not None and loading.fallbacks() == []
+
+
 # -- a kernel forks ----------------------------------------------------------------------------------------
 
 # A kernel holding a cached model forks (a DataLoader's workers, multiprocessing's fork context, the user's
