@@ -347,6 +347,47 @@ def test_a_load_that_waits_for_another_threads_load_is_told_why(overmind_home: P
     assert rebuild.entry_of(model.lm_head.weight.data_ptr()) is not None and loading.fallbacks() == []
 
 
+# A kernel whose cell waits for another thread's load is interrupted (the user stops the cell); the last
+# line is JSON.
+INTERRUPTED_LOCK_WAIT = """
+    import json, os, signal, threading
+    import overmind_jupyter
+    from overmind_jupyter import loading
+    from transformers import AutoModelForCausalLM
+    overmind_jupyter.enable()
+    held, done = threading.Event(), threading.Event()
+
+    def other_load():  # holds the lock as another thread's load does while it builds its model
+        with loading._library_held(AutoModelForCausalLM.from_pretrained):
+            held.set()
+            done.wait(60)
+
+    other = threading.Thread(target=other_load)
+    other.start()
+    held.wait(10)
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    try:
+        AutoModelForCausalLM.from_pretrained(os.environ["MODEL"])
+        cell = "loaded"
+    except KeyboardInterrupt:
+        cell = "interrupted"
+    done.set()
+    other.join()
+    model = AutoModelForCausalLM.from_pretrained(os.environ["MODEL"])
+    print(json.dumps({"cell": cell, "calls": loading.calls(),
+                      "tied": model.lm_head.weight is model.model.embed_tokens.weight}))
+"""
+
+
+def test_a_cell_interrupted_while_it_waits_for_another_threads_load_goes_on(overmind_home: Path,
+                                                                         tiny_llama: Path) -> None:
+    """The user stops a cell that waits for another thread's load (Note [One library load at a time]): the
+    interrupt ends the wait at once, holding nothing, and the next load goes through the cache."""
+    out = last_json(run_py(INTERRUPTED_LOCK_WAIT, env=kernel_env(MODEL=str(tiny_llama))))
+    assert out["cell"] == "interrupted"
+    assert out["calls"] == {"miss": 1} and out["tied"], out
+
+
 # -- a kernel forks ----------------------------------------------------------------------------------------
 
 # A kernel holding a cached model forks (a DataLoader's workers, multiprocessing's fork context, the user's
