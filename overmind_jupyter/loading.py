@@ -36,7 +36,7 @@ from kernel_server.operations import Op
 from kernel_server.payloads import LookupReply
 from kernel_server.transport import close_fds
 
-from . import dynamic_modules, hit_tuning, keys, load_maps, notices, progress, randomness, results, threads
+from . import dynamic_modules, hit_tuning, keys, load_maps, notices, progress, randomness, results, targets, threads
 from .errors import CorruptEntry, EntryElsewhere, NoRoomHere, PackError, PublishError, Uncacheable
 from .load_log import load_log
 from .notices import calls, clear_fallbacks, count, fall_back, fallbacks, tell_once
@@ -199,29 +199,37 @@ def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
 # 5.25): two threads loading a tied bf16 and fp16 checkpoint three times each got models with
 # parameters of both dtypes and `lm_head` apart from the embeddings, and left the process's default
 # dtype fp16. With the cache on, such a miss was published, and every later hit in every kernel was
-# served the wrong model. So a library's loader (a bound method: `from_pretrained` of any class,
-# patched or given to `cached`) runs its whole cached call (key, lookup, hit or load and publish, the
-# placement) holding one reentrant lock of the process: a load that loads (a pipeline its components)
-# takes it again on its own thread. The key takes it too, for every call, since it reads torch's
-# default dtype (Note [Torch's default dtype] in keys.py), which another thread's load sets while it
-# builds. A function of the user's given to `cached` runs without it, and its own loads take it: so a
-# function that starts a thread loading a model, and waits for it, waits for nothing held by itself.
-# What it costs: a hit waits for another thread's load to end, and loads in threads take the sum of
-# their times rather than overlapping (wrongly). A thread that waits more than `_WAIT_TOLD_S` is told
-# why, once. A library's own code that started a thread loading through the cache and waited for it
-# would wait forever; no library does. Loads that do not go through the cache still race among
+# served the wrong model. So a library's loader (a method of a class of transformers, diffusers or
+# peft, or of a class derived from one: `from_pretrained`, patched or given to `cached`) makes its
+# whole cached call (key, lookup, hit or load and publish, placement) holding one reentrant lock of
+# the process. The key takes it too, for every call, since it reads torch's default dtype (Note
+# [Torch's default dtype] in keys.py), which another thread's load sets while it builds. A function of
+# the user's (or a method of another class) given to `cached` runs without it, and its own loads take
+# it: so one that starts a thread loading a model, and waits for that thread, waits for nothing it
+# holds. What it costs: a hit waits for another thread's load to end, and loads in threads take the
+# sum of their times rather than overlapping (wrongly). A thread that waits more than `_WAIT_TOLD_S`
+# is told why, once. A library's own code that started a thread loading through the cache and waited
+# for it would wait forever; no library does. Loads that do not go through the cache still race among
 # themselves, as without it (Note [Tying switched off]).
 _library = threading.RLock()
 _WAIT_TOLD_S = 2.0
+_LIBRARIES = frozenset(t.module.split(".")[0] for t in targets.TARGETS if not t.move)
+
+
+def _library_loader(fn: Callable[..., Any]) -> bool:
+    """Whether `fn` is a method of a library's class, or of a class derived from one."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    owner = getattr(fn, "__self__", None) if inspect.ismethod(fn) else None
+    cls = owner if isinstance(owner, type) else type(owner)
+    return owner is not None and any(c.__module__.split(".")[0] in _LIBRARIES for c in cls.__mro__)
 
 
 @contextlib.contextmanager
 def _library_held(fn: Callable[..., Any] | None) -> Iterator[None]:
     """Hold the lock of Note [One library load at a time] for a call of `fn`, if it is a library's
     loader (None: for any call, as the key does)."""
-    while isinstance(fn, functools.partial):
-        fn = fn.func
-    if fn is not None and not inspect.ismethod(fn):
+    if fn is not None and not _library_loader(fn):
         yield
         return
     if not _library.acquire(timeout=_WAIT_TOLD_S):

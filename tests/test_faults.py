@@ -347,6 +347,41 @@ def test_a_load_that_waits_for_another_threads_load_is_told_why(overmind_home: P
     assert rebuild.entry_of(model.lm_head.weight.data_ptr()) is not None and loading.fallbacks() == []
 
 
+# A function of the user's, given to `cached`, loads one model and has a thread load another meanwhile.
+USERS_FUNCTION_WITH_A_THREAD = """
+    import json, os, threading, torch
+    import overmind_jupyter
+    from overmind_jupyter import loading
+    from transformers import AutoModelForCausalLM
+    overmind_jupyter.enable()
+
+    def both(a, b):
+        other = []
+        thread = threading.Thread(target=lambda: other.append(AutoModelForCausalLM.from_pretrained(b)))
+        thread.start()
+        model = AutoModelForCausalLM.from_pretrained(a, dtype=torch.bfloat16)
+        thread.join()
+        return model, other[0]
+
+    first, second = loading.cached(both, os.environ["A"], os.environ["B"])
+    print(json.dumps({"calls": loading.calls(), "dtypes": [str(first.dtype), str(second.dtype)],
+                      "default": str(torch.get_default_dtype())}))
+"""
+
+
+def test_a_users_function_whose_thread_loads_meanwhile_ends(overmind_home: Path, tmp_path: Path) -> None:
+    """Note [One library load at a time]: a function of the user's runs without the lock, so its own
+    thread's load takes it while the function's load does not hold it, and the function ends; each load
+    gets what it asked for."""
+    from overmind_jupyter import demo_models
+
+    a = demo_models.build_llama(tmp_path / "a", "tiny", tie_word_embeddings=True)
+    b = demo_models.build_llama(tmp_path / "b", "tiny", dtype="float32", seed=1)
+    out = last_json(run_py(USERS_FUNCTION_WITH_A_THREAD, env=kernel_env(A=str(a), B=str(b)), timeout=120))
+    assert out["calls"] == {"miss": 3}, out
+    assert out["dtypes"] == ["torch.bfloat16", "torch.float32"] and out["default"] == "torch.float32", out
+
+
 # A kernel whose cell waits for another thread's load is interrupted (the user stops the cell); the last
 # line is JSON.
 INTERRUPTED_LOCK_WAIT = """
