@@ -318,35 +318,6 @@ def test_loads_in_two_threads_each_get_the_model_they_asked_for(overmind_home: P
             assert load["sums"] == alone[load["load"]], load["load"]
 
 
-def test_a_load_that_waits_for_another_threads_load_is_told_why(overmind_home: Path, tiny_llama: Path) -> None:
-    """A load waits for another thread's load to end (Note [One library load at a time]); past two seconds
-    the user is told why, once, and the load then goes on as ever."""
-    from transformers import AutoModelForCausalLM
-
-    held, done = threading.Event(), threading.Event()
-
-    def other_load() -> None:  # holds the lock as another thread's load does while it builds its model
-        with loading._library_held(AutoModelForCausalLM.from_pretrained):
-            held.set()
-            done.wait(30)
-
-    other = threading.Thread(target=other_load)
-    other.start()
-    held.wait(10)
-    timer = threading.Timer(2.5, done.set)
-    timer.start()
-    try:
-        started = time.monotonic()
-        with pytest.warns(Warning, match="waits for a load in another thread of this kernel"):
-            model = loading.cached(AutoModelForCausalLM.from_pretrained, tiny_llama)
-        assert time.monotonic() - started >= 2.5
-    finally:
-        done.set()
-        timer.cancel()
-        other.join(10)
-    assert rebuild.entry_of(model.lm_head.weight.data_ptr()) is not None and loading.fallbacks() == []
-
-
 # A function of the user's, given to `cached`, loads one model and has a thread load another meanwhile.
 USERS_FUNCTION_WITH_A_THREAD = """
     import json, os, threading, torch
@@ -382,45 +353,66 @@ def test_a_users_function_whose_thread_loads_meanwhile_ends(overmind_home: Path,
     assert out["dtypes"] == ["torch.bfloat16", "torch.float32"] and out["default"] == "torch.float32", out
 
 
-# A kernel whose cell waits for another thread's load is interrupted (the user stops the cell); the last
-# line is JSON.
-INTERRUPTED_LOCK_WAIT = """
-    import json, os, signal, threading
+# A kernel's loads wait for another thread's load (a thread holding the lock as a load does while it builds
+# its model): one waits until it ends, one is interrupted by the user. The last line is JSON.
+WAITS_FOR_ANOTHER_THREAD = """
+    import json, os, signal, threading, time, warnings
+    import torch
     import overmind_jupyter
     from overmind_jupyter import loading
     from transformers import AutoModelForCausalLM
     overmind_jupyter.enable()
-    held, done = threading.Event(), threading.Event()
+    path = os.environ["MODEL"]
 
-    def other_load():  # holds the lock as another thread's load does while it builds its model
-        with loading._library_held(AutoModelForCausalLM.from_pretrained):
-            held.set()
-            done.wait(60)
+    def another_load(release):
+        held = threading.Event()
 
-    other = threading.Thread(target=other_load)
-    other.start()
-    held.wait(10)
+        def run():
+            with loading._library_held(AutoModelForCausalLM.from_pretrained):
+                held.set()
+                release.wait(60)
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        held.wait(10)
+        return thread
+
+    release = threading.Event()
+    other = another_load(release)
+    threading.Timer(2.5, release.set).start()
+    with warnings.catch_warnings(record=True) as told:
+        warnings.simplefilter("always")
+        started = time.monotonic()
+        AutoModelForCausalLM.from_pretrained(path)
+        waited = time.monotonic() - started
+    other.join()
+
+    release = threading.Event()
+    other = another_load(release)
     threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
     try:
-        AutoModelForCausalLM.from_pretrained(os.environ["MODEL"])
+        AutoModelForCausalLM.from_pretrained(path, dtype=torch.float16)
         cell = "loaded"
     except KeyboardInterrupt:
         cell = "interrupted"
-    done.set()
+    release.set()
     other.join()
-    model = AutoModelForCausalLM.from_pretrained(os.environ["MODEL"])
-    print(json.dumps({"cell": cell, "calls": loading.calls(),
-                      "tied": model.lm_head.weight is model.model.embed_tokens.weight}))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float16)
+    print(json.dumps({"told": [str(w.message) for w in told], "waited": waited, "cell": cell,
+                      "calls": loading.calls(), "tied": model.lm_head.weight is model.model.embed_tokens.weight}))
 """
 
 
-def test_a_cell_interrupted_while_it_waits_for_another_threads_load_goes_on(overmind_home: Path,
-                                                                         tiny_llama: Path) -> None:
-    """The user stops a cell that waits for another thread's load (Note [One library load at a time]): the
-    interrupt ends the wait at once, holding nothing, and the next load goes through the cache."""
-    out = last_json(run_py(INTERRUPTED_LOCK_WAIT, env=kernel_env(MODEL=str(tiny_llama))))
+def test_a_load_waiting_for_another_threads_load_is_told_why_and_can_be_interrupted(overmind_home: Path,
+                                                                                      tiny_llama: Path) -> None:
+    """Note [One library load at a time]: a load that waits for another thread's load is told why past two
+    seconds, then goes on and is cached once that load ends; a cell the user stops while it waits ends at
+    once, holding nothing, and the next load is cached."""
+    out = last_json(run_py(WAITS_FOR_ANOTHER_THREAD, env=kernel_env(MODEL=str(tiny_llama))))
+    assert out["waited"] >= 2.5
+    assert [m for m in out["told"] if "waits for a load in another thread of this kernel" in m], out["told"]
     assert out["cell"] == "interrupted"
-    assert out["calls"] == {"miss": 1} and out["tied"], out
+    assert out["calls"] == {"miss": 2} and out["tied"], out
 
 
 # -- a kernel forks ----------------------------------------------------------------------------------------
