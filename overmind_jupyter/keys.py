@@ -61,7 +61,7 @@ _KEY_FORMAT = 3  # bump on any change to what a key holds: old entries then simp
 # The format of the graphs rebuild.py packs, named by every key: an entry packed in another format is a miss
 # (a daemon that outlived an upgrade keeps such entries), not a corrupt entry with a fallback warning.
 # Bump when the storage or tensor references, or what a graph holds, change.
-GRAPH_FORMAT = 7
+GRAPH_FORMAT = 8
 _SOURCE_PARAMS = ("pretrained_model_name_or_path", "model_id", "pretrained_model_link_or_path", "repo_id",
                   "pretrained_model_link_or_path_or_dict")
 # diffusers' `from_single_file` reads the layout of the model from these when given (a local folder or

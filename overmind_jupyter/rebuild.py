@@ -551,8 +551,13 @@ def _dtype(dtype: torch.dtype) -> str:
 # with every module of those arguments (`substitutes`: path such as "model/layers.0.mlp" -> module) reduced
 # to `_argument(path, cls)` plus its state after the call. A hit rebuilds onto the caller's own argument
 # objects (`arguments`: path -> object): each keeps its identity and receives the state the load gave it,
-# as the plain call would have done. Their previous state is journaled first and put back if the
-# rebuild fails, so a failed hit leaves the arguments as they were for the plain load that follows.
+# as the plain call would have done. The tensors of those modules (`_parameters` and `_buffers`, paths
+# such as "model/layers.0.mlp#weight") keep theirs too, through `_argument_tensor`: a parameter made anew
+# would cut off what holds the old one (an optimizer built before the call, its `.grad`, a hook), and the
+# call would train nothing, silently. Each takes the bytes, `requires_grad` and attributes the load left
+# it; its own storage stays where it already is the entry's (a base model's weights, unwritten). Their
+# previous state is journaled first and put back if the rebuild fails, so a failed hit leaves the
+# arguments as they were for the plain load that follows.
 
 
 def _substituting(table: dict[type, Callable[[Any], Any]], substitutes: dict[str, Any]) -> None:
@@ -574,6 +579,8 @@ def _substitute(paths: dict[int, str], otherwise: Callable[[Any], Any] | None) -
         path = paths.get(id(obj))
         if path is None:
             return reduced
+        if isinstance(obj, torch.Tensor):  # its new value made as ever, then given to the caller's tensor
+            return (_argument_tensor, (path, type(obj), reduced[0], reduced[1]), *reduced[2:])
         return (_argument, (path, type(obj)), *reduced[2:])
 
     return reduce
@@ -671,8 +678,8 @@ class _Rebuild:
         self.storages: dict[tuple[str, int, int, str], torch.UntypedStorage] = {}
         self.arguments: dict[str, Any] = {}
         self.reuse: dict[tuple[str, int, int, str], torch.UntypedStorage] = {}
-        # (argument, its __dict__, a copy of it) for each argument the graph replays onto
-        self.journal: list[tuple[Any, dict[str, Any], dict[str, Any]]] = []
+        # what puts back each argument the graph replays onto as it was, in the order they were met
+        self.journal: list[Callable[[], None]] = []
         self.placeholders: dict[str, Any] | None = None  # skeleton mode
         # the mapping of the own arena, when it holds every byte of it (no pending pieces)
         self.own_mapping: mmap.mmap | None = None
@@ -698,18 +705,35 @@ class _Rebuild:
         if self.placeholders is not None:
             obj = self.placeholders[path] = _new(cls)
             return obj
-        obj = self.arguments.get(path)
-        if obj is None or type(obj) is not cls:
-            raise CorruptEntry(f"the entry changes argument {path} ({cls.__qualname__}), which this call lacks")
-        self.journal.append((obj, obj.__dict__, dict(obj.__dict__)))
+        obj = self._argument(path, cls)
+        self.journal.append(functools.partial(_restore_attributes, obj, obj.__dict__, dict(obj.__dict__)))
         obj.__dict__.clear()  # the state after the call replaces it whole (a module's: a new __dict__)
         return obj
 
+    def argument_tensor(self, path: str, cls: type, value: torch.Tensor) -> torch.Tensor:
+        """The caller's tensor at `path`, given `value`'s bytes, `requires_grad` and attributes (Note
+        [Argument replay]); a skeleton's placeholder is `value` itself."""
+        if self.placeholders is not None:
+            self.placeholders[path] = value
+            return value
+        obj: torch.Tensor = self._argument(path, cls)
+        self.journal.append(functools.partial(_restore_tensor, obj, obj.data, obj.requires_grad, dict(vars(obj))))
+        if not _same_view(obj, value):
+            obj.data = value.data
+        obj.requires_grad_(value.requires_grad)
+        vars(obj).clear()
+        vars(obj).update(vars(value))
+        return obj
+
+    def _argument(self, path: str, cls: type) -> Any:
+        obj = self.arguments.get(path)
+        if obj is None or type(obj) is not cls:
+            raise CorruptEntry(f"the entry changes argument {path} ({cls.__qualname__}), which this call lacks")
+        return obj
+
     def roll_back(self) -> None:
-        for obj, attributes, saved in reversed(self.journal):
-            attributes.clear()
-            attributes.update(saved)
-            object.__setattr__(obj, "__dict__", attributes)
+        for restore in reversed(self.journal):
+            restore()
 
     def locate(self, key: str, offset: int, nbytes: int) -> tuple[mmap.mmap, int]:
         """A mapping that holds bytes [offset, offset + nbytes) of entry `key`, and where they start
@@ -790,6 +814,32 @@ def _state() -> _Rebuild:
 def _argument(path: str, cls: type) -> Any:
     """Called by the unpickler for an argument of the call (see Note [Argument replay])."""
     return _state().argument(path, cls)
+
+
+def _argument_tensor(path: str, cls: type, make: Callable[..., torch.Tensor], args: tuple[Any, ...]) -> torch.Tensor:
+    """Called by the unpickler for a tensor of an argument of the call: `make(*args)` is its value after
+    the call, which the caller's own tensor takes (see Note [Argument replay])."""
+    return _state().argument_tensor(path, cls, make(*args))
+
+
+def _restore_attributes(obj: Any, attributes: dict[str, Any], saved: dict[str, Any]) -> None:
+    attributes.clear()
+    attributes.update(saved)
+    object.__setattr__(obj, "__dict__", attributes)
+
+
+def _restore_tensor(obj: torch.Tensor, data: torch.Tensor, requires_grad: bool, saved: dict[str, Any]) -> None:
+    if not _same_view(obj, data):
+        obj.data = data
+    obj.requires_grad_(requires_grad)
+    vars(obj).clear()
+    vars(obj).update(saved)
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `a` and `b` are the same elements of the same bytes."""
+    return (a.dtype == b.dtype and a.device == b.device and a.data_ptr() == b.data_ptr()
+            and a.shape == b.shape and a.stride() == b.stride())
 
 
 def _storage_at(kind: str, key: str | None, offset: int, nbytes: int, device: str) -> torch.UntypedStorage:

@@ -26,7 +26,7 @@ __all__ = ["NO_REPLAY", "Replay", "holds", "remember", "result_key", "send_unpin
 @dataclass
 class Replay:
     """The arguments of a call that its entry replays onto (see Note [Argument replay] in rebuild.py):
-    the cached results it was given, and every module inside them by path."""
+    the cached results it was given, and every module inside them and every module's tensor by path."""
 
     roots: list[Any]
     paths: dict[str, Any]
@@ -37,9 +37,15 @@ class Replay:
         paths: dict[str, Any] = {}
         for name, obj in references.items():
             modules = getattr(obj, "named_modules", None)
-            pairs = modules() if callable(modules) else [("", obj)]
-            for sub, module in pairs:
+            if not callable(modules):
+                paths.setdefault(f"{name}/", obj)
+                continue
+            for sub, module in modules():
                 paths.setdefault(f"{name}/{sub}", module)
+                for tensors in (getattr(module, "_parameters", None), getattr(module, "_buffers", None)):
+                    for tensor_name, tensor in (tensors or {}).items():
+                        if tensor is not None:
+                            paths.setdefault(f"{name}/{sub}#{tensor_name}", tensor)
         return cls(list(references.values()), paths)
 
 

@@ -60,6 +60,45 @@ def test_peft_from_pretrained_with_its_config_given_is_cached(overmind_home: Pat
     assert hit["out"] == miss["out"]
 
 
+def test_a_hit_replayed_onto_a_model_keeps_its_parameters_and_what_holds_them(overmind_home: Path,
+                                                                              checkpoints: dict) -> None:
+    """Note [Argument replay]: a hit replayed onto the caller's model keeps every parameter object, as
+    the plain call does. The base's gradients survive PeftModel.from_pretrained, and an optimizer built
+    before `load_adapter` (TRL's layout: the adapter loaded twice) still trains the model after it. When
+    the parameters were made anew, the hit kept none of them and trained nothing, silently."""
+    miss, hit, _, _ = twice(PREAMBLE + """
+    base = AutoModelForCausalLM.from_pretrained(paths["llama"])
+    ids = torch.tensor([[1, 5, 9, 3, 7, 2]])
+    base(ids, labels=ids).loss.backward()
+    grads = {id(p): (p, p.grad) for p in base.parameters()}
+    model = PeftModel.from_pretrained(base, paths["fr"], adapter_name="trn", is_trainable=True)
+    now = {id(p) for p in model.parameters()}
+    kept_base = sum(i in now and p.grad is g for i, (p, g) in grads.items())
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    trained = {id(p): p for p in model.parameters()}
+    model.load_adapter(paths["fr"], adapter_name="reference")
+    model.set_adapter("trn")
+    kept = len(trained.keys() & {id(p) for p in model.parameters()})
+    model.train()
+    losses = []
+    for _ in range(3):
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    print(json.dumps({"calls": loading.calls(), "fallbacks": loading.fallbacks(), "losses": losses,
+                      "kept_base": [kept_base, len(grads)], "kept": [kept, len(trained)]}))
+    """, checkpoints)
+    assert not miss["fallbacks"] and not hit["fallbacks"]
+    assert miss["calls"] == {"miss": 3} and hit["calls"] == {"hit": 3}, (miss["calls"], hit["calls"])
+    for run in (miss, hit):
+        assert run["kept_base"][0] == run["kept_base"][1], "base parameters or their gradients were replaced"
+        assert run["kept"][0] == run["kept"][1], "parameters the optimizer holds were replaced"
+        assert run["losses"][0] > run["losses"][1] > run["losses"][2], "the optimizer trained nothing"
+    assert hit["losses"] == pytest.approx(miss["losses"], rel=1e-5)
+
+
 def test_peft_mixed_model_load_adapter_runs_as_it_is_without_a_fallback(overmind_home: Path,
                                                                         checkpoints: dict) -> None:
     """PeftMixedModel.load_adapter calls the patched PeftModel.load_adapter unbound, on a PeftMixedModel

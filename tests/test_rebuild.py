@@ -633,11 +633,17 @@ def test_a_load_that_changes_its_argument_is_replayed_onto_the_callers_object(ov
     assert first.extra is extra
     second = loading.cached(tiny_modules.build, "mlp", width=32)
     layer = second.layers[0]
+    parameters = list(second.parameters())
+    layer.weight.grad = grad = torch.ones_like(layer.weight)
     replayed = loading.cached(tiny_modules.attach, second)  # a hit, replayed onto `second`
     assert loading.fallbacks() == []
     assert second.extra is replayed, "the result is part of the caller's object, as without the cache"
     assert isinstance(second.layers[0], torch.nn.Sequential)
     assert second.layers[0][0] is layer, "modules that existed before the call keep their identity"
+    # so do their tensors, and what holds them (an optimizer, a gradient): Note [Argument replay]
+    after = {id(p) for p in second.parameters()}
+    assert all(id(p) in after for p in parameters), "a parameter of the caller's model was made anew"
+    assert layer.weight.grad is grad and layer.weight.requires_grad
     assert torch.equal(second.extra.weight, first.extra.weight)
     assert torch.equal(second.layers[0][0].weight, original_first_layer.weight)
     status = loading.shared_client().request("status")
@@ -655,6 +661,26 @@ def test_a_failed_replay_leaves_the_arguments_as_they_were(overmind_home: Path) 
         # the entry replays onto two objects; this call offers only the first
         rebuild.rebuild(packed.graph, {}, "k", arguments={"m/": other})
     assert other.__dict__ == before and other.__dict__ is not before
+
+
+def test_a_failed_replay_leaves_the_arguments_tensors_as_they_were() -> None:
+    """Note [Argument replay]: the tensors an entry replays onto take its bytes, `requires_grad` and
+    attributes; a rebuild that fails after them puts each back, the very object."""
+    from overmind_jupyter.errors import CorruptEntry
+    from overmind_jupyter.results import Replay
+
+    # empty weights: their storages need no arena, so the rebuild gets as far as the second layer
+    model = torch.nn.Sequential(torch.nn.Linear(0, 0), torch.nn.Linear(0, 0)).half().requires_grad_(False)
+    model[0].weight.tag = "the entry's"
+    packed = rebuild.pack((model, [model]), substitutes=Replay.of({"m": model}).paths)
+    other = torch.nn.Sequential(torch.nn.Linear(0, 0), torch.nn.Linear(0, 0))
+    weight = other[0].weight
+    arguments = Replay.of({"m": other}).paths
+    del arguments["m/1"]  # this call lacks the second layer
+    with pytest.raises(CorruptEntry, match="lacks"):
+        rebuild.rebuild(packed.graph, {}, "k", arguments=arguments)
+    assert other[0].weight is weight
+    assert (weight.dtype, weight.requires_grad, vars(weight)) == (torch.float32, True, {})
 
 
 def test_enable_leaves_the_first_hit_no_first_torch_call_and_no_collection_of_the_imports(
