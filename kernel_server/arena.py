@@ -264,16 +264,24 @@ class ArenaWriter:
             except (AttributeError, OSError):
                 pass  # no transparent huge pages here: 4 KiB folios, still correct
         base = _address_of(self._map) if self._map is not None and jobs else 0
-        lock = threading.Lock()
+        lock = threading.Condition()
         copied: list[int] = []
         errors: list[BaseException] = []
+        copying = [0]  # chunks being copied at this moment, by any thread
+        stopping: list[bool] = []
 
         def step() -> bool:
+            with lock:
+                if stopping or not jobs:
+                    return False
+                i, offset, address, length = jobs.popleft()
+                copying[0] += 1
             try:
-                i, offset, address, length = jobs.popleft()  # atomic: no lock needed
-            except IndexError:
-                return False
-            ctypes.memmove(base + offset, address, length)  # releases the GIL
+                ctypes.memmove(base + offset, address, length)  # releases the GIL
+            finally:
+                with lock:
+                    copying[0] -= 1
+                    lock.notify_all()
             with lock:
                 copied.append(length)
                 left[i] -= 1
@@ -300,15 +308,22 @@ class ArenaWriter:
 
         # A helper shares more than one chunk's work; a smaller copy costs less than starting a thread.
         work = -(-sum(length for _, _, length in pieces) // chunk)
-        # (a helper the OS refuses leaves its share to the others and this thread)
-        helpers = [h for _ in range(min(threads, len(jobs), work) - 1)
-                   if (h := helper_threads.start(helper, name="overmind-fill")) is not None]
+        helpers: list[threading.Thread] = []
         try:
+            for _ in range(min(threads, len(jobs), work) - 1):
+                h = helper_threads.start(helper, name="overmind-fill")
+                if h is not None:  # (a helper the OS refuses leaves its share to the others and this thread)
+                    helpers.append(h)
             while not errors and step():
                 report()
-        finally:
             for h in helpers:
                 h.join()
+        except BaseException:
+            # Note [An interrupted fill]
+            with lock:
+                stopping.append(True)
+            _uninterrupted(lambda: _wait_for(lock, lambda: not copying[0]))
+            raise
         if errors:
             raise errors[0]
         report()
@@ -380,6 +395,30 @@ def check_sealed(fd: int, nbytes: int) -> str:
     if seals & _SEALS != _SEALS:
         raise ValueError("memfd arena is not sealed against writes")
     return "memfd"
+
+
+# Note [An interrupted fill]
+# A Ctrl-C in the kernel, or any exception, can end `copy_from` while its helpers still copy: in a
+# join, in a callback, or in the middle of starting them. Its caller then unmaps the arena and frees
+# the sources (the load's tensors), and a helper's copy into or out of them was a segfault, which kills
+# the kernel (found by interrupting misses at random moments: 1 in about 10). So whatever ends the copy
+# first stops the helpers from taking another chunk, then waits for the chunks being copied, of any
+# thread, started or not, and a second Ctrl-C meanwhile waits too (a chunk takes tens of ms).
+def _wait_for(lock: threading.Condition, done: Callable[[], bool]) -> None:
+    with lock:
+        while not done():
+            lock.wait()
+
+
+def _uninterrupted(wait: Callable[[], None]) -> None:
+    """`wait()`, run again after each KeyboardInterrupt until it returns; those interrupts are dropped
+    (the caller is raising already)."""
+    while True:
+        try:
+            wait()
+            return
+        except KeyboardInterrupt:
+            continue
 
 
 def _address_of(mapping: mmap.mmap) -> int:

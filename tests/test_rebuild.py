@@ -414,6 +414,47 @@ def test_a_file_arena_is_filled_from_several_threads(tmp_path: Path) -> None:
         memfd.close()
 
 
+def test_a_fill_interrupted_at_any_moment_has_stopped_copying_when_it_raises(tmp_path: Path) -> None:
+    """Note [An interrupted fill]: a SIGINT at a random moment of a four-thread fill, as a kernel's
+    Ctrl-C comes, and the caller then unmaps the arena and frees the source, as a miss's cleanup does.
+    A helper still copying then faulted: this process crashed (SIGSEGV) in every run of 60 tries."""
+    proc = run_py("""
+        import json, os, random, signal, sys, threading, time
+        import torch
+        from kernel_server import arena
+
+        N = 64 << 20
+
+        def attempt(delay):
+            source = torch.ones(N, dtype=torch.uint8)
+            writer = arena.ArenaWriter(N, backing="file", directory=os.environ["FILL_DIR"])
+            timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT)) if delay is not None else None
+            inside = True
+            try:
+                if timer:
+                    timer.start()
+                writer.copy_from([(0, source.data_ptr(), N)], threads=4, chunk=4 << 20)
+                inside = False
+                if timer:
+                    timer.join()
+                    time.sleep(0.05)  # the interrupt of a timer that fired after the copy lands here
+            except KeyboardInterrupt:
+                pass
+            finally:
+                writer.close()  # unmaps the arena
+                del source  # frees the source
+            return inside
+
+        start = time.perf_counter()
+        attempt(None)
+        took = time.perf_counter() - start
+        inside = sum(attempt(random.uniform(0, took)) for _ in range(60))
+        print(json.dumps({"interrupted_inside": inside}))
+    """, env=dict(os.environ, FILL_DIR=str(tmp_path)), check=False, timeout=300)
+    assert proc.returncode == 0, f"the process ended with {proc.returncode}: {proc.stderr[-2000:]}"
+    assert last_json(proc)["interrupted_inside"] >= 5, "too few interrupts landed inside the copy to tell"
+
+
 def test_auto_backing_takes_a_disk_file_and_a_memfd_on_tmpfs(overmind_home: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """Note [Arena backing]: "auto" puts arenas in a file when their directory is on a disk filesystem,
