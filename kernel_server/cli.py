@@ -50,9 +50,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     command: Callable[[argparse.Namespace], int] = _COMMANDS[args.command]
     try:
-        return command(args)
+        code = command(args)
+        sys.stdout.flush()  # here, where a reader that left is answered, not at the interpreter's exit
+        return code
     except DaemonError as exc:
         print(f"overmind-daemon: {exc}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # the reader left (`| head`): end quietly, as other tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
         return 1
 
 

@@ -139,6 +139,7 @@ class Daemon:
         self.ledger = Ledger.from_env(self.kernel_of)
         self.compactor = Compactor(self.store, lambda: arena.arena_directory(self.home),
                                    enabled=settings.get(settings.COMPACT))
+        self.store.compacting = self.compactor.enabled
         # The handler of every operation (operations.Op); a test checks none is missing.
         self.handlers: dict[Op, Handler] = {
             Op.HELLO: self.hello, Op.PING: self.ping, Op.STATUS: self.status, Op.FALLBACK: self.fallback,

@@ -137,8 +137,10 @@ def progress_text(progress: Mapping[str, Any]) -> str:
 
 def pending_text(pending: Mapping[str, Any]) -> str:
     """An entry's pending pieces as words (Note [Pending pieces] in store.py): "copying from its
-    checkpoint: 40%, 3.5 s left", or "served from its checkpoint; copy queued"."""
+    checkpoint: 40%, 3.5 s left", "served from its checkpoint; copy queued", or never copied."""
     if not pending["copying"]:
+        if not pending.get("queued", True):
+            return "served from its checkpoint (never copied: OVERMIND_COMPACT=0)"
         return "served from its checkpoint; copy queued"
     left = eta_text(pending.get("eta"))
     return f"copying from its checkpoint: {percent(pending['done'], pending['bytes'])}%" + (f", {left}" if left else "")

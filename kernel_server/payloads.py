@@ -247,6 +247,7 @@ class Pending(TypedDict):
     bytes: int
     done: int
     copying: bool
+    queued: bool  # False: never copied (OVERMIND_COMPACT=0)
     eta: float | None
     sources: list[str]
 

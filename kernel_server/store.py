@@ -187,6 +187,7 @@ class Store:
         self.time_saved = TimeSaved(misses=0, cache_s=0.0, hits=0, plain_s=0.0, hit_s=0.0)  # the same Note
         # The daemon keeps its count of connections current (Note [Descriptor budget]).
         self.descriptors = descriptors.DescriptorBudget.of_process()
+        self.compacting = True  # whether the daemon's compactor copies entries' pieces (OVERMIND_COMPACT)
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -346,7 +347,7 @@ class Store:
                     raise RemoteError("missing_dependency", f"entries {missing} were evicted meanwhile")
                 entry = Entry(key, graph_fd, arena_fd, graph_bytes, arena_bytes, backing, meta, deps, load.owner_pid,
                               parts=parts, sources=sources, pieces=pieces or [], marker=marker, watch=watch or [],
-                              times=_miss_times(load, times))
+                              times=_miss_times(load, times), queued=self.compacting)
                 if not marker:
                     self.time_saved["misses"] += 1
                     self.time_saved["cache_s"] += entry.times["cache_s"]

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernel_server import Client
+from kernel_server import Client, formats
 from kernel_server.compaction import _CHUNK as COMPACTION_CHUNK
 from overmind_jupyter import demo_models, load_maps, loading, rebuild
 from tests.helpers import tiny_modules
@@ -254,8 +254,11 @@ def test_the_key_of_a_model_on_its_checkpoint_asks_for_written_pages_once_per_ma
         assert 1 <= got["asked"] <= 2, f"one question per mapping (the checkpoint's, the arena's): {got['asked']}"
         assert got["after_write"] is None, "a page written since makes it another object"
     client = Client(overmind_home, role="test")
-    assert entries(client)[0]["pending"] is not None, "the hit mapped the checkpoint"
+    pending = entries(client)[0]["pending"]
+    assert pending is not None, "the hit mapped the checkpoint"
     client.close()
+    assert formats.pending_text(pending) == "served from its checkpoint (never copied: OVERMIND_COMPACT=0)", \
+        "a copy that never comes is not said to be queued"
 
 
 def test_a_miss_whose_file_torch_mapped_moves_its_tensors_onto_a_mapping_of_ours(

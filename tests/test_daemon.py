@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import shlex
 import signal
 import socket
 import stat
@@ -97,6 +98,10 @@ def test_cli_status_ls_evict_json(daemon: Client, overmind_home: Path) -> None:
                          text=True, check=True)
     assert json.loads(out.stdout) == {"evicted": ["k" * 64]}
     assert entry_keys(daemon) == []
+    for command in (["ls"], ["status"], ["status", "--json"]):  # the reader gone before the output: no traceback
+        piped = subprocess.run(f"{shlex.quote(sys.executable)} -m kernel_server {' '.join(command)} | true", shell=True,
+                               capture_output=True, text=True, check=True)
+        assert piped.stderr == "", piped.stderr
 
 
 def test_state_dir_refuses_symlink_and_open_modes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -82,6 +82,8 @@ export interface IPending {
   bytes: number;
   done: number;
   copying: boolean;
+  /** False: never copied (OVERMIND_COMPACT=0). */
+  queued: boolean;
   eta: number | null;
   sources: string[];
   /** "copying from its checkpoint: 40%, 3.5 s left". */
