@@ -44,6 +44,11 @@ class Uncacheable(OvermindError):
     """A call cannot be cached (an argument has no canonical form, say); it runs as a plain load."""
 
 
+class RefusedByLibrary(Uncacheable):
+    """The call's arguments are ones the library refuses with an error of its own (a device map that names
+    no device): the call runs as made, without a notice, and raises it."""
+
+
 class PackError(OvermindError):
     """A loaded object cannot be packed into an arena (unpicklable, or changed while packing)."""
 

@@ -37,7 +37,7 @@ from kernel_server.payloads import LookupReply
 from kernel_server.transport import close_fds
 
 from . import dynamic_modules, hit_tuning, keys, load_maps, notices, progress, randomness, results, targets, threads
-from .errors import CorruptEntry, EntryElsewhere, NoRoomHere, PackError, PublishError, Uncacheable
+from .errors import CorruptEntry, EntryElsewhere, NoRoomHere, PackError, PublishError, RefusedByLibrary, Uncacheable
 from .load_log import load_log
 from .notices import calls, clear_fallbacks, count, fall_back, fallbacks, tell_once
 from .placement import (
@@ -701,7 +701,8 @@ def _patched_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[st
     try:
         split = split_placement(kwargs)
     except Uncacheable as exc:
-        fall_back(_label(fn), "uncacheable", str(exc))
+        if not isinstance(exc, RefusedByLibrary):
+            fall_back(_label(fn), "uncacheable", str(exc))
         return fn(*args, **kwargs)
     obj = _cached_call(fn, args, split.kwargs, split.device)
     if obj is _AS_CALLED:

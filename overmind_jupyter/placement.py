@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -15,7 +16,7 @@ from typing import Any, NamedTuple
 from kernel_server import settings
 
 from . import keys, results
-from .errors import PackError, Uncacheable
+from .errors import PackError, RefusedByLibrary, Uncacheable
 from .notices import fall_back
 
 __all__ = ["Split", "device_identities", "elsewhere", "move", "ours", "place", "plain_only", "quantized",
@@ -24,7 +25,10 @@ __all__ = ["Split", "device_identities", "elsewhere", "move", "ours", "place", "
 # Note [Devices]
 # Cached bytes are CPU bytes. A load asked onto one device (`device_map="cuda:0"`, `"cuda"`, `0`,
 # `{"": "cuda:1"}`, or `"auto"` where that means a single device) is cached as the CPU load and moved
-# after the rebuild, so it lands where it would have landed without overmind. Any other placement is
+# after the rebuild, so it lands where it would have landed without overmind: "cuda" is the device of
+# `LOCAL_RANK`, and an int the current accelerator's, as transformers reads them. A device map that
+# names no device (`"bogus"`, an int without an accelerator) runs as made, without a notice, and the
+# library raises its own error. Any other placement is
 # loaded plainly, and status says why: a device map that spreads a model over several devices or parts,
 # one that offloads ("disk", "meta", `max_memory`, `offload_folder`: accelerate decides what goes where,
 # by sizes the cache does not see), and a load run where torch builds modules off the CPU (Note [Meta
@@ -70,11 +74,15 @@ def split_placement(kwargs: dict[str, Any]) -> Split:
         if count > 1:
             raise Uncacheable(f"device_map={device_map!r} spreads the model over {count} GPUs")
         device_map = "cuda:0" if count == 1 else "cpu"
-    try:
-        device = torch.device(device_map) if not isinstance(device_map, int) else torch.device("cuda", device_map)
-    except (TypeError, RuntimeError):
+    if isinstance(device_map, dict):
         raise Uncacheable(f"device_map={kwargs['device_map']!r} places parts of the model on different "
-                          "devices, or on disk") from None
+                          "devices, or on disk")
+    try:
+        if kwargs["device_map"] == "cuda":  # as transformers reads it: the device of the process's rank
+            device_map = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+        device = torch.device(device_map)  # an int: the current accelerator's device of that index
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise RefusedByLibrary(f"device_map={kwargs['device_map']!r}: {exc}") from None
     if device.type == "meta":
         raise Uncacheable(f"device_map={kwargs['device_map']!r} asks for a model without weights")
     rest = {k: v for k, v in kwargs.items() if k != "device_map"}

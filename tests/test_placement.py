@@ -106,6 +106,37 @@ def test_a_load_that_draws_onto_a_device_runs_as_called(fake_gpus: None, tiny_ll
     assert len(reasons) == 2 and "onto cuda" in reasons[0] and "generator" in reasons[0], reasons
 
 
+def test_a_device_map_that_names_no_device_raises_the_librarys_own_error_and_nothing_else(
+        tiny_llama: Path, shell, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Note [Devices]: an int names a device of the current accelerator, and a string must be a device
+    name; where it names none (here: no accelerator; a typo), the call runs as made, without a notice, and
+    the user gets transformers' own error: before, an int went to CUDA (torch's assertion, after a whole
+    CPU load was cached) and a bad name got a notice that the map spreads the model over devices. "cuda"
+    is the device of LOCAL_RANK, as transformers reads it."""
+    import warnings
+
+    from transformers import AutoModelForCausalLM
+
+    from overmind_jupyter.placement import split_placement
+
+    load = AutoModelForCausalLM.from_pretrained
+    for device_map in (0, {"": 0}, "bogus", {"": "bogus"}):
+        shell.run_line_magic("overmind", "off")
+        plain = plain_error(lambda device_map=device_map: load(str(tiny_llama), device_map=device_map))
+        shell.run_line_magic("overmind", "on")
+        before = loading.calls()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FallbackWarning)
+            with pytest.raises(type(plain)) as raised:
+                load(str(tiny_llama), device_map=device_map)
+        assert str(raised.value) == str(plain), device_map
+        assert loading.calls() == before, "neither a load through the cache nor a fallback"
+    assert loading.fallbacks() == []
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert split_placement({"device_map": "cuda"}).device == torch.device("cuda", 1)
+    assert split_placement({"device_map": {"": "cuda"}}).device == torch.device("cuda"), "accelerate's own"
+
+
 # -- b. quantized loads ------------------------------------------------------------------------------
 
 def test_quantized_loads_run_as_called_and_say_why_once(tiny_llama: Path, tmp_path: Path, shell) -> None:
