@@ -38,7 +38,7 @@ from kernel_server.transport import close_fds
 
 from . import dynamic_modules, hit_tuning, keys, load_maps, notices, progress, randomness, results, targets, threads
 from .errors import CorruptEntry, EntryElsewhere, NoRoomHere, PackError, PublishError, RefusedByLibrary, Uncacheable
-from .load_log import load_log
+from .load_log import load_log, warn_again
 from .notices import calls, clear_fallbacks, count, fall_back, fallbacks, tell_once
 from .placement import (
     device_identities,
@@ -361,8 +361,10 @@ def _miss(client: Client, ck: keys.CallKey, fn: Callable[..., Any], args: tuple[
         raise
     keyed: keys.CallKey | None = ck
     try:  # whatever ends the caching gives the load up too (Note [Interrupted caching])
-        if said:
-            ck.meta["log"] = said  # Note [What the load said] in load_log.py
+        if said.log:  # Note [What the load said] in load_log.py
+            ck.meta["log"] = said.log
+        if said.warned:
+            ck.meta["warned"] = said.warned
         changed = keys.changed_since(ck)
         if changed is not None:  # the load may have read the new files: never publish them under the old key
             _abandon(client, ck.key)
@@ -632,6 +634,8 @@ def _from_hit(client: Client, ck: keys.CallKey, reply: Response[LookupReply], re
     _hooks_after(entries[0]["meta"].get("hook_ids"))
     for name, level, message in entries[0]["meta"].get("log") or ():
         logging.getLogger(name).log(level, message)  # Note [What the load said]
+    if entries[0]["meta"].get("warned"):
+        warn_again(entries[0]["meta"]["warned"])
     if random_after is not None:
         randomness.set_random_state(random_after)  # as the plain load leaves the generators (Note [Random loads])
     count("hit")

@@ -127,6 +127,36 @@ def test_a_hit_logs_the_load_report_the_plain_load_logs(overmind_home: Path, che
     assert "LOAD REPORT" in hit_err and all(line in hit_err for line in report), hit_err[-2000:]
 
 
+def test_a_hit_warns_what_the_plain_load_warns(overmind_home: Path, checkpoints: dict) -> None:
+    """Note [What the load said]: the Python warnings a load shows (PEFT reads an attribute transformers
+    deprecated: a FutureWarning) are shown by the hit after a restart too, from the same place, and a
+    function of the user's warns again likewise; a second hit in the same kernel warns no more, as a
+    second plain load does not (the place's registry). Before, a hit showed none of them."""
+    miss, hit, miss_err, hit_err = twice(PREAMBLE + """
+    import warnings
+
+    def load(path):
+        warnings.warn("load() is deprecated; use load_v2()", DeprecationWarning, stacklevel=1)
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+
+    warnings.simplefilter("default")  # as a notebook shows DeprecationWarnings of its own code
+    for _ in range(2):
+        base = AutoModelForCausalLM.from_pretrained(paths["llama"], dtype=torch.bfloat16)
+        model = PeftModel.from_pretrained(base, paths["fr"])
+        mine = loading.cached(load, paths["llama"])
+    print(json.dumps({"calls": loading.calls(), "fallbacks": loading.fallbacks()}))
+    """, checkpoints)
+    assert miss["calls"]["miss"] == 3 and hit["calls"] == {"hit": 6}, (miss["calls"], hit["calls"])
+
+    def warned(err: str) -> list[str]:
+        return [line for line in err.splitlines() if "Warning: " in line and "overmind" not in line]
+
+    assert any("FutureWarning" in line for line in warned(miss_err)), miss_err[-3000:]
+    assert any("load() is deprecated" in line for line in warned(miss_err)), miss_err[-3000:]
+    assert warned(hit_err) == warned(miss_err), hit_err[-3000:]
+    assert sum("load() is deprecated" in line for line in warned(hit_err)) == 1, "once per place, as plain warns"
+
+
 def test_an_entry_whose_checkpoint_is_deleted_is_dropped(overmind_home: Path, tmp_path: Path) -> None:
     """Its key can never be reached again (a checkpoint written anew has another key): the daemon drops
     it within seconds (Note [Orphaned entries]), not when the budget would evict it; an entry whose
