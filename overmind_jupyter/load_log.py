@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import OvermindWarning
+
 __all__ = ["Said", "load_log", "warn_again"]
 
 # Note [What the load said]
@@ -20,8 +22,8 @@ __all__ = ["Said", "load_log", "warn_again"]
 # _MAX_SAID bytes, and logged again, through the same loggers, on every hit (loading.py). So are the
 # Python warnings the load showed (a FutureWarning of a deprecated attribute that PEFT reads): each is
 # warned again from the place that warned it, with that module's registry, so that the user's filters
-# and "once per place" hold as they do for the plain load. Only the loading thread's count: other
-# threads' loads say theirs themselves.
+# and "once per place" hold as they do for the plain load; ours (a fallback of a load inside it) are
+# not the load's. Only the loading thread's count: other threads' loads say theirs themselves.
 _LIBRARY_LOGGERS = ("transformers", "diffusers", "peft")
 _MAX_SAID = 8 * 1024
 
@@ -66,7 +68,8 @@ def load_log() -> Iterator[Said]:
 
     def showwarning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
                     file: Any = None, line: str | None = None) -> None:
-        if threading.get_ident() == logged.thread and (text := said.keep(str(message))) is not None:
+        if (threading.get_ident() == logged.thread and not issubclass(category, OvermindWarning)
+                and (text := said.keep(str(message))) is not None):
             said.warned.append([category.__module__, category.__qualname__, text, filename, lineno,
                                 _module_of(filename)])
         shown(message, category, filename, lineno, file, line)

@@ -131,13 +131,15 @@ def test_a_hit_warns_what_the_plain_load_warns(overmind_home: Path, checkpoints:
     """Note [What the load said]: the Python warnings a load shows (PEFT reads an attribute transformers
     deprecated: a FutureWarning) are shown by the hit after a restart too, from the same place, and a
     function of the user's warns again likewise; a second hit in the same kernel warns no more, as a
-    second plain load does not (the place's registry). Before, a hit showed none of them."""
+    second plain load does not (the place's registry). The cache's own notices are not said again.
+    Before, a hit showed none of them."""
     miss, hit, miss_err, hit_err = twice(PREAMBLE + """
     import warnings
 
     def load(path):
         warnings.warn("load() is deprecated; use load_v2()", DeprecationWarning, stacklevel=1)
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+        # a load the cache cannot reproduce: its notice is the cache's, not the load's, and not said again
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, offload_buffers=True)
 
     warnings.simplefilter("default")  # as a notebook shows DeprecationWarnings of its own code
     for _ in range(2):
@@ -155,6 +157,7 @@ def test_a_hit_warns_what_the_plain_load_warns(overmind_home: Path, checkpoints:
     assert any("load() is deprecated" in line for line in warned(miss_err)), miss_err[-3000:]
     assert warned(hit_err) == warned(miss_err), hit_err[-3000:]
     assert sum("load() is deprecated" in line for line in warned(hit_err)) == 1, "once per place, as plain warns"
+    assert "offload_buffers" in miss_err and "offload_buffers" not in hit_err, hit_err[-3000:]
 
 
 def test_an_entry_whose_checkpoint_is_deleted_is_dropped(overmind_home: Path, tmp_path: Path) -> None:
