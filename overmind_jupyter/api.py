@@ -14,7 +14,7 @@ from kernel_server.operations import Op
 
 from .errors import DaemonError, FallbackWarning
 
-__all__ = ["disable", "enable", "evict", "evict_reply", "format_status", "is_enabled", "status"]
+__all__ = ["disable", "enable", "evict", "evict_reply", "format_status", "is_enabled", "start", "status"]
 
 _lock = threading.Lock()
 _enabled = False
@@ -27,6 +27,14 @@ def enable(config: Any = None) -> None:
     Args:
         config: an `overmind_jupyter.config.Overmind` (default: one read from the environment).
     """
+    failed = start(config)
+    if failed is not None:
+        warnings.warn(f"overmind: {failed}", FallbackWarning, stacklevel=2)
+
+
+def start(config: Any = None) -> str | None:
+    """`enable`, saying rather than warning why no daemon could be started (`%overmind on` prints it in
+    its one line): None where one runs."""
     global _enabled
     from . import hit_tuning, loading, targets
     from .config import Overmind
@@ -41,8 +49,8 @@ def enable(config: Any = None) -> None:
 
         shared_client()
     except DaemonError as exc:
-        warnings.warn(f"overmind: no daemon could be started ({exc}); loads run plainly until one can",
-                      FallbackWarning, stacklevel=2)
+        return f"no daemon could be started ({exc}); loads run plainly until one can"
+    return None
 
 
 def disable() -> None:

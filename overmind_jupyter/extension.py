@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .api import disable, enable
+from .api import disable, enable, start
 
 __all__ = ["Session", "load_ipython_extension", "unload_ipython_extension"]
 
@@ -28,8 +28,9 @@ class Session:
         if self.config.enabled:
             enable(self.config)
 
-    def enable(self) -> None:
-        enable(self.config)
+    def enable(self) -> str | None:
+        """`enable`, returning why no daemon could be started instead of warning it (None: one runs)."""
+        return start(self.config)
 
     def close(self) -> None:
         try:

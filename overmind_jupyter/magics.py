@@ -67,7 +67,11 @@ class OvermindMagics(Magics):
 
         try:
             if args.command == "on":
-                self.session.enable()
+                failed = self.session.enable()
+                if failed is not None:  # said once, here, with its fix (not a warning besides)
+                    print(f"overmind on: from_pretrained of transformers, diffusers and peft is patched, but {failed}; "
+                          "%overmind status shows it")
+                    return None
                 state = api.status()
                 where = (f"daemon pid {state['daemon']['daemon']['pid']} at {state['home']}" if state.get("daemon")
                          else f"no daemon yet: {state.get('daemon_error', '')}")

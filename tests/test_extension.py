@@ -310,6 +310,39 @@ def test_evict_magic_names_what_it_evicted(shell, tiny_llama: Path, overmind_hom
     assert capsys.readouterr().out == "evicted 0 entries\n", "nothing left to evict, and it says so"
 
 
+def test_overmind_on_without_a_daemon_says_why_once_with_the_fix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """`%overmind on` where no daemon can start (OVERMIND_HOME names a file) says so in its one line, with
+    the reason and its fix, and warns nothing besides (it printed the reason twice in other words, one
+    of them a warning pointing into extension.py). `enable()` from Python still warns it."""
+    import warnings
+
+    from IPython.core.interactiveshell import InteractiveShell
+
+    import overmind_jupyter
+    from kernel_server.client import reset_shared_client
+    from overmind_jupyter.errors import FallbackWarning
+
+    not_a_directory = tmp_path / "a-file"
+    not_a_directory.write_text("")
+    monkeypatch.setenv("OVERMIND_HOME", str(not_a_directory))
+    reset_shared_client()
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "overmind_jupyter")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FallbackWarning)
+            shell.run_line_magic("overmind", "on")
+        said = capsys.readouterr().out
+        assert said.count("\n") == 1 and said.count("File exists") == 1, said
+        assert "no daemon could be started" in said and "set OVERMIND_HOME to a directory you own" in said, said
+        with pytest.warns(FallbackWarning, match="no daemon could be started"):
+            overmind_jupyter.enable()
+    finally:
+        shell.run_line_magic("unload_ext", "overmind_jupyter")
+        reset_shared_client()
+
+
 def test_cpu_device_maps_share_the_cpu_entry(shell, tiny_llama: Path, overmind_home: Path) -> None:
     from transformers import AutoModelForCausalLM
 
