@@ -164,7 +164,8 @@ def make_key(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
     text = json.dumps(document, sort_keys=True, separators=(",", ":"))
     key = hashlib.sha256(text.encode()).hexdigest()
     meta = {
-        "label": f"{short}({canon.source_label or ''}{_dtype_label(arguments)})",
+        "label": f"{short}({(canon.source_label or _plain_arguments(arguments)) + _dtype_label(arguments)})"
+        .replace("(, ", "("),
         "class": qualified.rsplit(".", 1)[0] if getattr(fn, "__self__", None) is not None else None,
         "source": canon.source_label,
         "dtype": _dtype_label(arguments).removeprefix(", dtype=") or None,
@@ -308,6 +309,18 @@ def _version(package: str) -> str | None:
         return metadata.version(package)
     except metadata.PackageNotFoundError:
         return None
+
+
+def _plain_arguments(arguments: dict[str, Any]) -> str:
+    """A call without a checkpoint labelled by its arguments of plain values, so that entries of one
+    function tell apart in `ls`: `make(kind='mlp', seed=3)`, cut at _LABEL_ARGUMENTS characters."""
+    text = ", ".join(f"{name}={value!r}" for name, value in arguments.items()
+                     if type(value) in _PLAIN_VALUES and name not in ("self", "dtype", "torch_dtype"))
+    return text if len(text) <= _LABEL_ARGUMENTS else text[:_LABEL_ARGUMENTS - 3] + "..."
+
+
+_PLAIN_VALUES = (int, float, bool, str)
+_LABEL_ARGUMENTS = 60
 
 
 def _dtype_label(arguments: dict[str, Any]) -> str:

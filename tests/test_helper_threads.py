@@ -190,7 +190,7 @@ def test_a_kernel_that_can_start_no_thread_loads_through_the_cache_as_it_loads_p
     assert waited["calls"] == {"hit": 2}, waited
     for run in (miss, hit, waited):
         assert run["refused"] and run["same"] and not run["fallbacks"], run
-        assert run["pinned"] == ["tiny_modules.build()"], run  # the "tied" model's alone
+        assert run["pinned"] == ["tiny_modules.build(kind='tied')"], run  # the "tied" model's alone
 
 
 # A daemon that can start no thread while the file $STARVED exists: a watcher, started before, makes every new

@@ -525,3 +525,25 @@ def test_signatures_are_kept_by_function_and_a_redefined_function_is_keyed_by_it
         pass
 
     assert keys.make_key(load, (1, 2), {}).key != first
+
+
+def test_calls_of_one_function_are_labelled_by_their_plain_arguments() -> None:
+    """`ls`, status and the panel name an entry by its label: calls of one function without a checkpoint
+    (a notebook's `make(seed)`) read apart by their arguments of plain values, cut to a line, and a dtype
+    alone reads as one argument (they all read `make()`, and a dtype `make(, dtype=...)`)."""
+    import torch
+
+    from overmind_jupyter import keys
+
+    def make(seed: int, name: str = "", model: object = None, dtype: object = None) -> None:
+        pass
+
+    def label(*args: object, **kwargs: object) -> str:
+        return keys.make_key(make, args, kwargs).label
+
+    assert label(3).endswith(".make(seed=3)")
+    assert label(3, "a").endswith(".make(seed=3, name='a')")
+    assert label(3, model=[1, 2]).endswith(".make(seed=3)"), "other values are the key's, not the label's"
+    assert label(3, dtype=torch.bfloat16).endswith(".make(seed=3, dtype=bfloat16)")
+    long = label(3, "x" * 100)
+    assert long.endswith("...)") and len(long[long.index(".make("):]) < 70, long
