@@ -62,6 +62,8 @@ class OvermindMagics(Magics):
             %overmind adapters model --tokenizer tokenizer
             %overmind off
         """
+        if not line.strip():  # (argparse would say only "the following arguments are required: command")
+            raise UsageError(f"%overmind takes a subcommand: {', '.join(SUBCOMMANDS)}; %overmind? shows what each does")
         args = parse_argstring(self.overmind, line)
         from . import api
 

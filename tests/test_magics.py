@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import re
 
+import pytest
+from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
+
 from overmind_jupyter.magics import SUBCOMMANDS, OvermindMagics
 
 
@@ -14,3 +18,15 @@ def test_the_magic_s_docstring_is_its_manual() -> None:
         assert re.search(rf"^  {command}\b.*\S", manual, re.M), f"the manual has a line for {command}"
         assert re.search(rf"^ +%overmind {command}\b", manual, re.M), f"the manual has an example of {command}"
     assert "positional arguments" in manual, "magic_arguments' list of the arguments follows it"
+
+
+def test_the_magic_alone_lists_its_subcommands() -> None:
+    """`%overmind` with nothing after it names the subcommands and where the manual is."""
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "overmind_jupyter")
+    try:
+        with pytest.raises(UsageError) as said:
+            shell.run_line_magic("overmind", "")
+    finally:
+        shell.run_line_magic("unload_ext", "overmind_jupyter")
+    assert all(command in str(said.value) for command in SUBCOMMANDS) and "%overmind?" in str(said.value)
