@@ -34,6 +34,7 @@ import atexit
 import collections
 import contextlib
 import os
+import re
 import sys
 import threading
 import time
@@ -59,10 +60,13 @@ _installed: tuple[Any, Any] | None = None  # (our hook, the one it chains to)
 
 def model_name(label: str) -> str:
     """The model a load's label names, short: "AutoModelForCausalLM('/m/llama-0.1b', dtype=...)" ->
-    "llama-0.1b"."""
-    inner = label.split("(", 1)[1] if "(" in label else label
-    first = inner.split(",", 1)[0].rstrip(")").strip().strip("'\"")
-    return os.path.basename(first.rstrip("/")) or label
+    "llama-0.1b"; a call without a checkpoint, labelled by its arguments ("make(seed=3)"), by its
+    function ("make")."""
+    head, _, inner = label.partition("(")
+    first = inner.split(",", 1)[0].rstrip(")").strip()
+    if re.match(r"\w+=", first):
+        return head
+    return os.path.basename(first.strip("'\"").rstrip("/")) or label
 
 
 class Reporter:

@@ -533,7 +533,7 @@ def test_calls_of_one_function_are_labelled_by_their_plain_arguments() -> None:
     alone reads as one argument (they all read `make()`, and a dtype `make(, dtype=...)`)."""
     import torch
 
-    from overmind_jupyter import keys
+    from overmind_jupyter import keys, progress
 
     def make(seed: int, name: str = "", model: object = None, dtype: object = None) -> None:
         pass
@@ -547,3 +547,5 @@ def test_calls_of_one_function_are_labelled_by_their_plain_arguments() -> None:
     assert label(3, dtype=torch.bfloat16).endswith(".make(seed=3, dtype=bfloat16)")
     long = label(3, "x" * 100)
     assert long.endswith("...)") and len(long[long.index(".make("):]) < 70, long
+    # the bars and the panel's progress name such a load by its function, not by "seed=3"
+    assert progress.model_name(label(3, "a")).endswith(".make"), progress.model_name(label(3, "a"))
