@@ -28,12 +28,12 @@ __all__ = ["Split", "device_identities", "elsewhere", "move", "ours", "place", "
 # after the rebuild, so it lands where it would have landed without overmind: "cuda" is the device of
 # `LOCAL_RANK`, and an int the current accelerator's, as transformers reads them. A device map that
 # names no device (`"bogus"`, an int without an accelerator) runs as made, without a notice, and the
-# library raises its own error. Any other placement is
-# loaded plainly, and status says why: a device map that spreads a model over several devices or parts,
-# one that offloads ("disk", "meta", `max_memory`, `offload_folder`: accelerate decides what goes where,
-# by sizes the cache does not see), and a load run where torch builds modules off the CPU (Note [Meta
-# loads]). Where OVERMIND_FAKE_GPUS stands in for devices, "auto" counts the simulated ones, as it counts
-# real ones: the stand-in places (and leaves on the CPU) what a machine with those devices would place.
+# library raises its own error. Any other placement is loaded plainly, and status says why: a device
+# map that spreads a model over several devices or parts, one that offloads ("disk", "meta",
+# `max_memory`, `offload_folder`: accelerate decides what goes where, by sizes the cache does not see),
+# and a load run where torch builds modules off the CPU (Note [Meta loads]). Where OVERMIND_FAKE_GPUS
+# stands in for devices, "auto" counts the simulated ones, as it counts real ones: the stand-in places
+# (and leaves on the CPU) what a machine with those devices would place.
 _OFFLOADING = ("max_memory", "offload_folder", "offload_state_dict", "offload_buffers")
 _BY_SIZES = ("auto", "balanced", "balanced_low_0", "sequential")  # maps accelerate fills by the devices' memory
 
