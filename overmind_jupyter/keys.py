@@ -163,9 +163,9 @@ def make_key(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
         document["default_dtype"] = default_dtype
     text = json.dumps(document, sort_keys=True, separators=(",", ":"))
     key = hashlib.sha256(text.encode()).hexdigest()
+    named, dtype = canon.source_label or _plain_arguments(arguments), _dtype_label(arguments)
     meta = {
-        "label": f"{short}({(canon.source_label or _plain_arguments(arguments)) + _dtype_label(arguments)})"
-        .replace("(, ", "("),
+        "label": f"{short}({named}{dtype if named else dtype.removeprefix(', ')})",
         "class": qualified.rsplit(".", 1)[0] if getattr(fn, "__self__", None) is not None else None,
         "source": canon.source_label,
         "dtype": _dtype_label(arguments).removeprefix(", dtype=") or None,
