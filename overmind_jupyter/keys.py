@@ -168,7 +168,7 @@ def make_key(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
         "label": f"{short}({named}{dtype if named else dtype.removeprefix(', ')})",
         "class": qualified.rsplit(".", 1)[0] if getattr(fn, "__self__", None) is not None else None,
         "source": canon.source_label,
-        "dtype": _dtype_label(arguments).removeprefix(", dtype=") or None,
+        "dtype": dtype.removeprefix(", dtype=") or None,
     }
     return CallKey(key, str(meta["label"]), meta, canon.references, canon.sources, canon.roots)
 

@@ -634,8 +634,7 @@ def _from_hit(client: Client, ck: keys.CallKey, reply: Response[LookupReply], re
     _hooks_after(entries[0]["meta"].get("hook_ids"))
     for name, level, message in entries[0]["meta"].get("log") or ():
         logging.getLogger(name).log(level, message)  # Note [What the load said]
-    if entries[0]["meta"].get("warned"):
-        warn_again(entries[0]["meta"]["warned"])
+    warn_again(entries[0]["meta"].get("warned") or [])
     if random_after is not None:
         randomness.set_random_state(random_after)  # as the plain load leaves the generators (Note [Random loads])
     count("hit")

@@ -717,12 +717,8 @@ class _Rebuild:
             self.placeholders[path] = value
             return value
         obj: torch.Tensor = self._argument(path, cls)
-        self.journal.append(functools.partial(_restore_tensor, obj, obj.data, obj.requires_grad, dict(vars(obj))))
-        if not _same_view(obj, value):
-            obj.data = value.data
-        obj.requires_grad_(value.requires_grad)
-        vars(obj).clear()
-        vars(obj).update(vars(value))
+        self.journal.append(functools.partial(_set_tensor, obj, obj.data, obj.requires_grad, dict(vars(obj))))
+        _set_tensor(obj, value.data, value.requires_grad, vars(value))
         return obj
 
     def _argument(self, path: str, cls: type) -> Any:
@@ -828,12 +824,14 @@ def _restore_attributes(obj: Any, attributes: dict[str, Any], saved: dict[str, A
     object.__setattr__(obj, "__dict__", attributes)
 
 
-def _restore_tensor(obj: torch.Tensor, data: torch.Tensor, requires_grad: bool, saved: dict[str, Any]) -> None:
+def _set_tensor(obj: torch.Tensor, data: torch.Tensor, requires_grad: bool, attributes: dict[str, Any]) -> None:
+    """Make `obj`, the very object, hold `data` (kept where it is those elements already), with
+    `requires_grad` and `attributes`."""
     if not _same_view(obj, data):
         obj.data = data
     obj.requires_grad_(requires_grad)
     vars(obj).clear()
-    vars(obj).update(saved)
+    vars(obj).update(attributes)
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
