@@ -160,8 +160,12 @@ class Daemon:
         d = self.store.descriptors
         log.info("daemon %s (protocol %d) serving at %s, budget %d bytes, descriptor limit %d (entries may "
                  "hold %d)", __version__, PROTOCOL_VERSION, listener.getsockname(), self.store.budget, d.limit, d.cap)
+        waiting = select.poll()  # a blocked accept holds a descriptor: wait for a connection without one
+        waiting.register(listener, select.POLLIN)
         while not self._stopping.is_set():
             try:
+                if not waiting.poll(1000):
+                    continue
                 sock, _ = listener.accept()
             except OSError as exc:
                 if self._stopping.is_set():

@@ -30,10 +30,12 @@ answered `internal`, new kernels waited for a hello that never came). So:
   So no place that takes one fails a connection or answers `internal` on EMFILE/ENFILE:
   - a hit whose duplicates fail sheds unpinned entries and tries once more; failing again, it closes
     what it duplicated, drops its pins and answers `descriptors_exhausted`;
-  - accept fails at once while the table is full, connection or not (Linux takes the descriptor before
-    it waits): the daemon waits for a connection with poll, which takes none, then sheds unpinned
-    entries to make room for it and accepts it on the next try; the connection waits in the backlog
-    meanwhile, and the log gets one line every few seconds at most (`Throttle`);
+  - Linux takes accept's descriptor before it waits for a connection: a blocked accept would hold one
+    the whole time it waits, unseen in /proc/self/fd, and a publish bringing the last free descriptors
+    would lose one to it. So the daemon waits for a connection with poll, which takes none, and only
+    then accepts. While the table is full, accept fails at once: the daemon sheds unpinned entries to
+    make room and accepts on the next try; the connection waits in the backlog meanwhile, and the log
+    gets one line every few seconds at most (`Throttle`);
   - a frame whose descriptors the kernel could not install (MSG_CTRUNC while the header announces no
     more than protocol.MAX_FDS) is read whole and its request answered `descriptors_exhausted`
     (errors.DescriptorsLost, from transport.recv_frame); the client does the same for a reply;

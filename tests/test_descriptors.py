@@ -285,7 +285,9 @@ def test_a_full_descriptor_table_answers_hits_and_publishes_and_keeps_the_connec
             publish_new()
         assert client.request("ping")["pong"] and client.request("status")["daemon"]["pid"] == pid
         _close(idle, 3, pid)
-        publish_new()  # its three descriptors fill the table: the compactor finds none to copy it with
+        time.sleep(1.5)  # past the daemon's wait for a connection while its table was full (1 s): it then
+        # waits holding no descriptor, so this publish's three fill the table: the compactor finds none
+        publish_new()
         wait_until(lambda: "no descriptors free to compact" in daemon_log(overmind_home), 10, "compaction deferred")
         assert client.request("status")["entries"][0]["pending"] is not None
     finally:
