@@ -703,3 +703,18 @@ def test_status_widget_names_kernels_charts_memory_time_saved_and_progress(
         del model
     finally:
         other.close()
+
+
+def test_status_and_units_send_their_text_with_the_widget_to_a_frontend_without_widgets(
+        overmind_home: Path, tiny_llama: Path) -> None:
+    """nbconvert, GitHub and `jupyter console` keep the text/plain a widget was displayed with: it is the
+    state when the magic ran, not a placeholder (the widget's first tick comes after the display)."""
+    from tests.helpers.kernels import execute, execute_all, kernel
+
+    with kernel() as (_, kc):
+        execute(kc, "%load_ext overmind_jupyter\n%overmind on\nfrom transformers import AutoModelForCausalLM\n"
+                    f"model = AutoModelForCausalLM.from_pretrained({str(tiny_llama)!r})")
+        [status] = [text for kind, text in execute_all(kc, "%overmind status") if kind == "display"]
+        [units] = [text for kind, text in execute_all(kc, "%overmind units") if kind == "display"]
+    assert "daemon pid" in status and "1 entry" in status and tiny_llama.name in status, status
+    assert units.startswith("GPU units") and "cannot be read" not in units and "widget" not in units, units

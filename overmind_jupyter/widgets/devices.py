@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import traitlets
 
-from .live import LiveView, frontend, with_text
+from .live import LiveView, frontend, snapshot_now, with_text
 
 if TYPE_CHECKING:
     from kernel_server.payloads import UnitsSnapshot
@@ -66,7 +66,8 @@ class UnitsBar(LiveView):
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
         from ..units import format_state
 
-        text = format_state(self._last) if self._last else "GPU units (a widget: run in JupyterLab)"
+        snapshot, error = snapshot_now(self._last, fetch_units)
+        text = format_state(snapshot) if snapshot else f"GPU units: cannot be read ({error})"
         return with_text(super()._repr_mimebundle_(**kwargs), text)
 
     def update(self, snapshot: dict[str, Any] | None, error: Exception | None = None) -> None:

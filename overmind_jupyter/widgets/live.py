@@ -27,7 +27,7 @@ import traitlets
 from ..errors import WidgetsNotBuilt
 from .polling import Subscription, poller
 
-__all__ = ["STATIC", "LivePanel", "LiveView", "frontend", "in_kernel", "run_action"]
+__all__ = ["STATIC", "LivePanel", "LiveView", "frontend", "in_kernel", "run_action", "snapshot_now", "with_text"]
 
 #: Where the widgets' bundles lie (built from labextension/src/widgets; see the module's docstring).
 STATIC = Path(__file__).resolve().parent / "static"
@@ -196,6 +196,17 @@ class LivePanel(ipywidgets.VBox):  # type: ignore[misc]
                 widget.close()
         finally:
             super().close()
+
+
+def snapshot_now(last: Any, fetch: Callable[[], Any]) -> tuple[Any, Exception | None]:
+    """The snapshot a widget's text form shows: `last`, else one read now (a widget is displayed before its
+    first tick, and a frontend without widgets keeps the text it got then); with the error that read raised."""
+    if last is not None:
+        return last, None
+    try:
+        return fetch(), None
+    except Exception as exc:  # noqa: BLE001 - said in the text, as the widget says it: the daemon is down, ...
+        return None, exc
 
 
 def with_text(bundle: Any, text: str) -> Any:

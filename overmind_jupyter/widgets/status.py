@@ -10,7 +10,7 @@ from typing import Any
 
 from .cache import CacheTable, fetch_status
 from .devices import UnitsBar
-from .live import LivePanel, with_text
+from .live import LivePanel, snapshot_now, with_text
 
 __all__ = ["StatusPanel"]
 
@@ -44,5 +44,6 @@ class StatusPanel(LivePanel):
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
         from ..api import format_status
 
-        text = format_status(self._last) if self._last else "overmind status (a widget: run in JupyterLab)"
+        snapshot, error = snapshot_now(self._last, fetch_status)
+        text = format_status(snapshot) if snapshot else f"overmind status: cannot be read ({error})"
         return with_text(super()._repr_mimebundle_(**kwargs), text)
