@@ -9,7 +9,9 @@ these declarations by tests/test_settings.py.
 # Note [Bad settings]
 A bad value never stops anything. `get` reports it once, as a SettingWarning that names the variable,
 the value and a valid example, and uses the default instead: import, `%load_ext` and the daemon always
-start, and a bad `OVERMIND_ENABLED` leaves the cache off. The units ledger is the one reader that
+start, and a bad `OVERMIND_ENABLED` leaves the cache off. A kernel that loads the extension from its
+config, before any cell, shows what it reported then at its first cell (`Session` in
+overmind_jupyter/extension.py). The units ledger is the one reader that
 refuses instead (`read`): a wrong simulated device list answers every units request with the message,
 since silently simulating nothing would be a worse surprise.
 
@@ -107,6 +109,14 @@ def directory(value: Any) -> str:
     if not os.path.isabs(path):
         raise ValueError("is not an absolute path (the daemon runs in another directory)")
     return os.path.normpath(path)
+
+
+def directory_for_files(value: Any) -> str:
+    """`directory`, not naming something that is not a directory (it is made when missing)."""
+    path = directory(value)
+    if path and os.path.lexists(path) and not os.path.isdir(path):
+        raise ValueError("is not a directory")
+    return path
 
 
 def budget(value: Any) -> int:
@@ -248,7 +258,7 @@ ARENA = Setting("arena", "OVERMIND_ARENA", one_of("auto", "memfd", "file"), "aut
                 "written back to disk once), a sealed `memfd` (shmem), or `auto`: the file where the arena "
                 "directory is on a disk filesystem, else the memfd (and the memfd for a miss that converts dtypes, "
                 "which fills it faster: Note [Staged conversions])", "kernel")
-ARENA_DIR = Setting("arena_dir", "OVERMIND_ARENA_DIR", directory, "",
+ARENA_DIR = Setting("arena_dir", "OVERMIND_ARENA_DIR", directory_for_files, "",
                     "the state directory, or `~/.cache/overmind/arenas` when that is a tmpfs", "/scratch/overmind",
                     "where file arenas live; they have no name and vanish with their entry", "both")
 DISK_RESERVE = Setting("disk_reserve", "OVERMIND_DISK_RESERVE", disk_reserve, "10%,3g", "10% of the disk or 3 GiB, "

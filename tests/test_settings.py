@@ -270,3 +270,32 @@ def test_the_default_budget_of_a_daemon_in_a_memory_cgroup_is_half_its_limit(
     assert inside.returncode != 0
     assert (f"OVERMIND_BUDGET='3G' is 3.0 GiB, more than the 2.0 GiB of memory this machine lets the daemon "
             f"use (the memory limit of cgroup {memory_cgroup})") in inside.stderr
+
+
+def test_a_kernel_that_loads_the_extension_from_its_config_shows_its_bad_settings_at_its_first_cell(
+        overmind_home: Path, tmp_path: Path) -> None:
+    """ipykernel loads the extensions of its config before any cell runs, and sends what they print with no
+    parent, which no notebook shows: a bad value must reach the user anyway, once, in the first cell."""
+    from tests.helpers.kernels import execute_all, kernel, kernel_env
+
+    profile = tmp_path / "ipython" / "profile_default"
+    profile.mkdir(parents=True)
+    (profile / "ipython_config.py").write_text('c.InteractiveShellApp.extensions = ["overmind_jupyter"]\n'
+                                               'c.Overmind.enabled = True\nc.Overmind.wait_timeout = "ten minutes"\n')
+    with kernel(kernel_env(IPYTHONDIR=str(tmp_path / "ipython"), OVERMIND_ARENA="bogus")) as (_, kc):
+        first = execute_all(kc, "print('first')")
+        second = execute_all(kc, "from overmind_jupyter import loading; print(loading.options.wait_timeout)")
+    said = "".join(text for kind, text in first if kind == "stderr")
+    assert "c.Overmind.wait_timeout = 'ten minutes' is not a duration" in said, first
+    assert "OVERMIND_ARENA='bogus' is not one of auto, memfd, file" in said, first
+    assert first[-1] == ("stdout", "first\n"), "before the cell's own output"
+    assert second == [("stdout", "600.0\n")], "said once; the default is in effect"
+
+
+def test_an_arena_directory_that_names_a_file_is_a_bad_value(tmp_path: Path) -> None:
+    """Else every load fell back with a bare "File exists", or used memory while status named the file."""
+    a_file = tmp_path / "afile"
+    a_file.write_text("")
+    with pytest.raises(settings.SettingError, match=f"OVERMIND_ARENA_DIR='{a_file}' is not a directory"):
+        settings.ARENA_DIR.read({"OVERMIND_ARENA_DIR": str(a_file)})
+    assert settings.ARENA_DIR.read({"OVERMIND_ARENA_DIR": str(tmp_path / "new")}) == str(tmp_path / "new")
