@@ -9,7 +9,6 @@ import os
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from . import lifecycle
@@ -39,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     start.add_argument("--foreground", action="store_true", help="run in this process; log to stderr")
     start.add_argument("--daemonize", action="store_true", help=argparse.SUPPRESS)  # used by clients
     stop = sub.add_parser("stop", help="stop the daemon gracefully")
-    stop.add_argument("--timeout", type=float, default=10.0)
+    stop.add_argument("--timeout", type=_seconds, default=10.0, help="seconds to wait for it to exit (10)")
     for name, help_ in (("status", "the daemon, its budget and kernels"), ("ls", "the cache entries")):
         p = sub.add_parser(name, help=help_)
         p.add_argument("--json", action="store_true", help="print JSON")
@@ -83,17 +82,16 @@ def _start(args: argparse.Namespace) -> int:
     return 0
 
 
-def _running(home: Path) -> bool:
-    sock = lifecycle.try_connect(home)
-    if sock is None:
-        return False
-    sock.close()
-    return True
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a number of seconds of 0 or more")
+    return value
 
 
 def _stop(args: argparse.Namespace) -> int:
     home = lifecycle.state_dir()
-    if not _running(home):
+    if not lifecycle.running(home):
         print(f"no daemon runs at {home}")
         return 0
     with Client(home, spawn=False, role="cli") as client:
@@ -112,7 +110,7 @@ def _stop(args: argparse.Namespace) -> int:
 def _read(op: str) -> Callable[[argparse.Namespace], int]:
     def command(args: argparse.Namespace) -> int:
         home = lifecycle.state_dir()
-        if not _running(home):
+        if not lifecycle.running(home):
             if args.json:
                 print(json.dumps({"running": False, "home": str(home)}))
             else:
@@ -121,7 +119,8 @@ def _read(op: str) -> Callable[[argparse.Namespace], int]:
         with Client(home, spawn=False, role="cli") as client:
             if op == "status":
                 status = client.request(Op.STATUS).payload
-                print(json.dumps({"running": True, **status}, indent=2) if args.json else _STATUS_TEXT(status))
+                print(json.dumps({"running": True, **status}, indent=2) if args.json
+                      else _STATUS_TEXT(status, client.conn_id))
                 return 0
             listing = _every_entry(client)
         print(json.dumps(listing, indent=2) if args.json else _entries_text(listing["entries"]))
@@ -146,11 +145,12 @@ def _every_entry(client: Client) -> dict[str, Any]:
 
 
 def _evict(args: argparse.Namespace) -> int:
-    if not args.all and not args.key:
-        print("overmind-daemon evict: give a KEY (or a unique prefix) or --all", file=sys.stderr)
+    if bool(args.all) == bool(args.key):
+        print("overmind-daemon evict: give a KEY (or a unique prefix) or --all"
+              + (", not both" if args.all else ""), file=sys.stderr)
         return 2
     home = lifecycle.state_dir()
-    if not _running(home):
+    if not lifecycle.running(home):
         print(json.dumps({"evicted": []}) if args.json else f"no daemon runs at {home}: nothing to evict")
         return 0
     with Client(home, spawn=False, role="cli") as client:
@@ -166,16 +166,19 @@ def _evict(args: argparse.Namespace) -> int:
     return 0
 
 
-def _STATUS_TEXT(p: StatusReply) -> str:
+def _STATUS_TEXT(p: StatusReply, own: int | None = None) -> str:
+    """The status as text; `own` is the connection of the command that asked, not a kernel."""
     d = p["daemon"]
+    kernels = [k for k in p["kernels"] if k["conn"] != own]
     lines = [
         f"daemon pid {d['pid']}  version {d['version']}  protocol {d['protocol']}  home {d['home']}",
         f"store  {byte_text(p['used'])} used + {byte_text(p['reserved'])} reserved of "
-        f"{byte_text(p['budget'])}  ({entries_text(p['entries_total'])}; "
-        + ", ".join(f"{k} {v}" for k, v in sorted(p["stats"].items())) + ")",
-        f"kernels {len(p['kernels'])}" + ("" if p["kernels"] else " connected"),
+        f"{byte_text(p['budget'])}  ("
+        + "; ".join(filter(None, [entries_text(p["entries_total"]),
+                                  ", ".join(f"{k} {v}" for k, v in sorted(p["stats"].items()))])) + ")",
+        f"kernels {len(kernels)} connected",
     ]
-    lines += [f"  {kernel_name(k)[0]}  ({k['role']}; {kernel_name(k)[1]})" for k in p["kernels"]]
+    lines += [f"  {kernel_name(k)[0]}  ({k['role']}; {kernel_name(k)[1]})" for k in kernels]
     if p.get("disk"):
         lines.insert(2, "       " + disk_text(p["disk"]))
     fds = p.get("descriptors")

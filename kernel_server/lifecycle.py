@@ -26,6 +26,7 @@ __all__ = [
     "check_ancestors",
     "lock_path",
     "log_path",
+    "running",
     "socket_path",
     "spawn_daemon",
     "state_dir",
@@ -123,6 +124,15 @@ def lock_path(home: Path) -> Path:
 
 def log_path(home: Path) -> Path:
     return home / "daemon.log"
+
+
+def running(home: Path) -> bool:
+    """Whether a daemon of this user serves `home` (connects once, and closes)."""
+    sock = try_connect(home)
+    if sock is None:
+        return False
+    sock.close()
+    return True
 
 
 def try_connect(home: Path) -> socket.socket | None:

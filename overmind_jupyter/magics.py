@@ -16,6 +16,8 @@ from .errors import DaemonError, OvermindError, RemoteError
 __all__ = ["OvermindMagics"]
 
 SUBCOMMANDS = ("on", "off", "status", "evict", "units", "adapters")  # each with a line of the manual
+_TAKES = {"on": (), "off": (), "status": ("json",), "evict": ("target", "all"), "units": ("json",),
+          "adapters": ("target", "json", "tokenizer")}  # what else each subcommand reads of the line
 
 
 @magics_class
@@ -65,6 +67,11 @@ class OvermindMagics(Magics):
         if not line.strip():  # (argparse would say only "the following arguments are required: command")
             raise UsageError(f"%overmind takes a subcommand: {', '.join(SUBCOMMANDS)}; %overmind? shows what each does")
         args = parse_argstring(self.overmind, line)
+        extra = [repr(value) if name == "target" else f"--{name}" for name, value in vars(args).items()
+                 if value and name != "command" and name not in _TAKES[args.command]]
+        if extra:
+            raise UsageError(f"%overmind {args.command} takes no {' or '.join(extra)}; %overmind? shows what each "
+                             "subcommand takes")
         from . import api
 
         try:
@@ -89,8 +96,13 @@ class OvermindMagics(Magics):
             if args.command == "evict":
                 if args.all == bool(args.target):
                     raise UsageError("%overmind evict takes a KEY or --all")
+                from kernel_server import lifecycle
                 from kernel_server.formats import evicted_text
 
+                home = lifecycle.state_dir()
+                if not lifecycle.running(home):  # (the CLI says the same)
+                    print(f"no daemon runs at {home}: nothing to evict")
+                    return None
                 reply = api.evict_reply(None if args.all else args.target)
                 print(evicted_text(reply))  # which entries went, named as `%overmind status` names them
                 return None

@@ -94,6 +94,14 @@ def test_cli_status_ls_evict_json(daemon: Client, overmind_home: Path) -> None:
     text = subprocess.run([sys.executable, "-m", "kernel_server", "ls"], capture_output=True, text=True,
                           check=True).stdout
     assert "kkkkkkkkkkkkkkkk" in text and "8.0 KiB" in text
+    text = subprocess.run([sys.executable, "-m", "kernel_server", "status"], capture_output=True, text=True,
+                          check=True).stdout
+    assert "(1 entry; " in text and "kernels 1 connected" in text and "(cli;" not in text, "the command is no kernel"
+    for wrong in (["evict", "kkkk", "--all"], ["stop", "--timeout", "-1"]):  # refused; nothing evicted or stopped
+        refused = subprocess.run([sys.executable, "-m", "kernel_server", *wrong], capture_output=True, text=True,
+                                 check=False)
+        assert refused.returncode == 2 and ("not both" in refused.stderr or "0 or more" in refused.stderr), refused
+    assert entry_keys(daemon) == ["k" * 64] and daemon.request("ping")["pong"]
     out = subprocess.run([sys.executable, "-m", "kernel_server", "evict", "kkkk", "--json"], capture_output=True,
                          text=True, check=True)
     assert json.loads(out.stdout) == {"evicted": ["k" * 64]}
