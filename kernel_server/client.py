@@ -399,10 +399,13 @@ class Client:
                 pass
             self._start_reader()  # a long wait: on a future (Note [Who reads the socket])
             if left is not None and left <= slice_:
-                return self.wait(request_id, fut, 0)  # the caller's own timeout: cancels and raises
+                return self.wait(request_id, fut, 0, waited=timeout)  # the caller's own timeout: cancels, raises
             self.request(Op.PING, timeout=ANSWER_TIMEOUT - slice_)  # no answer: DaemonHung, the connection closed
 
-    def wait(self, request_id: int, fut: Future[Frame], timeout: float | None) -> Response[Any]:
+    def wait(self, request_id: int, fut: Future[Frame], timeout: float | None, *,
+             waited: float | None = None) -> Response[Any]:
+        """The reply, waited for up to `timeout`; past it, the request is cancelled and WaitTimeout says
+        how long the caller waited (`waited`, where that is more than `timeout`)."""
         try:
             frame = self._result(fut, timeout)
         except FutureTimeout:
@@ -416,7 +419,8 @@ class Client:
             self._fire_and_forget(Op.CANCEL, request=request_id)
             if not self._closed:
                 self._start_reader()  # its late reply gives back what it granted, soon
-            raise WaitTimeout(f"no answer from the daemon within {timeout} s") from None
+            waited = timeout if waited is None else waited
+            raise WaitTimeout(f"no answer from the daemon within {waited:g} s") from None
         return _response(frame)
 
     def _withdraw(self, request_id: int, fut: Future[Frame]) -> None:

@@ -207,6 +207,8 @@ def _check_named(fn: Callable[..., Any]) -> None:
     known). Methods are keyed by their class (or object), plain functions by their code."""
     if getattr(fn, "__self__", None) is not None or isinstance(fn, types.FunctionType):
         return
+    if not callable(fn):
+        raise Uncacheable(f"{type(fn).__qualname__} is not callable: cache a function or a method")
     if not isinstance(getattr(fn, "__qualname__", None), str):
         raise Uncacheable(f"{type(fn).__qualname__} is a callable object, whose state is not part of a cache "
                           "key; cache a function or a method instead")
@@ -575,9 +577,19 @@ class _Canonical:
         if _is_scheduler(v) and isinstance(config, dict):
             return {"object": _qualname(v), "config": self.value(name, dict(config), depth + 1)}
         if callable(getattr(v, "named_modules", None)) or callable(getattr(v, "save_pretrained", None)):
+            if _gated(v):
+                raise Uncacheable(f"argument {name} ({_qualname(v)}) has an adapter gate open on it, whose hooks "
+                                  "change the model while it is open; load adapters before adapters.gate(model), "
+                                  "or gate.close() first, to cache them")
             raise Uncacheable(f"argument {name} ({_qualname(v)}) is not a cached result, or changed since it was "
                               "loaded, so this call has no canonical form for a cache key")
         raise Uncacheable(f"argument {name} of type {_qualname(v)} has no canonical form for a cache key")
+
+
+def _gated(model: Any) -> bool:
+    """Whether an adapter gate of this process is open on `model` (nothing is imported for it)."""
+    gating = sys.modules.get("overmind_jupyter.adapters.gating")
+    return gating is not None and any(g.model is model for g in gating.open_gates())
 
 
 _MISSING = object()

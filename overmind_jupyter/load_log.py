@@ -14,7 +14,7 @@ from typing import Any
 
 from .errors import OvermindWarning
 
-__all__ = ["Said", "load_log", "warn_again"]
+__all__ = ["Said", "load_log", "log_again", "warn_again"]
 
 # Note [What the load said]
 # A hit shows what the plain load would have shown: the libraries' warnings during the miss (transformers'
@@ -24,8 +24,16 @@ __all__ = ["Said", "load_log", "warn_again"]
 # warned again from the place that warned it, with that module's registry, so that the user's filters
 # and "once per place" hold as they do for the plain load; ours (a fallback of a load inside it) are
 # not the load's. Only the loading thread's count: other threads' loads say theirs themselves.
+#
+# transformers says some messages once per process (`Logger.warning_once`, an lru_cache over its
+# arguments). Kept as logged, a hit would say them again each time, and a miss in a process that had said
+# them already kept nothing, so that a hit in a fresh process said nothing. So while a load runs,
+# `warning_once` stands in for the library's: it keeps each call's arguments, said or not, and the hit
+# calls the library's `warning_once` with them, which says the message only where this process has not
+# said it yet, and remembers it as said.
 _LIBRARY_LOGGERS = ("transformers", "diffusers", "peft")
 _MAX_SAID = 8 * 1024
+_this_thread = threading.local()  # .saids: the Said of each load_log open on this thread; .once: in warning_once
 
 
 @dataclass
@@ -52,8 +60,55 @@ class _Logged(logging.Handler):
         self.thread = threading.get_ident()
 
     def emit(self, record: logging.LogRecord) -> None:
-        if record.thread == self.thread and (message := self.said.keep(record.getMessage())) is not None:
+        if (record.thread == self.thread and not getattr(_this_thread, "once", False)
+                and (message := self.said.keep(record.getMessage())) is not None):
             self.said.log.append([record.name, record.levelno, message])
+
+
+class _Once:
+    """The library's `Logger.warning_once`, stood in for while any thread is inside `load_log`."""
+
+    lock = threading.Lock()
+    users = 0
+    library: Any = None
+
+    @classmethod
+    def enter(cls) -> bool:
+        """Stand in (False: transformers is not imported, and nothing says anything once)."""
+        with cls.lock:
+            if cls.users == 0:
+                cls.library = vars(logging.Logger).get("warning_once")
+                if cls.library is None:
+                    return False
+                logging.Logger.warning_once = _warning_once  # type: ignore[attr-defined]
+            cls.users += 1
+            return True
+
+    @classmethod
+    def leave(cls) -> None:
+        with cls.lock:
+            cls.users -= 1
+            if cls.users == 0 and vars(logging.Logger).get("warning_once") is _warning_once:
+                logging.Logger.warning_once = cls.library  # type: ignore[attr-defined]
+
+
+def _warning_once(self: logging.Logger, *args: Any, **kwargs: Any) -> None:
+    """transformers' `warning_once`, keeping its arguments for the hits of each load this thread is in."""
+    saids = getattr(_this_thread, "saids", ())
+    if saids and not kwargs and args and self.name.split(".")[0] in _LIBRARY_LOGGERS and all(
+            a is None or isinstance(a, str | int | float) for a in args):
+        try:
+            text = str(args[0]) % args[1:] if len(args) > 1 else str(args[0])
+        except (TypeError, ValueError):
+            text = " ".join(map(str, args))
+        for said in saids:
+            if (message := said.keep(text)) is not None:
+                said.log.append([self.name, logging.WARNING, message, list(args)])
+    _this_thread.once = True
+    try:
+        _Once.library(self, *args, **kwargs)
+    finally:
+        _this_thread.once = False
 
 
 @contextlib.contextmanager
@@ -75,9 +130,15 @@ def load_log() -> Iterator[Said]:
         shown(message, category, filename, lineno, file, line)
 
     warnings.showwarning = showwarning
+    saids = getattr(_this_thread, "saids", ())
+    _this_thread.saids = (*saids, said)
+    once = _Once.enter()
     try:
         yield said
     finally:
+        if once:
+            _Once.leave()
+        _this_thread.saids = saids
         if warnings.showwarning is showwarning:  # (not where something replaced it meanwhile)
             warnings.showwarning = shown
         for logger in loggers:
@@ -91,6 +152,18 @@ def _module_of(filename: str) -> str:
         if getattr(module, "__file__", None) == filename:
             return name
     return "__main__"
+
+
+def log_again(log: list[list[Any]]) -> None:
+    """Log what a load logged (`Said.log`) through the same loggers; what the library says once per
+    process, through its `warning_once` with the load's arguments (Note [What the load said])."""
+    for name, level, message, *once in log:
+        logger = logging.getLogger(name)
+        say_once = getattr(logger, "warning_once", None) if once else None
+        if say_once is not None:
+            say_once(*once[0])
+        else:
+            logger.log(level, message)
 
 
 def warn_again(warned: list[list[Any]]) -> None:

@@ -19,7 +19,6 @@ import contextlib
 import functools
 import gc
 import inspect
-import logging
 import os
 import sys
 import threading
@@ -31,14 +30,14 @@ from typing import TYPE_CHECKING, Any
 from kernel_server import arena
 from kernel_server import settings as declared
 from kernel_server.client import ANSWER_TIMEOUT, Client, Response, shared_client
-from kernel_server.errors import DaemonError, DaemonLost, RemoteError
+from kernel_server.errors import DaemonError, DaemonLost, RemoteError, WaitTimeout
 from kernel_server.operations import Op
 from kernel_server.payloads import LookupReply
 from kernel_server.transport import close_fds
 
 from . import dynamic_modules, hit_tuning, keys, load_maps, notices, progress, randomness, results, targets, threads
 from .errors import CorruptEntry, EntryElsewhere, NoRoomHere, PackError, PublishError, RefusedByLibrary, Uncacheable
-from .load_log import load_log, warn_again
+from .load_log import load_log, log_again, warn_again
 from .notices import calls, clear_fallbacks, count, fall_back, fallbacks, tell_once
 from .placement import (
     device_identities,
@@ -632,8 +631,7 @@ def _from_hit(client: Client, ck: keys.CallKey, reply: Response[LookupReply], re
         close_fds(fds)
     remember(obj, ck.key, graph, replay, pickled_here=False, random_after=random_after)
     _hooks_after(entries[0]["meta"].get("hook_ids"))
-    for name, level, message in entries[0]["meta"].get("log") or ():
-        logging.getLogger(name).log(level, message)  # Note [What the load said]
+    log_again(entries[0]["meta"].get("log") or [])  # Note [What the load said] in load_log.py
     warn_again(entries[0]["meta"].get("warned") or [])
     if random_after is not None:
         randomness.set_random_state(random_after)  # as the plain load leaves the generators (Note [Random loads])
@@ -677,6 +675,10 @@ def _lookup(key: str) -> tuple[Client, Response[LookupReply]]:
             # the young generation is collected while the daemon answers (Note [Old at birth] in hit_tuning.py)
             return client, client.request_alive(Op.LOOKUP, options.wait_timeout, meanwhile=hit_tuning.collect_young,
                                                 key=key, wait=True)
+        except WaitTimeout:  # the daemon answered all along: what ran out is the wait for the other load
+            raise WaitTimeout(f"another kernel's load of it was still running after {options.wait_timeout:g} s, "
+                              "the longest this call waits (OVERMIND_WAIT_TIMEOUT, or c.Overmind.wait_timeout: "
+                              "raise it to wait longer)") from None
         except DaemonLost:
             if attempt == 2:
                 raise

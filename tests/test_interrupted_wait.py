@@ -16,10 +16,12 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from kernel_server import Client
 from overmind_jupyter import keys, loading, rebuild
+from overmind_jupyter.errors import FallbackWarning
 from tests.helpers import faults_helpers, tiny_modules
 from tests.helpers.faults_helpers import Gate, digest, wait_until
 from tests.helpers.snippets import start_py
@@ -188,3 +190,22 @@ def test_an_interrupt_as_the_lookup_is_sent_still_withdraws_the_wait(overmind_ho
         kernel.kill()
         kernel.wait()
         loader.join(60)
+
+
+def test_a_wait_longer_than_the_wait_timeout_loads_plainly_and_says_what_ran_out(
+        overmind_home: Path, daemon: Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another kernel's load outlasts OVERMIND_WAIT_TIMEOUT: the call loads plainly, saying that the wait ran
+    out after that long and which setting to raise; not that the daemon, which answered all along, did not
+    answer "within 0 s"."""
+    key = keys.make_key(tiny_modules.build, ("mlp", 42), {"width": 64}).key
+    assert daemon.request("lookup", key=key, wait=False)["status"] == "load"  # a load in flight, never done
+    monkeypatch.setattr(loading.options, "wait_timeout", 1.5)
+    started = time.monotonic()
+    with pytest.warns(FallbackWarning) as said:
+        model = loading.cached(tiny_modules.build, "mlp", 42, width=64)
+    assert 1.5 <= time.monotonic() - started < 30
+    assert digest(model) == digest(tiny_modules.build("mlp", 42, width=64))
+    [message] = [str(w.message) for w in said]
+    assert "another kernel's load of it was still running after 1.5 s" in message, message
+    assert "OVERMIND_WAIT_TIMEOUT" in message and "raise it" in message, message
+    wait_until(lambda: waiters(daemon) == [0], 10, "its wait withdrawn from the daemon (the cancel is not waited for)")

@@ -112,6 +112,30 @@ def test_peft_mixed_model_load_adapter_runs_as_it_is_without_a_fallback(overmind
     assert out["fallbacks"] == [] and out["adapters"] == ["de", "fr"]
 
 
+def test_an_adapter_loaded_through_an_open_gate_says_to_load_it_before_or_close_the_gate(
+        overmind_home: Path, checkpoints: dict) -> None:
+    """The gate's hooks change the model while it is open, so its load_adapter cannot be keyed: it runs
+    plainly, and says why and what to do, not that the user changed the model. Done as it says (the adapter
+    loaded before the gate is opened), it is cached."""
+    env = dict(os.environ, PATHS=json.dumps(checkpoints))
+    out = last_json(run_py(PREAMBLE + """
+    from overmind_jupyter import adapters
+    base = AutoModelForCausalLM.from_pretrained(paths["llama"])
+    model = PeftModel.from_pretrained(base, paths["fr"], adapter_name="fr")
+    gate = adapters.gate(model)
+    gate.load_adapter(paths["de"], adapter_name="de")
+    said = [f["reason"] for f in loading.fallbacks()]
+    again = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(paths["llama"]), paths["fr"],
+                                      adapter_name="fr")
+    again.load_adapter(paths["de"], adapter_name="de")
+    adapters.gate(again)
+    print(json.dumps({"said": said, "calls": loading.calls(), "adapters": sorted(again.peft_config)}))
+    """, env=env, timeout=300))
+    [reason] = out["said"]
+    assert "has an adapter gate open on it" in reason and "adapters.gate(model)" in reason, reason
+    assert out["calls"] == {"miss": 3, "hit": 2, "plain": 1} and out["adapters"] == ["de", "fr"], out
+
+
 def test_a_hit_logs_the_load_report_the_plain_load_logs(overmind_home: Path, checkpoints: dict) -> None:
     """A classification head on a causal-LM checkpoint: transformers logs which weights were newly
     initialized. The hit after a restart logs the same report (Note [What the load said] in load_log.py)."""
@@ -158,6 +182,35 @@ def test_a_hit_warns_what_the_plain_load_warns(overmind_home: Path, checkpoints:
     assert warned(hit_err) == warned(miss_err), hit_err[-3000:]
     assert sum("load() is deprecated" in line for line in warned(hit_err)) == 1, "once per place, as plain warns"
     assert "offload_buffers" in miss_err and "offload_buffers" not in hit_err, hit_err[-3000:]
+
+
+def test_what_the_library_says_once_per_process_a_hit_says_once_per_process_too(
+        overmind_home: Path, tmp_path: Path) -> None:
+    """transformers says some messages once per process (`warning_once`): a GPT-2 whose special tokens lie
+    outside its vocabulary. Two checkpoints that say the same, loaded A, A, B in one process and B, B in a
+    fresh one, must say it where the plain loads say it: first in each process, never again. Before, every
+    hit said it again, and B's miss, made where it was said already, kept nothing for B's hits."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=512, n_positions=32)
+    for name in "ab":
+        GPT2LMHeadModel(config).save_pretrained(tmp_path / name)
+    def said(names: str, how: str) -> list[str]:
+        err = run_py(f"""
+            import sys
+            if {how == "cache"}:
+                import overmind_jupyter
+                overmind_jupyter.enable()
+            from transformers import GPT2LMHeadModel
+            for name in {names!r}:
+                print(f"-- {{name}}", file=sys.stderr, flush=True)
+                GPT2LMHeadModel.from_pretrained({str(tmp_path)!r} + "/" + name)
+            """, env=dict(os.environ, TQDM_DISABLE="1", TRANSFORMERS_VERBOSITY="warning")).stderr
+        return [line for line in err.splitlines() if line.startswith("-- ") or "bos_token_id" in line]
+
+    plain = said("aab", "plain") + said("bb", "plain")
+    assert plain.count("-- a") == 2 and sum("bos_token_id" in line for line in plain) == 2, plain
+    assert said("aab", "cache") + said("bb", "cache") == plain  # a miss, a hit, a miss; then two hits
 
 
 def test_an_entry_whose_checkpoint_is_deleted_is_dropped(overmind_home: Path, tmp_path: Path) -> None:
