@@ -146,7 +146,9 @@ def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
         return _AS_CALLED
     replay = Replay.of(ck.references) if ck.references else NO_REPLAY
     try:
+        asked = time.perf_counter()
         client, reply = _lookup(ck.key)
+        queued = time.perf_counter() - asked  # Note [Miss times] in progress.py
         drawn = reply["entries"][0]["meta"].get("random") if reply["status"] == "hit" else None
         # Note [Random loads] in randomness.py: the result depends on these generators' state
         called = ck
@@ -185,8 +187,8 @@ def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
         if not alone:  # another thread of this kernel loaded it meanwhile: ask again (a hit, most likely)
             return _cached_call(fn, args, kwargs, device)
         with staging.staged(client, ck.key, client.home, options.backing) as stage:  # Note [Staged conversions]
-            return _miss(client, ck, fn, args, kwargs, replay, device, stage, progress.MissClock(started),
-                         called if followed else None)
+            return _miss(client, ck, fn, args, kwargs, replay, device, stage,
+                         progress.MissClock(started, queued_s=queued), called if followed else None)
 
 
 # Note [One library load at a time]
@@ -556,7 +558,7 @@ def _publish(client: Client, ck: keys.CallKey, obj: Any, replay: Replay, random_
             return
         count("miss")
         remember(obj, ck.key, packed.graph, replay, pickled_here=True, random_after=random_after)
-        progress.tell_miss(ck.label, times)
+        progress.tell_miss(ck.label, times, clock.queued_s)
 
 
 def _collect_young() -> None:

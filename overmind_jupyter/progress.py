@@ -25,7 +25,10 @@ that can carry it without a round trip of its own (a status read, a miss, the en
 A miss's cost is timed from the same start as a hit's: the call's start. `MissClock` takes the load
 itself (`load_s`) and, as the publish is sent, the whole wait so far (`waited_s`, the call returns right
 after); `cache_s` is the rest (key, lookup, staging, packing, publishing). The publish carries the three
-(kernel_server/store.py Note [Load time saved]), and the cell says the same numbers: `tell_miss`.
+(kernel_server/store.py Note [Load time saved]), and the cell says the same numbers: `tell_miss`. A
+lookup that waited for another load of the same entry, which then ended without a result (its kernel
+killed or interrupted, its load raised), is part of `cache_s`: without the cache this call would not have
+waited. The cell says how much of it that wait was (`queued_s`), so that it does not read as slow caching.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from kernel_server.formats import miss_text
+from kernel_server.formats import miss_text, seconds_text
 from kernel_server.operations import Op
 from kernel_server.payloads import MissTimes
 
@@ -50,6 +53,7 @@ __all__ = ["REPORT_S", "MissClock", "Reporter", "flush_hit_times", "hit", "loadi
            "tell_miss"]
 
 REPORT_S = 0.25  # at most one progress report per load this often
+QUEUED_S = 0.5  # a lookup that took this long waited for another load (an answer takes milliseconds)
 _MAX_HITS = 1000
 
 _hit_times: collections.deque[dict[str, Any]] = collections.deque(maxlen=_MAX_HITS)
@@ -191,10 +195,12 @@ class MissClock:
 
     Args:
         started: `time.perf_counter()` at the call's start.
+        queued_s: how long its lookup waited for another load of the entry, which ended without a result.
         load_s: the load itself, once it returned.
     """
 
     started: float
+    queued_s: float = 0.0
     load_s: float = 0.0
 
     def times(self) -> MissTimes:
@@ -204,10 +210,12 @@ class MissClock:
         return {"waited_s": waited, "load_s": load, "cache_s": round(waited - load, 4)}
 
 
-def tell_miss(label: str, times: MissTimes) -> None:
+def tell_miss(label: str, times: MissTimes, queued_s: float = 0.0) -> None:
     """Say in the cell what a miss cost, in the numbers the daemon got (Note [Miss times]):
     "overmind: cached llama-0.1b in 20.1 s: loading 8.0 s + caching 12.1 s"."""
-    print(f"overmind: cached {model_name(label)} in {miss_text(times)}", file=sys.stderr, flush=True)
+    queued = (f" (the caching includes {seconds_text(queued_s)} of waiting for another load of it, which ended "
+              "without a result)") if queued_s >= QUEUED_S else ""
+    print(f"overmind: cached {model_name(label)} in {miss_text(times)}{queued}", file=sys.stderr, flush=True)
 
 
 # -- hit times (Note [Hit times]) --------------------------------------------------------------------------

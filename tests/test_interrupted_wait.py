@@ -10,6 +10,7 @@ connection's end would release everything anyway (docs/design.md invariant 5) an
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -209,3 +210,22 @@ def test_a_wait_longer_than_the_wait_timeout_loads_plainly_and_says_what_ran_out
     assert "another kernel's load of it was still running after 1.5 s" in message, message
     assert "OVERMIND_WAIT_TIMEOUT" in message and "raise it" in message, message
     wait_until(lambda: waiters(daemon) == [0], 10, "its wait withdrawn from the daemon (the cancel is not waited for)")
+
+
+def test_a_miss_that_waited_for_a_load_that_failed_says_how_long_it_waited(
+        overmind_home: Path, daemon: Client, capsys: pytest.CaptureFixture[str]) -> None:
+    """The kernel loading the model is killed (here: its load abandoned) while this one waits: this one loads,
+    and its line says how much of the "caching" was that wait, not only that caching took seconds."""
+    key = keys.make_key(tiny_modules.build, ("mlp", 42), {"width": 64}).key
+    assert daemon.request("lookup", key=key, wait=False)["status"] == "load"  # the other kernel's load
+    abandon = threading.Timer(1.5, lambda: daemon.request("abandon", key=key))
+    abandon.start()
+    try:
+        model = loading.cached(tiny_modules.build, "mlp", 42, width=64)
+    finally:
+        abandon.join()
+    assert digest(model) == digest(tiny_modules.build("mlp", 42, width=64))
+    [line] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("overmind: cached")]
+    waited = re.search(r"caching includes ([\d.]+) s of waiting for another load of it, which ended without a "
+                       r"result\)$", line)
+    assert waited is not None and 1.4 <= float(waited.group(1)) < 30, line
