@@ -348,7 +348,9 @@ class Store:
                 entry = Entry(key, graph_fd, arena_fd, graph_bytes, arena_bytes, backing, meta, deps, load.owner_pid,
                               parts=parts, sources=sources, pieces=pieces or [], marker=marker, watch=watch or [],
                               times=_miss_times(load, times), queued=self.compacting)
-                if not marker:
+                if marker:  # its lookup counted a miss, and the load it marks counts its own: one load, one miss
+                    self.stats["misses"] -= 1
+                else:
                     self.time_saved["misses"] += 1
                     self.time_saved["cache_s"] += entry.times["cache_s"]
                 if pin:

@@ -90,6 +90,9 @@ class CallKey:
     sources: list[tuple[str, Callable[[], Any], Any]] = field(default_factory=list, repr=False)
     # where the files of each source lie, by its label: the path itself, or a hub id's snapshot folder
     roots: dict[str, str] = field(default_factory=dict, repr=False)
+    # what to tell the user once this key's entry is published (loading.py's `_tell_seed`): not before, since
+    # a result that cannot be cached is not "cached for the state" of anything
+    notice: tuple[str, list[str], str] | None = field(default=None, repr=False)
 
 
 def changed_since(ck: CallKey) -> str | None:
@@ -575,7 +578,7 @@ class _Canonical:
             return {"object": _qualname(v), "state": self.value(name, dict(state), depth + 1)}
         config = getattr(v, "config", None)
         if _is_scheduler(v) and isinstance(config, dict):
-            return {"object": _qualname(v), "config": self.value(name, dict(config), depth + 1)}
+            return {"object": _qualname(v), "config": self.value(name, _as_set_sorted(dict(config)), depth + 1)}
         if callable(getattr(v, "named_modules", None)) or callable(getattr(v, "save_pretrained", None)):
             if _gated(v):
                 raise Uncacheable(f"argument {name} ({_qualname(v)}) has an adapter gate open on it, whose hooks "
@@ -603,6 +606,15 @@ _CLASS_BOOKKEEPING = frozenset({
 def _qualname(v: Any) -> str:
     cls = type(v)
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _as_set_sorted(config: dict[str, Any]) -> dict[str, Any]:
+    """A diffusers config with `_use_default_values` sorted: diffusers makes that list from a set, so its
+    order is each process's string hashing (a scheduler made by `from_config` was a miss after every restart)."""
+    defaults = config.get("_use_default_values")
+    if isinstance(defaults, list) and all(isinstance(x, str) for x in defaults):
+        config["_use_default_values"] = sorted(defaults)
+    return config
 
 
 def _is_scheduler(v: Any) -> bool:

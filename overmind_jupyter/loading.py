@@ -314,7 +314,7 @@ def _random_lookup(ck: keys.CallKey, drawn: list[str]) -> tuple[keys.CallKey, Cl
     keyed = _state_key(ck, drawn)
     client, reply = _lookup(keyed.key)
     if reply["status"] == "load":
-        _tell_seed(ck.label, drawn)
+        keyed.notice = (ck.label, drawn, "")
     return keyed, client, reply
 
 
@@ -388,10 +388,10 @@ def _miss(client: Client, ck: keys.CallKey, fn: Callable[..., Any], args: tuple[
             if ck is called:  # on the call's first miss its key becomes the marker that sends lookups on
                 keyed = _mark_random(client, ck, randomness.replayed(ck), drawn)
         elif why or (drawn and not ck.meta.get("random")):  # it drew random numbers: Note [Random loads]
-            if why:
-                _tell_seed(label, drawn, why)
             keyed = _mark_random(client, ck, randomness.under_random_state(called or ck,
                                                                            randomness.only(before, drawn)), drawn)
+            if keyed is not None and why:
+                keyed.notice = (label, drawn, why)
         if keyed is not None:
             _publish(client, keyed, obj, replay, state, stage, maps, clock)
         if drawn and _draws_on_device(ck.label, drawn, device):
@@ -525,7 +525,7 @@ def _publish(client: Client, ck: keys.CallKey, obj: Any, replay: Replay, random_
     the generators' state after the call for a load that drew random numbers (Note [Random loads]);
     `stage`: where the load's conversions were written (Note [Staged conversions] in staging.py); `maps`:
     the files it mapped through us (Note [Files the load maps] in load_maps.py). The collector pauses
-    meanwhile (Note [A miss's collections])."""
+    meanwhile (Note [A miss's collections]). Then what `ck.notice` holds is said."""
     from . import publishing, rebuild
 
     with rebuild.gc_paused() as collecting:
@@ -559,6 +559,8 @@ def _publish(client: Client, ck: keys.CallKey, obj: Any, replay: Replay, random_
         count("miss")
         remember(obj, ck.key, packed.graph, replay, pickled_here=True, random_after=random_after)
         progress.tell_miss(ck.label, times, clock.queued_s)
+        if ck.notice is not None:
+            _tell_seed(*ck.notice)
 
 
 def _collect_young() -> None:

@@ -175,6 +175,20 @@ def test_a_config_object_is_keyed_by_its_whole_state(overmind_home: Path, two: t
     assert got and len(got) == len(want) and all(torch.equal(x, y) for x, y in zip(got, want, strict=False))
 
 
+def test_a_scheduler_made_from_a_config_has_one_key_in_every_process() -> None:
+    """diffusers lists a config's defaulted fields (`_use_default_values`) from a set, in the order of the
+    process's string hashing: a pipeline given a scheduler made by `from_config` was a miss after every
+    restart, and each restart stored the whole pipeline once more."""
+    code = """
+        from diffusers import DDIMScheduler, EulerDiscreteScheduler
+        from overmind_jupyter import keys
+        scheduler = EulerDiscreteScheduler.from_config(DDIMScheduler().config)
+        print(keys.make_key(keys.make_key, (scheduler,), {}).key)
+    """
+    got = {run_py(code, env=dict(os.environ, PYTHONHASHSEED=str(seed))).stdout.strip() for seed in range(1, 5)}
+    assert len(got) == 1, got
+
+
 # -- 3. cached(fn): functions by what they do ------------------------------------------------------------
 
 def notebook_function(body: str) -> object:

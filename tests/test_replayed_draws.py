@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kernel_server import Client
 from overmind_jupyter import demo_models, draws, randomness
 from tests.helpers.kernels import USER_THREAD, execute, kernel, kernel_env
 from tests.helpers.snippets import last_json, run_py
@@ -82,6 +83,9 @@ def test_an_adapter_is_a_hit_after_a_restart_with_any_seed_and_draws_as_plain(
     assert unseeded["seed"] not in (1, 2) and (unseeded["logits"], unseeded["lora"]) == (
         plain[1]["logits"], plain[1]["lora"])
     assert plain[1]["rand"] != plain[2]["rand"]
+    with Client(overmind_home, spawn=False, role="test") as client:
+        stats = client.request("status")["stats"]
+    assert (stats["misses"], stats["hits"]) == (3, 6), "a load that draws is one miss, its marker no other"
 
 
 # A loader of the notebook's own that draws (a layer's initialisation) and then overwrites all of it.
@@ -227,3 +231,24 @@ def test_the_recorded_draws_pickle_as_the_entry_holds_them() -> None:
     ops = pickle.loads(pickle.dumps(drew.ops, protocol=pickle.HIGHEST_PROTOCOL))
     assert draws.replays(ops, before, after)
     assert json.dumps([op[0] for op in ops]) == '["aten.uniform_.default", "aten.uniform_.default"]'
+
+
+def test_a_result_that_cannot_be_cached_is_not_said_to_be_cached_for_a_seed(overmind_home: Path) -> None:
+    """A load that draws and returns what cannot be pickled says that it is not cached, and never that it
+    "is cached for the state of the torch generator" with advice to seed it, which would change nothing
+    (the notice used to come before the publish that then failed)."""
+    import warnings
+
+    from overmind_jupyter import loading
+
+    def make(width: int) -> torch.nn.Module:
+        layer = torch.nn.Linear(width, width)
+        layer.gen = (x for x in range(3))  # a generator: no pickle of it
+        return layer
+
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            loading.cached(make, 4)
+    texts = [str(w.message) for w in said]
+    assert texts and all("will not be cached" in t and "seed it" not in t for t in texts), texts
