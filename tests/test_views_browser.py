@@ -143,7 +143,8 @@ def test_the_panel_follows_the_focused_notebook(lab: Lab) -> None:
     _focus_notebook(lab, "alpha.ipynb")
     expect(focus).to_have_attribute("data-path", "alpha.ipynb")
     expect(focus.get_by_test_id("overmind-focus-uses")).to_contain_text("tiny-llama'")
-    expect(focus.get_by_test_id("overmind-focus-units")).to_contain_text("GPU units on cuda:")
+    expect(focus.get_by_test_id("overmind-focus-units")).to_contain_text(re.compile(r"\b1 GPU unit on cuda:"))
+    assert lab.panel.evaluate("el => el.scrollWidth <= el.clientWidth"), "the card's long label wraps in the sidebar"
     expect(marked).to_have_count(1)
     expect(marked).to_contain_text("alpha.ipynb")
     expect(lab.panel.locator('[data-testid="overmind-holder"][data-focused="true"]')).to_have_count(1)

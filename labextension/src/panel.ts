@@ -348,7 +348,7 @@ export class OvermindPanel extends Widget {
             { class: 'jp-Overmind-hint', 'data-testid': 'overmind-focus-units' },
             'holds ' +
               holds
-                .map(({ device, holder }) => `${holder.units ?? '?'} GPU units on ${device} for ${holder.label || 'a model'}`)
+                .map(({ device, holder }) => `${holder.units ?? '?'} GPU unit${holder.units === 1 ? '' : 's'} on ${device} for ${holder.label || 'a model'}`)
                 .join(', ')
           )
       );

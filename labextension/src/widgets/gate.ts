@@ -108,7 +108,7 @@ function draw(model: IModel, root: HTMLElement): void {
       h(
         'div',
         { class: 'om-muted' },
-        `batching engine: ${e.batches} batches, ${e.rows} rows, ${e.mean_batch_rows} rows per batch, ` +
+        `batching engine: ${e.batches} batch${e.batches === 1 ? '' : 'es'}, ${e.rows} row${e.rows === 1 ? '' : 's'}, ${e.mean_batch_rows} rows per batch, ` +
           `largest ${e.largest_batch_rows}`
       )
     );
