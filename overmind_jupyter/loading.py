@@ -146,9 +146,10 @@ def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
         return _AS_CALLED
     replay = Replay.of(ck.references) if ck.references else NO_REPLAY
     try:
+        shared_client()  # a daemon started by this call is not a wait for another load (Note [Miss times])
         asked = time.perf_counter()
         client, reply = _lookup(ck.key)
-        queued = time.perf_counter() - asked  # Note [Miss times] in progress.py
+        queued = time.perf_counter() - asked
         drawn = reply["entries"][0]["meta"].get("random") if reply["status"] == "hit" else None
         # Note [Random loads] in randomness.py: the result depends on these generators' state
         called = ck
