@@ -61,7 +61,7 @@ _KEY_FORMAT = 3  # bump on any change to what a key holds: old entries then simp
 # The format of the graphs rebuild.py packs, named by every key: an entry packed in another format is a miss
 # (a daemon that outlived an upgrade keeps such entries), not a corrupt entry with a fallback warning.
 # Bump when the storage or tensor references, or what a graph holds, change.
-GRAPH_FORMAT = 8
+GRAPH_FORMAT = 9
 _SOURCE_PARAMS = ("pretrained_model_name_or_path", "model_id", "pretrained_model_link_or_path", "repo_id",
                   "pretrained_model_link_or_path_or_dict")
 # diffusers' `from_single_file` reads the layout of the model from these when given (a local folder or
@@ -85,7 +85,7 @@ class CallKey:
     key: str
     label: str
     meta: dict[str, Any]
-    references: dict[str, Any] = field(default_factory=dict, repr=False)  # argument name -> cached result
+    references: dict[str, Any] = field(default_factory=dict, repr=False)  # argument name -> cached result or component
     # what the call reads, as (label, how to read its fingerprint again, the fingerprint in the key)
     sources: list[tuple[str, Callable[[], Any], Any]] = field(default_factory=list, repr=False)
     # where the files of each source lie, by its label: the path itself, or a hub id's snapshot folder
@@ -571,6 +571,8 @@ class _Canonical:
                     # loses] in rebuild.py)
                     state["_original_object_hash"] = state["_original_object_hash"] == hash(v)
                 out["state"] = self.value(name, state, depth + 1)
+            if depth == 0 and _a_component(v):
+                self.references[name] = v
             return out
         if dataclasses.is_dataclass(v) and not isinstance(v, type):
             # A value object (PEFT's LoraRuntimeConfig inside a LoraConfig): its class and its whole state.
@@ -578,6 +580,8 @@ class _Canonical:
             return {"object": _qualname(v), "state": self.value(name, dict(state), depth + 1)}
         config = getattr(v, "config", None)
         if _is_scheduler(v) and isinstance(config, dict):
+            if depth == 0:
+                self.references[name] = v
             return {"object": _qualname(v), "config": self.value(name, _as_set_sorted(dict(config)), depth + 1)}
         if callable(getattr(v, "named_modules", None)) or callable(getattr(v, "save_pretrained", None)):
             if _gated(v):
@@ -615,6 +619,17 @@ def _as_set_sorted(config: dict[str, Any]) -> dict[str, Any]:
     if isinstance(defaults, list) and all(isinstance(x, str) for x in defaults):
         config["_use_default_values"] = sorted(defaults)
     return config
+
+
+# A component given to a load by value, which its result holds as given (a pipeline's feature extractor, a
+# processor's image processor) and which the load may change: a hit gives the caller's own object back, with
+# the state the load left it in (Note [Argument replay] in rebuild.py), as the plain call does. Configs are
+# not components: transformers copies a config it is given.
+_COMPONENTS = frozenset({"FeatureExtractionMixin", "ImageProcessingMixin", "ProcessorMixin"})
+
+
+def _a_component(v: Any) -> bool:
+    return any(c.__name__ in _COMPONENTS for c in type(v).__mro__)
 
 
 def _is_scheduler(v: Any) -> bool:

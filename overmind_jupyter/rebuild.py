@@ -557,7 +557,10 @@ def _dtype(dtype: torch.dtype) -> str:
 # call would train nothing, silently. Each takes the bytes, `requires_grad` and attributes the load left
 # it; its own storage stays where it already is the entry's (a base model's weights, unwritten). Their
 # previous state is journaled first and put back if the rebuild fails, so a failed hit leaves the
-# arguments as they were for the plain load that follows.
+# arguments as they were for the plain load that follows. Components given by value (a scheduler, a
+# feature extractor, a processor's image processor: `_COMPONENTS` in keys.py) are arguments too: the result
+# holds the caller's object, which takes the state the load left it (a pipeline resets an old scheduler's
+# `steps_offset` on the object it is given).
 
 
 def _substituting(table: dict[type, Callable[[Any], Any]], substitutes: dict[str, Any]) -> None:

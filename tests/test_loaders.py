@@ -136,6 +136,37 @@ def test_an_adapter_loaded_through_an_open_gate_says_to_load_it_before_or_close_
     assert out["calls"] == {"miss": 3, "hit": 2, "plain": 1} and out["adapters"] == ["de", "fr"], out
 
 
+def test_components_given_to_a_load_are_the_callers_own_objects_after_a_hit(overmind_home: Path,
+                                                                             tmp_path: Path) -> None:
+    """A scheduler and a feature extractor given to a pipeline, an image processor given to a processor: the
+    result holds the caller's objects, and the pipeline's reset of an old scheduler's `steps_offset` is made
+    on the caller's scheduler, in the kernel that missed and after a restart alike. Before, a hit held the
+    entry's copies, and a change made to them after the load did not reach its outputs."""
+    sd = demo_models.build_sd_pipeline(tmp_path / "sd")
+    code = f"""
+        import json, torch
+        import overmind_jupyter
+        from overmind_jupyter import loading
+        overmind_jupyter.enable()
+        from diffusers import DDIMScheduler, StableDiffusionPipeline
+        from transformers import CLIPImageProcessor, CLIPProcessor
+        scheduler = DDIMScheduler.from_pretrained({str(sd)!r}, subfolder="scheduler")
+        scheduler.register_to_config(steps_offset=0)  # an old config, which the pipeline resets
+        extractor = CLIPImageProcessor(size={{"shortest_edge": 16}})
+        pipe = StableDiffusionPipeline.from_pretrained({str(sd)!r}, scheduler=scheduler, feature_extractor=extractor)
+        images = CLIPImageProcessor(size={{"shortest_edge": 8}}, crop_size=8)
+        processor = CLIPProcessor.from_pretrained({str(sd / "tokenizer")!r}, image_processor=images)
+        print(json.dumps({{"calls": loading.calls(), "scheduler": pipe.scheduler is scheduler,
+                          "steps_offset": scheduler.config.steps_offset,
+                          "extractor": pipe.feature_extractor is extractor,
+                          "images": processor.image_processor is images}}))
+    """
+    miss, hit = (last_json(run_py(code, timeout=300)) for _ in range(2))
+    assert hit["calls"].get("hit") == miss["calls"].get("miss") and not hit["calls"].get("fallback"), (miss, hit)
+    for out in (miss, hit):
+        assert out["scheduler"] and out["steps_offset"] == 1 and out["extractor"] and out["images"], out
+
+
 def test_a_hit_logs_the_load_report_the_plain_load_logs(overmind_home: Path, checkpoints: dict) -> None:
     """A classification head on a causal-LM checkpoint: transformers logs which weights were newly
     initialized. The hit after a restart logs the same report (Note [What the load said] in load_log.py)."""
