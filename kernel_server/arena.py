@@ -267,20 +267,21 @@ class ArenaWriter:
         lock = threading.Condition()
         copied: list[int] = []
         errors: list[BaseException] = []
-        copying = [0]  # chunks being copied at this moment, by any thread
-        stopping: list[bool] = []
+        copying = 0  # chunks being copied at this moment, by any thread
+        stopping = False
 
         def step() -> bool:
+            nonlocal copying
             with lock:
                 if stopping or not jobs:
                     return False
                 i, offset, address, length = jobs.popleft()
-                copying[0] += 1
+                copying += 1
             try:
                 ctypes.memmove(base + offset, address, length)  # releases the GIL
             finally:
                 with lock:
-                    copying[0] -= 1
+                    copying -= 1
                     lock.notify_all()
             with lock:
                 copied.append(length)
@@ -321,8 +322,8 @@ class ArenaWriter:
         except BaseException:
             # Note [An interrupted fill]
             with lock:
-                stopping.append(True)
-            _uninterrupted(lambda: _wait_for(lock, lambda: not copying[0]))
+                stopping = True
+            _uninterrupted(lambda: _wait_for(lock, lambda: not copying))
             raise
         if errors:
             raise errors[0]

@@ -544,9 +544,9 @@ class _Canonical:
                 items.append([str(k), self.value(f"{name}[{k!r}]", x, depth + 1)])
             return {"dict": sorted(items, key=lambda kv: kv[0])}
         key = self.resolve(v) if self.resolve is not None else None
+        if depth == 0 and (key is not None or _a_component(v)):
+            self.references[name] = v  # replayed onto on a hit (Note [Argument replay] in rebuild.py)
         if key is not None:
-            if depth == 0:
-                self.references[name] = v
             return {"entry": key}
         if isinstance(v, (set, frozenset)):
             if len(v) > _MAX_ITEMS:
@@ -571,8 +571,6 @@ class _Canonical:
                     # loses] in rebuild.py)
                     state["_original_object_hash"] = state["_original_object_hash"] == hash(v)
                 out["state"] = self.value(name, state, depth + 1)
-            if depth == 0 and _a_component(v):
-                self.references[name] = v
             return out
         if dataclasses.is_dataclass(v) and not isinstance(v, type):
             # A value object (PEFT's LoraRuntimeConfig inside a LoraConfig): its class and its whole state.
@@ -580,8 +578,6 @@ class _Canonical:
             return {"object": _qualname(v), "state": self.value(name, dict(state), depth + 1)}
         config = getattr(v, "config", None)
         if _is_scheduler(v) and isinstance(config, dict):
-            if depth == 0:
-                self.references[name] = v
             return {"object": _qualname(v), "config": self.value(name, _as_set_sorted(dict(config)), depth + 1)}
         if callable(getattr(v, "named_modules", None)) or callable(getattr(v, "save_pretrained", None)):
             if _gated(v):
@@ -621,11 +617,11 @@ def _as_set_sorted(config: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-# A component given to a load by value, which its result holds as given (a pipeline's feature extractor, a
-# processor's image processor) and which the load may change: a hit gives the caller's own object back, with
-# the state the load left it in (Note [Argument replay] in rebuild.py), as the plain call does. Configs are
-# not components: transformers copies a config it is given.
-_COMPONENTS = frozenset({"FeatureExtractionMixin", "ImageProcessingMixin", "ProcessorMixin"})
+# A component given to a load, by value or as a cached result, which its result holds as given (a pipeline's
+# scheduler or feature extractor, a processor's image processor) and which the load may change: a hit gives
+# the caller's own object back, with the state the load left it in (Note [Argument replay] in rebuild.py), as
+# the plain call does. Configs are not components: transformers copies a config it is given.
+_COMPONENTS = frozenset({"SchedulerMixin", "FeatureExtractionMixin", "ImageProcessingMixin", "ProcessorMixin"})
 
 
 def _a_component(v: Any) -> bool:

@@ -65,31 +65,36 @@ class _Logged(logging.Handler):
             self.said.log.append([record.name, record.levelno, message])
 
 
-class _Once:
-    """The library's `Logger.warning_once`, stood in for while any thread is inside `load_log`."""
+class _StandIn:
+    """What a load says goes through these while any thread is inside `load_log`: the library's
+    `Logger.warning_once` and `warnings.showwarning`, put back when the last load ends (loads in threads
+    end in any order). Each keeps what it saw for the `Said` of every `load_log` open on its thread."""
 
     lock = threading.Lock()
     users = 0
-    library: Any = None
+    once: Any = None  # the library's warning_once (None: transformers not imported, nothing said once)
+    shown: Any = None  # the showwarning it stands in for
 
     @classmethod
-    def enter(cls) -> bool:
-        """Stand in (False: transformers is not imported, and nothing says anything once)."""
+    def enter(cls) -> None:
         with cls.lock:
             if cls.users == 0:
-                cls.library = vars(logging.Logger).get("warning_once")
-                if cls.library is None:
-                    return False
-                logging.Logger.warning_once = _warning_once  # type: ignore[attr-defined]
+                cls.once = vars(logging.Logger).get("warning_once")
+                if cls.once is not None:
+                    logging.Logger.warning_once = _warning_once  # type: ignore[attr-defined]
+                cls.shown, warnings.showwarning = warnings.showwarning, _showwarning
             cls.users += 1
-            return True
 
     @classmethod
     def leave(cls) -> None:
         with cls.lock:
             cls.users -= 1
-            if cls.users == 0 and vars(logging.Logger).get("warning_once") is _warning_once:
-                logging.Logger.warning_once = cls.library  # type: ignore[attr-defined]
+            if cls.users:
+                return
+            if cls.once is not None and vars(logging.Logger).get("warning_once") is _warning_once:
+                logging.Logger.warning_once = cls.once  # type: ignore[attr-defined]
+            if warnings.showwarning is _showwarning:  # (not where something replaced it meanwhile)
+                warnings.showwarning = cls.shown
 
 
 def _warning_once(self: logging.Logger, *args: Any, **kwargs: Any) -> None:
@@ -106,9 +111,21 @@ def _warning_once(self: logging.Logger, *args: Any, **kwargs: Any) -> None:
                 said.log.append([self.name, logging.WARNING, message, list(args)])
     _this_thread.once = True
     try:
-        _Once.library(self, *args, **kwargs)
+        _StandIn.once(self, *args, **kwargs)
     finally:
         _this_thread.once = False
+
+
+def _showwarning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                 file: Any = None, line: str | None = None) -> None:
+    """`warnings.showwarning`, keeping what it shows (not ours) for the hits of each load this thread is in."""
+    saids = getattr(_this_thread, "saids", ())
+    if saids and not issubclass(category, OvermindWarning):
+        module = _module_of(filename)
+        for said in saids:
+            if (text := said.keep(str(message))) is not None:
+                said.warned.append([category.__module__, category.__qualname__, text, filename, lineno, module])
+    _StandIn.shown(message, category, filename, lineno, file, line)
 
 
 @contextlib.contextmanager
@@ -119,28 +136,14 @@ def load_log() -> Iterator[Said]:
     loggers = [logging.getLogger(name) for name in _LIBRARY_LOGGERS]
     for logger in loggers:
         logger.addHandler(logged)
-    shown = warnings.showwarning
-
-    def showwarning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
-                    file: Any = None, line: str | None = None) -> None:
-        if (threading.get_ident() == logged.thread and not issubclass(category, OvermindWarning)
-                and (text := said.keep(str(message))) is not None):
-            said.warned.append([category.__module__, category.__qualname__, text, filename, lineno,
-                                _module_of(filename)])
-        shown(message, category, filename, lineno, file, line)
-
-    warnings.showwarning = showwarning
     saids = getattr(_this_thread, "saids", ())
     _this_thread.saids = (*saids, said)
-    once = _Once.enter()
+    _StandIn.enter()
     try:
         yield said
     finally:
-        if once:
-            _Once.leave()
+        _StandIn.leave()
         _this_thread.saids = saids
-        if warnings.showwarning is showwarning:  # (not where something replaced it meanwhile)
-            warnings.showwarning = shown
         for logger in loggers:
             logger.removeHandler(logged)
 
