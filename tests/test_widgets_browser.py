@@ -290,6 +290,27 @@ def test_status_and_adapter_widgets_in_jupyterlab(overmind_home: Path, tiny_llam
                 expect(gone).to_have_count(1)
                 expect(status.get_by_test_id("overmind-widget-evict")).to_be_disabled()
                 shown.screenshot(path=str(ARTIFACTS / "widgets-gone.png"))
+
+                # Kernel > Shut Down marks nothing disconnected: the views find their kernel gone all the same
+                # (Note [A kernel shut down] in labextension/src/widgets/live.ts)
+                page.evaluate("""async () => {
+                    const panel = window.jupyterapp.shell.currentWidget;
+                    for (const cell of [0, 2]) {  // %overmind on, %overmind status
+                        panel.content.activeCellIndex = cell;
+                        await window.jupyterapp.commands.execute("notebook:run-cell");
+                    }
+                }""")
+                status = page.get_by_test_id("overmind-widget-cache")
+                expect(status.get_by_test_id("overmind-widget-entry")).to_have_count(1, timeout=30_000)
+                expect(status.get_by_test_id("overmind-widget-evict")).to_be_enabled()
+                expect(status.get_by_test_id("overmind-widget-gone")).to_have_count(0)
+                shown = page.locator(".jp-OutputArea-output", has=status)
+                page.evaluate("() => window.jupyterapp.commands.execute('notebook:shutdown-kernel')")
+                gone = shown.get_by_test_id("overmind-widget-gone")
+                expect(gone.first).to_contain_text("kernel that is gone", timeout=10_000)
+                expect(shown.locator(".om-view.om-dead")).to_have_count(2)
+                expect(gone).to_have_count(1)
+                expect(status.get_by_test_id("overmind-widget-evict")).to_be_disabled()
                 errors = [line for line in console if line.startswith("error") and "overmind" in line.lower()]
                 assert not errors, errors
     finally:

@@ -9,6 +9,15 @@ export interface IModel {
   send(content: Record<string, unknown>): void;
   on(event: string, callback: () => void): void;
   off(event: string, callback: () => void): void;
+  /** ipywidgets' manager of the model: a notebook's follows its session's kernel (`kernel`). */
+  widget_manager?: { kernel?: IKernel | null };
+}
+
+/** What a view reads of the kernel its widget manager talks to (@jupyterlab/services' IKernelConnection). */
+export interface IKernel {
+  readonly id: string;
+  readonly status: string;
+  readonly isDisposed: boolean;
 }
 
 export interface IRenderProps {

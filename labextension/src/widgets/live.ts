@@ -26,19 +26,49 @@ export function ages(el: HTMLElement): void {
 }
 
 // Note [One banner]
-// When a widget's kernel is gone, the widget manager marks every view of it disconnected: the panel's VBox
+// When a widget's kernel restarts, the widget manager marks every view of it disconnected: the panel's VBox
 // and each of our views inside it. `gone()` disables each view's controls, but says "this shows a kernel
 // that is gone" once per output: on the first of our views (class `om-view`) inside the outermost view
 // marked, so that `%overmind status` (a cache table over a units bar) does not say it twice.
+//
+// Note [A kernel shut down]
+// ipywidgets marks views disconnected only when their kernel restarts. After Kernel > Shut Down, or a
+// change of kernel, its manager just follows the notebook's session to no kernel or another one, and the
+// views stayed as they were: a live-looking table whose Evict did nothing. So a view also takes its
+// kernel for gone when its manager's kernel is no longer the one it was drawn for (none, another id, or
+// dead), and marks the output's outermost widget view as the manager would (`om-gone-kernel`), so that
+// the banner is said once per output there too.
+
+/** The classes of a view whose kernel is gone: ipywidgets' (a restart), ours (Note [A kernel shut down]). */
+const GONE = '.jupyter-widgets-disconnected, .om-gone-kernel';
+
+/** Whether the kernel that `model`'s views were drawn for (`drawnFor`) is no longer its manager's. */
+function kernelGone(model: IModel, drawnFor: string | undefined): boolean {
+  const manager = model.widget_manager;
+  if (!manager || !('kernel' in manager)) {
+    return false; // a manager that does not say (another frontend): as before
+  }
+  const kernel = manager.kernel;
+  return !kernel || kernel.isDisposed || kernel.status === 'dead' || kernel.id !== drawnFor;
+}
 
 /**
- * The kernel this widget belongs to is gone (restarted or shut down): the widget manager marks its views
- * disconnected. Say so, and disable every control, instead of showing a live-looking dead kernel.
+ * The kernel this widget belongs to is gone (restarted, shut down or replaced): say so, and disable
+ * every control, instead of showing a live-looking dead kernel (Notes [One banner], [A kernel shut down]).
  */
-export function gone(el: HTMLElement): void {
-  let top = el.closest('.jupyter-widgets-disconnected');
+export function gone(el: HTMLElement, model: IModel, drawnFor: string | undefined): void {
+  if (kernelGone(model, drawnFor)) {
+    const outer = el.closest('.jupyter-widgets') ?? el;
+    let top = outer;
+    for (let up = outer.parentElement?.closest('.jupyter-widgets'); up; ) {
+      top = up;
+      up = up.parentElement?.closest('.jupyter-widgets');
+    }
+    top.classList.add('om-gone-kernel');
+  }
+  let top = el.closest(GONE);
   for (let up = top; up && up.parentElement; ) {
-    up = up.parentElement.closest('.jupyter-widgets-disconnected');
+    up = up.parentElement.closest(GONE);
     if (up) {
       top = up;
     }
@@ -74,24 +104,25 @@ export function gone(el: HTMLElement): void {
  */
 export function live(model: IModel, el: HTMLElement, names: string[], draw: () => void): () => void {
   el.classList.add('om-view'); // one of ours, for gone()
+  const drawnFor = model.widget_manager?.kernel?.id; // Note [A kernel shut down]
   send(model, { event: 'view', shown: true });
   const redraw = (): void => {
     try {
       draw();
       ages(el);
-      gone(el);
+      gone(el, model, drawnFor);
     } catch (error) {
       el.textContent = `overmind widget: ${error}`;
     }
   };
-  const check = (): void => gone(el);
+  const check = (): void => gone(el, model, drawnFor);
   for (const name of names) {
     model.on(`change:${name}`, redraw);
   }
   model.on('comm_live_update', check);
   const timer = window.setInterval(() => {
     ages(el);
-    gone(el);
+    gone(el, model, drawnFor);
   }, AGE_MS);
   redraw();
   return () => {
