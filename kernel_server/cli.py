@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
+import signal
 import sys
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from . import lifecycle
+from . import lifecycle, settings
 from .client import Client
 from .errors import DaemonError, RemoteError
 from .formats import (
@@ -38,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     start.add_argument("--foreground", action="store_true", help="run in this process; log to stderr")
     start.add_argument("--daemonize", action="store_true", help=argparse.SUPPRESS)  # used by clients
     stop = sub.add_parser("stop", help="stop the daemon gracefully")
-    stop.add_argument("--timeout", type=_seconds, default=10.0, help="seconds to wait for it to exit (10)")
+    stop.add_argument("--timeout", type=_wait, default=10.0, help="how long to wait for it to exit: seconds, or a "
+                      "number with s, m or h (10)")
     for name, help_ in (("status", "the daemon, its budget and kernels"), ("ls", "the cache entries")):
         p = sub.add_parser(name, help=help_)
         p.add_argument("--json", action="store_true", help="print JSON")
@@ -77,16 +81,33 @@ def _start(args: argparse.Namespace) -> int:
         os.close(read_end)
         return run(home, ready_fd=write_end)
     home = lifecycle.state_dir()
+    if lifecycle.running(home):  # its settings are those it started with
+        with Client(home, spawn=False, role="cli") as client:
+            print(f"daemon pid {client.daemon_pid} serves {home} already (with the settings it started with: "
+                  "`overmind-daemon stop` first to start it with others)")
+        return 0
+    # The daemon starts detached, its warnings going to its log: a bad setting is said here too.
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always", settings.SettingWarning)
+        for setting in settings.SETTINGS:
+            if setting.read_by in ("daemon", "both"):
+                settings.get(setting)
+    for warning in said:
+        print(f"overmind-daemon: {warning.message}", file=sys.stderr)
     with Client(home, role="cli") as client:
         print(f"daemon pid {client.daemon_pid} serves {home}")
     return 0
 
 
-def _seconds(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"{text} is not a number of seconds of 0 or more")
-    return value
+def _wait(text: str) -> float:
+    """A wait of the command line: 0, or a duration as the settings write them (10, 10s, 2m)."""
+    with contextlib.suppress(ValueError):
+        if float(text) == 0:
+            return 0.0
+    try:
+        return settings.seconds(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} {exc}") from None
 
 
 def _stop(args: argparse.Namespace) -> int:
@@ -94,16 +115,27 @@ def _stop(args: argparse.Namespace) -> int:
     if not lifecycle.running(home):
         print(f"no daemon runs at {home}")
         return 0
-    with Client(home, spawn=False, role="cli") as client:
-        pid = client.daemon_pid
-        client.request(Op.SHUTDOWN)
+    try:
+        with Client(home, spawn=False, role="cli") as client:
+            pid: int | None = client.daemon_pid
+            client.request(Op.SHUTDOWN)
+    except DaemonError as exc:  # stopped (SIGSTOP) or stuck: its pid is in its lock file
+        pid = lifecycle.daemon_pid(home)
+        if pid is None:
+            raise
+        print(f"overmind-daemon: {exc}; sending pid {pid} SIGCONT and SIGTERM", file=sys.stderr)
+        for sig in (signal.SIGCONT, signal.SIGTERM):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+    assert pid is not None
     deadline = time.monotonic() + args.timeout
     while time.monotonic() < deadline:
         if lifecycle.process_gone(pid):
             print(f"stopped daemon pid {pid}")
             return 0
         time.sleep(0.02)
-    print(f"daemon pid {pid} did not stop within {args.timeout} s", file=sys.stderr)
+    print(f"daemon pid {pid} did not stop within {args.timeout:g} s: `kill -KILL {pid}` ends it (kernels load "
+          "plainly until the next load starts a new one)", file=sys.stderr)
     return 1
 
 
@@ -199,6 +231,9 @@ def _STATUS_TEXT(p: StatusReply, own: int | None = None) -> str:
     for e in p["entries"]:
         lines.append(f"entry  {e['key'][:16]} {e['meta'].get('label', '')}: missed in {miss_text(e)}"
                      + (f"; {pending_text(e['pending'])}" if e["pending"] else ""))
+    if p.get("entries_more"):  # Note [Status with many entries] in catalogue.py
+        lines.append(f"       ... and {p['entries_more']} more (the largest and the most recently used are shown; "
+                     "`overmind-daemon ls` lists every one)")
     return "\n".join(lines)
 
 

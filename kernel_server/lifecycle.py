@@ -53,6 +53,11 @@ def state_dir(create: bool = True) -> Path:
     if create:
         try:
             path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except FileExistsError:
+            pass  # something else by that name: check_state_dir says what
+        except NotADirectoryError:
+            raise StateDirError(f"cannot create the state directory {path}: a path above it is a file, not a "
+                                "directory; set OVERMIND_HOME to a directory you own") from None
         except OSError as exc:
             raise StateDirError(f"cannot create the state directory {path}: {exc}; set OVERMIND_HOME "
                                 "to a directory you own") from exc
@@ -65,6 +70,9 @@ def check_state_dir(path: Path) -> None:
         st = os.lstat(path)
     except FileNotFoundError:
         raise StateDirError(f"state directory {path} does not exist") from None
+    except NotADirectoryError:
+        raise StateDirError(f"state directory {path} cannot exist: a path above it is a file, not a directory; "
+                            "set OVERMIND_HOME to a directory you own") from None
     if stat.S_ISLNK(st.st_mode):
         raise StateDirError(
             f"state directory {path} is a symbolic link; overmind refuses it because another user could "

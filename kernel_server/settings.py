@@ -74,8 +74,13 @@ def flag(value: Any) -> bool:
     raise ValueError("is neither on (1, true, yes, on) nor off (0, false, no, off)")
 
 
+# A wait longer than this is as good as forever, and the longest every wait of the code can take: a
+# "wait forever" such as 999999999999 s overflowed the platform's time types in the waits.
+LONGEST_S = 365 * 24 * 3600.0
+
+
 def seconds(value: Any) -> float:
-    """600, "600", "30s", "10m" or "1.5h"."""
+    """600, "600", "30s", "10m" or "1.5h"; a longer one than a year waits a year (`LONGEST_S`)."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         number = float(value)
     else:
@@ -85,7 +90,7 @@ def seconds(value: Any) -> float:
         number = float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[m.group(2)]
     if not 0 < number < math.inf:
         raise ValueError("is not a positive duration")
-    return number
+    return min(number, LONGEST_S)
 
 
 def gib(value: Any) -> float:

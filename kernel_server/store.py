@@ -304,6 +304,13 @@ class Store:
                 "with `overmind-daemon stop`",
             )
         need, need_fds = nbytes - load.reserved, nfds - load.nfds
+        # what eviction cannot free: a load that would not fit with every unused entry gone evicts none of
+        # them for nothing
+        held = self._held_bytes()
+        if held.nfds + self.in_flight.nfds + need_fds > self.descriptors.cap:
+            raise self._refuse_for_descriptors(nfds)
+        if held.nbytes + self.in_flight.nbytes + need > self.budget:
+            raise self._refuse_for_budget(nbytes, held.nbytes)
         evicted = self._make_room(need, need_fds)
         if not self._fits_fds(need_fds):
             raise self._refuse_for_descriptors(nfds)
@@ -311,15 +318,7 @@ class Store:
             raise BudgetExceeded("budget_exceeded", self.disk.refusal(nbytes, self.in_flight.nbytes)
                                  if self.disk is not None else "no room on the disk")
         if not self._fits_bytes(need):
-            pinned = self._held_bytes().nbytes
-            raise BudgetExceeded(
-                "budget_exceeded",
-                f"no room for {byte_text(nbytes)}: {byte_text(pinned)} of the {byte_text(self.budget)} budget "
-                "is held "
-                "by entries that kernels use now and {} is reserved by other loads; free models in "
-                "other kernels, `%overmind evict`, or raise OVERMIND_BUDGET".format(
-                    byte_text(self.in_flight.nbytes)),
-            )
+            raise self._refuse_for_budget(nbytes, self._held_bytes().nbytes)
         load.reserved, load.nfds = nbytes, nfds
         if load.loaded is None:
             load.loaded = time.time()  # Note [Load time saved]
@@ -634,6 +633,14 @@ class Store:
                 evicted += self._drop(key)
         self.stats["evicted"] += len(evicted)
         return evicted
+
+    def _refuse_for_budget(self, nbytes: int, pinned: int) -> BudgetExceeded:
+        return BudgetExceeded(
+            "budget_exceeded",
+            f"no room for {byte_text(nbytes)}: {byte_text(pinned)} of the {byte_text(self.budget)} budget is held "
+            f"by entries that kernels use now and {byte_text(self.in_flight.nbytes)} is reserved by other loads; "
+            "free models in other kernels, `%overmind evict`, or raise OVERMIND_BUDGET",
+        )
 
     def _refuse_for_descriptors(self, fds: int) -> DescriptorsExhausted:
         self.stats["descriptors_refused"] += 1

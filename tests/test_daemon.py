@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shlex
@@ -81,6 +82,41 @@ def test_client_starts_one_detached_daemon_and_cli_stops_it(overmind_home: Path)
     assert not (overmind_home / "daemon.sock").exists()
 
 
+def test_cli_starts_saying_its_bad_settings_and_stops_a_daemon_that_does_not_answer(overmind_home: Path) -> None:
+    """`start` detaches the daemon, whose warnings go to its log: a bad setting is said in the terminal too.
+    `stop` ends a daemon that cannot answer (stopped with SIGSTOP) by its pid, and takes `10s` as a wait."""
+    env = {**os.environ, "OVERMIND_BUDGET": "40 GB of it"}
+    started = subprocess.run([sys.executable, "-m", "kernel_server", "start"], capture_output=True, text=True,
+                             timeout=60, check=False, env=env)
+    assert started.returncode == 0, started.stderr
+    assert "OVERMIND_BUDGET='40 GB of it' is not a size" in started.stderr and "using the default" in started.stderr
+    pid = lifecycle.daemon_pid(overmind_home)
+    assert pid is not None and f"daemon pid {pid} serves" in started.stdout
+    again = subprocess.run([sys.executable, "-m", "kernel_server", "start"], capture_output=True, text=True,
+                           timeout=60, check=False, env=env)
+    assert "already (with the settings it started with" in again.stdout and again.stderr == "", again
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        cli = subprocess.run([sys.executable, "-m", "kernel_server", "stop", "--timeout", "10s"], capture_output=True,
+                             text=True, timeout=60, check=False)
+        assert cli.returncode == 0, cli.stderr
+        assert f"sending pid {pid} SIGCONT and SIGTERM" in cli.stderr and f"stopped daemon pid {pid}" in cli.stdout
+        assert lifecycle.process_gone(pid)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_state_dir_under_a_file_or_naming_one_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "afile").touch()
+    for home, said in ((tmp_path / "afile", "is not a directory"), (tmp_path / "afile" / "sub", "a path above it "
+                                                                     "is a file")):
+        monkeypatch.setenv("OVERMIND_HOME", str(home))
+        for create in (True, False):
+            with pytest.raises(StateDirError, match=said):
+                lifecycle.state_dir(create=create)
+
+
 def test_cli_status_ls_evict_json(daemon: Client, overmind_home: Path) -> None:
     publish(daemon, "k" * 64, 2 * PAGE)
     env = dict(os.environ)
@@ -97,10 +133,12 @@ def test_cli_status_ls_evict_json(daemon: Client, overmind_home: Path) -> None:
     text = subprocess.run([sys.executable, "-m", "kernel_server", "status"], capture_output=True, text=True,
                           check=True).stdout
     assert "(1 entry; " in text and "kernels 1 connected" in text and "(cli;" not in text, "the command is no kernel"
-    for wrong in (["evict", "kkkk", "--all"], ["stop", "--timeout", "-1"]):  # refused; nothing evicted or stopped
+    # refused; nothing evicted or stopped
+    for wrong, said in ((["evict", "kkkk", "--all"], "not both"), (["stop", "--timeout", "-1"], "not a duration"),
+                        (["stop", "--timeout", "ten"], "'ten' is not a duration")):
         refused = subprocess.run([sys.executable, "-m", "kernel_server", *wrong], capture_output=True, text=True,
                                  check=False)
-        assert refused.returncode == 2 and ("not both" in refused.stderr or "0 or more" in refused.stderr), refused
+        assert refused.returncode == 2 and said in refused.stderr and "_" not in refused.stderr, refused
     assert entry_keys(daemon) == ["k" * 64] and daemon.request("ping")["pong"]
     out = subprocess.run([sys.executable, "-m", "kernel_server", "evict", "kkkk", "--json"], capture_output=True,
                          text=True, check=True)
@@ -270,6 +308,27 @@ def test_budget_evicts_lru_unpinned_and_is_never_exceeded(overmind_home: Path, m
         with pytest.raises(BudgetExceeded, match="held by entries that kernels use"):
             client.request("reserve", key="e", bytes=entry)
         assert client.request("status")["used"] <= 3 * entry
+    finally:
+        client.close()
+
+
+def test_a_load_that_cannot_fit_evicts_nothing_for_it(overmind_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reservation that would not fit with every unused entry evicted is refused before any is: the
+    unused entries stay cached. One that fits once they are gone still evicts them."""
+    entry = 4 * PAGE + 16
+    monkeypatch.setenv("OVERMIND_BUDGET", str(3 * entry))
+    client = Client(overmind_home)
+    try:
+        for key in ("a", "b", "c"):
+            publish(client, key, 4 * PAGE)
+        for key in ("a", "b"):  # in use: pinned
+            client.request("lookup", key=key, wait=False).close()
+        assert client.request("lookup", key="e", wait=False)["status"] == "load"
+        with pytest.raises(BudgetExceeded, match="held by entries that kernels use"):
+            client.request("reserve", key="e", bytes=2 * entry)
+        assert sorted(entry_keys(client)) == ["a", "b", "c"], "c was evicted for a load that could never fit"
+        assert client.request("reserve", key="e", bytes=entry)["evicted"] == ["c"]
+        assert sorted(entry_keys(client)) == ["a", "b"]
     finally:
         client.close()
 

@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernel_server import Client, arena
+from kernel_server import Client, arena, settings
 from kernel_server.client import reset_shared_client
 from kernel_server.lifecycle import process_gone
 from overmind_jupyter import keys, loading, rebuild
@@ -230,11 +230,15 @@ def test_a_sigkilled_kernel_frees_its_units_pins_and_load_within_1s(
 
 # -- the user's threads ------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("wait_timeout", ["600", "999999999999"])  # the default; "forever", a year
 def test_threads_of_one_kernel_asking_for_one_model_load_it_once(overmind_home: Path, tmp_path: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                 monkeypatch: pytest.MonkeyPatch,
+                                                                 wait_timeout: str) -> None:
     """Threads of one kernel share its connection: asked for one model at once, one thread loads it and
     the others wait for its entry and map it, as other kernels do (Note [Loads in the user's threads]);
-    none falls back, and the model is loaded once."""
+    none falls back, and the model is loaded once. Also with a wait timeout too long for the platform's
+    waits (settings.LONGEST_S)."""
+    monkeypatch.setattr(loading.options, "wait_timeout", settings.seconds(wait_timeout))
     counter = tmp_path / "loads"
     monkeypatch.setenv("LOAD_COUNTER", str(counter))
     calls = dict(loading.calls())

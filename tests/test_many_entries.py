@@ -134,7 +134,8 @@ def test_the_views_say_how_many_more_entries_there_are(crowd: Crowd, capsys: pyt
     assert (panel["entries_total"], panel["entries_more"]) == (crowd.total, more)
     assert [e["key"] for e in panel["entries"][:3]] == crowd.large
     assert cli_main(["status"]) == 0
-    assert f"({crowd.total} entries;" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"({crowd.total} entries;" in out and f"... and {more} more" in out and "overmind-daemon ls" in out
 
 
 def test_ls_pages_through_every_entry(crowd: Crowd, capsys: pytest.CaptureFixture[str]) -> None:
