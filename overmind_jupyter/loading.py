@@ -9,8 +9,9 @@ random generators' state (`randomness`), what a load logged (`load_log`), where 
 # Note [Never worse]
 Every failure on the cache path (no key, no daemon, a daemon that dies mid-call, a full budget, an
 unpicklable result, a corrupt entry) ends in the original call, and is recorded with its reason in
-`fallbacks()` and warned once per reason (docs/design.md invariant 1). An exception raised by the original
-call itself propagates unchanged, and its load is abandoned so that no entry is left.
+`fallbacks()` and warned once per call and kind of reason (docs/design.md invariant 1). An exception
+raised by the original call itself propagates unchanged, and its load is abandoned so that no entry is
+left.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ options = LoadOptions()
 def flush_warnings() -> None:
     """Emit the warnings of loads in other threads, and import what a hit imports once torch is imported
     (called at each load and after each cell)."""
-    notices.emit_deferred(stacklevel=3)
+    notices.emit_deferred()
     results.send_unpins()  # those waiting for no helper thread (Note [Helper threads] in threads.py)
     hit_tuning.prepare()  # Note [Imports ahead of the hit] in hit_tuning.py
 
@@ -363,10 +364,8 @@ def _miss(client: Client, ck: keys.CallKey, fn: Callable[..., Any], args: tuple[
         raise
     keyed: keys.CallKey | None = ck
     try:  # whatever ends the caching gives the load up too (Note [Interrupted caching])
-        if said.log:  # Note [What the load said] in load_log.py
-            ck.meta["log"] = said.log
-        if said.warned:
-            ck.meta["warned"] = said.warned
+        told = {name: what for name, what in (("log", said.log), ("warned", said.warned)) if what}
+        ck.meta |= told  # Note [What the load said] in load_log.py
         changed = keys.changed_since(ck)
         if changed is not None:  # the load may have read the new files: never publish them under the old key
             _abandon(client, ck.key)
@@ -394,6 +393,7 @@ def _miss(client: Client, ck: keys.CallKey, fn: Callable[..., Any], args: tuple[
             if keyed is not None and why:
                 keyed.notice = (label, drawn, why)
         if keyed is not None:
+            keyed.meta |= told  # a key of the state, or of the result without the draws, says it too
             _publish(client, keyed, obj, replay, state, stage, maps, clock)
         if drawn and _draws_on_device(ck.label, drawn, device):
             randomness.set_random_state(randomness.only(before, drawn))  # the call as made starts where it did

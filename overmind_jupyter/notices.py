@@ -1,8 +1,9 @@
 """Fallbacks and notices: what a cached call tells about itself. A call that went the plain way is
 recorded with its reason (`fallbacks()`), counted (`calls()`), told to the daemon, and warned once per
-reason (Note [Never worse] in loading.py); a notice that is no fallback is warned once per topic. A load
-in a thread of the user's warns in the main thread, at its next load or cell. Every warning names the
-user's own line, the first frame outside overmind and the loading libraries.
+call and kind of reason (Note [Never worse] in loading.py); a notice that is no fallback is warned once
+per topic. A load in a thread of the user's warns in the main thread, at its next load or cell. Every
+warning names the user's own line, the first frame outside overmind and the loading libraries (a
+thread's: the line in that thread).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from .errors import FallbackWarning, OvermindWarning
 __all__ = ["calls", "clear_fallbacks", "count", "emit_deferred", "fall_back", "fallbacks", "tell_once"]
 
 _fallbacks: collections.deque[dict[str, Any]] = collections.deque(maxlen=200)
-_warned: set[str] = set()
+_warned: set[tuple[str, str]] = set()  # (kind, call): another call falling back for its own reason is told
 _calls: collections.Counter[str] = collections.Counter()
 
 
@@ -43,7 +44,9 @@ def fallbacks() -> list[dict[str, Any]]:
     return list(_fallbacks)
 
 
-_deferred_warnings: collections.deque[str] = collections.deque(maxlen=20)
+# a load in a thread of the user's: (message, category, the user's line in that thread), warned in the main
+# thread at its next load or cell
+_deferred_warnings: collections.deque[tuple[str, type[Warning], str, int]] = collections.deque(maxlen=20)
 
 
 def fall_back(label: str, kind: str, reason: str, *, plain: bool = True) -> None:
@@ -51,14 +54,10 @@ def fall_back(label: str, kind: str, reason: str, *, plain: bool = True) -> None
         _calls["plain"] += 1
     _fallbacks.append({"time": time.time(), "call": label, "kind": kind, "reason": reason})
     _report(label, kind, reason)
-    if kind in _warned:
+    if (kind, label) in _warned:
         return
-    _warned.add(kind)
-    message = f"overmind: {label} loads without the cache: {reason}"
-    if threading.current_thread() is threading.main_thread():
-        warnings.warn(message, FallbackWarning, stacklevel=_user_frame())
-    else:  # a load in a thread of the user's: warn in the main thread, at its next load or cell
-        _deferred_warnings.append(message)
+    _warned.add((kind, label))
+    _warn(f"overmind: {label} loads without the cache: {reason}", FallbackWarning)
 
 
 def tell_once(topic: str, message: str) -> None:
@@ -66,10 +65,17 @@ def tell_once(topic: str, message: str) -> None:
     if ("notice", topic) in _told:
         return
     _told.add(("notice", topic))
+    _warn(message, OvermindWarning)
+
+
+def _warn(message: str, category: type[Warning]) -> None:
+    """Warn at the user's line that loaded (`_user_frame`); from another thread, later in the main one."""
+    level = _user_frame()
     if threading.current_thread() is threading.main_thread():
-        warnings.warn(message, OvermindWarning, stacklevel=_user_frame())
-    else:
-        _deferred_warnings.append(message)
+        warnings.warn(message, category, stacklevel=level)
+        return
+    frame = sys._getframe(level - 1)  # warn's stacklevel 1 is this function's frame
+    _deferred_warnings.append((message, category, frame.f_code.co_filename, frame.f_lineno))
 
 
 _told: set[tuple[str, str]] = set()
@@ -100,13 +106,12 @@ def clear_fallbacks() -> None:
     _deferred_warnings.clear()
 
 
-def emit_deferred(stacklevel: int) -> None:
-    """Emit the warnings of loads in other threads, at `stacklevel` as `warnings.warn` counts it from the
-    caller of this function."""
-    while _deferred_warnings:
-        message = _deferred_warnings.popleft()
-        category = FallbackWarning if "loads without the cache" in message else OvermindWarning
-        warnings.warn(message, category, stacklevel=stacklevel + 1)
+def emit_deferred() -> None:
+    """Emit the warnings of loads in other threads, each at the line of its thread that loaded; only in
+    the main thread (where a notebook shows them)."""
+    while threading.current_thread() is threading.main_thread() and _deferred_warnings:
+        message, category, filename, lineno = _deferred_warnings.popleft()
+        warnings.warn_explicit(message, category, filename, lineno)
 
 
 def _report(label: str, kind: str, reason: str) -> None:

@@ -110,7 +110,11 @@ def preload(owner: Any, *args: Any, **kwargs: Any) -> Preload:
 
     from kernel_server import lifecycle
 
-    fn = getattr(owner, "from_pretrained") if isinstance(owner, type) else owner  # noqa: B009 (any class)
+    from . import targets
+
+    # the library's own loader, also under `%overmind on`: the worker caches it, and dill pickles the
+    # library's by reference where it would pickle our wrapper by value, with this module's state
+    fn = targets.unpatched(getattr(owner, "from_pretrained") if isinstance(owner, type) else owner)  # noqa: B009
     label = f"{getattr(owner, '__name__', type(owner).__name__)}({', '.join(map(repr, args))[:80]})"
     # Two pickles: where to import from, then the job, whose loader may live in a module found only
     # through this kernel's sys.path (a directory the notebook appended, say).

@@ -952,10 +952,27 @@ _PLAIN_DTYPES = frozenset({
 # from its module in `sys.modules`, and leaves everything else to pickle: a module not imported yet
 # (code in the checkpoint, Note [Code in the checkpoint] in dynamic_modules.py), a dotted name, a name
 # the module lacks (one still initializing in another thread, where pickle waits for its import).
+#
+# Note [dill's globals]
+# A graph the C pickler could not pickle is pickled by dill (`_picklers`), which names three globals of
+# its own: the dict of `__main__` (the globals of a function defined in a notebook, pickled by value),
+# NoneType, and its old module name. Only dill's unpickler knew them, so every hit of such an entry
+# failed ("No module named '__builtin__'"), was evicted, and the next call missed again. `_Unpickler`
+# resolves them as dill's unpickler does: `__main__` is this process's (the kernel's namespace).
+_DILLS = {("__builtin__", "NoneType"): type(None)}
+
+
 class _Unpickler(pickle.Unpickler):
-    """pickle's C unpickler, with globals taken from the modules already imported (Note [Globals])."""
+    """pickle's C unpickler, with globals taken from the modules already imported (Note [Globals]), and
+    dill's own (Note [dill's globals])."""
 
     def find_class(self, module_name: str, name: str) -> Any:
+        if module_name == "__builtin__" or module_name == "dill.dill":
+            if (module_name, name) == ("__builtin__", "__main__"):
+                return sys.modules["__main__"].__dict__
+            if (module_name, name) in _DILLS:
+                return _DILLS[module_name, name]
+            module_name = "dill._dill" if module_name == "dill.dill" else module_name
         module = sys.modules.get(module_name)
         if module is None or "." in name:
             return super().find_class(module_name, name)

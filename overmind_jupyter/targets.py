@@ -188,13 +188,28 @@ def _uncopied(descriptor: Any) -> Any:
     func = getattr(descriptor, "__func__", None)
     if not isinstance(descriptor, classmethod) or not isinstance(func, FunctionType) or func.__code__ is not _LOADER:
         return None
-    cells = dict(zip(func.__code__.co_freevars, func.__closure__ or (), strict=True))
-    original = cells["original"].cell_contents.__func__
+    original = _wrapped(func).__func__
     copy = FunctionType(original.__code__, original.__globals__, original.__name__, original.__defaults__,
                         original.__closure__)
     functools.update_wrapper(copy, original)
     copy.__kwdefaults__, copy.__doc__ = original.__kwdefaults__, func.__doc__
     return classmethod(copy)
+
+
+def _wrapped(loader: FunctionType) -> Any:
+    """The classmethod our `loader` wrapper `loader` calls."""
+    cells = dict(zip(loader.__code__.co_freevars, loader.__closure__ or (), strict=True))
+    return cells["original"].cell_contents
+
+
+def unpatched(fn: Any) -> Any:
+    """`fn`, or the library's own loader where `fn` is our wrapper of it bound to a class (a
+    `from_pretrained` read while `%overmind on` holds), for a call that must name the library's: a
+    worker's job pickled by reference (`preload`)."""
+    func, owner = getattr(fn, "__func__", None), getattr(fn, "__self__", None)
+    if not isinstance(func, FunctionType) or func.__code__ is not _LOADER or not isinstance(owner, type):
+        return fn
+    return _wrapped(func).__get__(None, owner)
 
 
 class _Finder(importlib.abc.MetaPathFinder):

@@ -22,6 +22,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import textwrap
 import threading
@@ -259,6 +260,50 @@ def test_threads_of_one_kernel_asking_for_one_model_load_it_once(overmind_home: 
     assert (now.get("miss", 0) - calls.get("miss", 0), now.get("hit", 0) - calls.get("hit", 0)) == (1, 2)
     ref = digest(tiny_modules.build("mlp", 11))
     assert all(digest(m) == ref for m in got.values())
+
+
+def _first(m: torch.Tensor) -> float:
+    return float(m.sum())
+
+
+def _second(m: torch.Tensor) -> float:
+    return float(m.sum()) + 1
+
+
+def _third(m: torch.Tensor) -> float:
+    return float(m.sum()) + 2
+
+
+def test_each_call_that_falls_back_is_told_and_a_threads_fallback_names_the_threads_line(
+        overmind_home: Path) -> None:
+    """Two calls that fall back for reasons of one kind are each told, a call repeated once (Note [Never
+    worse] in loading.py). A fallback in a user's thread is told in the main thread, at its next load or
+    cell, naming the line of the thread that loaded; a load in another thread tells nothing."""
+    loading.clear_fallbacks()
+    tensor = torch.ones(2)
+    with warnings.catch_warnings(record=True) as told:
+        warnings.simplefilter("always")
+        assert [loading.cached(f, tensor) for f in (_first, _first, _second)] == [2.0, 2.0, 3.0]
+    said = [str(w.message) for w in told if issubclass(w.category, FallbackWarning)]
+    assert len(said) == 2 and "_first" in said[0] and "_second" in said[1], said
+    assert {f["kind"] for f in loading.fallbacks()} == {"uncacheable"}
+
+    at: list[int] = []
+
+    def in_a_thread() -> None:
+        at.append(sys._getframe().f_lineno + 1)
+        loading.cached(_third, tensor)
+
+    with warnings.catch_warnings(record=True) as told:
+        warnings.simplefilter("always")
+        for target in (in_a_thread, loading.flush_warnings):
+            thread = threading.Thread(target=target)
+            thread.start()
+            thread.join()
+        assert told == [], "told in the main thread only"
+        loading.flush_warnings()
+    (warning,) = told
+    assert "_third" in str(warning.message) and (warning.filename, warning.lineno) == (__file__, at[0])
 
 
 # Two threads of a kernel with the cache on load two tied checkpoints at once, in other dtypes each round,

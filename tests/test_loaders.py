@@ -182,6 +182,22 @@ def test_a_hit_logs_the_load_report_the_plain_load_logs(overmind_home: Path, che
     assert "LOAD REPORT" in hit_err and all(line in hit_err for line in report), hit_err[-2000:]
 
 
+def test_a_followed_miss_keeps_the_load_report_for_its_hits(overmind_home: Path, checkpoints: dict) -> None:
+    """A head drawn at random under two seeds: the second seed's miss is followed (Note [Replayed draws] in
+    draws.py) and goes under the key of the result without the draws; its hits, in the kernel and after a
+    restart, log the report that says the head is new, as plain does."""
+    env = dict(os.environ, PATHS=json.dumps(checkpoints), TRANSFORMERS_VERBOSITY="warning")
+    code = PREAMBLE + """
+    torch.manual_seed(int(os.environ["SEED"]))
+    model = AutoModelForSequenceClassification.from_pretrained(paths["llama"], num_labels=3)
+    print(json.dumps({"calls": loading.calls(), "fallbacks": loading.fallbacks()}))
+    """
+    runs = [run_py(code, env=dict(env, SEED=seed), timeout=300) for seed in ("11", "22", "22")]
+    assert [last_json(r)["calls"] for r in runs] == [{"miss": 1}, {"miss": 1}, {"hit": 1}]
+    for run in runs:
+        assert "LOAD REPORT" in run.stderr and "score.weight" in run.stderr, run.stderr[-2000:]
+
+
 def test_a_hit_warns_what_the_plain_load_warns(overmind_home: Path, checkpoints: dict) -> None:
     """Note [What the load said]: the Python warnings a load shows (PEFT reads an attribute transformers
     deprecated: a FutureWarning) are shown by the hit after a restart too, from the same place, and a

@@ -63,6 +63,10 @@ def test_quickstart_restart_gives_a_hit(tmp_path: Path, notebook_env: dict[str, 
         status = client.request("status")
     assert status["stats"]["misses"] == 1 and status["stats"]["hits"] == 1, status["stats"]
     assert widget_views(nb.cells[-1]) == 1, "the status cell shows the cache widget"
+    # run again with the daemon up (`make demo --keep-daemon`): both loads are hits, and it claims no speed-up
+    text = stdout_of(execute("quickstart.ipynb", tmp_path, notebook_env))
+    assert "a hit already" in text and "was a hit too" in text, text
+    assert "faster" not in text, text
 
 
 def test_quickstart_run_all_without_a_restart_claims_no_speed_up(tmp_path: Path,

@@ -137,6 +137,28 @@ def test_a_result_dill_packs_keeps_the_tokenizers_wrapper_too(overmind_home: Pat
     assert hit["tokenizer"].decode(ids, skip_special_tokens=True) == "a hello world"
 
 
+# A function defined in the notebook (`__main__`), whose result holds a lambda: dill pickles it by value,
+# naming the notebook's globals as `__builtin__.__main__`.
+NOTEBOOK_FUNCTION = """
+    import json, overmind_jupyter
+    from overmind_jupyter import loading
+
+    def make(n):
+        return {"n": n, "add": lambda x: x + n, "none": type(None)}
+
+    r = overmind_jupyter.cached(make, 3)
+    print(json.dumps({"add": r["add"](1), "none": r["none"] is type(None), "calls": loading.calls(),
+                      "fallbacks": [f["reason"] for f in loading.fallbacks()]}))
+"""
+
+
+def test_a_result_dill_packs_with_the_notebooks_globals_is_a_hit_in_the_next_kernel(overmind_home: Path) -> None:
+    """Note [dill's globals] in rebuild.py: a miss, then a hit in a fresh process, as plain returns it."""
+    miss, hit = (last_json(run_py(NOTEBOOK_FUNCTION)) for _ in range(2))
+    assert miss == {"add": 4, "none": True, "calls": {"miss": 1}, "fallbacks": []}, miss
+    assert hit == {"add": 4, "none": True, "calls": {"hit": 1}, "fallbacks": []}, hit
+
+
 GRAPHS = """
     import json, os, sys, torch
     from tests.helpers.graphs import describe

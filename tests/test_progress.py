@@ -93,11 +93,15 @@ def test_preload_shows_its_workers_progress_in_the_waiting_cell(daemon: Client, 
         import torch
         from transformers import AutoModelForCausalLM
         import overmind_jupyter
+        from overmind_jupyter import loading
+        overmind_jupyter.enable()  # %overmind on: the worker gets the library's own from_pretrained
         p = overmind_jupyter.preload(AutoModelForCausalLM, {str(big)!r}, dtype=torch.bfloat16)
         p.wait()
         print("preloaded", flush=True)
+        AutoModelForCausalLM.from_pretrained({str(big)!r}, dtype=torch.bfloat16)
+        print(loading.calls(), flush=True)
     """)
-    assert "preloaded" in waiting.stdout
+    assert "preloaded" in waiting.stdout and "{'hit': 1}" in waiting.stdout, waiting.stdout + waiting.stderr[-2000:]
     shown = ("preload: Loading weights mid-llama-f32", "preload: caching mid-llama-f32")
     assert any(line in waiting.stderr for line in shown), waiting.stderr[-2000:]
     (entry,) = daemon.request("status")["entries"]
