@@ -106,6 +106,7 @@ def cached(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         (Note [Devices] in placement.py): the CPU load is cached and then placed on the one device
         asked for; a placement the cache cannot reproduce runs the call as made.
     """
+    __tracebackhide__ = True  # Note [Our frames hidden]
     return patched_call(fn, args, kwargs)
 
 
@@ -121,11 +122,15 @@ def _runs_plainly(fn: Callable[..., Any]) -> bool:
 # What `_cached_call` returns for a call that must run as it was made, device map included (its reason
 # told, the generators as the call found them): the caller makes it.
 _AS_CALLED = object()
+# What it returns for a call that falls back (its reason told): the caller makes the call it was given,
+# outside any `except` of ours (Note [Our frames hidden]).
+_PLAIN = object()
 
 
 def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], device: Any = None) -> Any:
     """`fn(*args, **kwargs)` through the cache, for a result that goes to `device` next (None: it stays
-    on the CPU); or `_AS_CALLED`."""
+    on the CPU); or `_AS_CALLED`, or `_PLAIN`."""
+    __tracebackhide__ = True  # Note [Our frames hidden]
     started = time.perf_counter()  # a hit's or a miss's wait starts here (Note [Miss times] in progress.py)
     flush_warnings()
     label = _label(fn)
@@ -136,10 +141,10 @@ def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
             ck = keys.make_key(fn, args, kwargs, resolve=lambda obj: result_key(obj, reuse))
     except Uncacheable as exc:
         fall_back(label, "uncacheable", str(exc))
-        return fn(*args, **kwargs)
+        return _PLAIN
     except Exception as exc:  # noqa: BLE001 (a bug in keying must not break a load: never worse)
         fall_back(label, "key_error", f"{type(exc).__name__}: {exc}")
-        return fn(*args, **kwargs)
+        return _PLAIN
     label = ck.label
     quantization = quantized_checkpoint(ck)
     if quantization is not None:  # Note [Quantized loads] in placement.py
@@ -162,7 +167,7 @@ def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
     except DaemonError as exc:
         full = isinstance(exc, RemoteError) and exc.code == "descriptors_exhausted"  # Note [Descriptor budget]
         fall_back(label, "descriptors" if full else "daemon", str(exc))
-        return fn(*args, **kwargs)
+        return _PLAIN
     if reply["status"] == "hit":
         try:
             obj = _from_hit(client, ck, reply, replay, reuse, device)
@@ -171,16 +176,16 @@ def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
         except CorruptEntry as exc:
             _evict_quietly(client, ck.key)
             fall_back(label, "corrupt", f"{exc}; the entry was evicted")
-            return fn(*args, **kwargs)
+            return _PLAIN
         except EntryElsewhere as exc:  # Note [Tensors on a device] in placement.py
             fall_back(label, "device", f"{exc}; the entry stays for the kernels that see that device")
-            return fn(*args, **kwargs)
+            return _PLAIN
         except NoRoomHere as exc:
             fall_back(label, "no_room", f"{exc}; the entry stays for the kernels that have room")
-            return fn(*args, **kwargs)
+            return _PLAIN
     if reply["status"] != "load":
         fall_back(label, "daemon", f"unexpected lookup answer {reply['status']!r}")
-        return fn(*args, **kwargs)
+        return _PLAIN
     from . import staging
 
     # a load followed for its draws (Note [Replayed draws] in draws.py): the replayed key's, or PEFT's first
@@ -191,6 +196,16 @@ def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
         with staging.staged(client, ck.key, client.home, options.backing) as stage:  # Note [Staged conversions]
             return _miss(client, ck, fn, args, kwargs, replay, device, stage,
                          progress.MissClock(started, queued_s=queued), called if followed else None)
+
+
+# Note [Our frames hidden]
+# An exception of the load itself goes through the cached call's frames (the patched loader, the cached
+# call, the miss) on its way to the cell: frames of ours that a plain load's traceback does not show,
+# between the user's line and the library's. Each sets `__tracebackhide__`, which IPython's tracebacks
+# honour ("[... skipping hidden 6 frame]"; `%config InteractiveTB.skip_hidden = False` shows them). A
+# load that falls back is called where no exception of ours is being handled (`_PLAIN`), so that its
+# own exception does not carry ours as its context. A bug of ours is raised by a frame of ours, the
+# last one, which IPython never hides.
 
 
 # Note [One library load at a time]
@@ -342,6 +357,7 @@ def _miss(client: Client, ck: keys.CallKey, fn: Callable[..., Any], args: tuple[
     """Load `ck` (this connection is its loader) and publish it before returning; or `_AS_CALLED`.
     `called`: the call's own key (`ck` itself, or `ck` is the key of its result without the draws) where
     the load is followed (Note [Replayed draws] in draws.py)."""
+    __tracebackhide__ = True  # Note [Our frames hidden]
     label = ck.label
     following: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     if called is not None:
@@ -697,11 +713,13 @@ def patched_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
     the caller asked for with `device_map` (see Note [Devices] in placement.py); the call as made where
     the cache cannot reproduce it. A library's loader runs one at a time in this process (Note [One
     library load at a time])."""
+    __tracebackhide__ = True  # Note [Our frames hidden]
     with _library_held(fn):
         return _patched_call(fn, args, kwargs)
 
 
 def _patched_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    __tracebackhide__ = True  # Note [Our frames hidden]
     if _runs_plainly(fn):
         return fn(*args, **kwargs)
     quantization = quantized(kwargs)
@@ -713,10 +731,14 @@ def _patched_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[st
     except Uncacheable as exc:
         if not isinstance(exc, RefusedByLibrary):
             fall_back(_label(fn), "uncacheable", str(exc))
+        split = None
+    if split is None:  # called outside the `except` (Note [Our frames hidden])
         return fn(*args, **kwargs)
     obj = _cached_call(fn, args, split.kwargs, split.device)
     if obj is _AS_CALLED:
         return fn(*args, **kwargs)
+    if obj is _PLAIN:
+        obj = fn(*args, **split.kwargs)
     if split.device is None:
         return obj
     too_big = too_large(obj, split.device) if split.by_sizes else None

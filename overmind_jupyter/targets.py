@@ -80,6 +80,7 @@ _lock = threading.Lock()
 
 
 def _through_cache(bound: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    __tracebackhide__ = True  # Note [Our frames hidden] in loading.py
     call = _call
     if call is None or _inside.get():
         return bound(*args, **kwargs)
@@ -99,12 +100,14 @@ def _cached_loader(original: Any, owner: type) -> Any:
     if isinstance(original, classmethod):
         @functools.wraps(original.__func__)
         def loader(cls: type, *args: Any, **kwargs: Any) -> Any:
+            __tracebackhide__ = True  # Note [Our frames hidden] in loading.py
             return _through_cache(original.__get__(None, cls), args, kwargs)
 
         return classmethod(loader)
 
     @functools.wraps(original)
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True  # Note [Our frames hidden] in loading.py
         if not isinstance(self, owner):
             return original(self, *args, **kwargs)
         return _through_cache(original.__get__(self, type(self)), args, kwargs)

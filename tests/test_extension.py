@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -262,17 +263,59 @@ def test_the_same_relative_path_from_two_cwds_gives_two_entries(overmind_home: P
 
 def test_an_exception_in_the_original_load_propagates_and_leaves_nothing(shell, overmind_home: Path,
                                                                          tmp_path: Path) -> None:
+    import warnings
+
     from transformers import AutoModelForCausalLM
+
+    from overmind_jupyter.errors import FallbackWarning
+
+    def chain(exc: BaseException | None) -> list[str]:
+        """The exception and those it was raised in handling or from: their types."""
+        out = []
+        while exc is not None:
+            out.append(f"{type(exc).__module__}.{type(exc).__qualname__}")
+            exc = exc.__cause__ or exc.__context__
+        return out
 
     missing = tmp_path / "no-such-model"
     missing.mkdir()
-    with pytest.raises(Exception) as plain:
-        AutoModelForCausalLM.from_pretrained(str(missing))
+    misspelt = str(tmp_path / "no-such-path")  # no key at all: the call falls back, then raises
+    plain = {}
+    for path in (str(missing), misspelt):
+        with pytest.raises(Exception) as raised:
+            AutoModelForCausalLM.from_pretrained(path)
+        plain[path] = chain(raised.value)
     shell.run_line_magic("overmind", "on")
-    with pytest.raises(type(plain.value)):
-        AutoModelForCausalLM.from_pretrained(str(missing))
+    for path in (str(missing), misspelt):
+        with pytest.raises(Exception) as raised, warnings.catch_warnings():
+            warnings.simplefilter("ignore", FallbackWarning)  # the misspelt one's: "neither a local path ..."
+            AutoModelForCausalLM.from_pretrained(path)
+        assert chain(raised.value) == plain[path], "the same exception, with no exception of ours in its chain"
     state = magic_json(shell, "status")
     assert state["daemon"]["entries"] == [] and state["daemon"]["loading"] == []
+
+
+def test_a_failing_loads_traceback_in_the_cell_shows_the_frames_the_plain_one_shows(
+        shell, tiny_llama: Path, overmind_home: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Note [Our frames hidden] in loading.py: the cell's traceback goes from the user's line to the
+    library's, as without the cache, saying that it skips ours."""
+    cell = ("from transformers import AutoModelForCausalLM\n"
+            f"AutoModelForCausalLM.from_pretrained({str(tiny_llama)!r}, not_an_argument=3)\n")
+
+    def shown() -> tuple[str, list[str]]:
+        capsys.readouterr()
+        result = shell.run_cell(cell)
+        assert result.error_in_exec is not None
+        text = capsys.readouterr().out
+        files = re.findall(r"File (\S+?):\d+", re.sub(r"\x1b\[[0-9;]*m", "", text))
+        return text, files
+
+    plain_text, plain = shown()
+    shell.run_line_magic("overmind", "on")
+    cached_text, cached = shown()
+    assert not [f for f in cached if "overmind_jupyter" in f], cached_text
+    assert cached == plain, (cached, plain)
+    assert "skipping hidden" in cached_text and "skipping hidden" not in plain_text
 
 
 def test_uncacheable_argument_loads_plainly_and_status_says_why(shell, tiny_llama: Path, overmind_home: Path) -> None:
@@ -334,8 +377,8 @@ def test_overmind_on_without_a_daemon_says_why_once_with_the_fix(tmp_path: Path,
             warnings.simplefilter("error", FallbackWarning)
             shell.run_line_magic("overmind", "on")
         said = capsys.readouterr().out
-        assert said.count("\n") == 1 and said.count("File exists") == 1, said
-        assert "no daemon could be started" in said and "set OVERMIND_HOME to a directory you own" in said, said
+        assert said.count("\n") == 1 and said.count("is not a directory") == 1, said
+        assert "no daemon could be started" in said and "remove it or set OVERMIND_HOME" in said, said
         with pytest.warns(FallbackWarning, match="no daemon could be started"):
             overmind_jupyter.enable()
     finally:
