@@ -323,6 +323,12 @@ class _Dispatch(dict):  # type: ignore[type-arg]
 #   any other that would be lost makes the result uncacheable (PackError: the plain load, with the
 #   reason said). Classes with a reduction of their own (exceptions, numpy's masked arrays) say what
 #   their state is themselves, and are left to it.
+# And one thing of the process that a load leaves: transformers' `PreTrainedModel.__init__` registers
+# what its class's forward can record (`_CAN_RECORD_REGISTRY`, by class), which `output_hidden_states`,
+# `output_attentions` and generate's `return_dict_in_generate` read. A rebuild runs no `__init__`, so a
+# hit in a process that had built no model of that class returned None for hidden states and
+# attentions, and said nothing. The rebuild registers each such class the graph names, as `__init__`
+# would (`_register_recorders`).
 
 
 def _kept_reduction(cls: type) -> Callable[[Any], Any] | None:
@@ -964,9 +970,19 @@ _DILLS = {("__builtin__", "NoneType"): type(None)}
 
 class _Unpickler(pickle.Unpickler):
     """pickle's C unpickler, with globals taken from the modules already imported (Note [Globals]), and
-    dill's own (Note [dill's globals])."""
+    dill's own (Note [dill's globals]). `classes`: the classes the graph named."""
+
+    def __init__(self, source: io.BytesIO) -> None:
+        super().__init__(source)
+        self.classes: list[type] = []
 
     def find_class(self, module_name: str, name: str) -> Any:
+        found = self._find_class(module_name, name)
+        if isinstance(found, type):
+            self.classes.append(found)
+        return found
+
+    def _find_class(self, module_name: str, name: str) -> Any:
         if module_name == "__builtin__" or module_name == "dill.dill":
             if (module_name, name) == ("__builtin__", "__main__"):
                 return sys.modules["__main__"].__dict__
@@ -993,7 +1009,10 @@ def _unpickle(graph: bytes, state: _Rebuild) -> Any:
         with gc_paused():
             source = io.BytesIO(graph)  # shares the bytes (read-only), no copy
             source.seek(1)
-            return _Unpickler(source).load()
+            unpickler = _Unpickler(source)
+            rebuilt = unpickler.load()
+        _register_recorders(unpickler.classes)
+        return rebuilt
     except (CorruptEntry, NoRoomHere):
         state.roll_back()
         raise
@@ -1004,6 +1023,20 @@ def _unpickle(graph: bytes, state: _Rebuild) -> Any:
         raise _failure(exc, "cannot rebuild the cached object") from exc
     finally:
         _current.rebuild = outer
+
+
+def _register_recorders(classes: list[type]) -> None:
+    """Register the transformers models among `classes` as their `__init__` would (Note [What a plain
+    pickle loses])."""
+    capturing = sys.modules.get("transformers.utils.output_capturing")
+    registry = getattr(capturing, "_CAN_RECORD_REGISTRY", None)
+    model = getattr(sys.modules.get("transformers.modeling_utils"), "PreTrainedModel", None)
+    if not isinstance(registry, dict) or not isinstance(model, type):
+        return
+    for cls in classes:
+        if issubclass(cls, model) and str(cls) not in registry:
+            # an object never initialised: the registry reads its class only
+            registry[cls.__new__(cls)] = getattr(cls, "_can_record_outputs", None)
 
 
 # What this process ran short of, not what the entry holds: the entry stays (NoRoomHere)

@@ -198,6 +198,20 @@ def test_a_followed_miss_keeps_the_load_report_for_its_hits(overmind_home: Path,
         assert "LOAD REPORT" in run.stderr and "score.weight" in run.stderr, run.stderr[-2000:]
 
 
+def test_a_hit_in_a_fresh_process_returns_hidden_states_and_attentions(overmind_home: Path, checkpoints: dict) -> None:
+    """Note [What a plain pickle loses] in rebuild.py: the hit's model records what its forward can
+    record, in a process that never built one of its class."""
+    miss, hit, _, _ = twice(PREAMBLE + """
+    model = AutoModelForCausalLM.from_pretrained(paths["llama"], attn_implementation="eager")
+    out = model(torch.arange(6)[None], output_hidden_states=True, output_attentions=True)
+    print(json.dumps({"calls": loading.calls(), "hidden": len(out.hidden_states or ()),
+                      "attentions": len(out.attentions or ()), "layers": model.config.num_hidden_layers}))
+    """, checkpoints)
+    assert (miss["calls"], hit["calls"]) == ({"miss": 1}, {"hit": 1})
+    assert miss["hidden"] == hit["hidden"] == miss["layers"] + 1, (miss, hit)
+    assert miss["attentions"] == hit["attentions"] == miss["layers"], (miss, hit)
+
+
 def test_a_hit_warns_what_the_plain_load_warns(overmind_home: Path, checkpoints: dict) -> None:
     """Note [What the load said]: the Python warnings a load shows (PEFT reads an attribute transformers
     deprecated: a FutureWarning) are shown by the hit after a restart too, from the same place, and a
