@@ -74,8 +74,13 @@ class DiskRoom:
 
     def refusal(self, nbytes: int, unwritten: int) -> str:
         """Why an arena of `nbytes` does not fit, and what to do."""
-        _, free, kept = self.usage()
-        return (f"no room on the disk for {byte_text(nbytes)}: {self.directory} has {byte_text(free)} free"
-                + (f", {byte_text(unwritten)} of it promised to loads in flight" if unwritten else "")
-                + f", and the cache leaves {byte_text(kept)} of it to you (OVERMIND_DISK_RESERVE); free disk "
-                  "space, evict entries other kernels hold, or put the arenas elsewhere (OVERMIND_ARENA_DIR)")
+        size, free, kept = self.usage()
+        said = (f"no room on the disk for {byte_text(nbytes)}: {self.directory} has {byte_text(free)} free"
+                + (f", {byte_text(unwritten)} of it promised to loads in flight" if unwritten else ""))
+        if kept + nbytes > size:  # no entry of this size would ever fit there
+            return (f"{said}, and the cache leaves {byte_text(kept)} of its {byte_text(size)} to you "
+                    f"(OVERMIND_DISK_RESERVE={self.reserve}), so nothing of this size is ever cached there: lower "
+                    "OVERMIND_DISK_RESERVE (e.g. 10%), or put the arenas on a larger disk (OVERMIND_ARENA_DIR), and "
+                    "restart the daemon (`overmind-daemon stop`)")
+        return (f"{said}, and the cache leaves {byte_text(kept)} of it to you (OVERMIND_DISK_RESERVE); free disk "
+                "space, evict entries other kernels hold, or put the arenas elsewhere (OVERMIND_ARENA_DIR)")

@@ -80,6 +80,15 @@ def test_a_load_that_would_take_the_reserve_runs_plainly_and_says_why(disk_env: 
     assert 2 * MODEL <= disk["used"] < 3 * MODEL and disk["free"] >= RESERVE
 
 
+def test_a_reserve_that_leaves_no_room_says_to_lower_it(disk_env: dict[str, str], small_disk: Path) -> None:
+    """A reserve as large as the disk caches nothing there, ever: the warning says which setting to lower."""
+    env = dict(disk_env, OVERMIND_DISK_RESERVE=str(SIZE - MODEL // 2))
+    out = last_json(run_py(LOADS.format(seeds=[1], disk=str(small_disk)), env=env))
+    assert out["calls"] == {"plain": 1}, out
+    (warning,) = [w for w in out["warnings"] if "no room on the disk" in w]
+    assert "nothing of this size is ever cached there: lower OVERMIND_DISK_RESERVE" in warning, warning
+
+
 def test_a_disk_filled_by_something_else_makes_the_cache_give_back_its_unpinned_entries(
         disk_env: dict[str, str], small_disk: Path, overmind_home: Path) -> None:
     out = last_json(run_py(LOADS.format(seeds=[1, 2], disk=str(small_disk)), env=disk_env))  # then it exits
