@@ -654,6 +654,29 @@ def test_way_back_reuses_unchanged_arena_tensors_and_copies_written_ones(overmin
     assert isinstance(first.weight, torch.nn.Parameter) and first.weight.requires_grad
 
 
+def test_way_back_leaves_the_users_copies_of_the_old_weights_apart(overmind_home: Path) -> None:
+    """A `state_dict()` or a view taken before the move holds the model's CPU storages; after a plain round
+    trip through a device the model has storages of its own. So where the user holds one, the way back
+    copies, and a write to the model never reaches the user's copy (Note [Lazy release to the cached
+    weights]); where nothing else holds one, the cached weights come back."""
+    model = arena_backed("mlp")
+    snapshot = model.state_dict()  # views of the cached weights, as the user keeps them
+    expected = {k: v.clone() for k, v in snapshot.items()}
+    moved = to_device(model, "cpu", copy=True).to_host(model)
+    assert moved["reused"] == 0, moved
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    assert all(torch.equal(snapshot[k], expected[k]) for k in snapshot), "a write to the model reached the copy"
+    del snapshot
+    model = arena_backed("mlp")
+    bias = model.layers[0].bias.detach()  # one of them
+    moved = to_device(model, "cpu", copy=True).to_host(model)
+    assert moved["reused"] == 3 and not in_arena(model.layers[0].bias) and in_arena(model.layers[0].weight), moved
+    model.layers[0].bias.data += 1
+    assert torch.equal(bias, expected["layers.0.bias"])
+
+
 def test_way_back_keeps_writes_made_through_data(overmind_home: Path) -> None:
     """A write through `.data` (PEFT's merge_adapter, a hand edit) leaves the version counter where it was;
     the way back decides by the bytes, so it keeps the write, and an in-place no-op costs no copy."""

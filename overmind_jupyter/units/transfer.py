@@ -10,6 +10,13 @@ comes back onto the shared pages, with no memory of its own. Every other tensor 
 another dtype or shape) is copied from the device, so every write the kernel made is kept, by whatever
 route it was made.
 
+A kept CPU tensor goes back only where nothing but this transfer holds its storage (`_alone`): a
+`state_dict()` taken before the move, or a view of a weight, holds it too, and after a plain round trip
+through a device the model has storages of its own, which a write to the model leaves that copy apart
+from. Put back under such a holder, a write to the model reached the user's copy, and the other way
+round; so those tensors are copied from the device instead. The storage's use count says who holds it;
+only the kept tensors' own references are subtracted.
+
 Version counters decide nothing here (docs/design.md invariant 3): writes through `.data` (PEFT's
 `merge_adapter` and `merge_and_unload` write `weight.data += delta`), numpy or ctypes leave them where they
 were, and an in-place no-op moves them. The comparison reads the device tensor once, through one staging
@@ -71,11 +78,12 @@ class Transfer:
         reused: dict[int, int] = {}
         copied: dict[int, int] = {}
         reader = Reader()
+        alone = _alone([host for _, host in self.slots.values() if host is not None])
 
         def back(t: torch.Tensor) -> torch.Tensor:
             entry = self.slots.get(id(t))
             host = entry[1] if entry is not None and entry[0]() is t else None
-            if host is not None and reader.same_bytes(t, host):
+            if host is not None and id(host) in alone and reader.same_bytes(t, host):
                 reused[id(t)] = t.nelement() * t.element_size()
                 return host
             if t.device.type != "cpu":
@@ -86,6 +94,19 @@ class Transfer:
             model._apply(back)
         return {"reused": len(reused), "reused_bytes": sum(reused.values()), "copied": len(copied),
                 "copied_bytes": sum(copied.values()), "freed_cache_bytes": _empty_cache(self.device)}
+
+
+def _alone(hosts: list[torch.Tensor]) -> set[int]:
+    """The ids of the `hosts` whose storages nothing else holds (Note [Lazy release to the cached weights])."""
+    ours: dict[int, list[torch.Tensor]] = {}
+    for host in hosts:
+        ours.setdefault(host.untyped_storage()._cdata, []).append(host)
+    alone: set[int] = set()
+    for kept in ours.values():
+        # the storage's holders, less the one that `untyped_storage()` made for this call
+        if torch._C._storage_Use_Count(kept[0].untyped_storage()._cdata) - 1 == len(kept):
+            alone.update(map(id, kept))
+    return alone
 
 
 class Reader:
