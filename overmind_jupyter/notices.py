@@ -57,7 +57,8 @@ def fall_back(label: str, kind: str, reason: str, *, plain: bool = True) -> None
     if (kind, label) in _warned:
         return
     _warned.add((kind, label))
-    _warn(f"overmind: {label} loads without the cache: {reason}", FallbackWarning)
+    went = "loads without the cache" if plain else "goes as torch moves it, without the units ledger"
+    _warn(f"overmind: {label} {went}: {reason}", FallbackWarning)
 
 
 def tell_once(topic: str, message: str) -> None:

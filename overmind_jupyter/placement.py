@@ -390,6 +390,9 @@ def move(original: Callable[..., Any], method: str, obj: Any, args: tuple[Any, .
 
     if moving_now():
         return plain()
+    if _placed(obj) and _to_the_cpu(method, obj, args, kwargs):
+        _give_units_back(obj, method)
+        return plain()
     found = _destination(method, obj, args, kwargs)
     if found is None:
         return plain()
@@ -403,6 +406,46 @@ def move(original: Callable[..., Any], method: str, obj: Any, args: tuple[Any, .
     if way == "ledger":
         return place(obj, device, plain=plain, held=True)
     return obj if way == "there" else plain()
+
+
+# Note [Moves back to the CPU]
+# A placed result's own `.to("cpu")` or `.cpu()` (with a dtype too) moved it back with torch, and its
+# placement stayed: a held one is never asked back, so its units stayed counted for good, `units.device_of`
+# named the GPU, and other kernels waited for units that nothing used. Such a move now releases the
+# placement first (`units.release`: the way back onto the cached weights where their bytes allow, the units
+# given back), then runs the library's method, which has nothing left to move (or converts the dtype). A
+# model inside `units.using` keeps its units until the block ends; its move is torch's, and said.
+def _placed(obj: Any) -> bool:
+    from .units.residency import instance
+
+    return instance().device_of(obj) is not None
+
+
+def _to_the_cpu(method: str, obj: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a call of `method` moves `obj` to the CPU (Note [Moves back to the CPU])."""
+    import torch
+
+    if method == "cpu":
+        return True
+    if method != "to":
+        return False
+    if not isinstance(obj, torch.nn.Module):  # a pipeline's `.to` takes this too
+        kwargs = {k: v for k, v in kwargs.items() if k != "silence_dtype_warnings"}
+    try:
+        device = torch._C._nn._parse_to(*args, **kwargs)[0]
+    except (TypeError, ValueError, RuntimeError):
+        return False
+    return device is not None and device.type == "cpu"
+
+
+def _give_units_back(obj: Any, method: str) -> None:
+    from . import units
+
+    try:
+        units.release(obj)
+    except Exception as exc:  # noqa: BLE001 (torch's move goes on, and why: docs/design.md invariant 1)
+        fall_back(f"{type(obj).__name__}.{method}(cpu)", "units", f"{exc}; its units stay held until then",
+                  plain=False)
 
 
 def _destination(method: str, obj: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, bool] | None:

@@ -62,6 +62,8 @@ TARGETS: tuple[Target, ...] = (
     # placement.py); transformers' and diffusers' model classes override them and call these through super().
     Target("torch.nn.modules.module", "Module", method="to", move=True),
     Target("torch.nn.modules.module", "Module", method="cuda", move=True),
+    # and back: a placed result's move to the CPU gives its units back (Note [Moves back to the CPU])
+    Target("torch.nn.modules.module", "Module", method="cpu", move=True),
     Target("diffusers.pipelines.pipeline_utils", "DiffusionPipeline", method="to", move=True),
 )
 _BY_MODULE: dict[str, list[Target]] = {}

@@ -9,6 +9,7 @@ on any machine without CUDA.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ import torch
 
 from overmind_jupyter import loading, rebuild, units
 from overmind_jupyter.errors import FallbackWarning
+from overmind_jupyter.units.devices import model_label
 from tests.helpers import tiny_modules
 
 
@@ -457,6 +459,30 @@ def test_after_off_nothing_is_routed(fake_gpus: None, tiny_llama: Path, shell) -
         with pytest.raises(type(plain), match=str(plain)):
             move(model)
         assert placed() == [], name
+
+
+def test_a_placed_results_move_back_to_the_cpu_gives_its_units_back(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                    shell) -> None:
+    """Note [Moves back to the CPU] in placement.py: `.to("cpu")`, `.cpu()` and `.to("cpu", dtype)` of a result
+    placed by its own `.to("cuda")` give its units back, as torch's frees the GPU's memory; and a result so
+    placed moves to another device, as torch's does (it was refused as "inside units.using")."""
+    monkeypatch.setenv("OVERMIND_FAKE_GPUS", "2x16")
+    monkeypatch.setenv("OVERMIND_GPU_RESERVE", "1")
+    model = hit(tiny_llama)
+    for back in (lambda m: m.to("cpu"), lambda m: m.cpu(), lambda m: m.to("cpu", torch.float64)):
+        assert model.to("cuda:0") is model
+        assert units.device_of(model) == "cuda:0" and len(placed()) == 1
+        assert back(model) is model
+        assert units.device_of(model) is None and placed() == [], "its units given back"
+    assert {p.dtype for p in model.parameters()} == {torch.float64}
+    model.to("cuda:0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)
+        model.to("cuda:1")
+    devices = units.state()["devices"]
+    assert units.device_of(model) == "cuda:1" and placed() == [], "cuda:0 holds nothing of it now"
+    assert [h["model"] for h in devices[1]["holders"] if h["mine"] and not h["context"]] == [model_label(model)]
+    assert loading.fallbacks() == []
 
 
 def test_a_failure_on_our_path_moves_with_torch_and_says_why_once(fake_gpus: None, tiny_llama: Path,

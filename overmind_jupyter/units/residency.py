@@ -299,7 +299,7 @@ class Residency:
                         if current.busy == int(busy):  # turned busy, or idle and refreshed
                             self._touch(current, busy)  # most recently used now; nothing moves
                         return current
-            elif current.busy:
+            elif current.busy > int(current.held):  # a held one counts itself once (Note [Held placements])
                 raise ModelBusyError(f"{current.label} is in use on {current.device.name} (inside "
                                      "units.using); move it after the block ends")
         need = units if units is not None else units_for(model)
