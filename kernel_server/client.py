@@ -403,11 +403,19 @@ class Client:
             self.request(Op.PING, timeout=ANSWER_TIMEOUT - slice_)  # no answer: DaemonHung, the connection closed
 
     def wait(self, request_id: int, fut: Future[Frame], timeout: float | None, *,
-             waited: float | None = None) -> Response[Any]:
+             waited: float | None = None, told: tuple[float, Callable[[], Any]] | None = None) -> Response[Any]:
         """The reply, waited for up to `timeout`; past it, the request is cancelled and WaitTimeout says
-        how long the caller waited (`waited`, where that is more than `timeout`)."""
+        how long the caller waited (`waited`, where that is more than `timeout`). `told`: (seconds, say):
+        `say()` runs once the wait has lasted that long, and the wait goes on."""
         try:
-            frame = self._result(fut, timeout)
+            left = timeout
+            if told is not None and (timeout is None or timeout > told[0]):
+                try:
+                    return _response(self._result(fut, told[0]))
+                except FutureTimeout:
+                    told[1]()
+                    left = None if timeout is None else timeout - told[0]
+            frame = self._result(fut, left)
         except FutureTimeout:
             with self._lock:
                 self._pending.pop(request_id, None)

@@ -459,8 +459,9 @@ class Ledger:
         waited = "no waiting (timeout 0)" if w.timeout == 0 else f"{w.timeout:g} s"
         error = RemoteError("units_timeout", (
             f"{w.units} units for {w.label or 'a model'} were not free within {waited}: {'; '.join(parts)}. "
-            "Busy models are never moved: leave their `with units.using(...)` blocks, free models with "
-            "`units.release(model)` in the kernels listed, or pass a longer timeout"))
+            "Busy models (inside `with units.using(...)`, or moved there by their own `.to()`) are never asked "
+            "back: leave their using blocks, or free models with `units.release(model)` or `model.to('cpu')` in "
+            "the kernels listed; `units.place` also takes a longer timeout"))
         answer = w.answer
         return lambda: answer(error)
 

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from kernel_server.errors import RemoteError
 from kernel_server.ledger import Ledger
 from kernel_server.settings import GiB, parse_fake_gpus
 from overmind_jupyter import units
+from overmind_jupyter.errors import OvermindWarning
 from overmind_jupyter.units.devices import CONTEXT_UNITS
 from overmind_jupyter.units.transfer import Reader, to_device
 from tests.helpers import tiny_modules
@@ -509,11 +511,20 @@ def test_waiter_that_times_out_gets_a_clear_error(fake_gpus: Callable[..., Clien
     assert 0.25 < time.monotonic() - started < 5
     message = str(info.value)
     assert "not free within 0.3 s" in message and f"pid {peer.pid} Llama(7b) 15 (busy)" in message
-    assert "units.using" in message and "longer timeout" in message
+    assert "units.using" in message and "longer timeout" in message and "model.to('cpu')" in message
     assert isinstance(info.value, TimeoutError)
     state = client.request("units_state")
     assert not state["waiters"] and [h["pid"] for h in state["devices"][0]["holders"]] == [peer.pid]
     assert units.device_of(model) is None
+    # a wait longer than two seconds is told in the cell while it lasts, once per model
+    for _ in range(2):
+        with warnings.catch_warnings(record=True) as told, pytest.raises(units.UnitsTimeout):
+            warnings.simplefilter("always")
+            units.place(model, timeout=2.5, label="mine")
+        said = [str(w.message) for w in told if issubclass(w.category, OvermindWarning)]
+        assert said == ([] if _ else ["overmind: mine waits for 1 units on cuda:0, which other models hold "
+                                      "(`%overmind units` lists them); it waits up to 2.5 s "
+                                      "(OVERMIND_UNITS_TIMEOUT)"]), said
 
 
 def test_using_is_counted_and_undone_when_the_block_raises(fake_gpus: Callable[..., Client]) -> None:

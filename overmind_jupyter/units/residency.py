@@ -86,6 +86,7 @@ def moving_now() -> bool:
 
 
 _GRACE = 30.0  # seconds past the daemon's own timeout before the client stops waiting for its answer
+_TOLD_S = 2.0  # a wait for units this long is told in the cell
 _ERRORS: dict[str, type[UnitsError]] = {"units_timeout": UnitsTimeout, "units_too_large": ModelTooLargeError,
                                         "no_device": NoDeviceError, "unknown_device": NoDeviceError}
 
@@ -353,9 +354,19 @@ class Residency:
                                             context_units=context_units(candidates[0].simulated))
         except DaemonError as exc:
             raise UnitsError(f"cannot ask the daemon for units: {exc}") from exc
+        names = ", ".join(d.name for d in candidates)
+
+        def say() -> None:  # a wait for units held elsewhere, out of sight in the cell otherwise
+            from ..notices import tell_once
+
+            tell_once(f"units_wait:{label}", f"overmind: {label} waits for {units} units on {names}, which other "
+                      "models hold (`%overmind units` lists them); it waits up to "
+                      f"{'ever' if daemon_timeout is None else f'{daemon_timeout:g} s'} (OVERMIND_UNITS_TIMEOUT)")
+
         try:
             reply: Response[Grant] = client.wait(request_id, fut,
-                                                 None if daemon_timeout is None else daemon_timeout + _GRACE)
+                                                 None if daemon_timeout is None else daemon_timeout + _GRACE,
+                                                 told=(_TOLD_S, say))
         except RemoteError as exc:
             raise _units_error(exc) from None
         except BaseException as exc:  # interrupted, or no answer: withdraw, and give back what may come
