@@ -54,7 +54,8 @@ class Size:
     high: int | None = None
 
 
-Key = Annotated[str, Size(1, 256)]
+MAX_KEY = 256  # characters
+Key = Annotated[str, Size(1, MAX_KEY)]
 Count = Annotated[int, Range(0)]
 Id = int  # a request's or a holding's id
 

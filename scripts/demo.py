@@ -146,8 +146,9 @@ def finish(env: dict[str, str], keep: bool, workspace: Path | None = None) -> No
         print(f"\nThe demo's workspace stays at {workspace} ({size / 1e9:.1f} GB: the notebooks' copies, the model, "
               f"JupyterLab's settings); the next make demo reuses it. Remove it with:  rm -r {workspace}", flush=True)
     if keep:
-        print(f"\nThe demo's daemon keeps running and holds its cached models in memory. Stop it with:\n\n"
-              f"    OVERMIND_HOME={home} {sys.executable} -m kernel_server stop\n", flush=True)
+        print(f"\nThe demo's daemon keeps running and holds its cached models in memory. Stop it, and remove its "
+              f"state directory, with:\n\n    OVERMIND_HOME={home} {sys.executable} -m kernel_server stop && rm -r "
+              f"{home}\n", flush=True)
         return
     print(daemon(env, "stop").stdout.strip() + " (the demo's daemon; its cached models are freed)", flush=True)
     shutil.rmtree(home, ignore_errors=True)
@@ -199,7 +200,8 @@ def lab(workspace: Path, keep: bool) -> int:
                       "The overmind side panel: the overmind icon in the left sidebar (or the status bar's overmind\n"
                       "item, or the command palette's 'Show the Overmind Panel'). JupyterLab's settings and open tabs\n"
                       f"for the demo are kept in {workspace / '.jupyter'}, apart from yours.\n"
-                      "Ctrl-C stops JupyterLab and the demo's daemon.\n", flush=True)
+                      + ("Ctrl-C stops JupyterLab; the demo's daemon keeps running (--keep-daemon).\n" if keep
+                         else "Ctrl-C stops JupyterLab and the demo's daemon.\n"), flush=True)
             return proc.wait()
         except KeyboardInterrupt:
             proc.terminate()

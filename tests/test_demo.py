@@ -123,3 +123,17 @@ def put(url: str, body: object) -> None:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     request = urllib.request.Request(url, data=data, method="PUT", headers={"Content-Type": "application/json"})
     urllib.request.urlopen(request, timeout=30).close()
+
+
+def test_demo_headless_with_keep_daemon_says_how_to_stop_it_and_leave_nothing(tmp_path: Path) -> None:
+    """`--keep-daemon` leaves the demo's daemon running; the command it prints stops it and removes its state
+    directory (it was left behind)."""
+    done = subprocess.run([sys.executable, str(DEMO), "--headless", "--keep-daemon", "--workspace", str(tmp_path)],
+                          env=demo_env(), capture_output=True, text=True, timeout=600, check=True)
+    assert "outputs identical: True" in done.stdout, done.stdout + done.stderr
+    command = re.search(r"^\s+(OVERMIND_HOME=(\S+) .* -m kernel_server stop && rm -r \S+)$", done.stdout, re.M)
+    assert command, done.stdout
+    home = Path(command.group(2))
+    assert lifecycle.running(home)
+    subprocess.run(command.group(1), shell=True, check=True, capture_output=True, timeout=60)
+    assert not home.exists() and not lifecycle.running(home)

@@ -255,10 +255,12 @@ def test_evict_one_by_prefix_then_all(fetch, daemon: Client) -> None:
     assert status == 409 and body["reason"] == "ambiguous_key"
     status, body = fetch("overmind", "evict", method="POST", body={"key": "dddd"})
     assert status == 404 and "no entry" in body["message"]
-    for bad in ("not json", {"key": 3}, {}, [1, 2]):
+    for bad in ("not json", {"key": 3}, {}, [1, 2], "[" * 100_000 + "]" * 100_000):  # (the last: too deep)
         status, body = fetch("overmind", "evict", method="POST", body=bad)
-        assert status == 400, bad
+        assert status == 400, str(bad)[:40]
         assert "{\"all\": true}" in body["message"]
+    status, body = fetch("overmind", "evict", method="POST", body={"key": "c" * (1 << 20)})
+    assert status == 400 and "names no entry" in body["message"], body
     assert sorted(e["key"] for e in fetch("overmind", "state")[1]["entries"]) == ["cccc3333", "cccc4444"]
 
     status, body = fetch("overmind", "evict", method="POST", body={"all": True})

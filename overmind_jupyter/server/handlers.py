@@ -26,6 +26,7 @@ from kernel_server.errors import (
     WaitTimeout,
 )
 from kernel_server.operations import Op
+from kernel_server.payloads import MAX_KEY
 
 from ..view import state_view
 from .link import DaemonDown, DaemonLink
@@ -119,7 +120,7 @@ class EvictHandler(_OvermindHandler):
     async def post(self) -> None:
         try:
             body = json.loads(self.request.body or b"{}")
-        except ValueError:
+        except (ValueError, RecursionError):  # (nested too deep to read)
             body = None
         if not isinstance(body, dict):
             self.reply(400, {"message": "the body must be a JSON object: {\"key\": KEY} or {\"all\": true}",
@@ -127,6 +128,10 @@ class EvictHandler(_OvermindHandler):
             return
         if body.get("all") is True:
             fields: dict[str, Any] = {"all": True}
+        elif isinstance(body.get("key"), str) and len(body["key"]) > MAX_KEY:
+            self.reply(400, {"message": f"a key of {len(body['key'])} characters names no entry (the longest is "
+                             f"{MAX_KEY}): `overmind-daemon ls` lists the keys", "reason": "bad_request"})
+            return
         elif isinstance(body.get("key"), str) and body["key"]:
             fields = {"key": body["key"]}
         else:
