@@ -9,9 +9,9 @@ random generators' state (`randomness`), what a load logged (`load_log`), where 
 # Note [Never worse]
 Every failure on the cache path (no key, no daemon, a daemon that dies mid-call, a full budget, an
 unpicklable result, a corrupt entry) ends in the original call, and is recorded with its reason in
-`fallbacks()` and warned once per call and kind of reason (docs/design.md invariant 1). An exception
-raised by the original call itself propagates unchanged, and its load is abandoned so that no entry is
-left.
+`fallbacks()` and warned once per function and reason (the reason names the argument or the result it
+is about: a loop over one call is told once; docs/design.md invariant 1). An exception raised by the
+original call itself propagates unchanged, and its load is abandoned so that no entry is left.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Fallbacks and notices: what a cached call tells about itself. A call that went the plain way is
 recorded with its reason (`fallbacks()`), counted (`calls()`), told to the daemon, and warned once per
-call and kind of reason (Note [Never worse] in loading.py); a notice that is no fallback is warned once
+function and reason (Note [Never worse] in loading.py); a notice that is no fallback is warned once
 per topic. A load in a thread of the user's warns in the main thread, at its next load or cell. Every
 warning names the user's own line, the first frame outside overmind and the loading libraries (a
 thread's: the line in that thread).
@@ -25,7 +25,9 @@ from .errors import FallbackWarning, OvermindWarning
 __all__ = ["calls", "clear_fallbacks", "count", "emit_deferred", "fall_back", "fallbacks", "tell_once"]
 
 _fallbacks: collections.deque[dict[str, Any]] = collections.deque(maxlen=200)
-_warned: set[tuple[str, str]] = set()  # (kind, call): another call falling back for its own reason is told
+# (kind, the function called, reason): a function falling back for a reason not told of it yet is told; a
+# loop over one call with other arguments (its label names them), once
+_warned: set[tuple[str, str, str]] = set()
 _calls: collections.Counter[str] = collections.Counter()
 
 
@@ -54,9 +56,10 @@ def fall_back(label: str, kind: str, reason: str, *, plain: bool = True) -> None
         _calls["plain"] += 1
     _fallbacks.append({"time": time.time(), "call": label, "kind": kind, "reason": reason})
     _report(label, kind, reason)
-    if (kind, label) in _warned:
+    said = (kind, label.split("(", 1)[0], reason)
+    if said in _warned:
         return
-    _warned.add((kind, label))
+    _warned.add(said)
     went = "loads without the cache" if plain else "goes as torch moves it, without the units ledger"
     _warn(f"overmind: {label} {went}: {reason}", FallbackWarning)
 

@@ -390,8 +390,9 @@ def move(original: Callable[..., Any], method: str, obj: Any, args: tuple[Any, .
 
     if moving_now():
         return plain()
-    if _placed(obj) and _to_the_cpu(method, obj, args, kwargs):
-        _give_units_back(obj, method)
+    placed = _placed_with(obj)
+    if placed is not None and _to_the_cpu(method, obj, args, kwargs):
+        _give_units_back(placed, method)
         return plain()
     found = _destination(method, obj, args, kwargs)
     if found is None:
@@ -414,11 +415,22 @@ def move(original: Callable[..., Any], method: str, obj: Any, args: tuple[Any, .
 # named the GPU, and other kernels waited for units that nothing used. Such a move now releases the
 # placement first (`units.release`: the way back onto the cached weights where their bytes allow, the units
 # given back), then runs the library's method, which has nothing left to move (or converts the dtype). A
-# model inside `units.using` keeps its units until the block ends; its move is torch's, and said.
-def _placed(obj: Any) -> bool:
+# PeftModel and its base are two objects over one set of weights: the move of either releases the one
+# placed. A model inside `units.using` keeps its units until the block ends; its move is torch's, and said.
+def _placed_with(obj: Any) -> Any:
+    """The placed model whose weights are `obj`'s: `obj`, the PeftModel over it, or its base; or None."""
     from .units.residency import instance
 
-    return instance().device_of(obj) is not None
+    residency = instance()
+    if residency.device_of(obj) is not None:
+        return obj
+    wrapper = getattr(sys.modules.get("peft.peft_model"), "PeftModel", None)
+    if wrapper is None:
+        return None
+    if isinstance(obj, wrapper):
+        base = obj.get_base_model()
+        return base if residency.device_of(base) is not None else None
+    return next((m for m in residency.placed() if isinstance(m, wrapper) and m.get_base_model() is obj), None)
 
 
 def _to_the_cpu(method: str, obj: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:

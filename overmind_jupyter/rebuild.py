@@ -650,9 +650,30 @@ def pack(obj: Any, *, self_key: str | None = None, trust_mappings: bool = False,
         except Exception as exc:  # noqa: BLE001 (any reason a graph does not pickle: try the next)
             errors.append(f"{name}: {type(exc).__name__}: {exc}")
             continue
-        return Packed(buf.getvalue(), placer.own, placer.deps, placer.offset, placer.by_storage, placer.tensors, name,
+        graph = buf.getvalue()
+        if name == "dill":
+            _refuse_notebook_classes(graph, what or type(obj).__name__)
+        return Packed(graph, placer.own, placer.deps, placer.offset, placer.by_storage, placer.tensors, name,
                       placer.mapped, list(placer.devices), max(placer.hook_ids, default=-1) + 1)
     raise PackError(f"{what or type(obj).__name__} cannot be pickled ({'; '.join(errors)})")
+
+
+# Note [Classes of the notebook]
+# dill pickles a class defined in the notebook (`__main__`) by value. A hit in another kernel then holds
+# objects of a copy of that class, not of the class the notebook defines: `isinstance(x, Config)` was
+# False there, where the plain call's result is a Config. So a result dill had to pack with such a class
+# is not cached (PackError: the plain call, with the reason and the fix said). Functions of the notebook
+# (a lambda, a closure) pickled by value are kept: nothing asks a function for its identity that way.
+def _refuse_notebook_classes(data: bytes, what: str) -> None:
+    if b"_create_type" not in data:  # dill's maker of a class pickled by value
+        return
+    main = vars(sys.modules["__main__"])
+    named = sorted(name for name, value in list(main.items()) if isinstance(value, type)
+                   and value.__module__ == "__main__" and value.__qualname__.encode() in data)
+    if named:
+        raise PackError(f"{what} holds objects of a class defined in the notebook ({', '.join(named)}), which a hit "
+                        "in another kernel could only copy: isinstance against the notebook's own class would be "
+                        "False there. Define the class in a module (a .py file beside the notebook) to have it cached")
 
 
 # -- rebuild ---------------------------------------------------------------------------------------

@@ -402,7 +402,7 @@ def test_cpu_device_maps_share_the_cpu_entry(shell, tiny_llama: Path, overmind_h
 def test_offloading_device_maps_load_plainly_and_say_why_once(shell, tiny_llama: Path, overmind_home: Path,
                                                               tmp_path: Path) -> None:
     """`max_memory`, `offload_folder`, "disk" and "meta" ask for a split the cache cannot reproduce: the
-    call is the plain one (its parameters offloaded to disk, its exception), and the reason is told once."""
+    call is the plain one (its parameters offloaded to disk, its exception), and each reason is told once."""
     from transformers import AutoModelForCausalLM
 
     from overmind_jupyter.errors import FallbackWarning
@@ -415,15 +415,18 @@ def test_offloading_device_maps_load_plainly_and_say_why_once(shell, tiny_llama:
     assert {p.device.type for p in model.parameters()} == {"meta"} and model.hf_device_map == {"": "disk"}
     layers_on_disk = {"model.embed_tokens": "cpu", "model.layers": "disk", "model.norm": "cpu",
                       "model.rotary_emb": "cpu", "lm_head": "cpu"}
-    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), device_map=layers_on_disk,
-                                                 offload_folder=str(tmp_path / "b"))  # told once: no warning
+    with pytest.warns(FallbackWarning, match="offload_folder"):  # another reason: told too
+        model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), device_map=layers_on_disk,
+                                                     offload_folder=str(tmp_path / "b"))
     assert {n for n, p in model.named_parameters() if p.device.type == "meta"} == {
         n for n, _ in model.named_parameters() if n.startswith("model.layers.")}
-    with pytest.raises(ValueError, match="meta"):
+    with pytest.warns(FallbackWarning, match="meta"), pytest.raises(ValueError, match="meta"):
         AutoModelForCausalLM.from_pretrained(str(tiny_llama), device_map="meta")
+    with pytest.raises(ValueError, match="meta"):
+        AutoModelForCausalLM.from_pretrained(str(tiny_llama), device_map="meta")  # the same reason: not again
     reasons = [f["reason"] for f in magic_json(shell, "status")["fallbacks"]]
-    assert len(reasons) == 3 and "max_memory" in reasons[0] and "offload_folder" in reasons[1], reasons
-    assert "'meta'" in reasons[2], reasons
+    assert len(reasons) == 4 and "max_memory" in reasons[0] and "offload_folder" in reasons[1], reasons
+    assert "'meta'" in reasons[2] and reasons[3] == reasons[2], reasons
 
 
 def test_a_load_under_a_meta_device_runs_plainly(shell, tiny_llama: Path, overmind_home: Path) -> None:
@@ -441,8 +444,9 @@ def test_a_load_under_a_meta_device_runs_plainly(shell, tiny_llama: Path, overmi
     with pytest.warns(FallbackWarning, match="meta"), pytest.raises(RuntimeError, match="meta device"), \
             torch.device("meta"):
         AutoModelForCausalLM.from_pretrained(str(tiny_llama))
-    with pytest.raises(ValueError, match="meta"), accelerate.init_empty_weights():
-        AutoModelForCausalLM.from_pretrained(str(tiny_llama))  # the same kind of reason: told once
+    with pytest.warns(FallbackWarning, match="init_empty_weights"), pytest.raises(ValueError, match="meta"), \
+            accelerate.init_empty_weights():
+        AutoModelForCausalLM.from_pretrained(str(tiny_llama))  # another reason: told too
     model = AutoModelForCausalLM.from_pretrained(str(tiny_llama))
     assert next(model.parameters()).device.type == "cpu"
     reasons = [f["reason"] for f in loading.fallbacks()]

@@ -276,14 +276,16 @@ def _third(m: torch.Tensor) -> float:
 
 def test_each_call_that_falls_back_is_told_and_a_threads_fallback_names_the_threads_line(
         overmind_home: Path) -> None:
-    """Two calls that fall back for reasons of one kind are each told, a call repeated once (Note [Never
-    worse] in loading.py). A fallback in a user's thread is told in the main thread, at its next load or
-    cell, naming the line of the thread that loaded; a load in another thread tells nothing."""
+    """Two calls that fall back for reasons of one kind are each told; a call repeated (a loop), once (Note
+    [Never worse] in loading.py). A fallback in a user's thread is told in the main thread, at its next load
+    or cell, naming the line of the thread that loaded; a load in another thread tells nothing."""
     loading.clear_fallbacks()
     tensor = torch.ones(2)
     with warnings.catch_warnings(record=True) as told:
         warnings.simplefilter("always")
         assert [loading.cached(f, tensor) for f in (_first, _first, _second)] == [2.0, 2.0, 3.0]
+        for seed in range(3):  # one reason: said once
+            loading.cached(_second, torch.full((2,), float(seed)))
     said = [str(w.message) for w in told if issubclass(w.category, FallbackWarning)]
     assert len(said) == 2 and "_first" in said[0] and "_second" in said[1], said
     assert {f["kind"] for f in loading.fallbacks()} == {"uncacheable"}

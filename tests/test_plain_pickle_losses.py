@@ -159,6 +159,33 @@ def test_a_result_dill_packs_with_the_notebooks_globals_is_a_hit_in_the_next_ker
     assert hit == {"add": 4, "none": True, "calls": {"hit": 1}, "fallbacks": []}, hit
 
 
+# A class defined in the notebook, in a result that dill must pack (it holds a lambda too).
+NOTEBOOK_CLASS = """
+    import json, overmind_jupyter
+    from overmind_jupyter import loading
+
+    class Config:
+        def __init__(self, n):
+            self.n = n
+
+    def make(n):
+        return {"cfg": Config(n), "add": lambda x: x + n}
+
+    r = overmind_jupyter.cached(make, 3)
+    print(json.dumps({"isinstance": isinstance(r["cfg"], Config), "calls": loading.calls(),
+                      "fallbacks": [f["reason"] for f in loading.fallbacks()]}))
+"""
+
+
+def test_a_result_holding_a_class_of_the_notebook_is_not_cached_and_says_why(overmind_home: Path) -> None:
+    """Note [Classes of the notebook] in rebuild.py: a hit would hold a copy of the class."""
+    for _ in range(2):  # and the next kernel finds no entry to serve
+        out = last_json(run_py(NOTEBOOK_CLASS, env=dict(os.environ, PYTHONWARNINGS="ignore")))
+        assert out["isinstance"] and out["calls"] == {"plain": 1}, out
+        (reason,) = out["fallbacks"]
+        assert "a class defined in the notebook (Config)" in reason and "a .py file" in reason, reason
+
+
 GRAPHS = """
     import json, os, sys, torch
     from tests.helpers.graphs import describe

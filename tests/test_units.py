@@ -680,6 +680,18 @@ def test_way_back_leaves_the_users_copies_of_the_old_weights_apart(overmind_home
             p.add_(1.0)
     assert all(torch.equal(snapshot[k], expected[k]) for k in snapshot), "a write to the model reached the copy"
     del snapshot
+    weight = expected["layers.0.weight"].view(-1)
+    for typed in (False, True):  # the storage's own object kept: `untyped_storage()`, or `storage()`
+        model = arena_backed("mlp")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # TypedStorage is deprecated
+            held = model.layers[0].weight.storage() if typed else model.layers[0].weight.untyped_storage()
+            raw = held.untyped() if typed else held
+        moved = to_device(model, "cpu", copy=True).to_host(model)
+        assert moved["reused"] == 3 and not in_arena(model.layers[0].weight), moved
+        model.layers[0].weight.data += 1
+        seen = torch.empty(0).set_(raw)[:weight.numel()]
+        assert torch.equal(seen, weight), "a write to the model reached the storage the user holds"
     model = arena_backed("mlp")
     bias = model.layers[0].bias.detach()  # one of them
     moved = to_device(model, "cpu", copy=True).to_host(model)

@@ -193,6 +193,10 @@ class Residency:
         placement = self._by_model.get(model)
         return placement.device.name if placement is not None and placement.live else None
 
+    def placed(self) -> list[Any]:
+        """The models this kernel has placed now."""
+        return [model for model, placement in list(self._by_model.items()) if placement.live]
+
     def grantable(self, device: Any) -> int:
         """The most units one model can hold on `device`: its capacity, less this kernel's CUDA context.
 

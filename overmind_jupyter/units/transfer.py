@@ -14,8 +14,9 @@ A kept CPU tensor goes back only where nothing but this transfer holds its stora
 `state_dict()` taken before the move, or a view of a weight, holds it too, and after a plain round trip
 through a device the model has storages of its own, which a write to the model leaves that copy apart
 from. Put back under such a holder, a write to the model reached the user's copy, and the other way
-round; so those tensors are copied from the device instead. The storage's use count says who holds it;
-only the kept tensors' own references are subtracted.
+round; so those tensors are copied from the device instead. The storage's use count says which tensors
+hold it, and its Python object's reference count who holds that object (`untyped_storage()`, `storage()`);
+both are compared with what they read for a storage held by one tensor alone (`_LONE`).
 
 Version counters decide nothing here (docs/design.md invariant 3): writes through `.data` (PEFT's
 `merge_adapter` and `merge_and_unload` write `weight.data += delta`), numpy or ctypes leave them where they
@@ -38,6 +39,7 @@ reports what that returned.
 
 from __future__ import annotations
 
+import sys
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -96,6 +98,17 @@ class Transfer:
                 "copied_bytes": sum(copied.values()), "freed_cache_bytes": _empty_cache(self.device)}
 
 
+def _holders(t: torch.Tensor) -> tuple[int, int]:
+    """Who holds `t`'s storage, as read here: its use count (the tensors on it, and its Python object) and
+    the references to its Python object (a `untyped_storage()` or `storage()` kept by the user)."""
+    storage = t.untyped_storage()
+    return torch._C._storage_Use_Count(storage._cdata), sys.getrefcount(storage)
+
+
+# what `_holders` reads of a storage that one tensor holds and nothing else, read the same way
+_LONE = _holders(torch.empty(1))
+
+
 def _alone(hosts: list[torch.Tensor]) -> set[int]:
     """The ids of the `hosts` whose storages nothing else holds (Note [Lazy release to the cached weights])."""
     ours: dict[int, list[torch.Tensor]] = {}
@@ -103,8 +116,7 @@ def _alone(hosts: list[torch.Tensor]) -> set[int]:
         ours.setdefault(host.untyped_storage()._cdata, []).append(host)
     alone: set[int] = set()
     for kept in ours.values():
-        # the storage's holders, less the one that `untyped_storage()` made for this call
-        if torch._C._storage_Use_Count(kept[0].untyped_storage()._cdata) - 1 == len(kept):
+        if _holders(kept[0]) == (_LONE[0] + len(kept) - 1, _LONE[1]):  # the kept tensors, and nothing else
             alone.update(map(id, kept))
     return alone
 
