@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -283,54 +284,56 @@ print(json.dumps(f.payload if f else None))
 
 # -- store ------------------------------------------------------------------------------------------
 
-def test_budget_evicts_lru_unpinned_and_is_never_exceeded(overmind_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    entry = 4 * PAGE + 16
-    monkeypatch.setenv("OVERMIND_BUDGET", str(3 * entry))
+ENTRY = 4 * PAGE + 16  # what an entry of `three_entries` takes of the budget (its graph too)
+
+
+@pytest.fixture
+def three_entries(overmind_home: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Client]:
+    """A store whose budget holds three entries, holding "a", "b" and "c", none in use."""
+    monkeypatch.setenv("OVERMIND_BUDGET", str(3 * ENTRY))
     client = Client(overmind_home)
     try:
         for key in ("a", "b", "c"):
             publish(client, key, 4 * PAGE)
-        hit = client.request("lookup", key="a", wait=False)  # a: pinned and most recent
-        assert hit["status"] == "hit"
-        hit.close()
-        publish(client, "d", 4 * PAGE)
-        assert sorted(entry_keys(client)) == ["a", "c", "d"], "b was the least recently used unpinned entry"
-        status = client.request("status")
-        assert status["used"] <= status["budget"]
-        with pytest.raises(BudgetExceeded, match="OVERMIND_BUDGET"):
-            client.request("lookup", key="huge", wait=False)
-            client.request("reserve", key="huge", bytes=10 * entry)
-        client.request("abandon", key="huge")
-        # Everything else pinned: no room is made by evicting pinned entries.
-        for key in ("c", "d"):
-            client.request("lookup", key=key, wait=False).close()
-        client.request("lookup", key="e", wait=False)
-        with pytest.raises(BudgetExceeded, match="held by entries that kernels use"):
-            client.request("reserve", key="e", bytes=entry)
-        assert client.request("status")["used"] <= 3 * entry
+        yield client
     finally:
         client.close()
 
 
-def test_a_load_that_cannot_fit_evicts_nothing_for_it(overmind_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_budget_evicts_lru_unpinned_and_is_never_exceeded(three_entries: Client) -> None:
+    client = three_entries
+    hit = client.request("lookup", key="a", wait=False)  # a: pinned and most recent
+    assert hit["status"] == "hit"
+    hit.close()
+    publish(client, "d", 4 * PAGE)
+    assert sorted(entry_keys(client)) == ["a", "c", "d"], "b was the least recently used unpinned entry"
+    status = client.request("status")
+    assert status["used"] <= status["budget"]
+    with pytest.raises(BudgetExceeded, match="OVERMIND_BUDGET"):
+        client.request("lookup", key="huge", wait=False)
+        client.request("reserve", key="huge", bytes=10 * ENTRY)
+    client.request("abandon", key="huge")
+    # Everything else pinned: no room is made by evicting pinned entries.
+    for key in ("c", "d"):
+        client.request("lookup", key=key, wait=False).close()
+    client.request("lookup", key="e", wait=False)
+    with pytest.raises(BudgetExceeded, match="held by entries that kernels use"):
+        client.request("reserve", key="e", bytes=ENTRY)
+    assert client.request("status")["used"] <= 3 * ENTRY
+
+
+def test_a_load_that_cannot_fit_evicts_nothing_for_it(three_entries: Client) -> None:
     """A reservation that would not fit with every unused entry evicted is refused before any is: the
     unused entries stay cached. One that fits once they are gone still evicts them."""
-    entry = 4 * PAGE + 16
-    monkeypatch.setenv("OVERMIND_BUDGET", str(3 * entry))
-    client = Client(overmind_home)
-    try:
-        for key in ("a", "b", "c"):
-            publish(client, key, 4 * PAGE)
-        for key in ("a", "b"):  # in use: pinned
-            client.request("lookup", key=key, wait=False).close()
-        assert client.request("lookup", key="e", wait=False)["status"] == "load"
-        with pytest.raises(BudgetExceeded, match="held by entries that kernels use"):
-            client.request("reserve", key="e", bytes=2 * entry)
-        assert sorted(entry_keys(client)) == ["a", "b", "c"], "c was evicted for a load that could never fit"
-        assert client.request("reserve", key="e", bytes=entry)["evicted"] == ["c"]
-        assert sorted(entry_keys(client)) == ["a", "b"]
-    finally:
-        client.close()
+    client = three_entries
+    for key in ("a", "b"):  # in use: pinned
+        client.request("lookup", key=key, wait=False).close()
+    assert client.request("lookup", key="e", wait=False)["status"] == "load"
+    with pytest.raises(BudgetExceeded, match="held by entries that kernels use"):
+        client.request("reserve", key="e", bytes=2 * ENTRY)
+    assert sorted(entry_keys(client)) == ["a", "b", "c"], "c was evicted for a load that could never fit"
+    assert client.request("reserve", key="e", bytes=ENTRY)["evicted"] == ["c"]
+    assert sorted(entry_keys(client)) == ["a", "b"]
 
 
 def test_a_publish_reserves_what_its_load_did_not(overmind_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -108,6 +108,33 @@ def _other_notebooks(lab: JupyterLab, model_dir: Path) -> list[Any]:
     return clients
 
 
+def _status_widget_goes(page: Any, cells: list[int], end: str) -> Any:
+    """Run `cells` of the notebook (the last one `%overmind status`), check that its widget is live, then end
+    its kernel with the script `end`: the widget says once that its kernel is gone (the cache table and the
+    units bar both know) and its buttons do nothing. Returns the widget's output."""
+    from playwright.sync_api import expect
+
+    page.evaluate("""async (cells) => {
+        const panel = window.jupyterapp.shell.currentWidget;
+        for (const cell of cells) {
+            panel.content.activeCellIndex = cell;
+            await window.jupyterapp.commands.execute("notebook:run-cell");
+        }
+    }""", cells)
+    status = page.get_by_test_id("overmind-widget-cache")
+    expect(status.get_by_test_id("overmind-widget-entry")).to_have_count(1, timeout=30_000)
+    expect(status.get_by_test_id("overmind-widget-evict")).to_be_enabled()
+    expect(status.get_by_test_id("overmind-widget-gone")).to_have_count(0)
+    shown = page.locator(".jp-OutputArea-output", has=status)
+    page.evaluate(end)
+    gone = shown.get_by_test_id("overmind-widget-gone")
+    expect(gone.first).to_contain_text("kernel that is gone", timeout=30_000)
+    expect(shown.locator(".om-view.om-dead")).to_have_count(2)
+    expect(gone).to_have_count(1)
+    expect(status.get_by_test_id("overmind-widget-evict")).to_be_disabled()
+    return shown
+
+
 def _ask(kc: Any, code: str) -> str:
     out: list[str] = []
 
@@ -273,44 +300,13 @@ def test_status_and_adapter_widgets_in_jupyterlab(overmind_home: Path, tiny_llam
                 assert answer == "[False, False]", "widgets shown nowhere must not be polled"
 
                 # after a restart, a widget of the old kernel says it is gone and its buttons do nothing
-                page.evaluate("""async () => {
-                    const panel = window.jupyterapp.shell.currentWidget;
-                    panel.content.activeCellIndex = 2;  // %overmind status
-                    await window.jupyterapp.commands.execute("notebook:run-cell");
-                }""")
-                status = page.get_by_test_id("overmind-widget-cache")
-                expect(status.get_by_test_id("overmind-widget-entry")).to_have_count(1)
-                expect(status.get_by_test_id("overmind-widget-gone")).to_have_count(0)
-                shown = page.locator(".jp-OutputArea-output", has=status)
-                page.evaluate("() => window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.restart()")
-                gone = shown.get_by_test_id("overmind-widget-gone")
-                expect(gone.first).to_contain_text("kernel that is gone", timeout=30_000)
-                # the cache table and the units bar both know, and the output says it once
-                expect(shown.locator(".om-view.om-dead")).to_have_count(2)
-                expect(gone).to_have_count(1)
-                expect(status.get_by_test_id("overmind-widget-evict")).to_be_disabled()
+                shown = _status_widget_goes(page, [2], "() => window.jupyterapp.shell.currentWidget"
+                                            ".sessionContext.session.kernel.restart()")
                 shown.screenshot(path=str(ARTIFACTS / "widgets-gone.png"))
-
                 # Kernel > Shut Down marks nothing disconnected: the views find their kernel gone all the same
-                # (Note [A kernel shut down] in labextension/src/widgets/live.ts)
-                page.evaluate("""async () => {
-                    const panel = window.jupyterapp.shell.currentWidget;
-                    for (const cell of [0, 2]) {  // %overmind on, %overmind status
-                        panel.content.activeCellIndex = cell;
-                        await window.jupyterapp.commands.execute("notebook:run-cell");
-                    }
-                }""")
-                status = page.get_by_test_id("overmind-widget-cache")
-                expect(status.get_by_test_id("overmind-widget-entry")).to_have_count(1, timeout=30_000)
-                expect(status.get_by_test_id("overmind-widget-evict")).to_be_enabled()
-                expect(status.get_by_test_id("overmind-widget-gone")).to_have_count(0)
-                shown = page.locator(".jp-OutputArea-output", has=status)
-                page.evaluate("() => window.jupyterapp.commands.execute('notebook:shutdown-kernel')")
-                gone = shown.get_by_test_id("overmind-widget-gone")
-                expect(gone.first).to_contain_text("kernel that is gone", timeout=10_000)
-                expect(shown.locator(".om-view.om-dead")).to_have_count(2)
-                expect(gone).to_have_count(1)
-                expect(status.get_by_test_id("overmind-widget-evict")).to_be_disabled()
+                # (Note [A kernel shut down] in labextension/src/widgets/live.ts); %overmind on, %overmind status
+                _status_widget_goes(page, [0, 2],
+                                    "() => window.jupyterapp.commands.execute('notebook:shutdown-kernel')")
                 errors = [line for line in console if line.startswith("error") and "overmind" in line.lower()]
                 assert not errors, errors
     finally:
