@@ -435,19 +435,28 @@ def _placed_with(obj: Any) -> Any:
 
 def _to_the_cpu(method: str, obj: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether a call of `method` moves `obj` to the CPU (Note [Moves back to the CPU])."""
+    parsed = _parsed_move(method, obj, args, kwargs)
+    return parsed is not None and parsed[0] is not None and parsed[0].type == "cpu"
+
+
+def _parsed_move(method: str, obj: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
+    """What a call of `.to` or `.cpu` asks, as torch reads a `.to`: (device, dtype, non_blocking,
+    memory_format); None where torch would not read it so (the library's call raises what it raises)."""
     import torch
 
     if method == "cpu":
-        return True
-    if method != "to":
-        return False
-    if not isinstance(obj, torch.nn.Module):  # a pipeline's `.to` takes this too
+        return torch.device("cpu"), None, False, None
+    if not isinstance(obj, torch.nn.Module):  # a pipeline's `.to` takes this too; it changes no move
         kwargs = {k: v for k, v in kwargs.items() if k != "silence_dtype_warnings"}
+    # an ordinal names a device of the current accelerator: CUDA's here, or a simulated one
+    if args and _is_index(args[0]):
+        args = (_cuda(args[0]), *args[1:])
+    elif _is_index(kwargs.get("device")):
+        kwargs = {**kwargs, "device": _cuda(kwargs["device"])}
     try:
-        device = torch._C._nn._parse_to(*args, **kwargs)[0]
+        return tuple(torch._C._nn._parse_to(*args, **kwargs))
     except (TypeError, ValueError, RuntimeError):
-        return False
-    return device is not None and device.type == "cpu"
+        return None
 
 
 def _give_units_back(obj: Any, method: str) -> None:
@@ -469,25 +478,21 @@ def _destination(method: str, obj: Any, args: tuple[Any, ...], kwargs: dict[str,
     count, simulated = _gpus()
     if not count:
         return None  # the library's call raises what torch raises here
-    try:
-        if method == "cuda":
-            if len(args) + len(kwargs) > 1 or set(kwargs) - {"device"}:
-                return None
-            where = args[0] if args else kwargs.get("device")
+    if method == "cuda":
+        if len(args) + len(kwargs) > 1 or set(kwargs) - {"device"}:
+            return None
+        where = args[0] if args else kwargs.get("device")
+        try:
             device = torch.device("cuda") if where is None else _cuda(where)
-        else:
-            if not isinstance(obj, torch.nn.Module):  # a pipeline's `.to` takes this too; it changes no move
-                kwargs = {k: v for k, v in kwargs.items() if k != "silence_dtype_warnings"}
-            # an ordinal names a device of the current accelerator: CUDA's here, or a simulated one
-            if args and _is_index(args[0]):
-                args = (_cuda(args[0]), *args[1:])
-            elif _is_index(kwargs.get("device")):
-                kwargs = {**kwargs, "device": _cuda(kwargs["device"])}
-            device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
-            if device is None or dtype is not None or non_blocking or memory_format is not None:
-                return None
-    except (TypeError, ValueError, RuntimeError):
-        return None  # not a move torch reads so: the library's call raises what it raises
+        except (TypeError, ValueError, RuntimeError):
+            return None  # not a device torch reads so: the library's call raises what it raises
+    else:
+        parsed = _parsed_move(method, obj, args, kwargs)
+        if parsed is None:
+            return None
+        device, dtype, non_blocking, memory_format = parsed
+        if device is None or dtype is not None or non_blocking or memory_format is not None:
+            return None
     if device.type != "cuda" or not (device.index is None or device.index < count):
         return None
     return device, simulated
