@@ -53,6 +53,9 @@ def test_kernels_are_named_by_their_notebook_with_pid_and_command(daemon: Client
         assert name == f"pid {script.pid} -c"
         text = run_py("from kernel_server.cli import main; main(['status'])").stdout
         assert f"analysis.ipynb  (kernel; pid {kernel.pid}, {notebook}" in text
+        # a process named by its pid and label: each said once, then its command
+        (line,) = [line for line in text.splitlines() if f"pid {script.pid}" in line]
+        assert line == f"  pid {script.pid} -c  (kernel; {kernels[script.pid]['command']})", line
     finally:
         for proc in (kernel, script):
             proc.kill()
