@@ -94,7 +94,6 @@ class Entry:
     backing: str
     meta: dict[str, Any]
     deps: list[str]
-    loader_pid: int
     created: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.time)
     hits: int = 0

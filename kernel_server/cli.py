@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--json", action="store_true", help="print JSON")
     evict = sub.add_parser("evict", help="evict an entry (a key or a unique prefix of one) or --all")
     evict.add_argument("key", nargs="?")
-    evict.add_argument("--all", action="store_true")
+    evict.add_argument("--all", action="store_true", help="evict every entry (kernels keep what they hold)")
     evict.add_argument("--json", action="store_true", help="print JSON")
     args = parser.parse_args(argv)
     command: Callable[[argparse.Namespace], int] = _COMMANDS[args.command]

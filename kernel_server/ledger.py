@@ -424,6 +424,7 @@ class Ledger:
         return effects
 
     def _grant(self, w: _Waiter, device: str) -> Effect:
+        """Make `w`'s holding on `device`, whose free units cover it (Note [Units accounting])."""
         context = self._need(w, device) - w.units
         if context:  # the connection's first units here: its CUDA context too (Note [CUDA contexts])
             c = Holding(next(self._holding_ids), w.conn, device, context, "CUDA context", w.request_id, True,

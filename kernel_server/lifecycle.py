@@ -116,8 +116,9 @@ def check_ancestors(path: Path) -> None:
         )
 
 
-def socket_path(home: Path) -> Path:
-    path = home / _SOCKET_NAME
+def socket_path(home: Path, name: str = _SOCKET_NAME) -> Path:
+    """The daemon's socket in `home` (or another one's, by `name`), refused where too long to bind."""
+    path = home / name
     if len(os.fsencode(path)) > _MAX_SOCKET_PATH:
         raise StateDirError(
             f"socket path {path} is longer than the {_MAX_SOCKET_PATH} bytes a Unix socket allows; "

@@ -12,8 +12,9 @@ the value and a valid example, and uses the default instead: import, `%load_ext`
 start, and a bad `OVERMIND_ENABLED` leaves the cache off. A kernel that loads the extension from its
 config, before any cell, shows what it reported then at its first cell (`Session` in
 overmind_jupyter/extension.py). The units ledger is the one reader that
-refuses instead (`read`): a wrong simulated device list answers every units request with the message,
-since silently simulating nothing would be a worse surprise.
+refuses instead (`read`): a wrong simulated device list (OVERMIND_FAKE_GPUS) or GPU reserve
+(OVERMIND_GPU_RESERVE) answers every units request with the message, since silently simulating nothing,
+or granting units the device does not have, would be a worse surprise.
 
 # Note [Memory limit]
 The budget's default (half) and its percentages are of the memory this process may use: physical

@@ -99,7 +99,6 @@ class _Waiter:
 class _Load:
     key: str
     owner: ConnId
-    owner_pid: int
     started: float = field(default_factory=time.time)
     reserved: int = 0
     nfds: int = 0  # descriptors reserved for the entry (Note [Descriptor budget])
@@ -269,7 +268,7 @@ class Store:
             load = self._loads.get(key)
             if load is None:
                 self.stats["misses"] += 1
-                self._loads[key] = _Load(key, conn, pid)
+                self._loads[key] = _Load(key, conn)
                 return LookupResult("load")
             if load.owner == conn:
                 return LookupResult("load")
@@ -344,7 +343,7 @@ class Store:
                 missing = [d for d in deps if d not in self._entries]
                 if missing:
                     raise RemoteError("missing_dependency", f"entries {missing} were evicted meanwhile")
-                entry = Entry(key, graph_fd, arena_fd, graph_bytes, arena_bytes, backing, meta, deps, load.owner_pid,
+                entry = Entry(key, graph_fd, arena_fd, graph_bytes, arena_bytes, backing, meta, deps,
                               parts=parts, sources=sources, pieces=pieces or [], marker=marker, watch=watch or [],
                               times=_miss_times(load, times), queued=self.compacting)
                 if marker:  # its lookup counted a miss, and the load it marks counts its own: one load, one miss
@@ -676,7 +675,7 @@ class Store:
         if not load.waiters:
             return []
         heir = load.waiters.popleft()
-        self._loads[load.key] = _Load(load.key, heir.conn, heir.pid, waiters=load.waiters)
+        self._loads[load.key] = _Load(load.key, heir.conn, waiters=load.waiters)
         return [(heir.notify, LookupResult("load"))]
 
 

@@ -41,7 +41,7 @@ class _Declared(TraitType[Any, Any]):
 
 
 class Overmind(Configurable):
-    """Settings of the overmind_jupyter extension (README, "Settings")."""
+    """Settings of the overmind_jupyter extension (README, "Configuration")."""
 
     # A trait for each setting not read by the server alone, named by hand: traits made in a loop over
     # declared.SETTINGS would be unknown to mypy, which checks `config.wait_timeout` and the rest where

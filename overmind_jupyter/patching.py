@@ -113,7 +113,8 @@ def unpatch(owner: Any, name: str, *, layer: int = 0) -> None:
 
 
 def unpatch_all() -> list[BaseException]:
-    """Restore every patch, newest first; returns the errors met (each restore is still tried)."""
+    """Restore every patch, newest first; returns the errors met (each restore is still tried: Note
+    [Reversible patches])."""
     errors: list[BaseException] = []
     with _lock:
         for owner, name, layer in reversed(list(_records)):

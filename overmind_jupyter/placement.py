@@ -70,7 +70,7 @@ def split_placement(kwargs: dict[str, Any]) -> Split:
         device_map = device_map[""]
     by_sizes = device_map in _BY_SIZES
     if by_sizes:
-        count = _gpu_count()
+        count = _gpus()[0]  # the simulated ones where OVERMIND_FAKE_GPUS is set, else CUDA's
         if count > 1:
             raise Uncacheable(f"device_map={device_map!r} spreads the model over {count} GPUs")
         device_map = "cuda:0" if count == 1 else "cpu"
@@ -87,11 +87,6 @@ def split_placement(kwargs: dict[str, Any]) -> Split:
         raise Uncacheable(f"device_map={kwargs['device_map']!r} asks for a model without weights")
     rest = {k: v for k, v in kwargs.items() if k != "device_map"}
     return Split(rest, None, False) if device.type == "cpu" else Split(rest, device, by_sizes)
-
-
-def _gpu_count() -> int:
-    """The GPUs a map by sizes may use: the simulated ones where OVERMIND_FAKE_GPUS is set, else CUDA's."""
-    return _gpus()[0]
 
 
 def _gpus() -> tuple[int, bool]:
@@ -440,20 +435,21 @@ def _to_the_cpu(method: str, obj: Any, args: tuple[Any, ...], kwargs: dict[str, 
 
 
 def _parsed_move(method: str, obj: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
-    """What a call of `.to` or `.cpu` asks, as torch reads a `.to`: (device, dtype, non_blocking,
-    memory_format); None where torch would not read it so (the library's call raises what it raises)."""
+    """What a call of `.to`, `.cuda` or `.cpu` asks, each read as torch reads a `.to`: (device, dtype,
+    non_blocking, memory_format); None where torch would not read it so (the library's call raises what
+    it raises)."""
     import torch
 
     if method == "cpu":
         return torch.device("cpu"), None, False, None
     if not isinstance(obj, torch.nn.Module):  # a pipeline's `.to` takes this too; it changes no move
         kwargs = {k: v for k, v in kwargs.items() if k != "silence_dtype_warnings"}
-    # an ordinal names a device of the current accelerator: CUDA's here, or a simulated one
-    if args and _is_index(args[0]):
-        args = (_cuda(args[0]), *args[1:])
-    elif _is_index(kwargs.get("device")):
-        kwargs = {**kwargs, "device": _cuda(kwargs["device"])}
     try:
+        # an ordinal names a device of the current accelerator: CUDA's here, or a simulated one
+        if args and _is_index(args[0]):
+            args = (_cuda(args[0]), *args[1:])
+        elif _is_index(kwargs.get("device")):
+            kwargs = {**kwargs, "device": _cuda(kwargs["device"])}
         return tuple(torch._C._nn._parse_to(*args, **kwargs))
     except (TypeError, ValueError, RuntimeError):
         return None

@@ -39,7 +39,8 @@ class Preload:
                 self._follow(timeout)
             code = self._proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            raise PreloadError(f"preload of {self.label} still runs after {timeout} s (pid {self.pid})") from None
+            raise PreloadError(f"preload of {self.label} still runs after {timeout} s (pid {self.pid}): wait again, "
+                               f"with a larger timeout or none, or stop it with `kill {self.pid}`") from None
         if code != 0:
             tail = "\n".join(self.log.read_text(errors="replace").splitlines()[-15:])
             raise PreloadError(f"preload of {self.label} failed (exit {code}); {self.log} ends with:\n{tail}")

@@ -15,7 +15,7 @@ from kernel_server.catalogue import Catalogue, Entry
 
 def entry(key: str, nbytes: int, deps: list[str], now: float, *, marker: bool = False) -> Entry:
     return Entry(key, graph_fd=-1, arena_fd=-1, graph_bytes=16, arena_bytes=nbytes, backing="memfd", meta={},
-                 deps=deps, loader_pid=1, created=now, last_used=now, marker=marker)
+                 deps=deps, created=now, last_used=now, marker=marker)
 
 
 def check(cat: Catalogue, entries: dict[str, Entry]) -> None:

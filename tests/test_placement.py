@@ -482,6 +482,11 @@ def test_a_placed_results_move_back_to_the_cpu_gives_its_units_back(tiny_llama: 
     devices = units.state()["devices"]
     assert units.device_of(model) == "cuda:1" and placed() == [], "cuda:0 holds nothing of it now"
     assert [h["model"] for h in devices[1]["holders"] if h["mine"] and not h["context"]] == [model_label(model)]
+    # a call torch would not read is torch's to refuse, from its own frame (Note [Our frames hidden])
+    with pytest.raises(RuntimeError, match="must not be negative") as refused:
+        model.to(-1)
+    assert "overmind_jupyter" not in refused.traceback[-1].path.parts, refused.traceback[-1]
+    assert units.device_of(model) == "cuda:1"
     assert loading.fallbacks() == []
 
 

@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -593,6 +594,24 @@ def test_placements_are_taken_up_again_by_a_new_daemon(fake_gpus: Callable[..., 
         assert holder["mine"] and holder["busy"] and holder["units"] == 2
     assert units.release(model) and units.device_of(model) is None
     assert not units.state()["devices"][0]["holders"]
+
+
+def test_a_waiter_whose_daemon_dies_is_told_what_comes_next(fake_gpus: Callable[..., Client],
+                                                            peers: Callable[..., Peer], overmind_home: Path) -> None:
+    """The daemon killed while a kernel waits for units: the wait ends at once, with what happens next and
+    where to read why it went."""
+    client = fake_gpus("1x16")
+    peers("trainer")("units_acquire", units=15, busy=True, label="Llama(7b)")
+    killer = threading.Timer(0.5, os.kill, (client.daemon_pid, signal.SIGKILL))
+    killer.start()
+    started = time.monotonic()
+    with pytest.raises(units.UnitsError) as info:
+        units.place(linear(), timeout=60)
+    killer.join()
+    assert time.monotonic() - started < 10
+    message = str(info.value)
+    assert message.startswith("lost the daemon while waiting for units (") and "the next call starts a new one" in \
+        message and f"{overmind_home / 'daemon.log'} says why this one went" in message, message
 
 
 def test_state_and_its_text(fake_gpus: Callable[..., Client], peers: Callable[..., Peer]) -> None:

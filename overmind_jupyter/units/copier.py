@@ -82,7 +82,7 @@ log = logging.getLogger("overmind.copier")
 
 
 def socket_path(home: Path) -> Path:
-    return home / "copier.sock"
+    return lifecycle.socket_path(home, "copier.sock")
 
 
 def lock_path(home: Path) -> Path:

@@ -39,7 +39,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kernel_server import settings
+from kernel_server import lifecycle, settings
 from kernel_server.client import Client, Response, shared_client
 from kernel_server.errors import DaemonError, RemoteError
 from kernel_server.operations import Op
@@ -376,10 +376,11 @@ class Residency:
         except BaseException as exc:  # interrupted, or no answer: withdraw, and give back what may come
             self._cancel(client, request_id)
             if isinstance(exc, DaemonError):
-                raise UnitsError(f"lost the daemon while waiting for units: {exc}") from exc
+                raise UnitsError(f"lost the daemon while waiting for units ({exc}); the next call starts a new "
+                                 f"one ({lifecycle.log_path(client.home)} says why this one went)") from exc
             raise
-        if reply.get("status") == "cancelled":
-            raise UnitsError("the units request was cancelled")
+        if reply.get("status") == "cancelled":  # withdrawn on this connection before it was granted
+            raise UnitsError("the units request was withdrawn before it was granted; ask again")
         return reply.payload
 
     @staticmethod

@@ -65,7 +65,6 @@ class Transfer:
     # id of each device tensor -> (the tensor, the CPU tensor it was made from when that lies in an arena)
     slots: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor | None]] = field(repr=False)
     kept: int  # device tensors with a kept host tensor
-    moved_bytes: int
     fill: dict[str, Any] | None = None  # how the device copier filled it (filling.Filled), if it did
 
     def to_host(self, model: Any) -> dict[str, int]:
@@ -230,12 +229,9 @@ def to_device(model: Any, device: str, *, reuse_host: bool = True, copy: bool = 
         else:
             model.to(device)
     slots: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor | None]] = {}
-    moved = 0
     for where, t in _slots(model).items():
-        if id(t) in slots:
-            continue
-        slots[id(t)] = (weakref.ref(t), hosts.get(where))
-        moved += t.nelement() * t.element_size()
+        if id(t) not in slots:
+            slots[id(t)] = (weakref.ref(t), hosts.get(where))
     fill = None if filled is None else {"filled_bytes": filled.bytes, "sources": filled.sources,
                                         "seconds": round(filled.seconds, 6)}
-    return Transfer(device, slots, sum(1 for _, host in slots.values() if host is not None), moved, fill)
+    return Transfer(device, slots, sum(1 for _, host in slots.values() if host is not None), fill)

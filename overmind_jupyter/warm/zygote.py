@@ -99,7 +99,8 @@ EXTENSION_WITH_TORCH = ("overmind_jupyter.rebuild",)
 
 
 def expand_preload(names: list[str] | tuple[str, ...]) -> list[str]:
-    """The modules a preload list imports, in order: each name, then its core (see `CORE`), once each."""
+    """The modules a preload list imports, in order: each name, then its core (`CORE`, Note [What
+    preloading a package means]), once each."""
     out: list[str] = []
     for name in names:
         for item in (name, *CORE.get(name, ())):

@@ -85,7 +85,6 @@ class Poller:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._stopped = False
-        self.ticks = 0
 
     def subscribe(self, key: Hashable, fetch: Callable[[], Any], deliver: Deliver, *,
                   active: Callable[[], bool] = lambda: True) -> Subscription:
@@ -132,7 +131,6 @@ class Poller:
                 subs = list(self._subs.values())
             self._wake.clear()
             self._tick(subs)
-            self.ticks += 1
             self._wake.wait(self.interval)
 
     def _tick(self, subs: list[Subscription]) -> None:
