@@ -36,6 +36,7 @@ import dataclasses
 import enum
 import functools
 import hashlib
+import importlib
 import inspect
 import json
 import math
@@ -54,8 +55,8 @@ from typing import Any
 from .errors import Uncacheable
 from .reads import is_users_module, path_constants, reads
 
-__all__ = ["GRAPH_FORMAT", "CallKey", "Resolve", "changed_since", "files_named", "fingerprint", "make_key",
-           "owner_name", "signature"]
+__all__ = ["GRAPH_FORMAT", "CallKey", "Resolve", "bindings", "changed_since", "files_named", "fingerprint",
+           "make_key", "owner_name", "signature", "under_bindings"]
 
 _KEY_FORMAT = 3  # bump on any change to what a key holds: old entries then simply miss
 # The format of the graphs rebuild.py packs, named by every key: an entry packed in another format is a miss
@@ -143,6 +144,10 @@ def make_key(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
     if owner is not None:  # the class a method was called on, and the user's classes it derives from
         cls = owner if isinstance(owner, type) else type(owner)
         classes = [canon.cls(f"class {c.__qualname__}", c, 0) for c in cls.__mro__ if is_users_module(c.__module__)]
+        registered = _registered(cls)
+        if registered:  # Note [Classes registered with an Auto class]
+            classes.append({"registered": [[canon._global(f"registered {x.__qualname__}", x, 0) for x in pair]
+                                           for pair in registered]})
     doc_args = {}
     config_sources = _CONFIG_SOURCES.get(getattr(fn, "__name__", ""), ())
     for name in sorted(arguments, key=lambda n: (n not in _SOURCE_PARAMS, n)):  # the checkpoint labels the call
@@ -461,7 +466,10 @@ class _Canonical:
                 return {"recursive": x.__qualname__}
             file = _module_file(x.__module__)
             if file is not None:
-                return {"name": f"{x.__module__}.{x.__qualname__}", "file": _identity(os.stat(file))}
+                out: dict[str, Any] = {"name": f"{x.__module__}.{x.__qualname__}", "file": _identity(os.stat(file))}
+                if is_users_module(x.__module__):  # Note [The user's modules a module imports]
+                    out["imports"] = _users_imports(x.__module__)
+                return out
             if isinstance(x, types.FunctionType):
                 return {"function": self.function(name, x, depth + 1)}
             return self.cls(name, x, depth)
@@ -673,6 +681,127 @@ def _hub_folder(repo_id: str, arguments: dict[str, Any]) -> Path:
     from huggingface_hub.file_download import repo_folder_name
 
     return Path(arguments.get("cache_dir") or _hub_cache()) / repo_folder_name(repo_id=repo_id, repo_type="model")
+
+
+# Note [Classes swapped in a library]
+# A kernel may put a class of its own in a library's module before loading (liger-kernel's way:
+# `modeling_llama.LlamaRMSNorm = FastRMSNorm`), and the library's code then builds that class wherever it
+# named the old one. The key does not see it (the callable, the arguments and the versions are the same),
+# and the graph names classes by module and name: an entry made without the swap would come back in the
+# kernel that swapped as the library's classes (where a name now finds the new class, unpickled into it
+# without its `__init__`), and one made with it, in a kernel without it, as the swapped class. So an entry
+# records, for each module of the cached libraries whose classes its graph holds, a digest of the names
+# of the module that bind a class from outside its library (what it imports from torch, and what was put
+# there); a hit compares it with the module as this process has it now. The library's own classes are
+# left out: it binds some of them lazily (the first `CLIPProcessor.from_pretrained` makes
+# `tokenization_clip.CLIPTokenizerFast` an alias of `CLIPTokenizer`), and a swap for another class of the
+# same library is not looked for. Where any differs, the call is keyed again with this process's digests
+# (`under_bindings`): its own entry, made by the first kernel with the same classes in place. Reading a
+# module's names takes 2-6 us; a module the hit's graph needs and this process has not imported yet is
+# imported first (the rebuild would import it).
+_BOUND = ("transformers", "diffusers", "peft")
+
+
+def bindings(modules: Any) -> dict[str, str]:
+    """The digest of the classes from outside its library that each of `modules` (names) of the cached
+    libraries binds (Note [Classes swapped in a library]); "" for one that cannot be imported."""
+    out = {}
+    for name in sorted(modules):
+        if not isinstance(name, str) or name.split(".")[0] not in _BOUND:
+            continue
+        module = sys.modules.get(name)
+        if module is None:
+            try:
+                module = importlib.import_module(name)
+            except Exception:  # noqa: BLE001 (a module gone: the rebuild would fail; a key of its own)
+                out[name] = ""
+                continue
+        top = name.partition(".")[0]
+        bound = [(k, v.__module__, v.__qualname__) for k, v in list(vars(module).items())
+                 if isinstance(v, type) and str(v.__module__).partition(".")[0] != top]
+        out[name] = hashlib.blake2b(repr(bound).encode(), digest_size=8).hexdigest()
+    return out
+
+
+def under_bindings(ck: CallKey, now: dict[str, str]) -> CallKey:
+    """The key of `ck` in a process whose library modules bind the classes `now` says (Note [Classes
+    swapped in a library])."""
+    digest = hashlib.sha256(ck.key.encode() + json.dumps(now, sort_keys=True).encode()).hexdigest()
+    return dataclasses.replace(ck, key=digest)
+
+
+# Note [Classes registered with an Auto class]
+# `AutoModelForCausalLM.register(LlamaConfig, MyLlama, exist_ok=True)` (or `AutoConfig.register("mine",
+# MyConfig)`) changes which class an Auto class's `from_pretrained` builds, for the same checkpoint and
+# arguments: the key of a call on an Auto class names every registration made in the process, each class
+# as a global a function reads is named (Note [The user's modules a module imports]). So a kernel that
+# registers its own class, or an edited one, does not get the entry of the library's class, and the other
+# way round. The registrations are read from transformers' mappings (`_extra_content`, where `register`
+# puts them); none made, the key is as before.
+def _registered(cls: type) -> list[tuple[Any, Any]]:
+    """The (config, model) classes registered with the Auto class `cls`, and the (model type, config
+    class) pairs registered with AutoConfig, in the order made (Note [Classes registered with an Auto
+    class]); none for any other class."""
+    mapping = getattr(cls, "_model_mapping", None)
+    extra = getattr(mapping, "_extra_content", None)
+    if not isinstance(extra, dict):
+        return []
+    configs = getattr(sys.modules.get("transformers.models.auto.configuration_auto"), "CONFIG_MAPPING", None)
+    return [*extra.items(), *((getattr(configs, "_extra_content", None) or {}).items())]
+
+
+# Note [The user's modules a module imports]
+# A class or function of a module with a file is keyed by its name and that file's identity; for a module
+# of the user's (Note [Installed code] in reads.py) that is not enough: `model.py`'s class builds a
+# `Block` of `blocks.py`, which builds an `Attention` of `attention.py` or reads a constant there, so an
+# edit of `attention.py` alone changes what the load builds. So such a name is keyed with the identity
+# of every module of the user's that its module imports, and that those import in turn: the import
+# statements of each file (parsed once per version of the file), resolved as Python resolves them, of
+# those modules that this process has imported. A library's module is keyed by its name and version
+# alone, as before; a module imported by a call (`importlib.import_module`) is not followed.
+def _users_imports(module: str) -> dict[str, list[int]]:
+    """The identity of the file of each module of the user's that `module` imports, directly or through
+    another such module (Note [The user's modules a module imports])."""
+    found: dict[str, list[int]] = {}
+    todo = [module]
+    while todo:
+        name = todo.pop()
+        file = _module_file(name)
+        if name in found or file is None or (name != module and not is_users_module(name)):
+            continue
+        found[name] = identity = _identity(os.stat(file))
+        todo += [m for m in _imports(name, file, tuple(identity)) if m in sys.modules and m not in found]
+    del found[module]  # its own file is keyed beside its name
+    return dict(sorted(found.items()))
+
+
+@functools.lru_cache(maxsize=1024)
+def _imports(module: str, file: str, identity: tuple[int, ...]) -> tuple[str, ...]:
+    """The modules the import statements of `module`'s `file` name (at this `identity` of it), resolved
+    against its package: `from . import x` names the package and `package.x`."""
+    import ast
+
+    try:
+        with open(file, "rb") as f:
+            tree = ast.parse(f.read(), file)
+    except (OSError, SyntaxError, ValueError):
+        return ()
+    package = module if file.endswith("__init__.py") else module.rpartition(".")[0]
+    names: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".") if package else []
+                if node.level - 1 > len(parts):
+                    continue
+                base = ".".join([*parts[:len(parts) - node.level + 1], *([base] if base else [])])
+            if base:
+                names.append(base)
+            names += [f"{base}.{alias.name}" if base else alias.name for alias in node.names]
+    return tuple(dict.fromkeys(names))
 
 
 def _module_file(module: str) -> str | None:

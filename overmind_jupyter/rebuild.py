@@ -80,6 +80,7 @@ class Packed:
     mapped: dict[tuple[str, int, int, str], torch.UntypedStorage] = field(default_factory=dict, repr=False)
     devices: list[str] = field(default_factory=list)  # the devices but the CPU its storages lie on ("cuda:0")
     next_hook_id: int = 0  # past the ids of the hooks in the graph (Note [Hook ids])
+    modules: set[str] = field(default_factory=set)  # of the classes of the graph's objects
 
 
 @dataclass
@@ -134,7 +135,7 @@ class _Placer:
         self.devices: dict[str, None] = {}  # the devices but the CPU met, in order
         self.hook_ids: list[int] = []  # the highest int key of each non-empty OrderedDict (Note [Hook ids])
 
-    def dispatch_table(self) -> dict[type, Callable[[Any], Any]]:
+    def dispatch_table(self) -> _Dispatch:
         table = _Dispatch(copyreg.dispatch_table)
         table[torch.storage.TypedStorage] = lambda s: (_typed, (self.source(s._untyped_storage), _dtype(s.dtype)))
         table[torch.UntypedStorage] = lambda s: (_typed, (self.source(s), None))
@@ -287,10 +288,12 @@ class _Dispatch(dict):  # type: ignore[type-arg]
         self.reduce_module = functools.partial(_reduce_module, itertools.chain(
             _HOOK_MARKERS, itertools.starmap(_EmptyHooks, itertools.repeat(()))))
         self.asked: set[type] = set()  # classes `get` found no reduction of its own for
+        self.modules: set[str] = set()  # of the classes met (Note [Classes swapped in a library] in keys.py)
 
     def __missing__(self, cls: type) -> Callable[[Any], Any]:
         if issubclass(cls, type):
             raise KeyError(cls)
+        self.modules.add(cls.__module__)
         found = self[cls] = (_kept_reduction(cls) or
                              (self.reduce_module if _plain_module_class(cls) else _REDUCE_EX))
         return found
@@ -298,6 +301,7 @@ class _Dispatch(dict):  # type: ignore[type-arg]
     def get(self, cls: type, default: Any = None) -> Any:
         found = super().get(cls)
         if found is None and cls not in self.asked:
+            self.modules.add(getattr(cls, "__module__", ""))
             found = _kept_reduction(cls) if isinstance(cls, type) and not issubclass(cls, type) else None
             if found is None:
                 self.asked.add(cls)
@@ -654,7 +658,7 @@ def pack(obj: Any, *, self_key: str | None = None, trust_mappings: bool = False,
         if name == "dill":
             _refuse_notebook_classes(graph, what or type(obj).__name__)
         return Packed(graph, placer.own, placer.deps, placer.offset, placer.by_storage, placer.tensors, name,
-                      placer.mapped, list(placer.devices), max(placer.hook_ids, default=-1) + 1)
+                      placer.mapped, list(placer.devices), max(placer.hook_ids, default=-1) + 1, table.modules)
     raise PackError(f"{what or type(obj).__name__} cannot be pickled ({'; '.join(errors)})")
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
@@ -329,6 +330,113 @@ def test_an_edited_model_subclass_is_a_miss(overmind_home: Path, tiny_llama: Pat
     one, two, again = load(1), load(2), load(1)
     assert (one["layers"], two["layers"], again["layers"]) == (1, 2, 1)
     assert (one["calls"], two["calls"], again["calls"]) == ({"miss": 1}, {"miss": 1}, {"hit": 1})
+
+
+def mlp_of(model: torch.nn.Module) -> tuple[str, object]:
+    mlp = model.model.layers[0].mlp
+    return type(mlp).__name__, vars(mlp).get("scale")
+
+
+def test_a_class_swapped_into_a_library_gets_an_entry_of_its_own(overmind_home: Path, tiny_llama: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Note [Classes swapped in a library] in keys.py: a kernel that puts its own class in a library's module
+    before the load (liger-kernel's way) gets the model its plain load builds, not the entry made without
+    the swap, nor the other way round."""
+    from transformers import LlamaForCausalLM
+    from transformers.models.llama import modeling_llama
+
+    class ScaledMLP(modeling_llama.LlamaMLP):
+        def __init__(self, config: object) -> None:
+            super().__init__(config)
+            self.scale = 3.0
+
+    ScaledMLP.__module__ = "tests.test_never_stale"  # a class of a module, found by its name
+    monkeypatch.setattr(sys.modules[__name__], "ScaledMLP", ScaledMLP, raising=False)
+    got = []
+    for swapped in (False, True, True, False):
+        with monkeypatch.context() as patch:
+            if swapped:
+                patch.setattr(modeling_llama, "LlamaMLP", ScaledMLP)
+            before = dict(loading.calls())
+            got.append((*mlp_of(loading.cached(LlamaForCausalLM.from_pretrained, str(tiny_llama))),
+                        "hit" if loading.calls().get("hit", 0) > before.get("hit", 0) else "miss"))
+    assert got == [("LlamaMLP", None, "miss"), ("ScaledMLP", 3.0, "miss"), ("ScaledMLP", 3.0, "hit"),
+                   ("LlamaMLP", None, "hit")]
+
+
+REGISTERED = """
+from transformers import LlamaForCausalLM
+
+
+class Mine(LlamaForCausalLM):
+    def __init__(self, config):
+        super().__init__(config)
+        self.tag = {tag!r}
+"""
+
+
+def test_a_class_registered_with_an_auto_class_is_in_the_key(overmind_home: Path, tiny_llama: Path,
+                                                             tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Note [Classes registered with an Auto class] in keys.py: the Auto class builds the class registered
+    for the config, and an edited one, as its plain load does."""
+    import importlib
+
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    mapping = AutoModelForCausalLM._model_mapping._extra_content
+    monkeypatch.setattr(AutoModelForCausalLM._model_mapping, "_extra_content", dict(mapping))
+    got = []
+    for tag in ("", "one", "two", ""):
+        AutoModelForCausalLM._model_mapping._extra_content.pop(LlamaConfig, None)
+        if tag:
+            (tmp_path / "registered.py").write_text(REGISTERED.format(tag=tag))
+            module = importlib.reload(sys.modules["registered"]) if "registered" in sys.modules else \
+                importlib.import_module("registered")
+            AutoModelForCausalLM.register(LlamaConfig, module.Mine, exist_ok=True)
+        before = dict(loading.calls())
+        model = loading.cached(AutoModelForCausalLM.from_pretrained, str(tiny_llama))
+        got.append((type(model).__name__, vars(model).get("tag"),
+                    "hit" if loading.calls().get("hit", 0) > before.get("hit", 0) else "miss"))
+    monkeypatch.delitem(sys.modules, "registered")
+    assert got == [("LlamaForCausalLM", None, "miss"), ("Mine", "one", "miss"), ("Mine", "two", "miss"),
+                   ("LlamaForCausalLM", None, "hit")]
+
+
+# A kernel that loads through the cache and says what it got. {prelude}: the notebook's own code.
+LAYERS = """
+    import json, os, sys
+    sys.path.insert(0, os.getcwd())
+    from overmind_jupyter import loading
+{prelude}
+    m = loading.cached({loader}.from_pretrained, {path!r})
+    print(json.dumps({{"layers": len(m.model.layers), "calls": loading.calls()}}))
+"""
+
+
+def test_a_module_edited_two_imports_below_the_models_class_is_a_miss(overmind_home: Path, tiny_llama: Path,
+                                                                      tmp_path: Path) -> None:
+    """Note [The user's modules a module imports] in keys.py: `Deep` (deep_model.py) asks `layers()` of
+    deep_layers.py, which reads a constant of deep_constants.py; an edit of that last file alone changes
+    the model the load builds."""
+    (tmp_path / "deep_model.py").write_text(textwrap.dedent("""
+        from transformers import LlamaForCausalLM
+        from deep_layers import layers
+
+
+        class Deep(LlamaForCausalLM):
+            def __init__(self, config):
+                config.num_hidden_layers = layers()
+                super().__init__(config)
+    """))
+    (tmp_path / "deep_layers.py").write_text("from deep_constants import LAYERS\n\n\ndef layers():\n"
+                                             "    return LAYERS\n")
+    got = []
+    for layers in (1, 2):
+        (tmp_path / "deep_constants.py").write_text(f"LAYERS = {layers}\n")
+        code = LAYERS.format(prelude="    from deep_model import Deep", loader="Deep", path=str(tiny_llama))
+        got.append(last_json(run_py(code, cwd=tmp_path)))
+    assert [(g["layers"], g["calls"]) for g in got] == [(1, {"miss": 1}), (2, {"miss": 1})]
 
 
 def test_a_function_is_keyed_by_the_environment_it_reads(overmind_home: Path, tiny_llama: Path,
