@@ -220,7 +220,8 @@ class Daemon:
 
     def _drop_orphans(self) -> None:
         """Every few seconds, drop the entries whose checkpoints are gone (Note [Orphaned entries]), and give
-        back unpinned entries while the disk under the arenas is short of its reserve (Note [Disk room])."""
+        back unpinned entries while the disk under the arenas is short of its reserve, then hand the compactor
+        the entries it skipped for want of disk room that fit now (Note [Disk room])."""
         while not self._stopping.wait(ORPHAN_SWEEP_S):
             dropped = self.store.drop_orphaned()
             if dropped:
@@ -229,6 +230,8 @@ class Daemon:
             if evicted:
                 log.warning("the disk under the arenas fell below its reserve: evicted %d unpinned entries",
                             len(evicted))
+            for key in self.store.compactions_due():  # the copies that found no room before (same Note)
+                self.compactor.submit(key)
 
     def count_error(self, code: str) -> None:
         with self._lock:
