@@ -28,9 +28,9 @@ from ._version import __version__
 from .catalogue import STATUS_ENTRIES
 from .compaction import Compactor
 from .disk import DiskRoom
-from .errors import DaemonError, DescriptorsLost, ProtocolError, RemoteError
+from .errors import DaemonError, DescriptorsLost, ProtocolError, RemoteError, StateDirError
 from .ledger import Ledger
-from .lifecycle import DaemonLock, socket_path
+from .lifecycle import DaemonLock, socket_path, state_dir_refused
 from .operations import TAKES_DESCRIPTORS, Handler, Op, Peer, Reply, Request, parse
 from .payloads import (
     Connection as ConnectionInfo,
@@ -440,19 +440,29 @@ def run(home: Path, budget: int | None = None, ready_fd: int | None = None) -> i
             ready_fd = None
 
     descriptors.raise_limit()  # Note [Descriptor budget]
-    lock = DaemonLock(home)
-    if not lock.acquire():
+    lock = DaemonLock(home)  # StateDirError, as below, where the directory takes no file: said, not a traceback
+    try:
+        acquired = lock.acquire()
+    except StateDirError:
+        lock.close()
+        raise
+    if not acquired:
         log.info("a daemon (pid %s) already serves %s", lock.holder_pid(), home)
         lock.close()
         ready()
         return 0
     path = socket_path(home)
+    bound = False  # the socket file at `path` is this daemon's
     try:
-        path.unlink(missing_ok=True)  # a stale socket of a dead daemon; we hold the lock
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old_umask = os.umask(0o177)
         try:
+            path.unlink(missing_ok=True)  # a stale socket of a dead daemon; we hold the lock
             listener.bind(str(path))
+            bound = True
+        except OSError as exc:  # a full filesystem (no inode for it), or a directory by its name
+            listener.close()
+            raise state_dir_refused(home, f"create the daemon's socket {path.name}", exc) from exc
         finally:
             os.umask(old_umask)
         listener.listen(64)
@@ -465,7 +475,7 @@ def run(home: Path, budget: int | None = None, ready_fd: int | None = None) -> i
         return 0
     finally:
         try:
-            if path.exists() and lock.holder_pid() == os.getpid():
+            if bound and path.exists() and lock.holder_pid() == os.getpid():
                 path.unlink()
         finally:
             lock.close()
