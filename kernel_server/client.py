@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, Literal, TypeVar, overload
 
-from . import helper_threads, lifecycle
+from . import descriptors, helper_threads, lifecycle
 from .errors import (
     DaemonError,
     DaemonHung,
@@ -623,7 +623,7 @@ class Client:
         with self._lock:
             fut = self._pending.pop(request_id, None) if isinstance(request_id, int) else None
         if fut is not None:
-            message = f"{exc}; close models or files this process holds, or raise its limit (`ulimit -n`)"
+            message = f"{exc}; {descriptors.short_here()}"
             fut.set_result(Frame(FrameKind.REPLY, {"id": request_id, "ok": False,
                                                    "error": {"code": "descriptors_exhausted", "message": message}}))
 

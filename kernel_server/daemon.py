@@ -28,9 +28,9 @@ from ._version import __version__
 from .catalogue import STATUS_ENTRIES
 from .compaction import Compactor
 from .disk import DiskRoom
-from .errors import DaemonError, DescriptorsLost, ProtocolError, RemoteError
+from .errors import DaemonError, DescriptorsLost, ProtocolError, RemoteError, StateDirError
 from .ledger import Ledger
-from .lifecycle import DaemonLock, socket_path
+from .lifecycle import DaemonLock, socket_path, state_dir_refused
 from .operations import TAKES_DESCRIPTORS, Handler, Op, Peer, Reply, Request, parse
 from .payloads import (
     Connection as ConnectionInfo,
@@ -220,7 +220,8 @@ class Daemon:
 
     def _drop_orphans(self) -> None:
         """Every few seconds, drop the entries whose checkpoints are gone (Note [Orphaned entries]), and give
-        back unpinned entries while the disk under the arenas is short of its reserve (Note [Disk room])."""
+        back unpinned entries while the disk under the arenas is short of its reserve, then hand the compactor
+        the entries it skipped for want of disk room that fit now (Note [Disk room])."""
         while not self._stopping.wait(ORPHAN_SWEEP_S):
             dropped = self.store.drop_orphaned()
             if dropped:
@@ -229,6 +230,8 @@ class Daemon:
             if evicted:
                 log.warning("the disk under the arenas fell below its reserve: evicted %d unpinned entries",
                             len(evicted))
+            for key in self.store.compactions_due():  # the copies that found no room before (same Note)
+                self.compactor.submit(key)
 
     def count_error(self, code: str) -> None:
         with self._lock:
@@ -437,19 +440,29 @@ def run(home: Path, budget: int | None = None, ready_fd: int | None = None) -> i
             ready_fd = None
 
     descriptors.raise_limit()  # Note [Descriptor budget]
-    lock = DaemonLock(home)
-    if not lock.acquire():
+    lock = DaemonLock(home)  # StateDirError, as below, where the directory takes no file: said, not a traceback
+    try:
+        acquired = lock.acquire()
+    except StateDirError:
+        lock.close()
+        raise
+    if not acquired:
         log.info("a daemon (pid %s) already serves %s", lock.holder_pid(), home)
         lock.close()
         ready()
         return 0
     path = socket_path(home)
+    bound = False  # the socket file at `path` is this daemon's
     try:
-        path.unlink(missing_ok=True)  # a stale socket of a dead daemon; we hold the lock
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old_umask = os.umask(0o177)
         try:
+            path.unlink(missing_ok=True)  # a stale socket of a dead daemon; we hold the lock
             listener.bind(str(path))
+            bound = True
+        except OSError as exc:  # a full filesystem (no inode for it), or a directory by its name
+            listener.close()
+            raise state_dir_refused(home, f"create the daemon's socket {path.name}", exc) from exc
         finally:
             os.umask(old_umask)
         listener.listen(64)
@@ -462,7 +475,7 @@ def run(home: Path, budget: int | None = None, ready_fd: int | None = None) -> i
         return 0
     finally:
         try:
-            if path.exists() and lock.holder_pid() == os.getpid():
+            if bound and path.exists() and lock.holder_pid() == os.getpid():
                 path.unlink()
         finally:
             lock.close()

@@ -41,6 +41,12 @@ answered `internal`, new kernels waited for a hello that never came). So:
     (errors.DescriptorsLost, from transport.recv_frame); the client does the same for a reply;
   - the compactor puts the entry back in its queue for later; it stays servable from its files.
   No connection, lease or pin is lost to any of these.
+- A kernel holds descriptors for the cached models it keeps too (its arena's, kept beside the mapping for
+  the device copier, and its checkpoint files' where pieces are pending): 120 held models took 441 of a
+  kernel's 1024, and at a low limit the user's own `open` failed where the plain load would not have. So
+  enabling the cache raises the kernel's soft limit to its hard limit as well (`raise_limit`, from
+  overmind_jupyter/api.py), and where the kernel runs out anyway (EMFILE, or ENFILE for the system), its
+  fallback messages say that it did, why, and what to do (`short_here`), not only the errno's words.
 """
 
 from __future__ import annotations
@@ -53,7 +59,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-__all__ = ["ADVICE", "MAX_LIMIT", "DescriptorBudget", "Throttle", "exhausted", "open_descriptors", "raise_limit"]
+__all__ = ["ADVICE", "MAX_LIMIT", "DescriptorBudget", "Throttle", "exhausted", "open_descriptors", "raise_limit",
+           "short_here"]
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +97,19 @@ def raise_limit() -> int:
 def exhausted(exc: BaseException) -> bool:
     """Whether `exc` says this process (EMFILE) or the system (ENFILE) has no descriptor to give."""
     return isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE)
+
+
+def short_here(exc: BaseException | None = None) -> str:
+    """What a kernel that ran out of descriptors itself (`exc`: EMFILE, the default, or ENFILE for the whole
+    system) says after the error's words: why, its limits and what to do (Note [Descriptor budget])."""
+    if isinstance(exc, OSError) and exc.errno == errno.ENFILE:
+        return ("the system's table of open files is full (fs.file-max): close files or processes, or raise "
+                "fs.file-max (sysctl)")
+    soft, hard = (("unlimited" if n == resource.RLIM_INFINITY else str(n))
+                  for n in resource.getrlimit(resource.RLIMIT_NOFILE))
+    return (f"this process reached its limit on open files (soft {soft}, hard {hard}), and each cached model it "
+            "holds keeps descriptors open: free models you no longer use, or raise the limit (`ulimit -n`, up to "
+            "`ulimit -Hn`; LimitNOFILE= of a systemd unit) where Jupyter starts, and restart the kernel")
 
 
 def open_descriptors() -> int | None:

@@ -14,6 +14,19 @@ else makes the cache give its unpinned entries back before the user runs out. An
 kernel frees its blocks when that kernel lets go of it; an entry evicted under the store's lock counts as
 given back at once, as its descriptors close when the lock is released (Note [Closing after the lock] in
 store.py). memfd arenas take memory, not disk: the budget bounds them.
+
+The compactor's copy of an entry (Note [Pending pieces] in store.py) is a new arena too, written after the
+publish that passed the check above. A same-dtype miss writes almost nothing to its arena before it
+publishes, so the free space still looked untouched to the misses after it: seven of them once passed the
+check before any was compacted, the copies then left 10.7 MiB of a 60 MiB reserve free, and the periodic
+look evicted other entries to make up. So a compaction starts only where its whole arena fits as a new
+arena would (`Store.compaction_job`), and what it has not written yet counts against the free space like
+a load in flight's reservation until it ends, so that a load and a copy never both count on the same
+room. It evicts nothing: an entry that does not fit stays servable from its checkpoint files (hits map
+them), and the daemon log says so once for that entry. Every few seconds, after looking at the reserve,
+the daemon hands the skipped entries that fit by then back to the compactor, oldest first, as many as fit
+together: an eviction, the end of a load or a copy, or the user's own files deleted make the room, and no
+room is held back for a copy that waits.
 """
 
 from __future__ import annotations
@@ -76,7 +89,7 @@ class DiskRoom:
         """Why an arena of `nbytes` does not fit, and what to do."""
         size, free, kept = self.usage()
         said = (f"no room on the disk for {byte_text(nbytes)}: {self.directory} has {byte_text(free)} free"
-                + (f", {byte_text(unwritten)} of it promised to loads in flight" if unwritten else ""))
+                + (f", {byte_text(unwritten)} of it promised to arenas still being written" if unwritten else ""))
         if kept + nbytes > size:  # no entry of this size would ever fit there
             return (f"{said}, and the cache leaves {byte_text(kept)} of its {byte_text(size)} to you "
                     f"(OVERMIND_DISK_RESERVE={self.reserve}), so nothing of this size is ever cached there: lower "

@@ -30,12 +30,14 @@ __all__ = [
     "socket_path",
     "spawn_daemon",
     "state_dir",
+    "state_dir_refused",
     "try_connect",
     "wait_for_socket",
 ]
 
 _SOCKET_NAME = "daemon.sock"
 _MAX_SOCKET_PATH = 107  # sun_path is 108 bytes including the terminating NUL
+_NO_LOG = "(no log)"
 
 
 def state_dir(create: bool = True) -> Path:
@@ -116,6 +118,18 @@ def check_ancestors(path: Path) -> None:
         )
 
 
+def state_dir_refused(home: Path, doing: str, exc: OSError) -> StateDirError:
+    """The error for a file the daemon needs in the state directory `home` that could not be made or written
+    (`doing`: "open the daemon's log daemon.log"), from the OSError that said why, with what to do (a
+    read-only directory or filesystem, a full one, one out of inodes or quota)."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        todo = ("free some space there (and inodes: `df -i`), or set OVERMIND_HOME to a directory on a "
+                "filesystem with room")
+    else:
+        todo = "set OVERMIND_HOME to a directory of your own that you can write, on a filesystem with room"
+    return StateDirError(f"cannot {doing} in the state directory {home}: {exc.strerror or exc}; {todo}")
+
+
 def socket_path(home: Path, name: str = _SOCKET_NAME) -> Path:
     """The daemon's socket in `home` (or another one's, by `name`), refused where too long to bind."""
     path = home / name
@@ -180,7 +194,11 @@ def spawn_daemon(home: Path) -> subprocess.Popen[bytes]:
     forks the daemon and exits once it serves (status 0) or failed (status 1), so the daemon is
     nobody's child and the caller reaps only the short-lived parent."""
     env = dict(os.environ, OVERMIND_HOME=str(home))
-    with open(log_path(home), "ab") as log:  # the child keeps its own copy of the descriptor
+    try:
+        log = open(log_path(home), "ab")  # noqa: SIM115 (closed below; the child keeps its own copy)
+    except OSError as exc:  # a read-only or full filesystem: the caller falls back (docs/design.md section 3)
+        raise state_dir_refused(home, f"open the daemon's log {log_path(home).name}", exc) from exc
+    with log:
         return subprocess.Popen(
             [sys.executable, "-m", "kernel_server", "start", "--daemonize"],
             env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
@@ -198,10 +216,8 @@ def wait_for_socket(home: Path, proc: subprocess.Popen[bytes] | None, timeout: f
                 proc.wait()
             return sock
         if proc is not None and proc.poll() not in (None, 0):
-            raise DaemonUnavailable(
-                f"the daemon exited with status {proc.returncode} while starting; its log "
-                f"{log_path(home)} ends with:\n{tail(log_path(home))}"
-            )
+            raise DaemonUnavailable(f"the daemon exited with status {proc.returncode} while starting; "
+                                    f"{_what_it_said(home)}")
         if time.monotonic() > deadline:
             raise DaemonUnavailable(
                 f"no daemon answered at {socket_path(home)} within {timeout:.0f} s; see {log_path(home)} "
@@ -209,6 +225,26 @@ def wait_for_socket(home: Path, proc: subprocess.Popen[bytes] | None, timeout: f
             )
         time.sleep(delay)
         delay = min(delay * 2, 0.1)
+
+
+def _what_it_said(home: Path) -> str:
+    """The end of the log of a daemon that failed to start, or, where it wrote nothing there, why that may be
+    and what to do."""
+    said = tail(log_path(home)).strip()
+    if said and said != _NO_LOG:
+        return f"its log {log_path(home)} ends with:\n{said}"
+    try:
+        st = os.statvfs(home)
+    except OSError:
+        st = None
+    free = None if st is None else st.f_bfree if os.geteuid() == 0 else st.f_bavail
+    lack = ("no free space" if free == 0 else
+            "no free inodes" if st is not None and st.f_files and st.f_favail == 0 else None)
+    if lack is None:
+        return (f"it wrote nothing to its log {log_path(home)}: run `overmind-daemon start --foreground` in a "
+                "terminal to see the error")
+    return (f"it wrote nothing to its log {log_path(home)}, whose filesystem has {lack} left: free some space "
+            "there (and inodes: `df -i`), or set OVERMIND_HOME to a directory on a filesystem with room")
 
 
 def process_gone(pid: int) -> bool:
@@ -252,22 +288,31 @@ def tail(path: Path, lines: int = 20) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
-        return "(no log)"
+        return _NO_LOG
 
 
 class DaemonLock:
     """The single-instance lock, held by the daemon process for its whole life."""
 
     def __init__(self, home: Path) -> None:
-        self.fd = os.open(lock_path(home), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self.home = home
+        try:
+            self.fd = os.open(lock_path(home), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise state_dir_refused(home, f"open the daemon's lock file {lock_path(home).name}", exc) from exc
 
     def acquire(self) -> bool:
+        """Take the lock and write this process's pid into it; False where another process holds it.
+        Raises StateDirError where the pid cannot be written (a full filesystem)."""
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return False
-        os.ftruncate(self.fd, 0)
-        os.write(self.fd, f"{os.getpid()}\n".encode())
+        try:
+            os.ftruncate(self.fd, 0)
+            os.write(self.fd, f"{os.getpid()}\n".encode())
+        except OSError as exc:
+            raise state_dir_refused(self.home, f"write the daemon's pid into {lock_path(self.home).name}", exc) from exc
         return True
 
     def holder_pid(self) -> int | None:

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import threading
 import time
@@ -82,6 +83,8 @@ from .payloads import (
 )
 
 __all__ = ["CompactionJob", "Entry", "LookupResult", "Store"]
+
+log = logging.getLogger(__name__)
 
 Notify = Callable[["LookupResult"], None]
 D = TypeVar("D", bound=Mapping[str, Any])
@@ -187,6 +190,9 @@ class Store:
         # The daemon keeps its count of connections current (Note [Descriptor budget]).
         self.descriptors = descriptors.DescriptorBudget.of_process()
         self.compacting = True  # whether the daemon's compactor copies entries' pieces (OVERMIND_COMPACT)
+        self._compaction_unwritten = 0  # bytes the compaction in flight has yet to take of the disk (Note [Disk room])
+        self._short_of_disk: dict[str, bool] = {}  # entries whose compaction found no room on the disk: whether
+        # handed back to the compactor since (`compactions_due`)
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -314,8 +320,7 @@ class Store:
         if not self._fits_fds(need_fds):
             raise self._refuse_for_descriptors(nfds)
         if not self._fits_disk(need):
-            raise BudgetExceeded("budget_exceeded", self.disk.refusal(nbytes, self.in_flight.nbytes)
-                                 if self.disk is not None else "no room on the disk")
+            raise BudgetExceeded("budget_exceeded", self._disk_refusal(nbytes))
         if not self._fits_bytes(need):
             raise self._refuse_for_budget(nbytes, self._held_bytes().nbytes)
         load.reserved, load.nfds = nbytes, nfds
@@ -404,12 +409,26 @@ class Store:
 
     def compaction_job(self, key: str) -> CompactionJob | None:
         """Start compacting `key`: its pieces and descriptors of its own; None when there is nothing
-        (left) to do or the entry went stale. Raises OSError (EMFILE: try later) with nothing changed."""
+        (left) to do, the entry went stale, or its new arena would take the disk's reserve (Note [Disk room]
+        in disk.py: `compactions_due` hands it back). Raises OSError (EMFILE: try later) with nothing changed."""
         with self._locked():
             entry = self._entries.get(key)
             if entry is None or not entry.pieces or entry.compaction is not None or not self._intact(entry):
                 return None
+            disk = self.disk if entry.backing == "file" else None  # memfd arenas: the budget bounds them
+            if disk is not None and not self._fits_disk(entry.arena_bytes):
+                if key not in self._short_of_disk:
+                    _, free, kept = disk.usage()
+                    log.warning("no room on the disk to compact %s (%s): its %s would leave less than the %s kept "
+                                "free in %s (%s free, OVERMIND_DISK_RESERVE); it stays servable from its checkpoint "
+                                "files, and is compacted once the disk has room", key[:12],
+                                str(entry.meta.get("label") or "no label")[:LABEL_CHARS], byte_text(entry.arena_bytes),
+                                byte_text(kept), disk.directory, byte_text(free))
+                self._short_of_disk[key] = False
+                return None
             fds = _dup_all(entry.byte_fds())
+            self._short_of_disk.pop(key, None)
+            self._compaction_unwritten = entry.arena_bytes if disk is not None else 0
             entry.compaction = {"total": entry.pending_bytes, "done": 0, "started": time.time()}
             n = len(entry.parts)
             parts = [arena.Part(fd, p.offset, p.nbytes) for p, fd in zip(entry.parts, fds[1:1 + n], strict=True)]
@@ -422,12 +441,15 @@ class Store:
         with self._locked():
             if job.entry.compaction is not None:
                 job.entry.compaction["done"] = done
+            if self._compaction_unwritten:
+                self._compaction_unwritten = job.arena_bytes - done  # each chunk is allocated as it is copied
 
     def compaction_finish(self, job: CompactionJob, arena_fd: int | None) -> bool:
         """Swap the compacted arena in, which holds every byte (its parts' too), or, with None, give up:
         the entry stays servable from its sources. Takes ownership of `arena_fd`; False if the entry is
         gone, stale or changed."""
         with self._locked():
+            self._compaction_unwritten = 0
             entry = self._entries.get(job.key)
             current = entry is job.entry and entry is not None and self._intact(entry)
             if entry is job.entry and entry is not None:
@@ -444,6 +466,23 @@ class Store:
         for fd in old:
             os.close(fd)
         return True
+
+    def compactions_due(self) -> list[str]:
+        """The entries whose compaction found no room on the disk and that fit there now, as many as fit
+        together (Note [Disk room] in disk.py): the daemon hands them back to the compactor."""
+        with self._locked():
+            if self.disk is None or not self._short_of_disk:
+                return []
+            room = self.disk.room() + self._dropped_disk - self.in_flight.nbytes - self._compaction_unwritten
+            due = []
+            for key, handed in self._short_of_disk.items():
+                entry = self._entries.get(key)
+                if not handed and entry is not None and entry.arena_bytes <= room:
+                    room -= entry.arena_bytes
+                    due.append(key)
+            for key in due:
+                self._short_of_disk[key] = True
+            return due
 
     # -- orphans (Note [Orphaned entries]) -------------------------------------------------------
 
@@ -591,8 +630,15 @@ class Store:
 
     def _fits_disk(self, need: int) -> bool:
         """Whether `need` more bytes leave the disk's free space above its reserve, counting what loads in
-        flight reserved as not written yet (Note [Disk room] in disk.py)."""
-        return self.disk is None or need + self.in_flight.nbytes <= self.disk.room() + self._dropped_disk
+        flight reserved and what the compaction in flight has yet to write as not written yet (Note [Disk
+        room] in disk.py)."""
+        return self.disk is None or (need + self.in_flight.nbytes + self._compaction_unwritten
+                                     <= self.disk.room() + self._dropped_disk)
+
+    def _disk_refusal(self, nbytes: int) -> str:
+        """Why `nbytes` more do not fit on the disk, and what to do."""
+        unwritten = self.in_flight.nbytes + self._compaction_unwritten
+        return self.disk.refusal(nbytes, unwritten) if self.disk is not None else "no room on the disk"
 
     def make_disk_room(self) -> list[str]:
         """Evict unpinned entries while the disk's free space is below its reserve (something else filled
@@ -667,6 +713,7 @@ class Store:
                 continue
             self._dropped += [entry.graph_fd, *entry.byte_fds()]
             self._dropped_disk += entry.arena_bytes if entry.backing == "file" else 0
+            self._short_of_disk.pop(k, None)
             dropped.append(k)
         return dropped
 

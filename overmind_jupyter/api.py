@@ -36,10 +36,13 @@ def start(config: Any = None) -> str | None:
     """`enable`, saying rather than warning why no daemon could be started (`%overmind on` prints it in
     its one line): None where one runs."""
     global _enabled
+    from kernel_server import descriptors
+
     from . import hit_tuning, loading, targets
     from .config import Overmind
 
     (config or Overmind()).apply()
+    descriptors.raise_limit()  # each cached model this kernel holds keeps descriptors (Note [Descriptor budget])
     with _lock:
         targets.install(loading.patched_call)
         _enabled = True

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kernel_server import arena
+from kernel_server import arena, descriptors
 from kernel_server import settings as declared
 from kernel_server.client import ANSWER_TIMEOUT, Client, Response, shared_client
 from kernel_server.errors import DaemonError, DaemonLost, RemoteError, WaitTimeout
@@ -593,7 +593,9 @@ def _publish(client: Client, ck: keys.CallKey, obj: Any, replay: Replay, random_
             return
         except Exception as exc:  # noqa: BLE001 (a bug in publishing must not break a load: never worse)
             _abandon(client, ck.key)  # the result is still the plain load's bytes, wherever they lie now
-            fall_back(ck.label, "publish", f"it was loaded normally but not cached: {type(exc).__name__}: {exc}")
+            said = f"{type(exc).__name__}: {exc}" + (f"; {descriptors.short_here(exc)}" if descriptors.exhausted(exc)
+                                                      else "")
+            fall_back(ck.label, "publish", f"it was loaded normally but not cached: {said}")
             return
         count("miss")
         remember(obj, ck.key, packed.graph, replay, pickled_here=True, random_after=random_after)

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from kernel_server import arena
+from kernel_server import arena, descriptors
 from kernel_server.client import ANSWER_TIMEOUT, Client
 from kernel_server.errors import DaemonError, RemoteError
 from kernel_server.operations import Op
@@ -174,7 +174,8 @@ def publish(client: Client, key: str, label: str, meta: dict[str, Any], packed: 
             except (DaemonError, OSError) as exc:
                 _abandon(client, key)
                 kind = _REFUSALS.get(exc.code, "publish") if isinstance(exc, RemoteError) else "publish"
-                raise PublishError(kind, f"it was loaded normally but not cached: {exc}") from exc
+                said = f"{exc}; {descriptors.short_here(exc)}" if descriptors.exhausted(exc) else str(exc)
+                raise PublishError(kind, f"it was loaded normally but not cached: {said}") from exc
     finally:
         if not published:
             for undo in forget:

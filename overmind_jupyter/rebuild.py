@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kernel_server import arena
+from kernel_server import arena, descriptors
 
 from . import mappings, populating
 from .errors import CorruptEntry, NoRoomHere, PackError
@@ -1073,6 +1073,8 @@ def _failure(exc: Exception, what: str) -> CorruptEntry | NoRoomHere:
     address space (a mapping refused under `ulimit -v`), descriptors or a device's memory; else
     CorruptEntry, which evicts the entry."""
     message = f"{what}: {type(exc).__name__}: {exc}"
+    if descriptors.exhausted(exc):  # Note [Descriptor budget] in kernel_server/descriptors.py
+        return NoRoomHere(f"{message}; {descriptors.short_here(exc)}")
     if (isinstance(exc, MemoryError | torch.OutOfMemoryError)
             or (isinstance(exc, OSError) and exc.errno in _SHORTAGES)):
         return NoRoomHere(message)

@@ -22,7 +22,7 @@ from kernel_server import Client, arena, lifecycle
 from kernel_server.errors import BudgetExceeded, DaemonUnavailable, RemoteError, StateDirError
 from kernel_server.protocol import HEADER, MAGIC, MAX_PAYLOAD, PROTOCOL_VERSION, FrameKind, encode
 from kernel_server.transport import recv_frame, send_frame
-from tests.helpers.snippets import run_py, start_py
+from tests.helpers.snippets import last_json, run_py, start_py
 
 PAGE = arena.PAGE
 
@@ -116,6 +116,73 @@ def test_state_dir_under_a_file_or_naming_one_says_so(tmp_path: Path, monkeypatc
         for create in (True, False):
             with pytest.raises(StateDirError, match=said):
                 lifecycle.state_dir(create=create)
+
+
+# A kernel where the daemon cannot start: how `%overmind on` (api.start) and a load say why.
+UNSTARTABLE = """
+    import json, warnings
+    from overmind_jupyter import api, loading
+    from tests.helpers import tiny_modules
+    said = api.start()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loading.cached(tiny_modules.build, "mlp", 1)
+    print(json.dumps({"said": said, "calls": loading.calls(), "warnings": [str(w.message) for w in caught]}))
+"""
+
+
+def test_a_state_dir_that_takes_no_files_makes_loads_run_plainly_saying_why(overmind_home: Path) -> None:
+    """Where the daemon's files cannot be made in the state directory (a read-only or full filesystem; here,
+    as root too, a directory by the file's name), `%overmind on` and the load say which file, why and what to
+    do, and the load runs plainly; `overmind-daemon start` says it without a traceback, and so does the
+    daemon in the foreground, for its lock file and its socket alike."""
+    (overmind_home / "daemon.log").mkdir()
+    out = last_json(run_py(UNSTARTABLE))
+    reason = f"cannot open the daemon's log daemon.log in the state directory {overmind_home}: Is a directory"
+    assert reason in out["said"] and "set OVERMIND_HOME" in out["said"], out
+    assert out["calls"] == {"plain": 1} and any(reason in w for w in out["warnings"]), out
+    for run, named in ((["start"], "log daemon.log"), (["start", "--foreground"], "lock file daemon.lock"),
+                       (["start", "--foreground"], "socket daemon.sock")):
+        (overmind_home / named.split()[-1]).mkdir(exist_ok=True)
+        cli = subprocess.run([sys.executable, "-m", "kernel_server", *run], capture_output=True, text=True,
+                             timeout=30, check=False)
+        assert cli.returncode == 1 and "Traceback" not in cli.stderr, cli.stderr
+        assert f"overmind-daemon: cannot open the daemon's {named} in the state directory" in cli.stderr \
+            or f"overmind-daemon: cannot create the daemon's {named}" in cli.stderr, cli.stderr
+        (overmind_home / named.split()[-1]).rmdir()
+
+
+def test_a_daemon_that_exits_without_a_word_says_how_to_see_why(overmind_home: Path) -> None:
+    quiet = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])  # as a daemon that could not log
+    with pytest.raises(DaemonUnavailable, match=r"exited with status 1 while starting; it wrote nothing to its log "
+                       r".*: run `overmind-daemon start --foreground` in a terminal to see the error"):
+        lifecycle.wait_for_socket(overmind_home, quiet, 10)
+
+
+def test_a_state_dir_on_a_full_filesystem_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon cannot write its pid, nor then its error, on a full filesystem: the kernel's message says the
+    filesystem is full (a 1 MiB tmpfs mounted for the test, as root), and the daemon in the foreground which file
+    it could not write."""
+    disk = tmp_path / "full"
+    disk.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=700", "tmpfs", str(disk)],
+                                           capture_output=True, check=False).returncode != 0:
+        pytest.skip("mounting a small filesystem needs root (CI runs as root)")
+    try:
+        (disk / "home").mkdir(mode=0o700)
+        with contextlib.suppress(OSError), open(disk / "filler", "wb") as f:
+            while f.write(b"\0" * (64 << 10)):
+                pass
+        monkeypatch.setenv("OVERMIND_HOME", str(disk / "home"))
+        with pytest.raises(DaemonUnavailable, match=r"it wrote nothing to its log .*, whose filesystem has no free "
+                           r"space left: free some space there"):
+            Client(disk / "home", timeout=30)
+        cli = subprocess.run([sys.executable, "-m", "kernel_server", "start", "--foreground"], capture_output=True,
+                             text=True, timeout=30, check=False)
+        assert cli.returncode == 1 and "Traceback" not in cli.stderr, cli.stderr
+        assert "cannot write the daemon's pid into daemon.lock in the state directory" in cli.stderr, cli.stderr
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
 def test_cli_status_ls_evict_json(daemon: Client, overmind_home: Path) -> None:

@@ -27,6 +27,7 @@ from overmind_jupyter import loading
 from overmind_jupyter.errors import FallbackWarning
 from tests.helpers import tiny_modules
 from tests.helpers.faults_helpers import daemon_fds, daemon_log, daemon_pid, digest, wait_until
+from tests.helpers.snippets import run_py
 
 # Run the daemon's starter with RLIMIT_NOFILE set (no preexec_fn: the test process has threads).
 _LIMITED = ("import os, resource, sys; soft, hard = int(sys.argv[1]), int(sys.argv[2]); "
@@ -351,3 +352,32 @@ def test_a_kernel_loads_plainly_while_the_daemon_has_no_descriptor_free(overmind
         status = probe.request("status")
     assert status["errors"].get("internal", 0) == 0 and status["errors"]["descriptors_exhausted"] == 2
     assert "Traceback" not in daemon_log(overmind_home)
+
+
+# A kernel whose soft limit is below its hard limit, which keeps the models it loads.
+KEPT_UNDER_A_LIMIT = """
+    import json, resource, warnings
+    from overmind_jupyter import api, loading
+    from tests.helpers import tiny_modules
+    resource.setrlimit(resource.RLIMIT_NOFILE, (24, 40))
+    api.start()
+    raised = resource.getrlimit(resource.RLIMIT_NOFILE)
+    kept = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for seed in range(24):
+            kept.append(loading.cached(tiny_modules.build, "mlp", seed, width=4, depth=1))
+    print(json.dumps({"raised": raised, "calls": loading.calls(), "warnings": [str(w.message) for w in caught]}))
+"""
+
+
+def test_a_kernel_raises_its_soft_limit_and_says_when_its_own_table_is_full(daemon: Client) -> None:
+    """Each cached model a kernel holds keeps descriptors open (Note [Descriptor budget]): enabling the cache
+    raises the kernel's soft limit to its hard limit, and a kernel that reaches it anyway loads plainly, saying
+    that its limit is reached, which it is, and what to do."""
+    out = json.loads(run_py(KEPT_UNDER_A_LIMIT).stdout.strip().splitlines()[-1])
+    assert out["raised"] == [40, 40], out
+    assert out["calls"].get("miss") and out["calls"].get("plain"), out
+    advice = "this process reached its limit on open files (soft 40, hard 40), and each cached model it holds"
+    assert all(advice in w and "`ulimit -n`" in w for w in out["warnings"] if "Errno 24" in w), out["warnings"]
+    assert any(advice in w for w in out["warnings"]), out["warnings"]

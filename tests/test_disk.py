@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from kernel_server import Client
+from kernel_server import Client, arena
+from tests.helpers.faults_helpers import daemon_log, wait_until
 from tests.helpers.snippets import last_json, run_py
 
 SIZE, RESERVE = 64 << 20, 24 << 20
@@ -120,3 +121,35 @@ def test_status_says_where_the_bytes_live(disk_env: dict[str, str], small_disk: 
     cli = subprocess.run([sys.executable, "-m", "kernel_server", "status"], env=disk_env, capture_output=True,
                          text=True, check=True).stdout
     assert f"of arenas in {small_disk}" in cli and "kept free for you" in cli, cli
+
+
+def test_a_copy_that_would_take_the_reserve_waits_for_room(
+        disk_env: dict[str, str], small_disk: Path, overmind_home: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An entry served from its checkpoint is copied into an arena of the daemon's only where that arena leaves
+    the reserve free (Note [Disk room]): with the disk filled since its load reserved, the copy waits, the entry
+    stays servable from its file and the log says why once; it is copied once the user's file is gone."""
+    for name in ("OVERMIND_ARENA", "OVERMIND_ARENA_DIR", "OVERMIND_DISK_RESERVE"):
+        monkeypatch.setenv(name, disk_env[name])
+    nbytes = 16 << 20
+    source_path = tmp_path / "model.safetensors"
+    source_path.write_bytes(b"\1" * nbytes)
+    source = os.open(source_path, os.O_RDONLY)
+    graph, data = arena.ArenaWriter(16), arena.ArenaWriter(nbytes, backing="file", directory=small_disk)
+    client = Client(overmind_home, role="test")
+    try:
+        assert client.request("lookup", key="k", wait=False)["status"] == "load"
+        client.request("reserve", key="k", bytes=nbytes + 16, descriptors=3)
+        (small_disk / "users-file").write_bytes(b"\0" * (30 << 20))  # 34 MiB free: 10 above the reserve
+        client.request("publish", key="k", fds=[graph.seal(), data.seal(), source], graph_bytes=16,
+                       arena_bytes=nbytes, meta={"label": "waiting"}, pin=True, pieces=[[0, nbytes, 0, 0]],
+                       sources=[{"path": str(source_path), **arena.file_identity(os.fstat(source))}])
+        wait_until(lambda: "no room on the disk to compact" in daemon_log(overmind_home), 10, "the copy was skipped")
+        assert client.request("status")["entries"][0]["pending"] is not None and free(small_disk) >= RESERVE
+        (small_disk / "users-file").unlink()
+        wait_until(lambda: client.request("status")["entries"][0]["pending"] is None, 20, "the copy ran")
+        assert free(small_disk) >= RESERVE and daemon_log(overmind_home).count("no room on the disk to compact") == 1
+    finally:
+        client.close()
+        for fd in (graph.fd, data.fd, source):
+            os.close(fd)
