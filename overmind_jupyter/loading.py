@@ -192,12 +192,19 @@ def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
 
     # a load followed for its draws (Note [Replayed draws] in draws.py): the replayed key's, or PEFT's first
     followed = ck.meta.get("random") == "replayed" or (ck is called and keys.owner_name(fn)[2] == "peft")
-    with _loading_here(ck.key) as alone:
-        if not alone:  # another thread of this kernel loaded it meanwhile: ask again (a hit, most likely)
-            return _cached_call(fn, args, kwargs, device)
-        with staging.staged(client, ck.key, client.home, options.backing) as stage:  # Note [Staged conversions]
-            return _miss(client, ck, fn, args, kwargs, replay, device, stage,
-                         progress.MissClock(started, queued_s=queued), called if followed else None)
+    loader = False  # whether this thread loads it for the connection (Note [Interrupted caching])
+    try:
+        with _loading_here(ck.key) as alone:
+            if not alone:  # another thread of this kernel loaded it meanwhile: ask again (a hit, most likely)
+                return _cached_call(fn, args, kwargs, device)
+            loader = True
+            with staging.staged(client, ck.key, client.home, options.backing) as stage:  # Note [Staged conversions]
+                return _miss(client, ck, fn, args, kwargs, replay, device, stage,
+                             progress.MissClock(started, queued_s=queued), called if followed else None)
+    except BaseException:
+        if loader:
+            _abandon(client, ck.key)
+        raise
 
 
 # Note [Our frames hidden]
@@ -479,12 +486,13 @@ def _ties_apart(obj: Any) -> str | None:
 
 # Note [Interrupted caching]
 # A KeyboardInterrupt (the user stops the cell) can come after the load, while its result is cached: the
-# pack, or the copy of a large model into its arena, seconds long. The kernel lives on with its connection,
-# so the daemon would keep the load in flight, with the arena's bytes reserved out of the budget, and every
-# other kernel asking for the model would wait for it for as long as that kernel lives. So whatever ends
-# the caching abandons the load (each key this connection loads: the call's, and the one its result goes
-# under where it drew random numbers) before the exception goes on; an entry already published is no
-# load, and its abandon does nothing.
+# pack, or the copy of a large model into its arena, seconds long; or before it, between the lookup that
+# made this connection the loader and the load (the stage's arena is made there). The kernel lives on with
+# its connection, so the daemon would keep the load in flight, with the arena's bytes reserved out of the
+# budget, and every other kernel asking for the model would wait for it for as long as that kernel lives
+# (and then say that the load was still running). So whatever ends the caching abandons the load (each key
+# this connection loads: the call's, and the one its result goes under where it drew random numbers)
+# before the exception goes on; an entry already published is no load, and its abandon does nothing.
 
 
 # Note [Draws on a device]

@@ -193,6 +193,40 @@ def test_an_interrupt_as_the_lookup_is_sent_still_withdraws_the_wait(overmind_ho
         loader.join(60)
 
 
+# An interrupt after the lookup made the kernel the loader, before its load: the kernel sends itself SIGINT as
+# the miss's stage is entered (where a real SIGINT landed), by a profile hook of the process.
+AT_THE_STAGE = """
+import os, signal, sys
+from overmind_jupyter import staging
+
+def _at_call(frame, event, arg):
+    if event == "call" and frame.f_code is staging.staged.__wrapped__.__code__:
+        sys.setprofile(None)
+        os.kill(os.getpid(), signal.SIGINT)
+
+sys.setprofile(_at_call)
+"""
+
+
+def test_an_interrupt_between_the_lookup_and_the_load_leaves_no_load_in_flight(overmind_home: Path,
+                                                                               daemon: Client) -> None:
+    """Note [Interrupted caching] in loading.py: the daemon made the kernel the loader, and the cell is
+    interrupted before the load starts. The load is abandoned before the KeyboardInterrupt reaches the cell,
+    so that another kernel asking for the model loads it at once, instead of waiting for a load that the
+    interrupted kernel, alive and idle, never makes (OVERMIND_WAIT_TIMEOUT: ten minutes)."""
+    prelude = "\n    ".join(AT_THE_STAGE.strip().splitlines())
+    kernel = start_py(INTERRUPTED_KERNEL.format(fn="tiny_modules.build", prelude=prelude), env=dict(os.environ))
+    try:
+        assert kernel.stdout is not None and kernel.stdout.readline().strip() == "waiting"
+        line = kernel.stdout.readline().strip()
+        assert line == "interrupted", f"the cell said {line!r}: {kernel.stderr.read() if kernel.stderr else ''}"
+        assert daemon.request("status")["loading"] == [], "no load in flight for the interrupted kernel"
+        assert kernel.poll() is None, "the interrupted kernel lives on with its connection"
+    finally:
+        kernel.kill()
+        kernel.wait()
+
+
 def test_a_wait_longer_than_the_wait_timeout_loads_plainly_and_says_what_ran_out(
         overmind_home: Path, daemon: Client, monkeypatch: pytest.MonkeyPatch) -> None:
     """Another kernel's load outlasts OVERMIND_WAIT_TIMEOUT: the call loads plainly, saying that the wait ran
