@@ -60,7 +60,8 @@ from .payloads import (
 from .protocol import PROTOCOL_VERSION, Frame, FrameKind
 from .transport import close_fds, recv_frame, send_frame
 
-__all__ = ["ANSWER_TIMEOUT", "Client", "Response", "existing_shared_client", "reset_shared_client", "shared_client"]
+__all__ = ["ANSWER_TIMEOUT", "Client", "Response", "existing_shared_client", "interrupts_held", "reset_shared_client",
+           "shared_client"]
 
 # Note [Two kinds of waiting]
 # Waiting for another kernel's load of the same model is long (bounded by the caller's timeout, and
@@ -365,7 +366,7 @@ class Client:
         `wait_alive` for it; `meanwhile` runs while the daemon answers. An interrupt that comes while the
         request is sent is held until the wait's protection is in place, so that it too withdraws the
         request (Note [Interrupted waits])."""
-        with _interrupts_held() as held:
+        with interrupts_held() as held:
             request_id, fut = self.submit(op, **fields)
         return self.wait_alive(request_id, fut, timeout, meanwhile=meanwhile, held=held)
 
@@ -755,7 +756,7 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class _Held:
-    """A SIGINT held by `_interrupts_held`, raised later by `raise_it` with the handler it would have met."""
+    """A SIGINT held by `interrupts_held`, raised later by `raise_it` with the handler it would have met."""
 
     def __init__(self) -> None:
         self.frames: list[Any] = []
@@ -768,7 +769,7 @@ class _Held:
 
 
 @contextlib.contextmanager
-def _interrupts_held() -> Iterator[_Held]:
+def interrupts_held() -> Iterator[_Held]:
     """Hold SIGINT for the block (Note [Interrupted waits]): in the main thread, where Python raises it,
     with a handler of Python's own in place (a kernel's); elsewhere, or with another handler, nothing."""
     held = _Held()

@@ -151,6 +151,7 @@ def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
         fall_back(label, "quantized", quantization)
         return _AS_CALLED
     replay = Replay.of(ck.references) if ck.references else NO_REPLAY
+    client, reply = None, None
     try:
         shared_client()  # a daemon started by this call is not a wait for another load (Note [Miss times])
         asked = time.perf_counter()
@@ -170,41 +171,67 @@ def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
         full = isinstance(exc, RemoteError) and exc.code == "descriptors_exhausted"  # Note [Descriptor budget]
         fall_back(label, "descriptors" if full else "daemon", str(exc))
         return _PLAIN
+    except BaseException:
+        _give_back(client, ck.key, reply)
+        raise
     if reply["status"] == "hit":
-        try:
-            obj = _from_hit(client, ck, reply, replay, reuse, device)
-            progress.hit(ck.key, time.perf_counter() - started)
-            return obj
-        except CorruptEntry as exc:
-            _evict_quietly(client, ck.key)
-            fall_back(label, "corrupt", f"{exc}; the entry was evicted")
-            return _PLAIN
-        except EntryElsewhere as exc:  # Note [Tensors on a device] in placement.py
-            fall_back(label, "device", f"{exc}; the entry stays for the kernels that see that device")
-            return _PLAIN
-        except NoRoomHere as exc:
-            fall_back(label, "no_room", f"{exc}; the entry stays for the kernels that have room")
-            return _PLAIN
+        return _hit(client, ck, reply, replay, reuse, device, started)
     if reply["status"] != "load":
         fall_back(label, "daemon", f"unexpected lookup answer {reply['status']!r}")
         return _PLAIN
-    from . import staging
-
-    # a load followed for its draws (Note [Replayed draws] in draws.py): the replayed key's, or PEFT's first
-    followed = ck.meta.get("random") == "replayed" or (ck is called and keys.owner_name(fn)[2] == "peft")
-    loader = False  # whether this thread loads it for the connection (Note [Interrupted caching])
     try:
+        from . import staging
+
+        # a load followed for its draws (Note [Replayed draws] in draws.py): the replayed key's, or PEFT's first
+        followed = ck.meta.get("random") == "replayed" or (ck is called and keys.owner_name(fn)[2] == "peft")
         with _loading_here(ck.key) as alone:
             if not alone:  # another thread of this kernel loaded it meanwhile: ask again (a hit, most likely)
                 return _cached_call(fn, args, kwargs, device)
-            loader = True
             with staging.staged(client, ck.key, client.home, options.backing) as stage:  # Note [Staged conversions]
                 return _miss(client, ck, fn, args, kwargs, replay, device, stage,
                              progress.MissClock(started, queued_s=queued), called if followed else None)
     except BaseException:
-        if loader:
-            _abandon(client, ck.key)
+        _give_back(client, ck.key, reply)
         raise
+
+
+def _hit(client: Client, ck: keys.CallKey, reply: Response[LookupReply], replay: Replay,
+         reuse: dict[tuple[str, int, int, str], Any], device: Any, started: float) -> Any:
+    """The result rebuilt from the hit `reply`, or `_PLAIN` where it cannot be (said why)."""
+    __tracebackhide__ = True  # Note [Our frames hidden]
+    try:
+        obj = _from_hit(client, ck, reply, replay, reuse, device)
+        progress.hit(ck.key, time.perf_counter() - started)
+        return obj
+    except CorruptEntry as exc:
+        _evict_quietly(client, ck.key)
+        fall_back(ck.label, "corrupt", f"{exc}; the entry was evicted")
+        return _PLAIN
+    except EntryElsewhere as exc:  # Note [Tensors on a device] in placement.py
+        fall_back(ck.label, "device", f"{exc}; the entry stays for the kernels that see that device")
+        return _PLAIN
+    except NoRoomHere as exc:
+        fall_back(ck.label, "no_room", f"{exc}; the entry stays for the kernels that have room")
+        return _PLAIN
+    except BaseException:
+        _give_back(client, ck.key, reply)  # where `_from_hit` had not taken it yet
+        raise
+
+
+def _give_back(client: Client | None, key: str, reply: Response[LookupReply] | None) -> None:
+    """What the daemon's answer to a lookup of `key` holds, where the call ends before the code that takes
+    it (Note [Interrupted caching]): a hit's pins and descriptors (none once `_from_hit` took them), or the
+    load (unless another thread of this kernel loads it: the connection is theirs too)."""
+    if client is None or reply is None:
+        return
+    if reply["status"] == "hit":
+        if reply.fds:
+            _release_hit(client, reply)
+    elif reply["status"] == "load":
+        with _loads_here_lock:
+            held = _loads_here.get(key)
+        if held is None or held[0] == threading.get_ident():
+            _abandon(client, key)
 
 
 # Note [Our frames hidden]
@@ -492,7 +519,9 @@ def _ties_apart(obj: Any) -> str | None:
 # budget, and every other kernel asking for the model would wait for it for as long as that kernel lives
 # (and then say that the load was still running). So whatever ends the caching abandons the load (each key
 # this connection loads: the call's, and the one its result goes under where it drew random numbers)
-# before the exception goes on; an entry already published is no load, and its abandon does nothing.
+# before the exception goes on; an entry already published is no load, and its abandon does nothing. A
+# hit's answer holds the entries' pins and descriptors until `_from_hit` takes them: an interrupt before
+# that gives them back (`_give_back`), or the entry could never be evicted while the kernel lives.
 
 
 # Note [Draws on a device]
@@ -629,13 +658,11 @@ def _from_hit(client: Client, ck: keys.CallKey, reply: Response[LookupReply], re
               reuse: dict[tuple[str, int, int, str], Any], device: Any = None) -> Any:
     from . import rebuild
 
-    entries = reply["entries"]
-    fds = reply.fds
-    reply.fds = []
-
     def unpin(key: str) -> None:
         results.unpin(client, key)
 
+    entries = reply["entries"]
+    fds, reply.fds = reply.fds, []  # taken: given back from here on by what follows (Note [Interrupted caching])
     try:
         cannot = elsewhere(entries[0]["meta"].get("devices") or {})
         if cannot is not None:  # before anything is mapped (Note [Tensors on a device] in placement.py)

@@ -109,7 +109,11 @@ def unpatch(owner: Any, name: str, *, layer: int = 0) -> None:
     with _lock:
         record = _records.pop((owner, name, layer), None)
         if record is not None:
-            _settle(owner, name, layer, record.replacement)
+            try:
+                _settle(owner, name, layer, record.replacement)
+            except BaseException:  # (an interrupt, say) still patched: the next unpatch tries again
+                _records[(owner, name, layer)] = record
+                raise
 
 
 def unpatch_all() -> list[BaseException]:

@@ -45,6 +45,40 @@ def loader_descriptors() -> dict[str, object]:
     return {f"{c.__module__}.{c.__qualname__}": c.__dict__.get("from_pretrained") for c in classes}
 
 
+def test_an_interrupted_off_is_finished_by_the_next_one(overmind_home: Path) -> None:
+    """An interrupt inside `%overmind off`'s restore of one loader: the others are restored, the interrupt
+    reaches the cell, and the next `off` restores that one too (docs/design.md invariant 6), where it
+    stayed patched for good, and said that every loader was as it was."""
+    code = """
+        import os, signal, sys
+        import overmind_jupyter
+        from overmind_jupyter import patching
+        from transformers import AutoModel, PreTrainedModel  # noqa: F401 (their loaders patched)
+
+        overmind_jupyter.enable()
+        bases = dict(patching._bases)  # every patched attribute as it was
+
+        def _at_call(frame, event, arg):
+            if event == "call" and frame.f_code is patching._settle.__code__:
+                sys.setprofile(None)
+                os.kill(os.getpid(), signal.SIGINT)
+
+        sys.setprofile(_at_call)
+        try:
+            overmind_jupyter.disable()
+            said = "restored"
+        except KeyboardInterrupt:
+            said = "interrupted"
+        left = bool(patching._records)
+        overmind_jupyter.disable()
+        as_it_was = all((vars(owner).get(name) is base.original) if base.local else name not in vars(owner)
+                        for (owner, name), base in bases.items())
+        print(said, left, as_it_was, bool(patching._records))
+    """
+    out = run_py(code).stdout.split()
+    assert out == ["interrupted", "True", "True", "False"], out
+
+
 def test_on_off_restores_every_descriptor_and_reload_is_idempotent(shell, overmind_home: Path) -> None:
     import transformers
 

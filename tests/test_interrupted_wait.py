@@ -227,6 +227,30 @@ def test_an_interrupt_between_the_lookup_and_the_load_leaves_no_load_in_flight(o
         kernel.wait()
 
 
+AT_THE_HIT = AT_THE_STAGE.replace("from overmind_jupyter import staging", "from overmind_jupyter import loading") \
+    .replace("staging.staged.__wrapped__.__code__", "loading._from_hit.__code__")
+
+
+def test_an_interrupt_between_a_hits_answer_and_its_rebuild_keeps_no_pin(overmind_home: Path,
+                                                                         daemon: Client) -> None:
+    """Note [Interrupted caching] in loading.py: the daemon answered a hit (pinned, descriptors sent), and the
+    cell is interrupted before the rebuild takes them: the pin goes back before the KeyboardInterrupt reaches
+    the cell, so that the entry can still be evicted while the kernel lives."""
+    loading.cached(tiny_modules.build, "mlp", 42, width=64)  # the entry
+    prelude = "\n    ".join(AT_THE_HIT.strip().splitlines())
+    kernel = start_py(INTERRUPTED_KERNEL.format(fn="tiny_modules.build", prelude=prelude), env=dict(os.environ))
+    try:
+        assert kernel.stdout is not None and kernel.stdout.readline().strip() == "waiting"
+        line = kernel.stdout.readline().strip()
+        assert line == "interrupted", f"the cell said {line!r}: {kernel.stderr.read() if kernel.stderr else ''}"
+        wait_until(lambda: all(kernel.pid not in [k["pid"] for k in e["pinned_by"]]
+                               for e in daemon.request("ls")["entries"]), 5, "the interrupted hit's pin given back")
+        assert kernel.poll() is None, "the interrupted kernel lives on with its connection"
+    finally:
+        kernel.kill()
+        kernel.wait()
+
+
 def test_a_wait_longer_than_the_wait_timeout_loads_plainly_and_says_what_ran_out(
         overmind_home: Path, daemon: Client, monkeypatch: pytest.MonkeyPatch) -> None:
     """Another kernel's load outlasts OVERMIND_WAIT_TIMEOUT: the call loads plainly, saying that the wait ran

@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 import warnings
@@ -612,6 +613,44 @@ def test_a_waiter_whose_daemon_dies_is_told_what_comes_next(fake_gpus: Callable[
     message = str(info.value)
     assert message.startswith("lost the daemon while waiting for units (") and "the next call starts a new one" in \
         message and f"{overmind_home / 'daemon.log'} says why this one went" in message, message
+
+
+def test_an_interrupt_as_the_units_request_is_sent_leaves_no_holding(fake_gpus: Callable[..., Client]) -> None:
+    """A SIGINT that lands as `units.place` sends its request (the daemon has it, the wait's protection is not
+    in place yet) is raised inside the wait, which withdraws the request and gives back what was granted:
+    the kernel lives on holding no units, where it held a busy holding that nothing could release."""
+    client = fake_gpus("1x16")
+    code = textwrap.dedent("""
+        import os, signal, sys, torch
+        from kernel_server.client import Client
+        from overmind_jupyter import units
+
+        def _at_return(frame, event, arg):
+            if event == "return" and frame.f_code is Client.submit.__code__ and \\
+                    frame.f_locals.get("op") == "units_acquire":
+                sys.setprofile(None)
+                os.kill(os.getpid(), signal.SIGINT)
+
+        sys.setprofile(_at_return)
+        try:
+            units.place(torch.nn.Linear(4, 4))
+            print("placed", flush=True)
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+        sys.stdin.read()
+    """)
+    kernel = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        assert kernel.stdout is not None
+        line = kernel.stdout.readline().strip()
+        assert line == "interrupted", f"the cell said {line!r}: {kernel.stderr.read() if kernel.stderr else ''}"
+        time.sleep(0.3)  # a grant left behind would be the daemon's holding by now
+        assert [h for h in holders(client) if h["pid"] == kernel.pid] == [], holders(client)
+        assert kernel.poll() is None, "the interrupted kernel lives on with its connection"
+    finally:
+        kernel.kill()
+        kernel.wait()
 
 
 def test_state_and_its_text(fake_gpus: Callable[..., Client], peers: Callable[..., Peer]) -> None:

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kernel_server import lifecycle, settings
-from kernel_server.client import Client, Response, shared_client
+from kernel_server.client import Client, Response, interrupts_held, shared_client
 from kernel_server.errors import DaemonError, RemoteError
 from kernel_server.operations import Op
 from kernel_server.payloads import Grant
@@ -352,12 +352,6 @@ class Residency:
                  label: str) -> dict[str, Any]:
         timeout = settings.get(settings.UNITS_TIMEOUT) if timeout is None else timeout
         daemon_timeout = None if timeout == float("inf") else max(0.0, float(timeout))
-        try:
-            request_id, fut = client.submit(Op.UNITS_ACQUIRE, units=units, devices=[d.id for d in candidates],
-                                            timeout_s=daemon_timeout, label=label, busy=True,
-                                            context_units=context_units(candidates[0].simulated))
-        except DaemonError as exc:
-            raise UnitsError(f"cannot ask the daemon for units: {exc}") from exc
         names = ", ".join(d.name for d in candidates)
 
         def say() -> None:  # a wait for units held elsewhere, out of sight in the cell otherwise
@@ -367,7 +361,17 @@ class Residency:
                       "models hold (`%overmind units` lists them); it waits up to "
                       f"{'ever' if daemon_timeout is None else f'{daemon_timeout:g} s'} (OVERMIND_UNITS_TIMEOUT)")
 
+        # an interrupt while the request is sent is raised inside the wait, which withdraws it (Note
+        # [Interrupted waits] in kernel_server/client.py): the daemon would grant units nothing holds
+        with interrupts_held() as held:
+            try:
+                request_id, fut = client.submit(Op.UNITS_ACQUIRE, units=units, devices=[d.id for d in candidates],
+                                                timeout_s=daemon_timeout, label=label, busy=True,
+                                                context_units=context_units(candidates[0].simulated))
+            except DaemonError as exc:
+                raise UnitsError(f"cannot ask the daemon for units: {exc}") from exc
         try:
+            held.raise_it()
             reply: Response[Grant] = client.wait(request_id, fut,
                                                  None if daemon_timeout is None else daemon_timeout + _GRACE,
                                                  told=(_TOLD_S, say))
