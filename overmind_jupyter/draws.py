@@ -67,6 +67,11 @@ _FACTORIES = frozenset({"aten.rand.default", "aten.randn.default", "aten.randint
                         "aten.randint_like.default", "aten.randint_like.low_dtype"})
 _OVERWRITE = frozenset({"aten.copy_.default", "aten.fill_.Scalar", "aten.fill_.Tensor", "aten.zero_.default"})
 _TAGS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
+# operations that answer about tensors' types and layouts, never their values (PEFT's `.data =` under
+# `torch.inference_mode()` asks the first of a weight drawn at random)
+_METADATA = frozenset({"aten._has_compatible_shallow_copy_type.default", "aten.is_same_size.default",
+                       "aten.is_set_to.default", "aten.sym_size.int", "aten.sym_stride.int", "aten.sym_numel.default",
+                       "aten.sym_storage_offset.default"})
 _READS = {torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__array__, torch.Tensor.__dlpack__,
           torch.Tensor.data_ptr}
 
@@ -179,7 +184,7 @@ class Draws:
             elif _whole(dst):
                 self._tainted.pop(_STORAGE(dst)._cdata, None)
             return
-        if not any(map(self._holds, inputs)):
+        if op.name in _METADATA or not any(map(self._holds, inputs)):
             return
         if op.reads:
             self.verdict = f"{op.name} read values drawn at random"

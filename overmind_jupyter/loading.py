@@ -218,6 +218,15 @@ def _hit(client: Client, ck: keys.CallKey, reply: Response[LookupReply], replay:
         raise
 
 
+# Note [Hits inside inference_mode]
+# A model loaded inside `torch.inference_mode()` is trained in a later cell: the plain load's parameters
+# are ordinary tensors there (transformers assigns the checkpoint's tensors, made outside the mode), and
+# only buffers computed while the model is built (rotary frequencies) are inference tensors. A hit made
+# every tensor inside the mode, so backward and in-place updates raised "Inference tensors cannot be saved
+# for backward". The rebuild runs outside it: all its tensors are ordinary ones, buffers included (an
+# ordinary buffer does all an inference one does, and more).
+
+
 def _give_back(client: Client | None, key: str, reply: Response[LookupReply] | None) -> None:
     """What the daemon's answer to a lookup of `key` holds, where the call ends before the code that takes
     it (Note [Interrupted caching]): a hit's pins and descriptors (none once `_from_hit` took them), or the
@@ -656,6 +665,8 @@ def _to_a_real_gpu(device: Any) -> bool:
 
 def _from_hit(client: Client, ck: keys.CallKey, reply: Response[LookupReply], replay: Replay,
               reuse: dict[tuple[str, int, int, str], Any], device: Any = None) -> Any:
+    import torch
+
     from . import rebuild
 
     def unpin(key: str) -> None:
@@ -695,7 +706,7 @@ def _from_hit(client: Client, ck: keys.CallKey, reply: Response[LookupReply], re
             at += 1 + len(parts) + len(sources)
 
         born_old = hit_tuning.born_old()
-        with rebuild.gc_paused():
+        with rebuild.gc_paused(), torch.inference_mode(False):  # Note [Hits inside inference_mode]
             # a result bound for a GPU leaves the arena's pages at once: mapping them ahead would be for nothing
             rebuilt = rebuild.rebuild(graph, arenas, ck.key, on_unmap=unpin,
                                       populate=options.populate and threads.allowed()  # Note [Helper threads]

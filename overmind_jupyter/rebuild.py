@@ -294,6 +294,9 @@ class _Dispatch(dict):  # type: ignore[type-arg]
         if issubclass(cls, type):
             raise KeyError(cls)
         self.modules.add(cls.__module__)
+        if issubclass(cls, _PARAMETER) and cls.__reduce_ex__ is _PARAMETER.__reduce_ex__:
+            raise PackError(f"it holds a parameter of class {cls.__qualname__}, which a pickle brings back as an "
+                            "nn.Parameter (torch's reduction of a Parameter keeps no subclass)")
         found = self[cls] = (_kept_reduction(cls) or
                              (self.reduce_module if _plain_module_class(cls) else _REDUCE_EX))
         return found

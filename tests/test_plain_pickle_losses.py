@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -114,6 +115,21 @@ def test_an_attribute_a_native_pickle_would_drop_leaves_the_result_uncached(over
     (fallback, *_) = loading.fallbacks()
     assert fallback["kind"] == "unpicklable"
     assert "a Tokenizer holds attributes that pickling it loses (decode, note)" in fallback["reason"]
+
+
+def test_a_parameter_of_a_class_of_its_own_leaves_the_result_uncached(overmind_home: Path) -> None:
+    """torch's reduction of a Parameter makes an nn.Parameter of any subclass: the result is not cached,
+    rather than cached with its parameter's class lost, and the reason is said."""
+    from tests.helpers import tiny_modules
+
+    for _ in range(2):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FallbackWarning)
+            result = loading.cached(tiny_modules.build, "tagged_weight")
+        assert type(result.weight) is tiny_modules.TaggedParameter
+    assert loading.calls().get("plain") == 2 and not loading.calls().get("hit")
+    (fallback, *_) = loading.fallbacks()
+    assert fallback["kind"] == "unpicklable" and "a parameter of class TaggedParameter" in fallback["reason"]
 
 
 def with_a_closure(path: Path) -> dict[str, object]:

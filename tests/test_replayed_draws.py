@@ -88,6 +88,50 @@ def test_an_adapter_is_a_hit_after_a_restart_with_any_seed_and_draws_as_plain(
     assert (stats["misses"], stats["hits"]) == (3, 6), "a load that draws is one miss, its marker no other"
 
 
+# A notebook's cell that loads the base model and an adapter inside `torch.inference_mode()`, then trains.
+INFERENCE_CELL = """
+import json, torch, warnings
+import overmind_jupyter
+from overmind_jupyter import loading
+torch.manual_seed({seed})
+if {cached}:
+    overmind_jupyter.enable()
+from transformers import AutoModelForCausalLM
+from peft import PeftModel
+with warnings.catch_warnings(record=True) as said:
+    warnings.simplefilter("always")
+    with torch.inference_mode():
+        base = AutoModelForCausalLM.from_pretrained({base!r})
+    inference = sorted(n for n, p in base.named_parameters() if p.is_inference())
+    ids = torch.arange(1, 9).unsqueeze(0)
+    base(ids, labels=ids).loss.backward()  # outside the mode: trains
+    grads = sum(p.grad is not None for p in base.parameters())
+    base.zero_grad(set_to_none=True)
+    with torch.inference_mode():
+        model = PeftModel.from_pretrained(base, {adapter!r})
+print(json.dumps({{"inference": inference, "grads": grads, "calls": loading.calls(),
+                   "said": [str(w.message) for w in said if "overmind" in str(w.message)]}}))
+"""
+
+
+def test_loads_inside_inference_mode_train_after_a_hit_and_an_adapter_is_one_entry(
+        overmind_home: Path, adapters: tuple[Path, dict[str, Path]]) -> None:
+    """Note [Hits inside inference_mode] in loading.py: a hit made inside the mode trains in a later cell, as
+    the plain load does; and PEFT's load inside it, whose `.data =` asks torch about a weight drawn at
+    random, is still found not to depend on its draws: one entry, a hit after the restart, nothing said."""
+    base, paths = adapters
+
+    def run(seed: int, cached: bool) -> dict:
+        return last_json(run_py(INFERENCE_CELL.format(seed=seed, cached=cached, base=str(base),
+                                                      adapter=str(paths["fr"]))))
+
+    plain, miss, hit = run(1, False), run(1, True), run(2, True)
+    assert (miss["calls"], hit["calls"]) == ({"miss": 2}, {"hit": 2}), (miss, hit)
+    for got in (miss, hit):
+        assert got["inference"] == plain["inference"] == [] and got["grads"] == plain["grads"] > 0, got
+        assert got["said"] == [], got["said"]
+
+
 # A loader of the notebook's own that draws (a layer's initialisation) and then overwrites all of it.
 OWN_LOADER = """
 import json, torch

@@ -148,6 +148,16 @@ def _seeded(seed: int) -> None:
     torch.random.default_generator.manual_seed(seed)
 
 
+class TaggedParameter(nn.Parameter):
+    """A parameter of a class of its own (a library's quantized or sharded parameter)."""
+
+
+class TaggedWeight(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = TaggedParameter(torch.randn(4, 4))
+
+
 def build(kind: str, seed: int = 0, **kwargs: object) -> nn.Module:
     """The loader the tests cache: deterministic for (kind, seed, kwargs), and like a full checkpoint's
     load it leaves every global generator as it found it, the CUDA ones included (loads that draw from one
@@ -157,7 +167,7 @@ def build(kind: str, seed: int = 0, **kwargs: object) -> nn.Module:
         _seeded(seed)
         return {"tied": TiedWeights, "noncontig": NonContiguous, "dtypes": Dtypes, "mlp": Mlp,
                 "unpicklable": Unpicklable, "ordered": OrderedState, "hooked": hooked, "handled": handled,
-                "bf16": Bf16, "stateful": Stateful}[kind](**kwargs)
+                "bf16": Bf16, "stateful": Stateful, "tagged_weight": TaggedWeight}[kind](**kwargs)
 
 
 def build_on(kind: str, device: str) -> nn.Module:
