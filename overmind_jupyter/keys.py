@@ -46,7 +46,7 @@ import stat
 import sys
 import types
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path, PurePath
@@ -737,7 +737,10 @@ def under_bindings(ck: CallKey, now: dict[str, str]) -> CallKey:
 # as a global a function reads is named (Note [The user's modules a module imports]). So a kernel that
 # registers its own class, or an edited one, does not get the entry of the library's class, and the other
 # way round. The registrations are read from transformers' mappings (`_extra_content`, where `register`
-# puts them); none made, the key is as before.
+# puts them); none made, the key is as before. Those transformers makes itself, as a `trust_remote_code`
+# load registers the checkpoint's own classes (`transformers_modules.*`), are left out: that code is keyed
+# with the checkpoint (Note [Code in the checkpoint] in dynamic_modules.py), and the first such load of a
+# process would otherwise have a key of its own.
 def _registered(cls: type) -> list[tuple[Any, Any]]:
     """The (config, model) classes registered with the Auto class `cls`, and the (model type, config
     class) pairs registered with AutoConfig, in the order made (Note [Classes registered with an Auto
@@ -747,7 +750,8 @@ def _registered(cls: type) -> list[tuple[Any, Any]]:
     if not isinstance(extra, dict):
         return []
     configs = getattr(sys.modules.get("transformers.models.auto.configuration_auto"), "CONFIG_MAPPING", None)
-    return [*extra.items(), *((getattr(configs, "_extra_content", None) or {}).items())]
+    pairs = [*extra.items(), *((getattr(configs, "_extra_content", None) or {}).items())]
+    return [pair for pair in pairs if not str(getattr(pair[1], "__module__", "")).startswith("transformers_modules.")]
 
 
 # Note [The user's modules a module imports]
@@ -756,9 +760,10 @@ def _registered(cls: type) -> list[tuple[Any, Any]]:
 # `Block` of `blocks.py`, which builds an `Attention` of `attention.py` or reads a constant there, so an
 # edit of `attention.py` alone changes what the load builds. So such a name is keyed with the identity
 # of every module of the user's that its module imports, and that those import in turn: the import
-# statements of each file (parsed once per version of the file), resolved as Python resolves them, of
-# those modules that this process has imported. A library's module is keyed by its name and version
-# alone, as before; a module imported by a call (`importlib.import_module`) is not followed.
+# statements that importing each file runs (parsed once per version of the file; not those inside its
+# functions, which run in some processes only, so that the key is the same in every process), resolved as
+# Python resolves them. A library's module is keyed by its name and version alone, as before; a module
+# imported by a call (`importlib.import_module`, an import inside a function) is not followed.
 def _users_imports(module: str) -> dict[str, list[int]]:
     """The identity of the file of each module of the user's that `module` imports, directly or through
     another such module (Note [The user's modules a module imports])."""
@@ -788,7 +793,7 @@ def _imports(module: str, file: str, identity: tuple[int, ...]) -> tuple[str, ..
         return ()
     package = module if file.endswith("__init__.py") else module.rpartition(".")[0]
     names: list[str] = []
-    for node in ast.walk(tree):
+    for node in _run_on_import(tree.body):
         if isinstance(node, ast.Import):
             names += [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -802,6 +807,20 @@ def _imports(module: str, file: str, identity: tuple[int, ...]) -> tuple[str, ..
                 names.append(base)
             names += [f"{base}.{alias.name}" if base else alias.name for alias in node.names]
     return tuple(dict.fromkeys(names))
+
+
+def _run_on_import(body: list[Any]) -> Iterator[Any]:
+    """The statements of a module's `body` that importing it runs, whatever the outcome of a `try`: not
+    those of its functions and classes (run when called, in some processes only), nor of an `if` (such as
+    `if TYPE_CHECKING:`)."""
+    import ast
+
+    for node in body:
+        if isinstance(node, ast.Try):
+            yield from _run_on_import([*node.body, *node.orelse, *node.finalbody,
+                                       *(n for h in node.handlers for n in h.body)])
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
 
 
 def _module_file(module: str) -> str | None:
