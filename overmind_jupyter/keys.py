@@ -23,6 +23,9 @@ A key is the SHA-256 of a JSON document holding (docs/design.md invariant 2):
   files (links to blobs) the same way;
 - for diffusers' `from_single_file`, its `config` and `original_config` (a folder, or a hub id) as a
   checkpoint argument: by their files or their commit, never by their name;
+- for a call with `trust_remote_code`, the code that its checkpoint's configs name in another folder or hub
+  repo (auto_map's "<folder>--modeling_x.Class"), keyed as a checkpoint is (Note [Code in another folder]
+  in dynamic_modules.py);
 - for an argument that is itself a cached result, the key of its entry (see `references`);
 - the versions of torch, of the library that owns the callable, and of the pack format.
 Anything that changes what the call would return changes the key, so a rewritten checkpoint is a miss.
@@ -52,6 +55,7 @@ from importlib import metadata
 from pathlib import Path, PurePath
 from typing import Any
 
+from .dynamic_modules import elsewhere
 from .errors import Uncacheable
 from .reads import is_users_module, path_constants, reads
 
@@ -94,6 +98,9 @@ class CallKey:
     # what to tell the user once this key's entry is published (loading.py's `_tell_seed`): not before, since
     # a result that cannot be cached is not "cached for the state" of anything
     notice: tuple[str, list[str], str] | None = field(default=None, repr=False)
+    # the auto_map references, as written, to code in another folder (Note [Code in another folder] in
+    # dynamic_modules.py)
+    code: list[str] = field(default_factory=list, repr=False)
 
 
 def changed_since(ck: CallKey) -> str | None:
@@ -159,6 +166,7 @@ def make_key(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
             doc_args[name] = canon.value(name, arguments[name], 0)
     if isinstance(fn, types.FunctionType) and getattr(fn, "__self__", None) is None:
         doc_args["<function>"] = canon.function("the function", fn, 0)  # by its code, not its name
+    code = canon.code(arguments) if arguments.get("trust_remote_code") else {}
     document = {
         "format": [_KEY_FORMAT, GRAPH_FORMAT],
         "callable": qualified,
@@ -169,6 +177,8 @@ def make_key(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
     default_dtype = _default_dtype()
     if default_dtype != "torch.float32":  # Note [Torch's default dtype]
         document["default_dtype"] = default_dtype
+    if code:
+        document["code"] = code  # Note [Code in another folder] in dynamic_modules.py
     text = json.dumps(document, sort_keys=True, separators=(",", ":"))
     key = hashlib.sha256(text.encode()).hexdigest()
     named, dtype = canon.source_label or _plain_arguments(arguments), _dtype_label(arguments)
@@ -178,7 +188,7 @@ def make_key(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
         "source": canon.source_label,
         "dtype": dtype.removeprefix(", dtype=") or None,
     }
-    return CallKey(key, str(meta["label"]), meta, canon.references, canon.sources, canon.roots)
+    return CallKey(key, str(meta["label"]), meta, canon.references, canon.sources, canon.roots, code=canon.code_refs)
 
 
 # Note [Torch's default dtype]
@@ -348,6 +358,7 @@ class _Canonical:
         self.source_label: str | None = None
         self.sources: list[tuple[str, Callable[[], Any], Any]] = []
         self.roots: dict[str, str] = {}
+        self.code_refs: list[str] = []
         self._active: set[int] = set()
         self._functions: set[int] = set()
         self._values = 0
@@ -367,6 +378,39 @@ class _Canonical:
                 return {"hub": value, **commit}
             raise Uncacheable(f"argument {name}={text!r} is neither a local path nor a hub id")
         return self.value(name, value, 0)
+
+    def code(self, arguments: dict[str, Any]) -> dict[str, Any]:
+        """The code the configs of the folders read so far name in another folder or hub repo, keyed as
+        a checkpoint: {folder or hub id: its fingerprint}; the references, as written, in `code_refs`
+        (Note [Code in another folder] in dynamic_modules.py)."""
+        refs: set[str] = set()
+        for label, _, seen in list(self.sources):
+            root = self.roots.get(label)
+            rows = seen.get("files") if isinstance(seen, dict) else seen
+            if root is None or not isinstance(rows, list):
+                continue
+            for rel, _link, *identity in rows:
+                if rel.endswith("config.json") and identity[0] is not None:
+                    refs.update(elsewhere(_read_json(root if rel == "." else os.path.join(root, rel))))
+        keyed: dict[str, Any] = {}
+        for ref in sorted(refs):
+            where = ref.split("--", 1)[0]
+            if where not in keyed:
+                path = os.path.join(self.cwd, where)  # as transformers finds it: from the working directory
+                if os.path.isdir(path):
+                    keyed[where] = self._path(f"the model code {ref}", path)
+                elif where in self.roots:  # the hub checkpoint itself, keyed at the revision its code is read at
+                    keyed[where] = "the checkpoint"
+                elif _HUB_ID.match(where):
+                    hub = {"revision": arguments.get("code_revision"), "cache_dir": arguments.get("cache_dir")}
+                    commit = _hub_commit(where, hub)
+                    self.sources.append((where, functools.partial(_hub_commit, where, hub), commit))
+                    keyed[where] = {"hub": where, **commit}
+                else:
+                    raise Uncacheable(f"the model code {ref} that the checkpoint's auto_map names is neither a "
+                                      "local folder nor a hub id")
+        self.code_refs = sorted(refs)
+        return keyed
 
     def _path(self, name: str, path: str) -> Any:
         real = os.path.realpath(path)
@@ -668,6 +712,15 @@ def _hub_commit(repo_id: str, arguments: dict[str, Any]) -> dict[str, Any]:
     if not snapshot.is_dir():
         raise Uncacheable(f"{repo_id}@{commit[:8]} has no snapshot in {cache_dir}")
     return {"commit": commit, "files": fingerprint(str(snapshot))}
+
+
+def _read_json(path: str) -> Any:
+    """The parsed JSON file `path`, or None where it is no JSON."""
+    try:
+        with open(path, "rb") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
 
 
 def _hub_cache() -> str:

@@ -10,7 +10,7 @@ import threading
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from .errors import OvermindWarning
 
@@ -31,9 +31,42 @@ __all__ = ["Said", "load_log", "log_again", "warn_again"]
 # `warning_once` stands in for the library's: it keeps each call's arguments, said or not, and the hit
 # calls the library's `warning_once` with them, which says the message only where this process has not
 # said it yet, and remembers it as said.
+#
+# What is kept is what a kernel at the libraries' default verbosity and Python's default warning filters
+# is shown, whatever the missing kernel's own settings (Note [A quiet kernel's miss]).
 _LIBRARY_LOGGERS = ("transformers", "diffusers", "peft")
+_LIBRARY_CHILDREN = tuple(f"{name}." for name in _LIBRARY_LOGGERS)
 _MAX_SAID = 8 * 1024
-_this_thread = threading.local()  # .saids: the Said of each load_log open on this thread; .once: in warning_once
+# .saids: the Said of each load_log open on this thread; .once: in warning_once; .quiet: in a quiet load;
+# .through: a warning let through by the quiet load's filter; .again: one warned again past that filter
+_this_thread = threading.local()
+
+# Note [A quiet kernel's miss]
+# A miss keeps what a kernel at the libraries' default verbosity (WARNING: transformers', diffusers', and
+# Python's for PEFT's loggers) and Python's default warning filters is shown, so that a hit in another
+# kernel shows what its own settings let through of it; the missing kernel itself shows what its own
+# settings let through, as its plain load does. A kernel quieter than that (`transformers.logging.
+# set_verbosity_error()`, TRANSFORMERS_VERBOSITY=error, `warnings.simplefilter("ignore")`, -W ignore)
+# makes nothing to keep: a logger's level is checked before a record is made, and an ignored warning never
+# reaches showwarning. So there, and only there (`_quieter`, a microsecond: a miss in a kernel at the
+# defaults does nothing more), while the load runs:
+# - `Logger.isEnabledFor` stands in for logging's: on the loading thread, a library's loggers make the
+#   records of WARNING and above, whatever their levels (no level is changed: other threads, and the
+#   library's own reading of its verbosity, see the kernel's). And `Logger.callHandlers` stands in for
+#   logging's: such a record that the kernel's own levels would not have made reaches the loads' handlers
+#   (`_Logged`) only, not the kernel's. It must be there, not in a filter: a logger's filters see only the
+#   records logged on it, not those its children propagate, and a handler's filters are its owner's;
+# - a filter first in `warnings.filters`, whose message pattern matches on the loading thread only, lets
+#   that thread's warnings through ("always", which leaves the registries alone; the list is changed in
+#   place, which resets no registry). The showwarning stand-in keeps what Python's default filters show,
+#   once per place, and warns it again from where it was warned, past that filter, so that the kernel's
+#   own filters and registries decide whether it is shown (or raised, for "error"). A block that records
+#   warnings itself (`catch_warnings(record=True)`) gets what the kernel's filters let through, as before.
+# Not noticed as quieter: `logging.disable`, a level set on one of a library's loggers but not on its
+# root, and a filter that ignores some warnings by message or module (a targeted silence, which then
+# holds for the hits of what was loaded under it too).
+_DEFAULT_LEVEL = logging.WARNING
+_IGNORED_BY_DEFAULT = (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning)
 
 
 @dataclass
@@ -97,6 +130,113 @@ class _StandIn:
                 warnings.showwarning = cls.shown
 
 
+def _quieter() -> bool:
+    """Whether this kernel shows less than a kernel at the libraries' default verbosity and Python's
+    default warning filters (Note [A quiet kernel's miss])."""
+    loggers = logging.Logger.manager.loggerDict  # (getLogger takes a lock, and makes a logger not there)
+    for name in _LIBRARY_LOGGERS:
+        logger = loggers.get(name)
+        if (logger.getEffectiveLevel() if isinstance(logger, logging.Logger) else logging.root.level) > _DEFAULT_LEVEL:
+            return True
+    for action, message, category, module, lineno in _filters():
+        if (action == "ignore" and message is None and module is None and not lineno
+                and category.__module__ == "builtins" and not issubclass(category, _IGNORED_BY_DEFAULT)):
+            return True
+    return False
+
+
+def _filters() -> list[Any]:
+    """`warnings.filters`: a list (typeshed's is a Sequence)."""
+    return warnings.filters  # type: ignore[return-value]
+
+
+class _OnQuietLoad:
+    """The message pattern of the filter a quiet load puts first: it matches on a thread inside a quiet
+    load, for a warning not warned again past it and not recorded by a `catch_warnings(record=True)`."""
+
+    def match(self, text: str) -> bool:
+        if (getattr(_this_thread, "quiet", False) and not getattr(_this_thread, "again", False)
+                and warnings.showwarning is _showwarning):
+            _this_thread.through = True  # the filter is "always" for every category: showwarning comes next
+            return True
+        return False
+
+    def __repr__(self) -> str:
+        return "<overmind: the warnings of a load in a quiet kernel, kept for its hits>"
+
+
+_QUIET_FILTER = ("always", _OnQuietLoad(), Warning, None, 0)
+
+
+class _Quiet:
+    """What loads in a quiet kernel change while any thread is inside one (Note [A quiet kernel's miss]):
+    `Logger.isEnabledFor` and `Logger.callHandlers`, and a warnings filter, put back when the last ends."""
+
+    lock = threading.Lock()
+    users = 0
+    enabled: Any = None  # the isEnabledFor it stands in for
+    call_handlers: Any = None  # the callHandlers it stands in for
+    filters: ClassVar[list[Any]] = []  # the list the filter went into
+
+    @classmethod
+    def enter(cls) -> None:
+        with cls.lock:
+            if cls.users == 0:
+                cls.enabled = vars(logging.Logger)["isEnabledFor"]
+                cls.call_handlers = vars(logging.Logger)["callHandlers"]
+                logging.Logger.isEnabledFor = _is_enabled_for  # type: ignore[method-assign]
+                logging.Logger.callHandlers = _call_handlers  # type: ignore[method-assign]
+                cls.filters = _filters()
+                cls.filters.insert(0, _QUIET_FILTER)
+            cls.users += 1
+
+    @classmethod
+    def leave(cls) -> None:
+        with cls.lock:
+            cls.users -= 1
+            if cls.users:
+                return
+            for filters in (cls.filters, _filters()):  # (the list may have been replaced meanwhile)
+                for i, entry in enumerate(filters):
+                    if entry is _QUIET_FILTER:
+                        del filters[i]
+                        break
+            # (not where something replaced them meanwhile)
+            if vars(logging.Logger).get("isEnabledFor") is _is_enabled_for:
+                logging.Logger.isEnabledFor = cls.enabled  # type: ignore[method-assign]
+            if vars(logging.Logger).get("callHandlers") is _call_handlers:
+                logging.Logger.callHandlers = cls.call_handlers  # type: ignore[method-assign]
+
+
+def _made_for_a_load(logger: logging.Logger, level: int) -> bool:
+    """Whether a record of `level` on `logger` is made for the load this thread is in only, past the
+    kernel's own levels (Note [A quiet kernel's miss])."""
+    return (level >= _DEFAULT_LEVEL and getattr(_this_thread, "quiet", False)
+            and (logger.name in _LIBRARY_LOGGERS or logger.name.startswith(_LIBRARY_CHILDREN)))
+
+
+def _is_enabled_for(self: logging.Logger, level: int) -> bool:
+    """`Logger.isEnabledFor` while a load in a quiet kernel runs: a library logger on the loading thread
+    makes the records of the libraries' default verbosity (Note [A quiet kernel's miss])."""
+    if _made_for_a_load(self, level):
+        return not self.disabled and self.manager.disable < level
+    return bool(_Quiet.enabled(self, level))
+
+
+def _call_handlers(self: logging.Logger, record: logging.LogRecord) -> None:
+    """`Logger.callHandlers` while a load in a quiet kernel runs: a record that the kernel's own levels
+    would not have made reaches the loads' handlers only (Note [A quiet kernel's miss])."""
+    if record.levelno >= self.getEffectiveLevel() or not _made_for_a_load(self, record.levelno):
+        _Quiet.call_handlers(self, record)
+        return
+    c: logging.Logger | None = self
+    while c is not None:
+        for handler in c.handlers:
+            if isinstance(handler, _Logged) and record.levelno >= handler.level:
+                handler.handle(record)
+        c = c.parent if c.propagate else None
+
+
 def _warning_once(self: logging.Logger, *args: Any, **kwargs: Any) -> None:
     """transformers' `warning_once`, keeping its arguments for the hits of each load this thread is in."""
     saids = getattr(_this_thread, "saids", ())
@@ -118,14 +258,57 @@ def _warning_once(self: logging.Logger, *args: Any, **kwargs: Any) -> None:
 
 def _showwarning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
                  file: Any = None, line: str | None = None) -> None:
-    """`warnings.showwarning`, keeping what it shows (not ours) for the hits of each load this thread is in."""
+    """`warnings.showwarning`, keeping what it shows (not ours) for the hits of each load this thread is in;
+    in a quiet kernel, what Python's default filters show (Note [A quiet kernel's miss])."""
+    if getattr(_this_thread, "again", False):  # warned again past the quiet load's filter: kept already
+        _StandIn.shown(message, category, filename, lineno, file, line)
+        return
     saids = getattr(_this_thread, "saids", ())
+    through = getattr(_this_thread, "through", False)  # let through by the quiet load's filter, not the kernel's
+    if through:
+        _this_thread.through = False
+    where = _warned_from(filename, lineno) if through else None
     if saids and not issubclass(category, OvermindWarning):
-        module = _module_of(filename)
-        for said in saids:
-            if (text := said.keep(str(message))) is not None:
-                said.warned.append([category.__module__, category.__qualname__, text, filename, lineno, module])
-    _StandIn.shown(message, category, filename, lineno, file, line)
+        module = str(where.get("__name__", "<string>")) if where is not None else _module_of(filename)
+        place = [category.__module__, category.__qualname__, str(message)[:_MAX_SAID // 2], filename, lineno, module]
+        kept = through and any(place in said.warned for said in saids)  # (the default filters: once per place)
+        if not through or (_shown_by_default(category, module) and not kept):
+            for said in saids:
+                if (text := said.keep(str(message))) is not None:
+                    said.warned.append([*place[:2], text, *place[3:]])
+    if through:
+        _warn_past(message, category, filename, lineno, where)
+    else:
+        _StandIn.shown(message, category, filename, lineno, file, line)
+
+
+def _shown_by_default(category: type[Warning], module: str) -> bool:
+    """Whether Python's default filters show a warning of `category` warned from `module`."""
+    if issubclass(category, DeprecationWarning):
+        return module == "__main__"
+    return not issubclass(category, _IGNORED_BY_DEFAULT)
+
+
+def _warned_from(filename: str, lineno: int) -> dict[str, Any] | None:
+    """The globals of the frame a warning showing now was warned from (as `warnings.warn` found it)."""
+    frame = sys._getframe(2)
+    while frame is not None and not (frame.f_lineno == lineno and frame.f_code.co_filename == filename):
+        frame = frame.f_back  # type: ignore[assignment]
+    return frame.f_globals if frame is not None else None
+
+
+def _warn_past(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+               where: dict[str, Any] | None) -> None:
+    """Warn again, past the quiet load's filter, what it let through: the kernel's own filters and
+    registries decide, as for the warning itself (Note [A quiet kernel's miss])."""
+    module = str(where.get("__name__", "<string>")) if where is not None else _module_of(filename)
+    registry = where.setdefault("__warningregistry__", {}) if where is not None else None
+    _this_thread.again = True
+    try:
+        warnings.warn_explicit(message, category, filename, lineno, module=module, registry=registry,
+                               module_globals=where)
+    finally:
+        _this_thread.again = False
 
 
 @contextlib.contextmanager
@@ -139,9 +322,16 @@ def load_log() -> Iterator[Said]:
     saids = getattr(_this_thread, "saids", ())
     _this_thread.saids = (*saids, said)
     _StandIn.enter()
+    quiet, was_quiet = _quieter(), getattr(_this_thread, "quiet", False)
+    if quiet:  # Note [A quiet kernel's miss]
+        _Quiet.enter()
+        _this_thread.quiet = True
     try:
         yield said
     finally:
+        if quiet:
+            _this_thread.quiet = was_quiet
+            _Quiet.leave()
         _StandIn.leave()
         _this_thread.saids = saids
         for logger in loggers:

@@ -619,7 +619,7 @@ def _publish(client: Client, ck: keys.CallKey, obj: Any, replay: Replay, random_
             _abandon(client, ck.key)
             fall_back(ck.label, "unpicklable", f"{exc}; it was loaded normally and will not be cached")
             return
-        meta = ck.meta | dynamic_modules.describe(packed.graph, ck.sources[0][0] if ck.sources else None)
+        meta = ck.meta | dynamic_modules.describe(packed.graph, ck.sources[0][0] if ck.sources else None, ck.code)
         bound = keys.bindings(packed.modules)  # Note [Classes swapped in a library] in keys.py
         if bound:
             meta["bindings"] = bound

@@ -182,6 +182,27 @@ def test_a_hit_logs_the_load_report_the_plain_load_logs(overmind_home: Path, che
     assert "LOAD REPORT" in hit_err and all(line in hit_err for line in report), hit_err[-2000:]
 
 
+def test_a_miss_in_a_quiet_kernel_keeps_what_a_kernel_at_the_defaults_is_shown(overmind_home: Path,
+                                                                            checkpoints: dict) -> None:
+    """Note [A quiet kernel's miss]: a kernel that silenced transformers (TRANSFORMERS_VERBOSITY=error) and
+    Python's warnings (-W ignore) misses, and shows nothing, as its plain load does; the hit in a kernel at
+    the defaults then shows the load report and PEFT's FutureWarning, as its plain load does. Before, the
+    miss kept only what the quiet kernel was shown, and the hits said nothing."""
+    code = PREAMBLE + """
+    model = AutoModelForSequenceClassification.from_pretrained(paths["llama"], num_labels=3)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(paths["llama"], dtype=torch.bfloat16),
+                                      paths["fr"])
+    print(json.dumps({"calls": loading.calls(), "fallbacks": loading.fallbacks()}))
+    """
+    env = dict(os.environ, PATHS=json.dumps(checkpoints))
+    quiet = run_py(code, env=dict(env, TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore"), timeout=300)
+    default = run_py(code, env=dict(env, TRANSFORMERS_VERBOSITY="warning"), timeout=300)
+    assert last_json(quiet)["calls"] == {"miss": 3} and last_json(default)["calls"] == {"hit": 3}
+    assert "LOAD REPORT" not in quiet.stderr and "Warning" not in quiet.stderr, quiet.stderr[-2000:]
+    assert "LOAD REPORT" in default.stderr and "score.weight" in default.stderr, default.stderr[-2000:]
+    assert "FutureWarning" in default.stderr, default.stderr[-2000:]
+
+
 def test_a_followed_miss_keeps_the_load_report_for_its_hits(overmind_home: Path, checkpoints: dict) -> None:
     """A head drawn at random under two seeds: the second seed's miss is followed (Note [Replayed draws] in
     draws.py) and goes under the key of the result without the draws; its hits, in the kernel and after a

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
 
 from tests.helpers.kernels import USER_THREAD, execute, kernel, kernel_env
-from tests.helpers.notebook_checkpoints import REMOTE_CODE, build_all
+from tests.helpers.notebook_checkpoints import REMOTE_CODE, build_all, build_remote
+from tests.helpers.snippets import last_json, run_py
 
 # Each loader as a notebook cell runs it, with an output of its result: a digest of float32 outputs.
 LOADERS = """
@@ -135,3 +137,45 @@ save_file(tensors, {str(shard)!r}, metadata={{"format": "pt"}})
         assert again["calls"] == {"hit": 2} and again["out"] == changed["out"], again
         execute(kc, "%overmind off")
         assert run(kc, ["sharded", "remote"])["out"] == changed["out"]
+
+
+def test_model_code_in_another_folder_is_keyed_and_found_after_a_restart(overmind_home: Path, tmp_path: Path) -> None:
+    """Note [Code in another folder]: a config whose auto_map names code in another folder
+    ("code--modeling_tinyremote.TinyRemoteModel", found from the working directory). An edit of that code is
+    a miss in the same kernel (was a hit with the old class), and after a restart, with the modules cache
+    cleared, the hit finds the code where the plain load does (was a fallback that evicted the entry, every
+    other restart)."""
+    ckpt = build_remote(tmp_path / "ckpt")
+    (tmp_path / "code").mkdir()
+    (ckpt / "modeling_tinyremote.py").rename(tmp_path / "code" / "modeling_tinyremote.py")
+    config = json.loads((ckpt / "config.json").read_text())
+    config["auto_map"] = {k: f"code--{v}" for k, v in config["auto_map"].items()}
+    (ckpt / "config.json").write_text(json.dumps(config))
+    load = """
+        import json, torch
+        import overmind_jupyter
+        from overmind_jupyter import loading
+        from transformers import AutoModel
+        overmind_jupyter.enable()
+
+        def load():
+            model = AutoModel.from_pretrained("ckpt", trust_remote_code=True)
+            with torch.no_grad():
+                return model(torch.arange(10)[None]).double().sum().item()
+    """
+    kernel = load + """
+        first = load()
+        code = open("code/modeling_tinyremote.py").read()
+        open("code/modeling_tinyremote.py", "w").write(code.replace("* 1.0", "* 2.0"))  # the user edits it
+        edited = load()
+        print(json.dumps({"first": first, "edited": edited, "calls": loading.calls(),
+                          "fallbacks": loading.fallbacks()}))
+    """
+    restarted = load + """
+        print(json.dumps({"out": load(), "calls": loading.calls(), "fallbacks": loading.fallbacks()}))
+    """
+    miss = last_json(run_py(kernel, cwd=tmp_path, env=dict(os.environ, HF_MODULES_CACHE=str(tmp_path / "m1"))))
+    assert miss["calls"] == {"miss": 2} and not miss["fallbacks"], miss
+    assert miss["edited"] == pytest.approx(2 * miss["first"]), miss
+    hit = last_json(run_py(restarted, cwd=tmp_path, env=dict(os.environ, HF_MODULES_CACHE=str(tmp_path / "m2"))))
+    assert hit["calls"] == {"hit": 1} and not hit["fallbacks"] and hit["out"] == miss["edited"], hit

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from overmind_jupyter import demo_models
 
-__all__ = ["REMOTE_CODE", "build_all"]
+__all__ = ["REMOTE_CODE", "build_all", "build_remote"]
 
 # The model code of the `trust_remote_code` checkpoint; `{scale}` lets a test change it.
 REMOTE_CODE = textwrap.dedent("""
