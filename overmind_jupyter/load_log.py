@@ -98,36 +98,58 @@ class _Logged(logging.Handler):
             self.said.log.append([record.name, record.levelno, message])
 
 
-class _StandIn:
-    """What a load says goes through these while any thread is inside `load_log`: the library's
-    `Logger.warning_once` and `warnings.showwarning`, put back when the last load ends (loads in threads
-    end in any order). Each keeps what it saw for the `Said` of every `load_log` open on its thread."""
+class _WhileUsed:
+    """Process-wide stand-ins in place while any thread uses them: `install` at the first `enter`,
+    `restore` at the last `leave` (loads in threads end in any order)."""
 
-    lock = threading.Lock()
+    lock: threading.Lock
     users = 0
-    once: Any = None  # the library's warning_once (None: transformers not imported, nothing said once)
-    shown: Any = None  # the showwarning it stands in for
 
     @classmethod
     def enter(cls) -> None:
         with cls.lock:
             if cls.users == 0:
-                cls.once = vars(logging.Logger).get("warning_once")
-                if cls.once is not None:
-                    logging.Logger.warning_once = _warning_once  # type: ignore[attr-defined]
-                cls.shown, warnings.showwarning = warnings.showwarning, _showwarning
+                cls.install()
             cls.users += 1
 
     @classmethod
     def leave(cls) -> None:
         with cls.lock:
             cls.users -= 1
-            if cls.users:
-                return
-            if cls.once is not None and vars(logging.Logger).get("warning_once") is _warning_once:
-                logging.Logger.warning_once = cls.once  # type: ignore[attr-defined]
-            if warnings.showwarning is _showwarning:  # (not where something replaced it meanwhile)
-                warnings.showwarning = cls.shown
+            if cls.users == 0:
+                cls.restore()
+
+    @classmethod
+    def install(cls) -> None:
+        raise NotImplementedError
+
+    @classmethod
+    def restore(cls) -> None:
+        raise NotImplementedError
+
+
+class _StandIn(_WhileUsed):
+    """What a load says goes through these while any thread is inside `load_log`: the library's
+    `Logger.warning_once` and `warnings.showwarning`. Each keeps what it saw for the `Said` of every
+    `load_log` open on its thread."""
+
+    lock = threading.Lock()
+    once: Any = None  # the library's warning_once (None: transformers not imported, nothing said once)
+    shown: Any = None  # the showwarning it stands in for
+
+    @classmethod
+    def install(cls) -> None:
+        cls.once = vars(logging.Logger).get("warning_once")
+        if cls.once is not None:
+            logging.Logger.warning_once = _warning_once  # type: ignore[attr-defined]
+        cls.shown, warnings.showwarning = warnings.showwarning, _showwarning
+
+    @classmethod
+    def restore(cls) -> None:
+        if cls.once is not None and vars(logging.Logger).get("warning_once") is _warning_once:
+            logging.Logger.warning_once = cls.once  # type: ignore[attr-defined]
+        if warnings.showwarning is _showwarning:  # (not where something replaced it meanwhile)
+            warnings.showwarning = cls.shown
 
 
 def _quieter() -> bool:
@@ -168,44 +190,36 @@ class _OnQuietLoad:
 _QUIET_FILTER = ("always", _OnQuietLoad(), Warning, None, 0)
 
 
-class _Quiet:
+class _Quiet(_WhileUsed):
     """What loads in a quiet kernel change while any thread is inside one (Note [A quiet kernel's miss]):
-    `Logger.isEnabledFor` and `Logger.callHandlers`, and a warnings filter, put back when the last ends."""
+    `Logger.isEnabledFor` and `Logger.callHandlers`, and a warnings filter."""
 
     lock = threading.Lock()
-    users = 0
     enabled: Any = None  # the isEnabledFor it stands in for
     call_handlers: Any = None  # the callHandlers it stands in for
     filters: ClassVar[list[Any]] = []  # the list the filter went into
 
     @classmethod
-    def enter(cls) -> None:
-        with cls.lock:
-            if cls.users == 0:
-                cls.enabled = vars(logging.Logger)["isEnabledFor"]
-                cls.call_handlers = vars(logging.Logger)["callHandlers"]
-                logging.Logger.isEnabledFor = _is_enabled_for  # type: ignore[method-assign]
-                logging.Logger.callHandlers = _call_handlers  # type: ignore[method-assign]
-                cls.filters = _filters()
-                cls.filters.insert(0, _QUIET_FILTER)
-            cls.users += 1
+    def install(cls) -> None:
+        cls.enabled = vars(logging.Logger)["isEnabledFor"]
+        cls.call_handlers = vars(logging.Logger)["callHandlers"]
+        logging.Logger.isEnabledFor = _is_enabled_for  # type: ignore[method-assign]
+        logging.Logger.callHandlers = _call_handlers  # type: ignore[method-assign]
+        cls.filters = _filters()
+        cls.filters.insert(0, _QUIET_FILTER)
 
     @classmethod
-    def leave(cls) -> None:
-        with cls.lock:
-            cls.users -= 1
-            if cls.users:
-                return
-            for filters in (cls.filters, _filters()):  # (the list may have been replaced meanwhile)
-                for i, entry in enumerate(filters):
-                    if entry is _QUIET_FILTER:
-                        del filters[i]
-                        break
-            # (not where something replaced them meanwhile)
-            if vars(logging.Logger).get("isEnabledFor") is _is_enabled_for:
-                logging.Logger.isEnabledFor = cls.enabled  # type: ignore[method-assign]
-            if vars(logging.Logger).get("callHandlers") is _call_handlers:
-                logging.Logger.callHandlers = cls.call_handlers  # type: ignore[method-assign]
+    def restore(cls) -> None:
+        for filters in (cls.filters, _filters()):  # (the list may have been replaced meanwhile)
+            for i, entry in enumerate(filters):
+                if entry is _QUIET_FILTER:
+                    del filters[i]
+                    break
+        # (not where something replaced them meanwhile)
+        if vars(logging.Logger).get("isEnabledFor") is _is_enabled_for:
+            logging.Logger.isEnabledFor = cls.enabled  # type: ignore[method-assign]
+        if vars(logging.Logger).get("callHandlers") is _call_handlers:
+            logging.Logger.callHandlers = cls.call_handlers  # type: ignore[method-assign]
 
 
 def _made_for_a_load(logger: logging.Logger, level: int) -> bool:
