@@ -153,8 +153,8 @@ def make_key(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
         classes = [canon.cls(f"class {c.__qualname__}", c, 0) for c in cls.__mro__ if is_users_module(c.__module__)]
         registered = _registered(cls)
         if registered:  # Note [Classes registered with an Auto class]
-            classes.append({"registered": [[canon._global(f"registered {x.__qualname__}", x, 0) for x in pair]
-                                           for pair in registered]})
+            classes.append({"registered": [[canon._global(f"registered {getattr(x, '__qualname__', x)}", x, 0)
+                                            for x in pair] for pair in registered]})
     doc_args = {}
     config_sources = _CONFIG_SOURCES.get(getattr(fn, "__name__", ""), ())
     for name in sorted(arguments, key=lambda n: (n not in _SOURCE_PARAMS, n)):  # the checkpoint labels the call
@@ -749,7 +749,9 @@ def _hub_folder(repo_id: str, arguments: dict[str, Any]) -> Path:
 # left out: it binds some of them lazily (the first `CLIPProcessor.from_pretrained` makes
 # `tokenization_clip.CLIPTokenizerFast` an alias of `CLIPTokenizer`), and a swap for another class of the
 # same library is not looked for. Where any differs, the call is keyed again with this process's digests
-# (`under_bindings`): its own entry, made by the first kernel with the same classes in place. Reading a
+# (`under_bindings`): its own entry, made by the first kernel with the same classes in place. Not seen: a
+# class put elsewhere than a module's name (an entry of `transformers.activations.ACT2FN`, a package's
+# namespace that an Auto mapping reads, `torch.nn.Linear` itself); README's Limits say so. Reading a
 # module's names takes 2-6 us; a module the hit's graph needs and this process has not imported yet is
 # imported first (the rebuild would import it).
 _BOUND = ("transformers", "diffusers", "peft")
@@ -813,8 +815,9 @@ def _registered(cls: type) -> list[tuple[Any, Any]]:
 # `Block` of `blocks.py`, which builds an `Attention` of `attention.py` or reads a constant there, so an
 # edit of `attention.py` alone changes what the load builds. So such a name is keyed with the identity
 # of every module of the user's that its module imports, and that those import in turn: the import
-# statements that importing each file runs (parsed once per version of the file; not those inside its
-# functions, which run in some processes only, so that the key is the same in every process), resolved as
+# statements that importing each file may run (parsed once per version of the file; not those inside its
+# functions, which run in some processes only, so that the key is the same in every process, nor those
+# under `if TYPE_CHECKING:`), resolved as
 # Python resolves them. A library's module is keyed by its name and version alone, as before; a module
 # imported by a call (`importlib.import_module`, an import inside a function) is not followed.
 def _users_imports(module: str) -> dict[str, list[int]]:
@@ -863,15 +866,19 @@ def _imports(module: str, file: str, identity: tuple[int, ...]) -> tuple[str, ..
 
 
 def _run_on_import(body: list[Any]) -> Iterator[Any]:
-    """The statements of a module's `body` that importing it runs, whatever the outcome of a `try`: not
-    those of its functions and classes (run when called, in some processes only), nor of an `if` (such as
-    `if TYPE_CHECKING:`)."""
+    """The import statements of a module's `body` that importing it may run: in a `try`, `with` or `if`
+    too (either branch: one decided the same way in every process of an environment), not those of its
+    functions and classes (run when called, in some processes only) nor of an `if TYPE_CHECKING:`."""
     import ast
 
     for node in body:
         if isinstance(node, ast.Try):
             yield from _run_on_import([*node.body, *node.orelse, *node.finalbody,
                                        *(n for h in node.handlers for n in h.body)])
+        elif isinstance(node, ast.If) and "TYPE_CHECKING" not in ast.unparse(node.test):
+            yield from _run_on_import([*node.body, *node.orelse])
+        elif isinstance(node, ast.With):
+            yield from _run_on_import(node.body)
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             yield node
 

@@ -365,7 +365,11 @@ def test_a_class_swapped_into_a_library_gets_an_entry_of_its_own(overmind_home: 
 
 
 REGISTERED = """
-from transformers import LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+class MineConfig(LlamaConfig):
+    model_type = "overmind-mine"
 
 
 class Mine(LlamaForCausalLM):
@@ -381,18 +385,21 @@ def test_a_class_registered_with_an_auto_class_is_in_the_key(overmind_home: Path
     for the config, and an edited one, as its plain load does."""
     import importlib
 
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     monkeypatch.syspath_prepend(str(tmp_path))
-    mapping = AutoModelForCausalLM._model_mapping._extra_content
-    monkeypatch.setattr(AutoModelForCausalLM._model_mapping, "_extra_content", dict(mapping))
+    for mapping in (AutoModelForCausalLM._model_mapping, CONFIG_MAPPING):  # (put back as they were)
+        monkeypatch.setattr(mapping, "_extra_content", dict(mapping._extra_content))
     got = []
     for tag in ("", "one", "two", ""):
         AutoModelForCausalLM._model_mapping._extra_content.pop(LlamaConfig, None)
+        CONFIG_MAPPING._extra_content.pop("overmind-mine", None)
         if tag:
             (tmp_path / "registered.py").write_text(REGISTERED.format(tag=tag))
             module = importlib.reload(sys.modules["registered"]) if "registered" in sys.modules else \
                 importlib.import_module("registered")
+            AutoConfig.register("overmind-mine", module.MineConfig, exist_ok=True)  # a model type: a string
             AutoModelForCausalLM.register(LlamaConfig, module.Mine, exist_ok=True)
         before = dict(loading.calls())
         model = loading.cached(AutoModelForCausalLM.from_pretrained, str(tiny_llama))
@@ -401,6 +408,39 @@ def test_a_class_registered_with_an_auto_class_is_in_the_key(overmind_home: Path
     monkeypatch.delitem(sys.modules, "registered")
     assert got == [("LlamaForCausalLM", None, "miss"), ("Mine", "one", "miss"), ("Mine", "two", "miss"),
                    ("LlamaForCausalLM", None, "hit")]
+    assert loading.fallbacks() == []
+
+
+def test_the_imports_a_modules_import_may_run_are_followed(tmp_path: Path) -> None:
+    """Note [The user's modules a module imports] in keys.py: imports under a module-level `try`, `with` or
+    `if` are followed; those of its functions (run in some processes only) and under `if TYPE_CHECKING:`
+    are not."""
+    from overmind_jupyter import keys
+
+    file = tmp_path / "blocks.py"
+    file.write_text(textwrap.dedent("""
+        import warnings
+        from typing import TYPE_CHECKING
+        from . import sibling
+        try:
+            import in_try
+        except ImportError:
+            import in_except
+        with warnings.catch_warnings():
+            from in_with import Attention
+        if warnings:
+            import in_if
+        else:
+            import in_else
+        if TYPE_CHECKING:
+            import only_for_types
+
+        def later():
+            import in_a_function
+    """))
+    got = keys._imports("pkg.blocks", str(file), (1,))
+    assert set(got) == {"warnings", "typing", "typing.TYPE_CHECKING", "pkg", "pkg.sibling", "in_try", "in_except",
+                        "in_with", "in_with.Attention", "in_if", "in_else"}, got
 
 
 # A kernel that loads through the cache and says what it got. {prelude}: the notebook's own code.
