@@ -359,6 +359,7 @@ class _Canonical:
         self.sources: list[tuple[str, Callable[[], Any], Any]] = []
         self.roots: dict[str, str] = {}
         self.code_refs: list[str] = []
+        self._imports: dict[str, dict[str, list[int]]] = {}  # module -> `_users_imports`, once per call
         self._active: set[int] = set()
         self._functions: set[int] = set()
         self._values = 0
@@ -512,7 +513,10 @@ class _Canonical:
             if file is not None:
                 out: dict[str, Any] = {"name": f"{x.__module__}.{x.__qualname__}", "file": _identity(os.stat(file))}
                 if is_users_module(x.__module__):  # Note [The user's modules a module imports]
-                    out["imports"] = _users_imports(x.__module__)
+                    found = self._imports.get(x.__module__)
+                    if found is None:
+                        found = self._imports[x.__module__] = _users_imports(x.__module__)
+                    out["imports"] = found
                 return out
             if isinstance(x, types.FunctionType):
                 return {"function": self.function(name, x, depth + 1)}

@@ -9,12 +9,14 @@ connection's end would release everything anyway (docs/design.md invariant 5) an
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -193,14 +195,14 @@ def test_an_interrupt_as_the_lookup_is_sent_still_withdraws_the_wait(overmind_ho
         loader.join(60)
 
 
-# An interrupt after the lookup made the kernel the loader, before its load: the kernel sends itself SIGINT as
-# the miss's stage is entered (where a real SIGINT landed), by a profile hook of the process.
-AT_THE_STAGE = """
+# An interrupt as a function of ours is called: the kernel sends itself SIGINT at that call (where a real
+# SIGINT landed), by a profile hook of the process. {imports} names the module, {code} the function's code.
+AT_A_CALL = """
 import os, signal, sys
-from overmind_jupyter import staging
+{imports}
 
 def _at_call(frame, event, arg):
-    if event == "call" and frame.f_code is staging.staged.__wrapped__.__code__:
+    if event == "call" and frame.f_code is {code}:
         sys.setprofile(None)
         os.kill(os.getpid(), signal.SIGINT)
 
@@ -208,27 +210,32 @@ sys.setprofile(_at_call)
 """
 
 
-def test_an_interrupt_between_the_lookup_and_the_load_leaves_no_load_in_flight(overmind_home: Path,
-                                                                               daemon: Client) -> None:
-    """Note [Interrupted caching] in loading.py: the daemon made the kernel the loader, and the cell is
-    interrupted before the load starts. The load is abandoned before the KeyboardInterrupt reaches the cell,
-    so that another kernel asking for the model loads it at once, instead of waiting for a load that the
-    interrupted kernel, alive and idle, never makes (OVERMIND_WAIT_TIMEOUT: ten minutes)."""
-    prelude = "\n    ".join(AT_THE_STAGE.strip().splitlines())
+@contextlib.contextmanager
+def interrupted_at(imports: str, code: str) -> Iterator[subprocess.Popen[str]]:
+    """A kernel whose cell loads the model of `tiny_modules.build` through the cache and is interrupted as the
+    function `code` is called: yielded once the cell got the KeyboardInterrupt, and checked alive after."""
+    prelude = "\n    ".join(AT_A_CALL.format(imports=imports, code=code).strip().splitlines())
     kernel = start_py(INTERRUPTED_KERNEL.format(fn="tiny_modules.build", prelude=prelude), env=dict(os.environ))
     try:
         assert kernel.stdout is not None and kernel.stdout.readline().strip() == "waiting"
         line = kernel.stdout.readline().strip()
         assert line == "interrupted", f"the cell said {line!r}: {kernel.stderr.read() if kernel.stderr else ''}"
-        assert daemon.request("status")["loading"] == [], "no load in flight for the interrupted kernel"
+        yield kernel
         assert kernel.poll() is None, "the interrupted kernel lives on with its connection"
     finally:
         kernel.kill()
         kernel.wait()
 
 
-AT_THE_HIT = AT_THE_STAGE.replace("from overmind_jupyter import staging", "from overmind_jupyter import loading") \
-    .replace("staging.staged.__wrapped__.__code__", "loading._from_hit.__code__")
+def test_an_interrupt_between_the_lookup_and_the_load_leaves_no_load_in_flight(overmind_home: Path,
+                                                                               daemon: Client) -> None:
+    """Note [Interrupted caching] in loading.py: the daemon made the kernel the loader, and the cell is
+    interrupted before the load starts (as the miss's stage is entered). The load is abandoned before the
+    KeyboardInterrupt reaches the cell, so that another kernel asking for the model loads it at once, instead
+    of waiting for a load that the interrupted kernel, alive and idle, never makes (OVERMIND_WAIT_TIMEOUT:
+    ten minutes)."""
+    with interrupted_at("from overmind_jupyter import staging", "staging.staged.__wrapped__.__code__"):
+        assert daemon.request("status")["loading"] == [], "no load in flight for the interrupted kernel"
 
 
 def test_an_interrupt_between_a_hits_answer_and_its_rebuild_keeps_no_pin(overmind_home: Path,
@@ -237,18 +244,9 @@ def test_an_interrupt_between_a_hits_answer_and_its_rebuild_keeps_no_pin(overmin
     cell is interrupted before the rebuild takes them: the pin goes back before the KeyboardInterrupt reaches
     the cell, so that the entry can still be evicted while the kernel lives."""
     loading.cached(tiny_modules.build, "mlp", 42, width=64)  # the entry
-    prelude = "\n    ".join(AT_THE_HIT.strip().splitlines())
-    kernel = start_py(INTERRUPTED_KERNEL.format(fn="tiny_modules.build", prelude=prelude), env=dict(os.environ))
-    try:
-        assert kernel.stdout is not None and kernel.stdout.readline().strip() == "waiting"
-        line = kernel.stdout.readline().strip()
-        assert line == "interrupted", f"the cell said {line!r}: {kernel.stderr.read() if kernel.stderr else ''}"
+    with interrupted_at("from overmind_jupyter import loading", "loading._from_hit.__code__") as kernel:
         wait_until(lambda: all(kernel.pid not in [k["pid"] for k in e["pinned_by"]]
                                for e in daemon.request("ls")["entries"]), 5, "the interrupted hit's pin given back")
-        assert kernel.poll() is None, "the interrupted kernel lives on with its connection"
-    finally:
-        kernel.kill()
-        kernel.wait()
 
 
 def test_a_wait_longer_than_the_wait_timeout_loads_plainly_and_says_what_ran_out(
