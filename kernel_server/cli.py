@@ -22,6 +22,7 @@ from .formats import (
     disk_text,
     entries_text,
     evicted_text,
+    kernel_line,
     kernel_name,
     miss_text,
     pending_text,
@@ -210,7 +211,7 @@ def _STATUS_TEXT(p: StatusReply, own: int | None = None) -> str:
                                   ", ".join(f"{k} {v}" for k, v in sorted(p["stats"].items()))])) + ")",
         f"kernels {len(kernels)} connected",
     ]
-    lines += [_kernel_line(k) for k in kernels]
+    lines += [f"  {kernel_line(k)}" for k in kernels]
     if p.get("disk"):
         lines.insert(2, "       " + disk_text(p["disk"]))
     fds = p.get("descriptors")
@@ -235,16 +236,6 @@ def _STATUS_TEXT(p: StatusReply, own: int | None = None) -> str:
         lines.append(f"       ... and {p['entries_more']} more (the largest and the most recently used are shown; "
                      "`overmind-daemon ls` lists every one)")
     return "\n".join(lines)
-
-
-def _kernel_line(kernel: Mapping[str, Any]) -> str:
-    """A connection's line of the status: its name, then its role and what the name does not say (a
-    notebook's kernel: its pid, path and command; any other process, named by its pid and label: its
-    command)."""
-    name, detail = kernel_name(kernel)
-    if name.startswith(f"pid {kernel.get('pid')}"):
-        detail = str(kernel.get("command") or "")
-    return f"  {name}  ({kernel['role']}" + (f"; {detail})" if detail else ")")
 
 
 def _entries_text(entries: Sequence[Mapping[str, Any]]) -> str:

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # payloads imports what imports this module
     from .payloads import MissTimes, TimeSaved
 
-__all__ = ["ago_text", "byte_text", "eta_text", "evicted_text", "kernel_name", "miss_text", "pending_text",
-           "percent", "progress_text", "saved_seconds", "saved_text", "seconds_text", "signed_seconds_text"]
+__all__ = ["ago_text", "byte_text", "eta_text", "evicted_text", "kernel_line", "kernel_name", "miss_text",
+           "pending_text", "percent", "progress_text", "saved_figure", "saved_seconds", "saved_text", "seconds_text"]
 
 _BYTE_UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB")
 # (below this many seconds, divide by this, unit): the last step takes everything above
@@ -69,9 +69,15 @@ def seconds_text(s: float) -> str:
     raise AssertionError("unreachable")
 
 
-def signed_seconds_text(s: float) -> str:
-    """A duration that may be negative (a loss): "1.4 s", "-1.4 s"."""
-    return f"-{seconds_text(-s)}" if s < 0 and seconds_text(-s) != "0 ms" else seconds_text(s)
+def saved_figure(s: float) -> str:
+    """What the cache saved (`saved_seconds`) as a figure: "1.4 s"; "none" while the caching cost more than
+    the hits saved, never a negative saving (`saved_text` says by how much)."""
+    return "none" if _lost(s) else seconds_text(s)
+
+
+def _lost(s: float) -> bool:
+    """Whether `s` seconds saved is a loss as the texts show it (a loss that rounds to "0 ms" is none)."""
+    return s < 0 and seconds_text(-s) != "0 ms"
 
 
 def miss_text(times: MissTimes) -> str:
@@ -94,9 +100,12 @@ def entries_text(n: int) -> str:
 
 def saved_text(sums: TimeSaved) -> str:
     """`saved_seconds` in words, with its parts: "12 s saved: 3 hits took 0.4 s instead of 14 s, less 1.6 s
-    of caching in 2 misses"."""
-    hits, misses = sums["hits"], sums["misses"]
-    return (f"{signed_seconds_text(saved_seconds(sums))} saved: {hits} hit{'' if hits == 1 else 's'} took "
+    of caching in 2 misses"; while the caching cost more than the hits saved, "none saved yet (the caching
+    cost 9 ms more than the hits saved): 0 hits took ...", not a negative saving."""
+    hits, misses, saved = sums["hits"], sums["misses"], saved_seconds(sums)
+    head = (f"none saved yet (the caching cost {seconds_text(-saved)} more than the hits saved)" if _lost(saved)
+            else f"{seconds_text(saved)} saved")
+    return (f"{head}: {hits} hit{'' if hits == 1 else 's'} took "
             f"{seconds_text(sums['hit_s'])} instead of {seconds_text(sums['plain_s'])}, less "
             f"{seconds_text(sums['cache_s'])} of caching in {misses} miss{'' if misses == 1 else 'es'}")
 
@@ -183,6 +192,16 @@ def kernel_name(kernel: Mapping[str, Any]) -> tuple[str, str]:
         return os.path.basename(label.rstrip("/")) or label, detail
     what = label or command
     return f"pid {pid}" + (f" {what}" if what else ""), detail
+
+
+def kernel_line(kernel: Mapping[str, Any]) -> str:
+    """A connection as the text statuses list it (`overmind-daemon status`, `%overmind status`): its name,
+    then its role and what the name does not say, each once (a notebook's kernel: its pid, path and
+    command; any other process, named by its pid and label: its command)."""
+    name, detail = kernel_name(kernel)
+    if name.startswith(f"pid {kernel.get('pid')}"):
+        detail = str(kernel.get("command") or "")
+    return f"{name}  ({kernel['role']}" + (f"; {detail})" if detail else ")")
 
 
 def _round(x: float) -> int:

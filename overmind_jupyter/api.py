@@ -130,7 +130,7 @@ def _patched_text(s: dict[str, Any]) -> str:
 
 def format_status(s: dict[str, Any]) -> str:
     """`status()` as text, for terminals: the view every other one shows (view.state_view)."""
-    from kernel_server.formats import entries_text
+    from kernel_server.formats import entries_text, kernel_line
 
     from .view import state_view
 
@@ -139,9 +139,9 @@ def format_status(s: dict[str, Any]) -> str:
         lines.append(f"daemon: not running ({s.get('daemon_error', '')})")
     else:
         v = state_view(s["daemon"], my_conn=s.get("conn"))
+        stats = ", ".join(f"{k} {n}" for k, n in sorted(v["stats"].items()))  # none before the first load
         lines.append(f"daemon pid {v['daemon']['pid']} at {v['daemon']['home']}: {v['texts']['used']} of "
-                     f"{v['texts']['budget']} in {entries_text(v['entries_total'])}; "
-                     + ", ".join(f"{k} {n}" for k, n in sorted(v["stats"].items())))
+                     f"{v['texts']['budget']} in {entries_text(v['entries_total'])}" + (f"; {stats}" if stats else ""))
         if v["texts"]["disk"]:
             lines.append(v["texts"]["disk"])
         lines.append(f"time: {v['texts']['saved_detail']}")  # Note [Load time saved] in kernel_server/store.py
@@ -156,7 +156,7 @@ def format_status(s: dict[str, Any]) -> str:
         for load in v["loading"]:
             what = load["progress"]["text"] if load["progress"] else f"{load['key'][:12]} loading"
             lines.append(f"  {what}  by {load['loader']['name']}")
-        lines += [f"kernel {k['name']}  ({k['role']}; {k['detail']})" for k in v["kernels"]]
+        lines += [f"kernel {kernel_line(k)}" for k in v["kernels"]]  # as the CLI lists it
     for f in s["fallbacks"][-10:]:
         lines.append(f"fallback: {f['call']}: {f['reason']}")
     lines += [_warmed_text(w) for w in s.get("warmed", ())]

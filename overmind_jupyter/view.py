@@ -54,8 +54,9 @@ kernel measured them and printed them in the cell ("cached llama in 20.1 s: load
     saved_s = sum over timed hits of (load_s of its entry - hit_s)  -  sum over misses of cache_s
 
 each hit saves the plain load it replaced less its own wait, and every miss's caching is a cost, hit or
-not. `time_saved` holds these sums over the daemon's life; `texts.saved` is `saved_s` (negative while the
-caching cost more than the hits saved), `texts.saved_detail` says it with its parts.
+not. `time_saved` holds these sums over the daemon's life (its `saved_s` negative while the caching cost
+more than the hits saved); `texts.saved` is `saved_s` as a figure ("none" while it is negative: never a
+negative saving), `texts.saved_detail` says it with its parts (and by how much the caching cost more).
 """
 
 from __future__ import annotations
@@ -71,10 +72,10 @@ from kernel_server.formats import (
     pending_text,
     percent,
     progress_text,
+    saved_figure,
     saved_seconds,
     saved_text,
     seconds_text,
-    signed_seconds_text,
 )
 from kernel_server.payloads import (
     EntryStatus,
@@ -145,7 +146,7 @@ def state_view(status: StatusReply, *, names: Naming | None = None, own_conn: in
                   "reserved": byte_text(status["reserved"]), "more_bytes": byte_text(more_bytes),
                   "disk": disk_text(status["disk"]), "unit_bytes": byte_text(units["unit_bytes"]),
                   "plain": seconds_text(sums["plain_s"]), "hits": seconds_text(sums["hit_s"]),
-                  "caching": seconds_text(sums["cache_s"]), "saved": signed_seconds_text(saved_seconds(sums)),
+                  "caching": seconds_text(sums["cache_s"]), "saved": saved_figure(saved_seconds(sums)),
                   "saved_detail": saved_text(sums)},
     }
 

@@ -25,7 +25,7 @@ from pytest_jupyter.jupyter_server import *  # noqa: F403
 
 import overmind_jupyter
 from kernel_server import Client, arena, formats
-from kernel_server.formats import byte_text, progress_text, seconds_text, signed_seconds_text
+from kernel_server.formats import byte_text, progress_text, saved_figure, seconds_text
 from tests.helpers.snippets import last_json, run_py
 
 REPO = Path(__file__).resolve().parent.parent
@@ -183,7 +183,7 @@ def test_progress_pending_and_times_carry_their_display_strings(daemon: Client) 
     [entry] = state["entries"]
     assert entry["label"] == "llama" and entry["pending"] is None
     assert entry["miss_text"] == formats.miss_text(status["entries"][0])
-    assert state["texts"]["saved"] == formats.signed_seconds_text(-entry["cache_s"])
+    assert state["texts"]["saved"] == formats.saved_figure(-entry["cache_s"])
     assert state["time_saved"]["saved_s"] == -status["time_saved"]["cache_s"]
 
 
@@ -219,7 +219,7 @@ def test_a_miss_and_a_hit_have_one_set_of_figures_in_the_cell_status_the_panel_a
     [shown] = state["entries"]
     assert (shown["waited_s"], shown["load_s"], shown["cache_s"]) == (waited, load, cache)
     assert shown["miss_text"] == line.split(" in ", 1)[1], "the panel's words are the cell's"
-    assert state["texts"]["saved"] == signed_seconds_text(-cache), "no hit yet: caching is all the cache cost"
+    assert state["texts"]["saved"] == saved_figure(-cache), "no hit yet: caching is all the cache cost"
 
     hit = run_py(TIMED_LOAD.format(path=str(tiny_llama)))
     hit_cell_s = last_json(hit)["cell_s"]
@@ -233,7 +233,7 @@ def test_a_miss_and_a_hit_have_one_set_of_figures_in_the_cell_status_the_panel_a
     assert 0 < logged["hit_s"] <= hit_cell_s, "the hit's whole wait, as the cell timed it"
     saved = load - logged["hit_s"] - cache
     assert state["time_saved"]["saved_s"] == pytest.approx(saved)
-    assert state["texts"]["saved"] == signed_seconds_text(saved)
+    assert state["texts"]["saved"] == saved_figure(saved)
     assert state["texts"]["hits"] == seconds_text(logged["hit_s"]) and state["texts"]["caching"] == seconds_text(cache)
 
     text = run_py("from overmind_jupyter import api; print(api.format_status(api.status()))").stdout

@@ -119,7 +119,8 @@ def test_the_status_reply_is_exactly_its_declared_type(overmind_home: Path, monk
     assert formats.saved_seconds(status["time_saved"]) == 0.25  # 1.0 - 0.25 - 0.5
 
 
-def test_a_publish_says_what_the_miss_cost_and_the_parts_add_up(daemon: Client) -> None:
+def test_a_publish_says_what_the_miss_cost_and_the_parts_add_up(daemon: Client,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
     """Note [Load time saved]: the loader's times are kept, waited at least the load, caching the rest;
     times out of range are refused."""
     miss_and_publish(daemon, "a" * 64, "m", times={"waited_s": 20.1, "load_s": 8.0, "cache_s": 12.1})
@@ -128,6 +129,15 @@ def test_a_publish_says_what_the_miss_cost_and_the_parts_add_up(daemon: Client) 
     assert (entries["a"]["waited_s"], entries["a"]["load_s"], entries["a"]["cache_s"]) == (20.1, 8.0, 12.1)
     assert (entries["b"]["waited_s"], entries["b"]["load_s"], entries["b"]["cache_s"]) == (3.0, 3.0, 0.0)
     assert formats.miss_text(entries["a"]) == "20 s: loading 8.0 s + caching 12 s"
+    # no hit yet: the caching is a cost, said in words, never as a negative saving, in every view
+    from overmind_jupyter.view import state_view
+
+    status = daemon.request("status").payload
+    said = ("none saved yet (the caching cost 12 s more than the hits saved): 0 hits took 0 ms instead of 0 ms, "
+            "less 12 s of caching in 2 misses")
+    assert state_view(status)["texts"]["saved"] == "none" and state_view(status)["texts"]["saved_detail"] == said
+    assert cli_main(["status"]) == 0 and f"time   {said}\n" in capsys.readouterr().out
+    assert formats.saved_figure(-0.0004) == "0 ms" and formats.saved_figure(1.44) == "1.4 s", "no loss that rounds to 0"
     with pytest.raises(Exception, match="times"):
         miss_and_publish(daemon, "c" * 64, "o", times={"waited_s": -1.0, "load_s": 0.0, "cache_s": 0.0})
 

@@ -656,7 +656,7 @@ def test_status_widget_names_kernels_charts_memory_time_saved_and_progress(
 
     import overmind_jupyter
     from kernel_server.client import shared_client
-    from kernel_server.formats import signed_seconds_text
+    from kernel_server.formats import saved_figure
     from overmind_jupyter import widgets
     from overmind_jupyter.widgets import live
 
@@ -686,7 +686,7 @@ def test_status_widget_names_kernels_charts_memory_time_saved_and_progress(
         other.request("hits", hits=[{"key": entry["key"], "t": time.time(), "hit_s": 0.003}])
         within("status: the hit's own time", lambda: table.state["hits_log"][0]["hit_s"] == 0.003)
         # what the hit saved, less the caching its miss cost (Note [Load time saved])
-        assert table.state["texts"]["saved"] == signed_seconds_text(entry["load_s"] - 0.003 - entry["cache_s"])
+        assert table.state["texts"]["saved"] == saved_figure(entry["load_s"] - 0.003 - entry["cache_s"])
 
         key = "p" * 64  # a load in flight in the other kernel, with its progress
         assert other.request("lookup", key=key, wait=False)["status"] == "load"

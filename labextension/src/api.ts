@@ -227,7 +227,7 @@ export interface IPanelState {
     disk: string;
     /**
      * Of `time_saved`: the plain loads the hits replaced, the hits' waits, the misses' caching, and what
-     * the cache saved (the first less the other two; "-1.2 s" while caching cost more), said with its parts.
+     * the cache saved (the first less the other two; "none" while caching cost more), said with its parts.
      */
     plain: string;
     hits: string;
