@@ -25,7 +25,8 @@ if TYPE_CHECKING:  # payloads imports what imports this module
     from .payloads import MissTimes, TimeSaved
 
 __all__ = ["ago_text", "byte_text", "eta_text", "evicted_text", "kernel_line", "kernel_name", "miss_text",
-           "pending_text", "percent", "progress_text", "saved_figure", "saved_seconds", "saved_text", "seconds_text"]
+           "pending_text", "percent", "progress_text", "saved_figure", "saved_seconds", "saved_text", "seconds_text",
+           "units_text"]
 
 _BYTE_UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB")
 # (below this many seconds, divide by this, unit): the last step takes everything above
@@ -96,6 +97,11 @@ def saved_seconds(sums: TimeSaved) -> float:
 def entries_text(n: int) -> str:
     """"1 entry", "3 entries"."""
     return f"{n} entr{'y' if n == 1 else 'ies'}"
+
+
+def units_text(n: int) -> str:
+    """GPU units: "1 unit", "0 units", "3 units"."""
+    return f"{n} unit{'' if n == 1 else 's'}"
 
 
 def saved_text(sums: TimeSaved) -> str:

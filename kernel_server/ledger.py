@@ -75,6 +75,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import settings
 from .errors import RemoteError
+from .formats import units_text
 from .settings import GiB
 
 if TYPE_CHECKING:  # payloads imports this module
@@ -459,7 +460,8 @@ class Ledger:
             parts.append(f"{dev.name} has {dev.free} of {dev.capacity} units free, held by {holders}")
         waited = "no waiting (timeout 0)" if w.timeout == 0 else f"{w.timeout:g} s"
         error = RemoteError("units_timeout", (
-            f"{w.units} units for {w.label or 'a model'} were not free within {waited}: {'; '.join(parts)}. "
+            f"{units_text(w.units)} for {w.label or 'a model'} {'was' if w.units == 1 else 'were'} not free within "
+            f"{waited}: {'; '.join(parts)}. "
             "Busy models (inside `with units.using(...)`, or moved there by their own `.to()`) are never asked "
             "back: leave their using blocks, or free models with `units.release(model)` or `model.to('cpu')` in "
             "the kernels listed; `units.place` also takes a longer timeout"))
@@ -469,11 +471,15 @@ class Ledger:
     def _too_large(self, w: _Waiter) -> str:
         devs = [self._devices[d] for d in w.devices]
         biggest = max(devs, key=lambda d: d.capacity)
-        where = (f" (simulated by OVERMIND_FAKE_GPUS={self.fake_spec})" if biggest.simulated else "")
+        where = ""
+        if biggest.simulated:  # by the daemon's setting, or by a kernel's own, whose value the daemon never sees
+            where = (f" (simulated by the daemon's OVERMIND_FAKE_GPUS={self.fake_spec})" if self.simulated
+                     else " (simulated by the OVERMIND_FAKE_GPUS of the kernel that first reported it)")
         context = self._need(w, biggest.id) - w.units
-        asked = f"{w.units} units requested" + (f" and {context} for this kernel's CUDA context" if context else "")
+        asked = f"{units_text(w.units)} requested" + (f" and {context} for this kernel's CUDA context"
+                                                      if context else "")
         return (f"{asked} but the largest of {', '.join(d.name for d in devs)} has "
-                f"{biggest.capacity} units: {biggest.total_bytes / GiB:.1f} GiB minus the "
+                f"{units_text(biggest.capacity)}: {biggest.total_bytes / GiB:.1f} GiB minus the "
                 f"{self.reserve_gib:g} GiB reserve{where}. Use a larger device, or lower "
                 "OVERMIND_GPU_RESERVE and restart the daemon with `overmind-daemon stop`")
 

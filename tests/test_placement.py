@@ -537,7 +537,7 @@ def test_a_failure_on_our_path_moves_with_torch_and_says_why_once(fake_gpus: Non
         other.close()
     fallbacks = loading.fallbacks()
     assert [f["kind"] for f in fallbacks] == ["units"] * 3, fallbacks
-    assert all("were not free within" in f["reason"] and "moved without the ledger" in f["reason"]
+    assert all("was not free within" in f["reason"] and "moved without the ledger" in f["reason"]
                for f in fallbacks), fallbacks
     assert units.device_of(model) is None and placed() == []
 

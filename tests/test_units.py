@@ -142,7 +142,8 @@ def test_bad_requests_get_error_replies(fake_gpus: Callable[..., Client]) -> Non
         with pytest.raises(RemoteError) as info:
             client.request("units_acquire", **fields)
         assert info.value.code == code, (fields, info.value)
-    with pytest.raises(RemoteError, match=r"largest of cuda:0, cuda:1 has 4 units.*OVERMIND_GPU_RESERVE"):
+    with pytest.raises(RemoteError, match=r"largest of cuda:0, cuda:1 has 4 units: 4.0 GiB minus the 0 GiB "
+                                          r"reserve \(simulated by the daemon's OVERMIND_FAKE_GPUS=2x4\)\. Use"):
         client.request("units_acquire", units=5)
     for op, fields, code in [("units_release", {"holding": "x"}, "bad_request"),
                              ("units_release", {"holding": 99}, "no_holding"),
@@ -176,6 +177,18 @@ def test_real_devices_are_recorded_from_the_first_report(overmind_home: Path,
         assert [(d["id"], d["name"], d["capacity"]) for d in seen] == [("GPU-bbbb", "cuda:0", 39),
                                                                          ("GPU-aaaa", "cuda:1", 79)]
         assert not a.request("units_state")["simulated"]
+        # a device a kernel simulates with its own OVERMIND_FAKE_GPUS, the daemon simulating none: its too large
+        # request names where the simulation came from (not the daemon's unset setting) and counts units in English
+        sims = [{"id": f"sim:{i}", "name": f"cuda:{i}", "total_bytes": (2 - i) * GiB, "model": "simulated",
+                 "simulated": True} for i in (0, 1)]
+        a.request("units_register", devices=sims)
+        for units_, device, said in ((2, "sim:0", "2 units requested but the largest of cuda:0 has 1 unit: 2.0 GiB"),
+                                     (1, "sim:1", "1 unit requested but the largest of cuda:1 has 0 units: 1.0 GiB")):
+            with pytest.raises(RemoteError) as info:
+                a.request("units_acquire", units=units_, devices=[device])
+            assert info.value.code == "units_too_large" and said in str(info.value), info.value
+            assert " minus the 1 GiB reserve (simulated by the OVERMIND_FAKE_GPUS of the kernel that first reported " \
+                   "it). Use a larger device" in str(info.value), info.value
     finally:
         a.close()
         b.close()
@@ -512,7 +525,8 @@ def test_waiter_that_times_out_gets_a_clear_error(fake_gpus: Callable[..., Clien
         units.place(model, timeout=0.3)
     assert 0.25 < time.monotonic() - started < 5
     message = str(info.value)
-    assert "not free within 0.3 s" in message and f"pid {peer.pid} Llama(7b) 15 (busy)" in message
+    assert "1 unit for Linear was not free within 0.3 s" in message, message
+    assert f"pid {peer.pid} Llama(7b) 15 (busy)" in message
     assert "units.using" in message and "longer timeout" in message and "model.to('cpu')" in message
     assert isinstance(info.value, TimeoutError)
     state = client.request("units_state")
@@ -524,7 +538,7 @@ def test_waiter_that_times_out_gets_a_clear_error(fake_gpus: Callable[..., Clien
             warnings.simplefilter("always")
             units.place(model, timeout=2.5, label="mine")
         said = [str(w.message) for w in told if issubclass(w.category, OvermindWarning)]
-        assert said == ([] if _ else ["overmind: mine waits for 1 units on cuda:0, which other models hold "
+        assert said == ([] if _ else ["overmind: mine waits for 1 unit on cuda:0, which other models hold "
                                       "(`%overmind units` lists them); it waits up to 2.5 s "
                                       "(OVERMIND_UNITS_TIMEOUT)"]), said
 

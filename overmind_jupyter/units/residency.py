@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 from kernel_server import lifecycle, settings
 from kernel_server.client import Client, Response, interrupts_held, shared_client
 from kernel_server.errors import DaemonError, RemoteError
+from kernel_server.formats import units_text
 from kernel_server.operations import Op
 from kernel_server.payloads import Grant
 
@@ -357,7 +358,7 @@ class Residency:
         def say() -> None:  # a wait for units held elsewhere, out of sight in the cell otherwise
             from ..notices import tell_once
 
-            tell_once(f"units_wait:{label}", f"overmind: {label} waits for {units} units on {names}, which other "
+            tell_once(f"units_wait:{label}", f"overmind: {label} waits for {units_text(units)} on {names}, which other "
                       "models hold (`%overmind units` lists them); it waits up to "
                       f"{'ever' if daemon_timeout is None else f'{daemon_timeout:g} s'} (OVERMIND_UNITS_TIMEOUT)")
 
