@@ -27,10 +27,10 @@ class OvermindMagics(Magics):
         self.session = session
 
     @magic_arguments()
-    @argument("command", choices=SUBCOMMANDS, help="what to do (the subcommands above)")
+    @argument("command", metavar="{" + ",".join(SUBCOMMANDS) + "}", help="what to do (the subcommands above)")
     @argument("target", nargs="?", help="the KEY (or a unique prefix) for evict; the variable for adapters")
     @argument("--all", action="store_true", help="evict every entry")
-    @argument("--json", action="store_true", help="print status or units as JSON")
+    @argument("--json", action="store_true", help="print the state of status, units or adapters as JSON")
     @argument("--tokenizer", metavar="TOKVAR",
               help="adapters: the variable holding the tokenizer of the prompt box")
     @line_magic
@@ -47,12 +47,12 @@ class OvermindMagics(Magics):
           evict KEY | --all   evict the entry KEY (or a unique prefix of it), or every entry; kernels
                               using an evicted model keep it
           units [--json]      GPU units per device: capacity, and each holder (kernel, model, units)
-          adapters VAR [--tokenizer TOKVAR]
+          adapters VAR [--tokenizer TOKVAR] [--json]
                               the adapter panel of the PEFT model in VAR: switch the default, mix
                               adapters, compare outputs (TOKVAR: the tokenizer of its prompt box)
 
         In a notebook status, units and adapters show a live widget; in a terminal they print text, and
-        with --json the state as JSON.
+        with --json the state as JSON. A `# comment` after the arguments is ignored.
 
         Examples::
 
@@ -62,11 +62,16 @@ class OvermindMagics(Magics):
             %overmind evict --all
             %overmind units --json
             %overmind adapters model --tokenizer tokenizer
+            %overmind adapters model --json
             %overmind off
         """
+        line = _without_comment(line)
         if not line.strip():  # (argparse would say only "the following arguments are required: command")
             raise UsageError(f"%overmind takes a subcommand: {', '.join(SUBCOMMANDS)}; %overmind? shows what each does")
         args = parse_argstring(self.overmind, line)
+        if args.command not in SUBCOMMANDS:  # `%overmind help` too: the manual is `%overmind?`, as IPython's own
+            raise UsageError(f"%overmind has no subcommand {args.command!r}: it takes {', '.join(SUBCOMMANDS)}; "
+                             "%overmind? shows what each does")
         extra = [repr(value) if name == "target" else f"--{name}" for name, value in vars(args).items()
                  if value and name != "command" and name not in _TAKES[args.command]]
         if extra:
@@ -110,7 +115,7 @@ class OvermindMagics(Magics):
                 from . import units
 
                 return self._show(args.json, "units_bar", units.state, units.format_state)
-            return self._adapters(args)  # the last of the choices argparse allows
+            return self._adapters(args)  # the last of the SUBCOMMANDS
         except (DaemonError, OvermindError, RemoteError) as exc:
             raise UsageError(str(exc)) from exc
 
@@ -161,6 +166,23 @@ class OvermindMagics(Magics):
             return self.shell.user_ns[name]  # type: ignore[union-attr]  # a magic runs in a shell
         except KeyError:
             raise UsageError(f"no variable named {name!r} in this kernel") from None
+
+
+def _without_comment(line: str) -> str:
+    """`line` up to a `#` that starts a word outside quotes, as a shell reads a comment: IPython hands a line
+    magic the rest of its line, a trailing `# comment` too (`%overmind on  # start the cache`). Quotes as
+    `parse_argstring` reads them (IPython's arg_split, a non-POSIX shlex: a quote opens only at a word's
+    start, and no backslash escapes)."""
+    quote = ""
+    for i, char in enumerate(line):
+        starts_word = i == 0 or line[i - 1].isspace()
+        if quote:
+            quote = "" if char == quote else quote
+        elif char in "'\"" and starts_word:
+            quote = char
+        elif char == "#" and starts_word:
+            return line[:i]
+    return line
 
 
 def _shows_widgets(shell: Any) -> bool:
