@@ -103,6 +103,7 @@ class Entry:
     pieces: list[list[int]] = field(default_factory=list)  # [arena offset, bytes, source index, file offset]
     compaction: dict[str, float] | None = None  # {"total", "done", "started"} while the compactor copies
     queued: bool = True  # the compactor copies its pieces in time (not with OVERMIND_COMPACT=0)
+    short_of_disk: bool = False  # its copy waits for room on the disk (Note [Disk room] in disk.py)
     marker: bool = False  # no bytes: it tells the kernel where to look instead (its meta says why)
     watch: list[dict[str, Any]] = field(default_factory=list)  # checkpoints read: Note [Orphaned entries] in store.py
     # what the miss that made it cost its caller (Note [Load time saved] in store.py)
@@ -139,7 +140,8 @@ class Entry:
         done = int(c["done"]) if c else 0
         elapsed = time.time() - c["started"] if c else 0.0
         eta = (total - done) * elapsed / done if done and elapsed > 0 else None
-        return {"bytes": total, "done": done, "copying": c is not None, "queued": self.queued, "eta": eta,
+        return {"bytes": total, "done": done, "copying": c is not None, "queued": self.queued,
+                "short_of_disk": self.short_of_disk, "eta": eta,
                 "sources": [s.path for s in self.sources]}
 
     def progress(self) -> Progress | None:

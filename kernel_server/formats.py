@@ -152,10 +152,13 @@ def progress_text(progress: Mapping[str, Any]) -> str:
 
 def pending_text(pending: Mapping[str, Any]) -> str:
     """An entry's pending pieces as words (Note [Pending pieces] in store.py): "copying from its
-    checkpoint: 40%, 3.5 s left", "served from its checkpoint; copy queued", or never copied."""
+    checkpoint: 40%, 3.5 s left", "served from its checkpoint; copy queued", waiting for disk room, or never
+    copied."""
     if not pending["copying"]:
         if not pending.get("queued", True):
             return "served from its checkpoint (never copied: OVERMIND_COMPACT=0)"
+        if pending.get("short_of_disk"):
+            return "served from its checkpoint; copied once the disk has room (OVERMIND_DISK_RESERVE)"
         return "served from its checkpoint; copy queued"
     left = eta_text(pending.get("eta"))
     return f"copying from its checkpoint: {percent(pending['done'], pending['bytes'])}%" + (f", {left}" if left else "")

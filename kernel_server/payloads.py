@@ -249,6 +249,7 @@ class Pending(TypedDict):
     done: int
     copying: bool
     queued: bool  # False: never copied (OVERMIND_COMPACT=0)
+    short_of_disk: bool  # the copy waits for room on the disk (Note [Disk room] in disk.py)
     eta: float | None
     sources: list[str]
 

@@ -424,9 +424,11 @@ class Store:
                                 "files, and is compacted once the disk has room", key[:12],
                                 str(entry.meta.get("label") or "no label")[:LABEL_CHARS], byte_text(entry.arena_bytes),
                                 byte_text(kept), disk.directory, byte_text(free))
-                self._short_of_disk[key] = False
+                self._short_of_disk[key] = False  # not handed back yet
+                entry.short_of_disk = True
                 return None
             fds = _dup_all(entry.byte_fds())
+            entry.short_of_disk = False
             self._short_of_disk.pop(key, None)
             self._compaction_unwritten = entry.arena_bytes if disk is not None else 0
             entry.compaction = {"total": entry.pending_bytes, "done": 0, "started": time.time()}

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from kernel_server import Client, arena
+from kernel_server.formats import pending_text
 from tests.helpers.faults_helpers import daemon_log, wait_until
 from tests.helpers.snippets import last_json, run_py
 
@@ -145,7 +146,10 @@ def test_a_copy_that_would_take_the_reserve_waits_for_room(
                        arena_bytes=nbytes, meta={"label": "waiting"}, pin=True, pieces=[[0, nbytes, 0, 0]],
                        sources=[{"path": str(source_path), **arena.file_identity(os.fstat(source))}])
         wait_until(lambda: "no room on the disk to compact" in daemon_log(overmind_home), 10, "the copy was skipped")
-        assert client.request("status")["entries"][0]["pending"] is not None and free(small_disk) >= RESERVE
+        pending = client.request("status")["entries"][0]["pending"]
+        assert pending is not None and free(small_disk) >= RESERVE
+        assert pending_text(pending) == ("served from its checkpoint; copied once the disk has room "
+                                         "(OVERMIND_DISK_RESERVE)"), pending
         (small_disk / "users-file").unlink()
         wait_until(lambda: client.request("status")["entries"][0]["pending"] is None, 20, "the copy ran")
         assert free(small_disk) >= RESERVE and daemon_log(overmind_home).count("no room on the disk to compact") == 1

@@ -84,6 +84,8 @@ export interface IPending {
   copying: boolean;
   /** False: never copied (OVERMIND_COMPACT=0). */
   queued: boolean;
+  /** True: the copy waits for room on the disk (OVERMIND_DISK_RESERVE). */
+  short_of_disk: boolean;
   eta: number | null;
   sources: string[];
   /** "copying from its checkpoint: 40%, 3.5 s left". */
