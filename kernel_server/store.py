@@ -315,14 +315,14 @@ class Store:
         if held.nfds + self.in_flight.nfds + need_fds > self.descriptors.cap:
             raise self._refuse_for_descriptors(nfds)
         if held.nbytes + self.in_flight.nbytes + need > self.budget:
-            raise self._refuse_for_budget(nbytes, held.nbytes)
+            raise self._refuse_for_budget(nbytes, held.nbytes, load)
         evicted = self._make_room(need, need_fds)
         if not self._fits_fds(need_fds):
             raise self._refuse_for_descriptors(nfds)
         if not self._fits_disk(need):
             raise BudgetExceeded("budget_exceeded", self._disk_refusal(nbytes))
         if not self._fits_bytes(need):
-            raise self._refuse_for_budget(nbytes, self._held_bytes().nbytes)
+            raise self._refuse_for_budget(nbytes, self._held_bytes().nbytes, load)
         load.reserved, load.nfds = nbytes, nfds
         if load.loaded is None:
             load.loaded = time.time()  # Note [Load time saved]
@@ -681,12 +681,14 @@ class Store:
         self.stats["evicted"] += len(evicted)
         return evicted
 
-    def _refuse_for_budget(self, nbytes: int, pinned: int) -> BudgetExceeded:
+    def _refuse_for_budget(self, nbytes: int, pinned: int, load: _Load) -> BudgetExceeded:
+        others = self.in_flight.nbytes - load.reserved  # what this load reserved before is its own
+        reserved = f" and {byte_text(others)} is reserved by other loads in flight" if others else ""
         return BudgetExceeded(
             "budget_exceeded",
             f"no room for {byte_text(nbytes)}: {byte_text(pinned)} of the {byte_text(self.budget)} budget is held "
-            f"by entries that kernels use now and {byte_text(self.in_flight.nbytes)} is reserved by other loads; "
-            "free models in other kernels, `%overmind evict`, or raise OVERMIND_BUDGET",
+            f"by entries that kernels use now{reserved}; free models in other kernels, `%overmind evict`, or raise "
+            "OVERMIND_BUDGET",
         )
 
     def _refuse_for_descriptors(self, fds: int) -> DescriptorsExhausted:

@@ -401,6 +401,10 @@ def test_a_load_that_cannot_fit_evicts_nothing_for_it(three_entries: Client) -> 
     assert sorted(entry_keys(client)) == ["a", "b", "c"], "c was evicted for a load that could never fit"
     assert client.request("reserve", key="e", bytes=ENTRY)["evicted"] == ["c"]
     assert sorted(entry_keys(client)) == ["a", "b"]
+    # the load's own reservation is not another load's
+    with pytest.raises(BudgetExceeded) as refused:
+        client.request("reserve", key="e", bytes=2 * ENTRY)
+    assert "use now; free models" in str(refused.value) and "other loads" not in str(refused.value), refused.value
 
 
 def test_a_publish_reserves_what_its_load_did_not(overmind_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
