@@ -97,7 +97,7 @@ class CallKey:
     roots: dict[str, str] = field(default_factory=dict, repr=False)
     # what to tell the user once this key's entry is published (loading.py's `_tell_seed`): not before, since
     # a result that cannot be cached is not "cached for the state" of anything
-    notice: tuple[str, list[str], str] | None = field(default=None, repr=False)
+    notice: tuple[str, list[str], str, int | None] | None = field(default=None, repr=False)
     # the auto_map references, as written, to code in another folder (Note [Code in another folder] in
     # dynamic_modules.py)
     code: list[str] = field(default_factory=list, repr=False)

@@ -9,8 +9,9 @@ random generators' state (`randomness`), what a load logged (`load_log`), where 
 # Note [Never worse]
 Every failure on the cache path (no key, no daemon, a daemon that dies mid-call, a full budget, an
 unpicklable result, a corrupt entry) ends in the original call, and is recorded with its reason in
-`fallbacks()` and warned once per function and reason (the reason names the argument or the result it
-is about: a loop over one call is told once; docs/design.md invariant 1). An exception raised by the
+`fallbacks()` and warned once per function, reason and line of the user's (the reason names the argument
+or the result it is about: a loop over one call is told once, another cell's call again; docs/design.md
+invariant 1). An exception raised by the
 original call itself propagates unchanged, and its load is abandoned so that no entry is left.
 """
 
@@ -376,7 +377,8 @@ def _random_lookup(ck: keys.CallKey, drawn: list[str]) -> tuple[keys.CallKey, Cl
     keyed = _state_key(ck, drawn)
     client, reply = _lookup(keyed.key)
     if reply["status"] == "load":
-        keyed.notice = (ck.label, drawn, "")
+        keyed.notice = (ck.label, drawn, "", randomness.just_seeded(randomness.only(randomness.random_state(),
+                                                                                   drawn)))
     return keyed, client, reply
 
 
@@ -403,14 +405,20 @@ def _state_key(ck: keys.CallKey, drawn: list[str]) -> keys.CallKey:
     return randomness.under_random_state(ck, randomness.only(randomness.random_state(), drawn))
 
 
-def _tell_seed(label: str, drawn: list[str], why: str = "") -> None:
+def _tell_seed(label: str, drawn: list[str], why: str, seed: int | None) -> None:
     """Say that `label` is cached per state of the generators `drawn`: because its result depends on what
-    it draws (`why`: what showed it), or else because this kernel's state has no entry yet."""
+    it draws (`why`: what showed it), or else because this kernel's state has no entry yet. `seed`: the
+    load started from `torch.manual_seed(seed)`, nothing drawn since (seeding is then no advice)."""
     cause = f" and its result depends on them ({why})" if why else ""
+    cached = f"overmind: {label} draws random numbers while it loads{cause}, so it is cached for the state of the " \
+             f"{' and '.join(drawn)} generator it starts from"
+    if seed is not None:
+        tell_once(label, f"{cached}: here torch.manual_seed({seed}), nothing drawn since. A kernel that seeds it "
+                         "so before this load (after a restart too) shares this entry")
+        return
     missed = "" if why else ", and this kernel's is another one"
-    tell_once(label, f"overmind: {label} draws random numbers while it loads{cause}, so it is cached for the "
-                     f"state of the {' and '.join(drawn)} generator it starts from{missed}: seed it "
-                     "(torch.manual_seed) before the load to share one entry across restarts")
+    tell_once(label, f"{cached}{missed}: seed it (torch.manual_seed) before the load to share one entry across "
+                     "restarts")
 
 
 def _miss(client: Client, ck: keys.CallKey, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -469,7 +477,7 @@ def _miss(client: Client, ck: keys.CallKey, fn: Callable[..., Any], args: tuple[
             keyed = _mark_random(client, ck, randomness.under_random_state(called or ck,
                                                                            randomness.only(before, drawn)), drawn)
             if keyed is not None and why:
-                keyed.notice = (label, drawn, why)
+                keyed.notice = (label, drawn, why, randomness.just_seeded(randomness.only(before, drawn)))
         if keyed is not None:
             keyed.meta |= told  # a key of the state, or of the result without the draws, says it too
             _publish(client, keyed, obj, replay, state, stage, maps, clock)
@@ -580,7 +588,7 @@ def _mark_random(client: Client, marker: keys.CallKey, keyed: keys.CallKey, draw
         publishing.publish_marker(client, marker.key, marker.meta | {"random": drawn})
     except (DaemonError, PublishError) as exc:
         _abandon(client, marker.key)
-        fall_back(marker.label, "publish", f"it was loaded normally but not cached: {exc}")
+        fall_back(marker.label, "publish", str(exc), loaded=True)
         return None
     return keyed if reply["status"] == "load" else None
 
@@ -635,13 +643,13 @@ def _publish(client: Client, ck: keys.CallKey, obj: Any, replay: Replay, random_
                                            load_maps=maps, clock=clock,
                                            meanwhile=_collect_young if collecting else None)
         except PublishError as exc:
-            fall_back(ck.label, exc.kind, str(exc))
+            fall_back(ck.label, exc.kind, str(exc), loaded=True)
             return
         except Exception as exc:  # noqa: BLE001 (a bug in publishing must not break a load: never worse)
             _abandon(client, ck.key)  # the result is still the plain load's bytes, wherever they lie now
             said = f"{type(exc).__name__}: {exc}" + (f"; {descriptors.short_here(exc)}" if descriptors.exhausted(exc)
                                                       else "")
-            fall_back(ck.label, "publish", f"it was loaded normally but not cached: {said}")
+            fall_back(ck.label, "publish", said, loaded=True)
             return
         count("miss")
         remember(obj, ck.key, packed.graph, replay, pickled_here=True, random_after=random_after)

@@ -1,6 +1,6 @@
 """Fallbacks and notices: what a cached call tells about itself. A call that went the plain way is
 recorded with its reason (`fallbacks()`), counted (`calls()`), told to the daemon, and warned once per
-function and reason (Note [Never worse] in loading.py); a notice that is no fallback is warned once
+function, reason and line of the user's (Note [Never worse] in loading.py); a notice that is no fallback is warned once
 per topic. A load in a thread of the user's warns in the main thread, at its next load or cell. Every
 warning names the user's own line, the first frame outside overmind and the loading libraries (a
 thread's: the line in that thread).
@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 import warnings
+from types import FrameType
 from typing import Any
 
 from kernel_server.client import existing_shared_client
@@ -25,9 +26,10 @@ from .errors import FallbackWarning, OvermindWarning
 __all__ = ["calls", "clear_fallbacks", "count", "emit_deferred", "fall_back", "fallbacks", "tell_once"]
 
 _fallbacks: collections.deque[dict[str, Any]] = collections.deque(maxlen=200)
-# (kind, the function called, reason): a function falling back for a reason not told of it yet is told; a
-# loop over one call with other arguments (its label names them), once
-_warned: set[tuple[str, str, str]] = set()
+# (kind, the function called, reason, the user's line): a function falling back for a reason not told of it
+# at that line yet is told; a loop over one call with other arguments (its label names them), once, as
+# Python warns once per line; another cell's load of another model, again
+_warned: set[tuple[str, str, str, str, int]] = set()
 _calls: collections.Counter[str] = collections.Counter()
 
 
@@ -51,16 +53,20 @@ def fallbacks() -> list[dict[str, Any]]:
 _deferred_warnings: collections.deque[tuple[str, type[Warning], str, int]] = collections.deque(maxlen=20)
 
 
-def fall_back(label: str, kind: str, reason: str, *, plain: bool = True) -> None:
+def fall_back(label: str, kind: str, reason: str, *, plain: bool = True, loaded: bool = False) -> None:
+    """Record, count, report and warn of a call that went the plain way (`plain`: False for a move without
+    the ledger). `loaded`: the load itself ran, and only caching its result failed."""
     if plain:  # the call went the plain way (a move to a device without the ledger does not count)
         _calls["plain"] += 1
     _fallbacks.append({"time": time.time(), "call": label, "kind": kind, "reason": reason})
     _report(label, kind, reason)
-    said = (kind, label.split("(", 1)[0], reason)
+    user, _ = _user_code(sys._getframe(1))
+    said = (kind, label.split("(", 1)[0], reason, user.f_code.co_filename, user.f_lineno)
     if said in _warned:
         return
     _warned.add(said)
-    went = "loads without the cache" if plain else "goes as torch moves it, without the units ledger"
+    went = ("was loaded normally but not cached" if loaded else "loads without the cache" if plain
+            else "goes as torch moves it, without the units ledger")
     _warn(f"overmind: {label} {went}: {reason}", FallbackWarning)
 
 
@@ -94,13 +100,17 @@ _LIBRARY_NAMES = ("transformers", "diffusers", "peft", "torch", "huggingface_hub
 def _user_frame() -> int:
     """The `stacklevel` of `warnings.warn`, called by the function calling this, that names the first
     frame outside overmind and the loading libraries: the line of the user's that loaded."""
-    frame = sys._getframe(2)
-    level = 2
+    return 2 + _user_code(sys._getframe(2))[1]
+
+
+def _user_code(frame: FrameType) -> tuple[FrameType, int]:
+    """The first frame from `frame` up that is outside overmind and the loading libraries (the outermost
+    where all are inside), and how many frames up it is."""
+    up = 0
     while frame.f_back is not None and (frame.f_code.co_filename.startswith(_LIBRARIES) or any(
             f"{os.sep}{name}{os.sep}" in frame.f_code.co_filename for name in _LIBRARY_NAMES)):
-        frame = frame.f_back
-        level += 1
-    return level
+        frame, up = frame.f_back, up + 1
+    return frame, up
 
 
 def clear_fallbacks() -> None:

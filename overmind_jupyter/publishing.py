@@ -175,7 +175,7 @@ def publish(client: Client, key: str, label: str, meta: dict[str, Any], packed: 
                 _abandon(client, key)
                 kind = _REFUSALS.get(exc.code, "publish") if isinstance(exc, RemoteError) else "publish"
                 said = f"{exc}; {descriptors.short_here(exc)}" if descriptors.exhausted(exc) else str(exc)
-                raise PublishError(kind, f"it was loaded normally but not cached: {said}") from exc
+                raise PublishError(kind, said) from exc
     finally:
         if not published:
             for undo in forget:

@@ -9,8 +9,8 @@ from . import keys
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Scratch", "drawn", "only", "random_state", "replay", "replayable", "replayed", "set_random_state",
-           "under_random_state"]
+__all__ = ["Scratch", "drawn", "just_seeded", "only", "random_state", "replay", "replayable", "replayed",
+           "set_random_state", "under_random_state"]
 
 # Note [Random loads]
 # A hit must leave the process as the plain load would (docs/design.md, invariant 2), random numbers
@@ -84,6 +84,18 @@ def random_state() -> tuple[Any, ...]:
     if random is not None:
         states.append(("python", random.getstate()))
     return tuple(states)
+
+
+def just_seeded(states: tuple[Any, ...]) -> int | None:
+    """The seed of torch's generator where `states` (`random_state`'s, of the generators a load drew from)
+    are torch's alone and what `torch.manual_seed` of it makes, nothing drawn since; else None."""
+    import torch
+
+    if [name for name, _ in states] != ["torch"]:
+        return None
+    seed = torch.initial_seed()
+    fresh = torch.Generator().manual_seed(seed).get_state().numpy().tobytes()
+    return seed if states[0][1] == fresh else None
 
 
 def set_random_state(states: tuple[Any, ...]) -> None:

@@ -105,7 +105,9 @@ def test_daemon_sigkilled_while_a_kernel_publishes(overmind_home: Path) -> None:
     else:
         pytest.fail("the kill never landed between reserve and publish in 4 attempts")
     wait_until(lambda: process_gone(killed[0]), 5, "the daemon is gone")
-    assert any(issubclass(w.category, FallbackWarning) and "not cached" in str(w.message) for w in warned)
+    said = [str(w.message) for w in warned if issubclass(w.category, FallbackWarning)]
+    assert len(said) == 1 and "was loaded normally but not cached: " in said[0], said
+    assert "without the cache" not in said[0], "said once, not twice in other words"
     assert [f["kind"] for f in loading.fallbacks()] == ["publish"]
     assert_cached_again(tiny_modules.build, "mlp", seed, width=2048, ref=ref)
     assert loading.shared_client().daemon_pid != killed[0]

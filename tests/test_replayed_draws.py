@@ -296,3 +296,34 @@ def test_a_result_that_cannot_be_cached_is_not_said_to_be_cached_for_a_seed(over
             loading.cached(make, 4)
     texts = [str(w.message) for w in said]
     assert texts and all("will not be cached" in t and "seed it" not in t for t in texts), texts
+
+
+SEED_NOTICE = """
+import json, shutil, warnings, torch
+import overmind_jupyter
+overmind_jupyter.enable()
+from transformers import AutoModelForSequenceClassification, logging
+logging.set_verbosity_error()
+other = shutil.copytree({path!r}, {other!r})
+said = {{}}
+for path, seed in (({path!r}, 1234), (other, None)):  # the second load of each: the marker of the first sends it on
+    for seed in (None, seed):
+        with warnings.catch_warnings(record=True) as told:
+            warnings.simplefilter("always")
+            torch.manual_seed(seed) if seed is not None else torch.rand(1)
+            AutoModelForSequenceClassification.from_pretrained(path, num_labels=3)
+        said.setdefault(str(seed), []).extend(str(w.message) for w in told if "draws random numbers" in str(w.message))
+print(json.dumps(said))
+"""
+
+
+def test_a_load_that_draws_is_told_to_seed_only_where_it_was_not(tiny_llama: Path, overmind_home: Path,
+                                                                  tmp_path: Path) -> None:
+    """A head the checkpoint lacks is drawn at random: the notice that the load is cached per state of
+    torch's generator advises seeding it, except where the load started from `torch.manual_seed(N)` with
+    nothing drawn since, where it says so (the advice was given to kernels that had just seeded)."""
+    said = last_json(run_py(SEED_NOTICE.format(path=str(tiny_llama), other=str(tmp_path / "other"))))
+    (seeded,) = said["1234"]
+    assert "here torch.manual_seed(1234), nothing drawn since" in seeded and "seed it" not in seeded, seeded
+    (unseeded,) = said["None"]
+    assert "seed it (torch.manual_seed) before the load" in unseeded, unseeded
