@@ -48,10 +48,14 @@ lint: setup
 	$(RUFF)
 	$(PY) -m mypy
 
+# The suite starts hundreds of interpreters (kernels, daemons, snippets); each would compile this package's
+# sources again where bytecode is not written (PYTHONDONTWRITEBYTECODE=1): compiled once here, as pip's
+# install compiles them for a user, they start 0.2 s of CPU sooner each.
 # mypy runs beside the suite, which leaves part of the cores idle while it waits on kernels and servers
 # (a fresh check is 24 s of CPU); its findings print after the suite's, and either failing fails the command.
 test: setup
 	$(RUFF)
+	$(PY) -m compileall -qq -j 0 overmind_jupyter kernel_server tests
 	$(PY) -m mypy > $(VENV)/mypy.out 2>&1 & mypy=$$!; \
 	$(if $(wildcard $(LOCK)),OVERMIND_LOCK=$(LOCK)) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS); \
 	suite=$$?; wait $$mypy; types=$$?; echo "$(PY) -m mypy:"; cat $(VENV)/mypy.out; \

@@ -86,9 +86,9 @@ def test_preload_shows_its_workers_progress_in_the_waiting_cell(daemon: Client, 
                                                                models_dir: Path) -> None:
     from overmind_jupyter.demo_models import build_llama
 
-    # about 1 GiB in fp32, preloaded in bf16: a conversion and a copy, seconds of work in the worker (a
-    # same-dtype load of a small model can be over between two reads of the waiting cell)
-    big = build_llama(models_dir / "mid-llama-f32", "0.1b", dtype="float32", num_hidden_layers=32)
+    # about 400 MiB in fp32, preloaded in bf16: a conversion and a copy, a second or more of work in the
+    # worker (a same-dtype load of a small model can be over between two reads of the waiting cell)
+    big = build_llama(models_dir / "mid-llama-f32", "0.1b", dtype="float32", num_hidden_layers=8)
     waiting = run_snippet(f"""
         import torch
         from transformers import AutoModelForCausalLM
