@@ -182,6 +182,9 @@ def make_key(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
     text = json.dumps(document, sort_keys=True, separators=(",", ":"))
     key = hashlib.sha256(text.encode()).hexdigest()
     named, dtype = canon.source_label or _plain_arguments(arguments), _dtype_label(arguments)
+    if canon.source_label:  # the checkpoint, then what else tells this call's entry from another's of it
+        more = _plain_arguments({k: v for k, v in arguments.items() if k not in _SOURCE_PARAMS})
+        named += f", {more}" if more else ""
     meta = {
         "label": f"{short}({named}{dtype if named else dtype.removeprefix(', ')})",
         "class": qualified.rsplit(".", 1)[0] if getattr(fn, "__self__", None) is not None else None,
@@ -332,8 +335,8 @@ def _version(package: str) -> str | None:
 
 
 def _plain_arguments(arguments: dict[str, Any]) -> str:
-    """A call without a checkpoint labelled by its arguments of plain values, so that entries of one
-    function tell apart in `ls`: `make(kind='mlp', seed=3)`, cut at _LABEL_ARGUMENTS characters."""
+    """A call labelled by its arguments of plain values, so that entries of one function (or of one
+    checkpoint) tell apart in `ls`: `make(kind='mlp', seed=3)`, cut at _LABEL_ARGUMENTS characters."""
     text = ", ".join(f"{name}={value!r}" for name, value in arguments.items()
                      if type(value) in _PLAIN_VALUES and name not in ("self", "dtype", "torch_dtype"))
     return text if len(text) <= _LABEL_ARGUMENTS else text[:_LABEL_ARGUMENTS - 3] + "..."

@@ -711,3 +711,19 @@ def test_calls_of_one_function_are_labelled_by_their_plain_arguments() -> None:
     assert long.endswith("...)") and len(long[long.index(".make("):]) < 70, long
     # the bars and the panel's progress name such a load by its function, not by "seed=3"
     assert progress.model_name(label(3, "a")).endswith(".make"), progress.model_name(label(3, "a"))
+
+
+def test_loads_of_one_checkpoint_are_labelled_by_their_other_plain_arguments(tmp_path: Path) -> None:
+    """Two heads of one checkpoint (`num_labels=2`, `num_labels=3`) were two entries of one label in `ls`
+    and status: a checkpoint's load is labelled by its other plain arguments too, after it."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from overmind_jupyter import keys, progress
+
+    (tmp_path / "config.json").write_text("{}")
+    load = AutoModelForSequenceClassification.from_pretrained
+    labels = {keys.make_key(load, (str(tmp_path),), {"num_labels": n, "dtype": torch.float16}).label for n in (2, 3)}
+    assert labels == {f"AutoModelForSequenceClassification.from_pretrained({str(tmp_path)!r}, num_labels={n}, "
+                      "dtype=float16)" for n in (2, 3)}, labels
+    assert {progress.model_name(label) for label in labels} == {tmp_path.name}
