@@ -6,6 +6,7 @@ models are saved with `save_pretrained` and loaded by the libraries' own code.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
@@ -110,6 +111,53 @@ def daemon(overmind_home: Path):
     client = Client(overmind_home, role="test")
     yield client
     client.close()
+
+
+@pytest.fixture
+def copier_up(overmind_home: Path):
+    """`copier_up()` starts the daemon of `overmind_home`, then the device copier, and connects this process
+    to it; it returns a test client (`copier_up(copier=False)`: the daemon only). A test's first move of a
+    cached model then fills through the copier (Note [Filling a model on a device] in
+    overmind_jupyter/units/filling.py): with no copier up, that move goes torch's way and starts one, with a
+    notice the suite's warning filter makes an error (told once per process, so which test met it depended
+    on the order). The daemon and the copier get the environment the test set before the call
+    (OVERMIND_FAKE_GPUS, OVERMIND_DEVICE_COPIER). The copier is killed at the end if still there."""
+    import signal
+
+    from kernel_server import Client
+
+    clients: list[Client] = []
+
+    def start(*, copier: bool = True) -> Client:
+        from overmind_jupyter.units import filling
+
+        clients.append(Client(overmind_home, role="test"))
+        if copier and filling.connect(wait=120) is None:
+            log = overmind_home / "copier.log"
+            raise AssertionError(f"no device copier answered in 120 s: {log.read_text() if log.exists() else ''}")
+        return clients[-1]
+
+    yield start
+    if not clients:
+        return
+    from overmind_jupyter.units import filling
+
+    state = filling.state()
+    filling.disconnect()  # this process's connection to the copier of a home that goes with the test
+    for c in clients:
+        c.close()
+    if state is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(state["pid"]), signal.SIGKILL)
+
+
+@pytest.fixture
+def gpu_copier(copier_up, monkeypatch: pytest.MonkeyPatch):
+    """For a test marked gpu that moves a cached model to the device: the daemon and the device copier up
+    first (`copier_up`), on the real devices; yields a test client."""
+    monkeypatch.delenv("OVERMIND_FAKE_GPUS", raising=False)
+    monkeypatch.setenv("OVERMIND_DEVICE_COPIER", "auto")
+    return copier_up()
 
 
 @pytest.fixture

@@ -16,8 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,28 +43,17 @@ def copier_pid() -> int | None:
 
 
 @pytest.fixture
-def standin(overmind_home: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Client]]:
+def standin(copier_up: Callable[..., Client], monkeypatch: pytest.MonkeyPatch) -> Callable[..., Client]:
     """Simulated devices filled by the copier's stand-in; `standin("1x16")` starts the daemon and the
-    copier and returns a test client. The copier is killed at the end if still there."""
-    clients: list[Client] = []
+    copier (conftest's `copier_up`) and returns a test client."""
 
-    def start(spec: str = "1x16", *, copier_up: bool = True) -> Client:
+    def start(spec: str = "1x16", *, copier_up_too: bool = True) -> Client:
         monkeypatch.setenv("OVERMIND_FAKE_GPUS", spec)
         monkeypatch.setenv("OVERMIND_GPU_RESERVE", "1")
         monkeypatch.setenv("OVERMIND_DEVICE_COPIER", "cpu")
-        clients.append(Client(overmind_home, role="test"))
-        if copier_up:
-            assert filling.connect(wait=120) is not None, (overmind_home / "copier.log").read_text()
-        return clients[-1]
+        return copier_up(copier=copier_up_too)
 
-    yield start
-    pid = copier_pid() if clients else None
-    filling.disconnect()  # this process's connection to the copier of a home that goes with the test
-    for c in clients:
-        c.close()
-    if pid is not None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    return start
 
 
 def test_a_hit_moved_to_a_device_is_filled_by_the_copier_then_from_its_device_copy_and_writes_stay_private(
@@ -200,7 +188,7 @@ def test_the_ledger_asks_spare_holdings_first_whatever_their_recency() -> None:
 
 def test_without_the_copier_a_move_is_torchs_own_and_the_first_move_starts_it_and_keeps_a_copy(
         standin: Callable[..., Client], overmind_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    client = standin(copier_up=False)
+    client = standin(copier_up_too=False)
     monkeypatch.setenv("OVERMIND_DEVICE_COPIER", "off")
     model = arena_backed("mlp")
     units.place(model, "cuda:0")
@@ -281,27 +269,46 @@ def test_one_copier_per_user_it_answers_bad_requests_and_exits_with_the_daemon(
                       or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z", 30, "the copier exits")
 
 
-@pytest.mark.gpu
-def test_on_a_gpu_a_hit_is_filled_on_the_device_then_from_the_device_copy(overmind_home: Path,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("OVERMIND_FAKE_GPUS", raising=False)
-    monkeypatch.setenv("OVERMIND_DEVICE_COPIER", "auto")
+def test_a_copier_started_before_the_daemon_keeps_copies_once_it_is_up_and_exits_with_it(
+        overmind_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Note [A copier before the daemon]: a copier that found no ledger when it started joins it once the
+    daemon is up, so the first move keeps a device copy and the next fills from it; and it exits when that
+    daemon goes. Before, it served without the ledger for good: no copy, and it outlived the daemon."""
+    monkeypatch.setenv("OVERMIND_FAKE_GPUS", "1x16")
+    monkeypatch.setenv("OVERMIND_GPU_RESERVE", "1")
+    monkeypatch.setenv("OVERMIND_DEVICE_COPIER", "cpu")
+    client = None
     assert filling.connect(wait=120) is not None, (overmind_home / "copier.log").read_text()
+    pid = copier_pid()
     try:
-        first = arena_backed("tied")
-        expected = {k: v.clone() for k, v in first.state_dict().items()}
-        units.place(first, "cuda:0")
-        assert units.state()["kernel"]["events"][-1]["fill"]["sources"] == {"host": 1}
-        assert all(p.is_cuda for p in first.parameters()) and first.head.weight is first.embed.weight
-        assert all(torch.equal(v.cpu(), expected[k]) for k, v in first.state_dict().items())
-        first.embed.weight.data += 1
-        second = arena_backed("tied")
-        units.place(second, "cuda:0")
-        assert units.state()["kernel"]["events"][-1]["fill"]["sources"] == {"device copy": 1}
-        assert all(torch.equal(v.cpu(), expected[k]) for k, v in second.state_dict().items())
-        assert np.allclose(first.embed.weight.cpu().numpy(), expected["embed.weight"].numpy() + 1)
+        client = Client(overmind_home, role="test")  # the daemon starts after the copier
+        models = [arena_backed("mlp"), arena_backed("mlp")]
+        for model, source in zip(models, ("host", "device copy"), strict=True):
+            units.place(model, "cuda:0")
+            assert units.state()["kernel"]["events"][-1]["fill"]["sources"] == {source: 1}
+        assert [h["label"] for h in holders(client) if h["spare"]] == ["device copy of Mlp"]
+        client.request(Op.SHUTDOWN)
+        assert wait_until(lambda: not Path(f"/proc/{pid}").exists()
+                          or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z", 30, "the copier exits")
     finally:
-        pid = copier_pid()
-        if pid is not None:
+        filling.disconnect()
+        if client is not None:
+            client.close()
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        time.sleep(0.1)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_a_hit_is_filled_on_the_device_then_from_the_device_copy(gpu_copier: Client) -> None:
+    first = arena_backed("tied")
+    expected = {k: v.clone() for k, v in first.state_dict().items()}
+    units.place(first, "cuda:0")
+    assert units.state()["kernel"]["events"][-1]["fill"]["sources"] == {"host": 1}
+    assert all(p.is_cuda for p in first.parameters()) and first.head.weight is first.embed.weight
+    assert all(torch.equal(v.cpu(), expected[k]) for k, v in first.state_dict().items())
+    first.embed.weight.data += 1
+    second = arena_backed("tied")
+    units.place(second, "cuda:0")
+    assert units.state()["kernel"]["events"][-1]["fill"]["sources"] == {"device copy": 1}
+    assert all(torch.equal(v.cpu(), expected[k]) for k, v in second.state_dict().items())
+    assert np.allclose(first.embed.weight.cpu().numpy(), expected["embed.weight"].numpy() + 1)

@@ -504,7 +504,8 @@ def test_a_load_under_a_meta_device_runs_plainly(shell, tiny_llama: Path, overmi
 
 
 @pytest.mark.gpu
-def test_a_cuda_device_map_lands_on_the_gpu(shell, tiny_llama: Path, overmind_home: Path) -> None:
+def test_a_cuda_device_map_lands_on_the_gpu(gpu_copier, shell, tiny_llama: Path, overmind_home: Path) -> None:
+    """The miss and then the hit, each filled on the device through the copier (`gpu_copier`)."""
     from transformers import AutoModelForCausalLM
 
     shell.run_line_magic("overmind", "on")

@@ -877,8 +877,11 @@ def test_gpu_a_cuda_context_fits_its_units(real_gpus: Client) -> None:
 
 
 @pytest.mark.gpu
-def test_gpu_eviction_moves_back_without_copies_when_unchanged(real_gpus: Client,
-                                                               overmind_home: Path) -> None:
+def test_gpu_eviction_moves_back_without_copies_when_unchanged(overmind_home: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               real_gpus: Client) -> None:
+    """torch's own move and its way back (the copier's fills are tests/test_copier.py's: its CUDA context
+    and device copy would hold units this test grants to a peer)."""
+    monkeypatch.setenv("OVERMIND_DEVICE_COPIER", "off")  # read at each move: no copier started, no notice
     model = arena_backed("mlp")
     expected = {k: v.clone() for k, v in model.state_dict().items()}
     units.place(model, "cuda:0")

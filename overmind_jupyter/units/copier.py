@@ -14,7 +14,8 @@ first kernel that needs it (`filling.connect`).
 Run as `python -m overmind_jupyter.units.copier` with OVERMIND_HOME (and the stand-in setting) in its
 environment. It holds `copier.lock` in the daemon's directory for as long as it runs (a second one
 exits at once), listens on `copier.sock` there, and exits when the daemon goes away (its copies' units
-go with the connection) or after `IDLE_EXIT` seconds with no kernel connected and no copy kept.
+go with the connection; Note [A copier before the daemon]) or after `IDLE_EXIT` seconds with no kernel
+connected and no copy kept.
 
 Wire format. A Unix SOCK_SEQPACKET connection per kernel.
 - A message MUST be one datagram holding one UTF-8 JSON object with a string `kind`; file descriptors
@@ -228,11 +229,33 @@ class Copier:
 
     # -- the daemon's ledger ------------------------------------------------------------------
 
-    def connect_ledger(self) -> None:
-        self.client = Client(self.home, spawn=False, role="copier", label="device copier")
-        reply = self.client.request(Op.UNITS_REGISTER, devices=local_devices(), timeout=30)
+    # Note [A copier before the daemon]
+    # A kernel starts the copier at its first move of a cached model to a device, and that move holds units,
+    # so the daemon runs by then; but a process may start the copier first (`filling.connect` before any
+    # load: a test, a benchmark), and a daemon may start after it. Without the ledger no copy is kept (its
+    # units could not be counted), so the copier joins the ledger once one answers: before each fill or
+    # keep, and once a second while it has none. Once joined, it exits when that daemon goes (its copies'
+    # units went with the connection); a copier that never met a daemon exits when idle.
+    def join_ledger(self) -> bool:
+        """Join the daemon's units ledger if not joined yet (Note [A copier before the daemon]); whether it is."""
+        if self.client is not None:
+            return True
+        try:
+            client = Client(self.home, spawn=False, role="copier", label="device copier")
+        except (DaemonError, OSError) as exc:
+            log.debug("no units ledger yet: %s", exc)
+            return False
+        try:
+            reply = client.request(Op.UNITS_REGISTER, devices=local_devices(), timeout=30)
+        except (DaemonError, OSError) as exc:
+            client.close()
+            log.warning("the daemon did not register the copier's devices: %s", exc)
+            return False
         self.simulated = bool(reply.get("simulated"))
-        self.client.on_push("units_release_request", lambda p: self.work.put(("release", p.get("holding"))))
+        client.on_push("units_release_request", lambda p: self.work.put(("release", p.get("holding"))))
+        self.client = client
+        log.info("joined the units ledger")
+        return True
 
     def _acquire(self, device: str, units: int, label: str) -> int | None:
         """A spare holding of `units` on `device`, if the ledger grants it at once."""
@@ -295,6 +318,7 @@ class Copier:
         if kind in ("fill", "keep"):
             if not fds:
                 raise ValueError(f"a {kind} needs the entry's arena descriptor")
+            self.join_ledger()  # a daemon started after the copier (Note [A copier before the daemon])
             return self.fill(request, fds, target=kind == "fill")
         raise ValueError(f"unknown request {kind!r}")
 
@@ -382,6 +406,9 @@ class Copier:
             if item[0] == "expire":
                 self.expire(item[1])
                 continue
+            if item[0] == "ledger":
+                self.join_ledger()
+                continue
             if item[0] == "release":
                 try:
                     self.release(item[1])
@@ -411,10 +438,8 @@ def serve(home: Path, standin: bool) -> int:
     except BlockingIOError:
         return 0  # another copier runs: it serves
     copier = Copier(home, standin)
-    try:
-        copier.connect_ledger()
-    except (DaemonError, OSError) as exc:  # no daemon: serve anyway (fills need no units), without copies
-        log.warning("device copier without the units ledger: %s", exc)
+    if not copier.join_ledger():  # no daemon yet: serve (fills need no units), without copies until one answers
+        log.warning("device copier without the units ledger until a daemon answers at %s", home)
     path = socket_path(home)
     with contextlib.suppress(FileNotFoundError):
         path.unlink()
@@ -428,11 +453,14 @@ def serve(home: Path, standin: bool) -> int:
     connections = 0
     idle_since = time.monotonic()
     copy_idle = float(settings.get(settings.DEVICE_COPY_IDLE))
-    expired_at = time.monotonic()
+    expired_at = ledger_at = time.monotonic()
     while True:
         if copier.copies and time.monotonic() - expired_at >= 1.0:  # a look at the copies' age, once a second
             expired_at = time.monotonic()
             copier.work.put(("expire", copy_idle))
+        if copier.client is None and copier.work.empty() and time.monotonic() - ledger_at >= 1.0:
+            ledger_at = time.monotonic()  # Note [A copier before the daemon]
+            copier.work.put(("ledger",))
         for key, _ in selector.select(timeout=1.0):
             if key.fileobj is listener:
                 accepted, _ = listener.accept()
