@@ -31,8 +31,10 @@ first token, miss <= 1.3 x plain, warm restart to the first token of the 8B-clas
     python benchmarks/gpu.py --sizes 1.1b,8b --rounds 3 --out gpu.json
     python benchmarks/gpu.py --dry-run             # no GPU: a tiny model on "cpu" stand-ins, CUDA-only parts skipped
 
-The JSON goes to --out (default $OUT/gpu.json when $OUT is set, else benchmarks/out/gpu.json). A deadline
-(--budget, seconds) skips what would not fit, with a message, and the table is printed whatever ran.
+The JSON goes to --out (default $OUT/gpu.json when $OUT is set, else benchmarks/out/gpu.json), and the table
+beside it (gpu.txt), each written again as each size ends. A deadline (--budget, seconds) skips what would not
+fit, with a message, and the table is printed whatever ran: also when the run is stopped by SIGTERM (a time
+limit's `timeout`), with what ran until then.
 """
 
 from __future__ import annotations
@@ -416,7 +418,7 @@ def warm(paths: dict[str, str], device: str, env: dict[str, str], restarts: int,
             lab.execute(setup)
             lab.execute(cell)
             for _ in range(restarts):
-                if time.monotonic() > deadline:
+                if time.monotonic() + 5 + sizes[size] / 1e9 > deadline:  # the wait for the kernel ahead, the cell
                     break
                 ahead = warmed_ahead(60)  # not timed: the kernel started ahead has warmed its device
                 run = parts.restart(km, kc, lab)
@@ -516,42 +518,69 @@ def median_rows(runs: list[dict[str, Any]]) -> dict[str, Any]:
     row["fallbacks"] = sorted({f for r in ok for f in r.get("fallbacks", [])})
     row["fills"] = sorted({source for r in ok for source in ((r.get("fill") or {}).get("sources") or {"plain": 1})})
     row["tokens"] = sorted({r["token"] for r in ok})
+    row["checksums"] = sorted({r["checksum"] for r in ok if r.get("checksum") is not None})
     return row
 
 
-def measure_cases(parent: ForkParent, size: str, model: dict[str, Any], device: str, env: dict[str, str],
-                  rounds: int, deadline: float, cases: tuple[str, ...]) -> dict[str, Any]:
-    runs: dict[str, list[dict[str, Any]]] = {c: [] for c in cases}
-    per_gb = max(20.0, 8.0 * model["bytes"] / 1e9)  # seconds a case may take before it is killed, 7B: ~110 s
-    expected = 10 + 2 * model["bytes"] / 1e9  # what a round of the three cases takes on an H200, about
-    for k in range(rounds):
-        if time.monotonic() + expected > deadline:
-            print(f"{size}: round {k + 1} skipped, the run's budget is nearly spent", flush=True)
-            break
-        daemon(env, "evict", "--all")
-        for name in cases:
-            if name in ("miss", "hit") and device == "cuda":
-                copier_request(env, {"kind": "drop"})  # the hit fills from the arena, and keeps a copy
-            spec = {"job": "case", "case": name, "model": model["path"], "device": device}
-            runs[name].append(parent.run(spec, per_gb))
-            print(f"{size} round {k + 1} {name}: " + ", ".join(
-                f"{f} {runs[name][-1][f]:.3f} s" for f in ("ctx", "call", "copy", "first", "total")
-                if runs[name][-1].get(f) is not None) + (f"  ERROR {last_line(runs[name][-1]['error'])}"
-                                                         if "error" in runs[name][-1] else ""), flush=True)
-            if name == "miss" and "error" not in runs[name][-1]:
-                runs[name][-1]["compacted"] = wait_compacted(env, per_gb)
-    rows = {name: median_rows(r) for name, r in runs.items()}
-    plain = rows["plain"]
+def summarize(runs: dict[str, list[dict[str, Any]]], nbytes: int) -> dict[str, Any]:
+    """The table's rows of a size from the cases' runs so far (a case with none has no row), with the
+    tokens and the logits' checksums that differ between cases: a hit's weights are the plain load's, byte
+    for byte, so its logits should be too (a kernel that picks another algorithm for another address
+    could round differently in the last place: flagged, not failed)."""
+    rows = {name: median_rows(r) for name, r in runs.items() if r}
+    plain = rows.get("plain")
     for row in rows.values():
-        if row["total"] and plain["total"]:
+        if plain and row["total"] and plain["total"]:
             row["x_plain"] = row["total"] / plain["total"]
             row["x_plain_without_ctx"] = (row["total"] - row["ctx"]) / (plain["total"] - plain["ctx"])
         if row["copy"]:
-            row["copy_gbps"] = model["bytes"] / row["copy"] / 1e9
+            row["copy_gbps"] = nbytes / row["copy"] / 1e9
     tokens = {t for row in rows.values() for t in row["tokens"]}
     if len(tokens) > 1:
         rows["tokens_differ"] = sorted(tokens)
+    if plain and plain["checksums"]:
+        differ = {name: row["checksums"] for name, row in rows.items()
+                  if name != "plain" and isinstance(row, dict) and row.get("checksums")
+                  and row["checksums"] != plain["checksums"]}
+        if differ:
+            rows["checksums_differ"] = {"plain": plain["checksums"], **differ}
     return rows
+
+
+def round_seconds(nbytes: int, cases: tuple[str, ...]) -> float:
+    """About what a round of `cases` takes on an H200: each case a process's CUDA context, call and first
+    token (~4 s) and the model's bytes at pageable speed (~3 GB/s), and after the miss the daemon's copy of
+    its pending pieces (`wait_compacted`, ~2 GB/s)."""
+    gb = nbytes / 1e9
+    return len(cases) * (4 + gb / 3) + (gb / 2 if "miss" in cases else 0)
+
+
+def measure_cases(parent: ForkParent, size: str, model: dict[str, Any], device: str, env: dict[str, str],
+                  rounds: int, deadline: float, cases: tuple[str, ...], slot: dict[str, Any]) -> None:
+    """The cases' rounds of one size, their rows in `slot["cases"]`: also those that ran before a failure or a
+    SIGTERM stopped the rounds."""
+    runs: dict[str, list[dict[str, Any]]] = {c: [] for c in cases}
+    per_gb = max(20.0, 8.0 * model["bytes"] / 1e9)  # seconds a case may take before it is killed, 7B: ~110 s
+    expected = round_seconds(model["bytes"], cases)
+    try:
+        for k in range(rounds):
+            if time.monotonic() + expected > deadline:
+                print(f"{size}: round {k + 1} skipped, the run's budget is nearly spent", flush=True)
+                break
+            daemon(env, "evict", "--all")
+            for name in cases:
+                if name in ("miss", "hit") and device == "cuda":
+                    copier_request(env, {"kind": "drop"})  # the hit fills from the arena, and keeps a copy
+                spec = {"job": "case", "case": name, "model": model["path"], "device": device}
+                runs[name].append(parent.run(spec, per_gb))
+                print(f"{size} round {k + 1} {name}: " + ", ".join(
+                    f"{f} {runs[name][-1][f]:.3f} s" for f in ("ctx", "call", "copy", "first", "total")
+                    if runs[name][-1].get(f) is not None) + (f"  ERROR {last_line(runs[name][-1]['error'])}"
+                                                             if "error" in runs[name][-1] else ""), flush=True)
+                if name == "miss" and "error" not in runs[name][-1]:
+                    runs[name][-1]["compacted"] = wait_compacted(env, per_gb)
+    finally:
+        slot["cases"] = summarize(runs, model["bytes"])
 
 
 def probe(parent: ForkParent, size: str, model: dict[str, Any], device: str, args: argparse.Namespace,
@@ -586,12 +615,14 @@ def reported(slot: dict[str, Any], key: str) -> Iterator[None]:
     try:
         yield
     except Exception as exc:  # noqa: BLE001 (reported in the table and the JSON)
-        slot[key] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        error = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        slot[key] = slot[key] | error if isinstance(slot.get(key), dict) else error  # what ran before it stays
         print(f"{key}: ERROR {type(exc).__name__}: {last_line(str(exc))}", flush=True)
 
 
-def run_all(args: argparse.Namespace) -> dict[str, Any]:
-    start = time.monotonic()
+def run_all(args: argparse.Namespace, report: dict[str, Any], start: float) -> None:
+    """The whole run, into `report` as it goes (main writes it whatever happens, Note [A report that
+    survives the time limit])."""
     deadline = start + args.budget
     root = Path(args.models_dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -605,37 +636,38 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
     # is refused; a share of it never is.)
     env.setdefault("OVERMIND_BUDGET", "90%")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    sizes = args.sizes.split(",")
-    print(f"building {', '.join(sizes)} under {root} ...", flush=True)
-    built = subprocess.run([sys.executable, __file__, "--build", json.dumps(
-        {"sizes": sizes, "root": str(root), "dry_run": args.dry_run})], env=env, capture_output=True, text=True,
-        check=False)
-    if built.returncode:
-        raise RuntimeError(f"building the models failed:\n{built.stderr[-3000:]}")
-    report: dict[str, Any] = json.loads(built.stdout.strip().splitlines()[-1])
-    device = "cuda" if report["cuda"] else "cpu"
-    report.update(device=device, dry_run=args.dry_run, sizes={}, notes=[])
-    if device == "cpu":
-        note = ("no CUDA device" + (" (--dry-run)" if args.dry_run else "") + ": device_map='cpu' stands in for "
-                "'cuda', no CUDA context is made, and the probes run with CPU stand-ins (registrations skipped); "
-                "the figures check the script's logic, they are not the GPU's")
-        report["notes"].append(note)
-        print(note, flush=True)
-    need = 2 * sum(m["bytes"] for m in report["models"].values()) + (10 << 30)
-    if "OVERMIND_ARENA" not in os.environ and shutil.disk_usage(home).free < need:
-        env["OVERMIND_ARENA"] = "memfd"  # the entries' arenas in memory: the disk cannot hold them beside the files
-        report["notes"].append(f"{shutil.disk_usage(home).free / 2**30:.0f} GiB free on the disk of {home}: the "
-                               "arenas are memfds (OVERMIND_ARENA=memfd), not files")
-        print(report["notes"][-1], flush=True)
-    cases = CASES
-    if (why := cache_missing()) is not None:
-        report["notes"].append(why)
-        print(why, flush=True)
-        cases = ("plain",)
-    print(f"built in {time.monotonic() - start:.1f} s: " + ", ".join(
-        f"{s} {m['bytes'] / 1e9:.2f} GB" for s, m in report["models"].items()), flush=True)
-    parent = None
+    parent, device, daemon_started = None, "cpu", False
     try:
+        sizes = args.sizes.split(",")
+        print(f"building {', '.join(sizes)} under {root} ...", flush=True)
+        built = subprocess.run([sys.executable, __file__, "--build", json.dumps(
+            {"sizes": sizes, "root": str(root), "dry_run": args.dry_run})], env=env, capture_output=True, text=True,
+            check=False)
+        if built.returncode:
+            raise RuntimeError(f"building the models failed:\n{built.stderr[-3000:]}")
+        report.update(json.loads(built.stdout.strip().splitlines()[-1]))
+        device = "cuda" if report["cuda"] else "cpu"
+        report.update(device=device)
+        if device == "cpu":
+            note = ("no CUDA device" + (" (--dry-run)" if args.dry_run else "") + ": device_map='cpu' stands in for "
+                    "'cuda', no CUDA context is made, and the probes run with CPU stand-ins (registrations skipped); "
+                    "the figures check the script's logic, they are not the GPU's")
+            report["notes"].append(note)
+            print(note, flush=True)
+        need = 2 * sum(m["bytes"] for m in report["models"].values()) + (10 << 30)
+        if "OVERMIND_ARENA" not in os.environ and shutil.disk_usage(home).free < need:
+            env["OVERMIND_ARENA"] = "memfd"  # the entries' arenas in memory: the disk cannot hold them beside the files
+            report["notes"].append(f"{shutil.disk_usage(home).free / 2**30:.0f} GiB free on the disk of {home}: the "
+                                   "arenas are memfds (OVERMIND_ARENA=memfd), not files")
+            print(report["notes"][-1], flush=True)
+        cases = CASES
+        if (why := cache_missing()) is not None:
+            report["notes"].append(why)
+            print(why, flush=True)
+            cases = ("plain",)
+        print(f"built in {time.monotonic() - start:.1f} s: " + ", ".join(
+            f"{s} {m['bytes'] / 1e9:.2f} GB" for s, m in report["models"].items()), flush=True)
+        daemon_started = True  # (stopped at the end whether or not it came up)
         daemon(env, "start")
         if device == "cuda" and "hit" in cases:
             hello = start_copier(env, work / "copier.log")
@@ -652,11 +684,11 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
             read_through(Path(model["path"]))  # every case starts from files in the page cache
             report["sizes"][size] = {"bytes": model["bytes"]}
             with reported(report["sizes"][size], "cases"):
-                report["sizes"][size]["cases"] = measure_cases(parent, size, model, device, env, args.rounds,
-                                                               deadline, cases)
+                measure_cases(parent, size, model, device, env, args.rounds, deadline, cases, report["sizes"][size])
             if not args.no_probes:
                 with reported(report["sizes"][size], "probes"):
                     report["sizes"][size]["probes"] = probe(parent, size, model, device, args, deadline, skip)
+            save(report, args.out, start)  # a size's figures are kept whatever happens to the next
         if args.no_warm:
             report["warm"] = {"skipped": "--no-warm"}
         elif (why := warm_missing()) is not None:
@@ -670,14 +702,13 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         if parent is not None:
             parent.close()
-        if device == "cuda":
+        if device == "cuda" and daemon_started:
             report["copier_state"] = copier_request(env, {"kind": "state"})
-        with contextlib.suppress(subprocess.CalledProcessError):
-            daemon(env, "stop")  # the copier exits with it
+        if daemon_started:
+            with contextlib.suppress(subprocess.CalledProcessError):
+                daemon(env, "stop")  # the copier exits with it
         shutil.rmtree(home, ignore_errors=True)
-    report["wall_s"] = time.monotonic() - start
-    shutil.rmtree(work, ignore_errors=True)
-    return report
+        shutil.rmtree(work, ignore_errors=True)
 
 
 # -- the table ---------------------------------------------------------------------------------------------
@@ -709,21 +740,25 @@ def goals(report: dict[str, Any]) -> list[str]:
     return lines
 
 
-def print_table(report: dict[str, Any]) -> None:
-    print(f"\n{report.get('gpu', 'no GPU')}; torch {report['torch']}, transformers {report['transformers']}, "
-          f"device {report['device']}{' (DRY RUN)' if report['dry_run'] else ''}; {report['wall_s']:.0f} s in all")
+def table(report: dict[str, Any]) -> str:
+    """The report as the table printed at the end (and written beside the JSON)."""
+    lines: list[str] = []
+    say = lines.append
+    say(f"\n{report.get('gpu', 'no GPU')}; torch {report.get('torch', '?')}, transformers "
+        f"{report.get('transformers', '?')}, device {report.get('device', '?')}"
+        f"{' (DRY RUN)' if report['dry_run'] else ''}; {report['wall_s']:.0f} s in all")
     for note in report["notes"]:
-        print(f"NOTE: {note}")
+        say(f"NOTE: {note}")
     for size, data in report["sizes"].items():
         if "skipped" in data:
-            print(f"\n{size}: skipped: {data['skipped']}")
+            say(f"\n{size}: skipped: {data['skipped']}")
             continue
-        print(f"\n{size} Llama, bf16, {data['bytes'] / 1e9:.2f} GB, device_map={report['device']!r}: "
-              "seconds to the first token (medians)")
-        print(f"{'case':6} {'ctx':>7} {'call':>7} {'copy':>7} {'GB/s':>7} {'first':>7} {'total':>7} "
-              f"{'x plain':>8} {'x w/o ctx':>9}  notes")
+        say(f"\n{size} Llama, bf16, {data['bytes'] / 1e9:.2f} GB, device_map={report['device']!r}: "
+            "seconds to the first token (medians)")
+        say(f"{'case':6} {'ctx':>7} {'call':>7} {'copy':>7} {'GB/s':>7} {'first':>7} {'total':>7} "
+            f"{'x plain':>8} {'x w/o ctx':>9}  notes")
         if "error" in data.get("cases", {}):
-            print(f"  ERROR {data['cases']['error']}")
+            say(f"  ERROR {data['cases']['error']}")
         for name in CASES:
             r = data.get("cases", {}).get(name)
             if r is None:
@@ -731,47 +766,53 @@ def print_table(report: dict[str, Any]) -> None:
             notes = "; ".join([*(f"ERROR {last_line(e)}" for e in r["errors"]),
                                *(f"fallback: {f}" for f in r["fallbacks"]),
                                *([f"filled from: {', '.join(r['fills'])}"] if name != "plain" else [])])
-            print(f"{name:6} {_s(r['ctx'])} {_s(r['call'])} {_s(r['copy'])} {_s(r.get('copy_gbps'), 7)} "
-                  f"{_s(r['first'])} {_s(r['total'])} {_s(r.get('x_plain'), 8)} "
-                  f"{_s(r.get('x_plain_without_ctx'), 9)}  {notes}")
+            say(f"{name:6} {_s(r['ctx'])} {_s(r['call'])} {_s(r['copy'])} {_s(r.get('copy_gbps'), 7)} "
+                f"{_s(r['first'])} {_s(r['total'])} {_s(r.get('x_plain'), 8)} "
+                f"{_s(r.get('x_plain_without_ctx'), 9)}  {notes}")
         if "tokens_differ" in data.get("cases", {}):
-            print(f"  TOKENS DIFFER between cases: {data['cases']['tokens_differ']}")
+            say(f"  TOKENS DIFFER between cases: {data['cases']['tokens_differ']}")
+        if "checksums_differ" in data.get("cases", {}):
+            say("  LOGITS' CHECKSUMS DIFFER from plain's: " + "; ".join(
+                f"{name} {values}" for name, values in data["cases"]["checksums_differ"].items()))
         warm_row = (report.get("warm") or {}).get(size)
         if isinstance(warm_row, dict) and warm_row.get("ready") is not None:
-            print(f"warm restart: restart {warm_row['restart']:.3f} + setup {warm_row['setup']:.3f} + ctx "
-                  f"{warm_row['ctx']:.3f} + call {warm_row['call']:.3f} + first {warm_row['first']:.3f} = ready "
-                  f"{warm_row['ready']:.3f} s ({warm_row['hits']}/{len(warm_row['runs'])} hits)")
-            print("  warmed ahead of the restart: " + ("; ".join(
+            say(f"warm restart: restart {warm_row['restart']:.3f} + setup {warm_row['setup']:.3f} + ctx "
+                f"{warm_row['ctx']:.3f} + call {warm_row['call']:.3f} + first {warm_row['first']:.3f} = ready "
+                f"{warm_row['ready']:.3f} s ({warm_row['hits']}/{len(warm_row['runs'])} hits)")
+            say("  warmed ahead of the restart: " + ("; ".join(
                 f"{w['device']} " + (f"ERROR {w['error']}" if w["error"] else f"{w['seconds']:.3f} s")
                 for w in warm_row.get("warmed", [])) or "nothing"))
         probes = data.get("probes")
         if probes:
-            print_probes(probes)
+            lines.extend(probe_lines(probes))
     if isinstance(report.get("warm"), dict) and "skipped" in report["warm"]:
-        print(f"\nwarm restart: skipped: {report['warm']['skipped']}")
+        say(f"\nwarm restart: skipped: {report['warm']['skipped']}")
     if isinstance(report.get("warm"), dict) and "error" in report["warm"]:
-        print(f"\nwarm restart: ERROR {report['warm']['error']}")
+        say(f"\nwarm restart: ERROR {report['warm']['error']}")
     for size, row in (report.get("warm") or {}).items():
         if isinstance(row, dict) and "skipped" in row:
-            print(f"warm restart, {size}: skipped: {row['skipped']}")
-    lines = goals(report)
-    if lines:
-        print("\ngoal (issue 36):" + "".join(f"\n  {line}" for line in lines))
+            say(f"warm restart, {size}: skipped: {row['skipped']}")
+    met = goals(report)
+    if met:
+        say("\ngoal (issue 36):" + "".join(f"\n  {line}" for line in met))
+    return "\n".join(lines)
 
 
-def print_probes(probes: dict[str, Any]) -> None:
+def probe_lines(probes: dict[str, Any]) -> list[str]:
+    lines: list[str] = []
+    say = lines.append
     if "skipped" in probes:
-        print(f"probes: skipped: {probes['skipped']}")
-        return
-    print(f"copy probes ({probes.get('bytes', 0) / 1e9:.2f} GB from {probes.get('source')}; context + "
-          f"buffer {probes.get('context_and_alloc_s', 0):.3f} s)"
-          + (f"  ERROR {probes['error']}" + (f" during {probes['running']}" if probes.get("running") else "")
+        say(f"probes: skipped: {probes['skipped']}")
+        return lines
+    say(f"copy probes ({probes.get('bytes', 0) / 1e9:.2f} GB from {probes.get('source')}; context + "
+        f"buffer {probes.get('context_and_alloc_s', 0):.3f} s)"
+        + (f"  ERROR {probes['error']}" + (f" during {probes['running']}" if probes.get("running") else "")
              if "error" in probes else ""))
-    print(f"  {'probe':17} {'GB/s':>7} {'copy s':>7} {'open s':>7} {'reg s':>8}  notes")
+    say(f"  {'probe':17} {'GB/s':>7} {'copy s':>7} {'open s':>7} {'reg s':>8}  notes")
     for name, p in probes.get("probes", {}).items():
         if "skipped" in p or "error" in p:
-            print(f"  {name:17} {'-':>7} {'-':>7} {'-':>7} {'-':>8}  "
-                  f"{p.get('skipped') or 'ERROR ' + last_line(p['error'])}")
+            say(f"  {name:17} {'-':>7} {'-':>7} {'-':>7} {'-':>8}  "
+                f"{p.get('skipped') or 'ERROR ' + last_line(p['error'])}")
             continue
         notes = [] if p.get("checked") else ["BYTES DIFFER"]
         if "first_gbps" in p:
@@ -782,8 +823,9 @@ def print_probes(probes: dict[str, Any]) -> None:
             notes.append(f"helper's fill {p['helper_fill_s']:.3f} s")
         if p.get("note"):
             notes.append(p["note"])
-        print(f"  {name:17} {p['gbps']:7.1f} {p['copy_s']:7.3f} {_s(p.get('open_s'))} {_s(p.get('register_s'), 8)}"
-              f"  {'; '.join(notes)}")
+        say(f"  {name:17} {p['gbps']:7.1f} {p['copy_s']:7.3f} {_s(p.get('open_s'))} {_s(p.get('register_s'), 8)}"
+            f"  {'; '.join(notes)}")
+    return lines
 
 
 def main() -> None:
@@ -818,11 +860,41 @@ def main() -> None:
         args.sizes, args.rounds, args.restarts = args.sizes or "tiny", 1, 1
         args.probe_dir = tempfile.gettempdir()
     args.sizes = "1.1b" if args.quick else args.sizes or "1.1b,7b"
-    report = run_all(args)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
-    print_table(report)
-    print(f"\nwritten: {args.out}")
+    start = time.monotonic()
+    report: dict[str, Any] = {"dry_run": args.dry_run, "sizes": {}, "notes": []}
+    signal.signal(signal.SIGTERM, _terminated)
+    try:
+        run_all(args, report, start)
+    except SystemExit:
+        report["notes"].append(f"stopped by SIGTERM after {time.monotonic() - start:.0f} s (the run's time limit): "
+                               "what ran until then is below")
+        raise
+    finally:
+        save(report, args.out, start)
+        print(table(report))
+        print(f"\nwritten: {args.out} and {Path(args.out).with_suffix('.txt')}", flush=True)
+
+
+# Note [A report that survives the time limit]
+# gpu_run.sh runs this under `timeout`, within a lent machine's few minutes: a run that overruns its --budget
+# (a step slower than its estimate) gets SIGTERM, and before, that lost every figure, since the report was
+# written only once the run returned. So the report is kept as it grows: SIGTERM raises SystemExit, whose
+# way out stops the daemon, the copier and the kernels (the `finally` blocks) and writes the JSON and the
+# table with what ran; and both are written again as each size ends, so even a SIGKILL keeps the sizes done.
+def _terminated(signum: int, frame: Any) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the way out runs to its end
+    raise SystemExit(128 + signum)
+
+
+def save(report: dict[str, Any], out: str, start: float) -> None:
+    """Write the report's JSON to `out` and its table beside it (.txt), each replacing the last whole."""
+    report["wall_s"] = time.monotonic() - start
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for target, text in ((path, json.dumps(report, indent=2, default=str)), (path.with_suffix(".txt"), table(report))):
+        partial = target.with_name(target.name + ".partial")
+        partial.write_text(text)
+        os.replace(partial, target)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,9 @@
 #
 #     run(command="bash benchmarks/gpu_run.sh", carry=[".whl"], timeout_s=600)
 #
-# What comes back under $OUT: gpu.json (the benchmark's report), gpu.log, pytest-gpu.log, machine.txt. The
-# end of the output is the benchmark's table. GPU_ARGS passes options to gpu.py, GPU_TESTS=0 skips the tests:
+# What comes back under $OUT: gpu.json (the benchmark's report) and gpu.txt (its table), gpu.log,
+# pytest-gpu.log, machine.txt. The end of the output is the benchmark's table. gpu.py writes gpu.json and
+# gpu.txt as each size ends, and on the SIGTERM of its `timeout` (what ran until then; SIGKILL 30 s later). GPU_ARGS passes options to gpu.py, GPU_TESTS=0 skips the tests:
 # a rerun on the still-warm machine is `GPU_TESTS=0 GPU_ARGS=--quick bash benchmarks/gpu_run.sh`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,7 +27,7 @@ export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
       'transformers', transformers.__version__, 'available', torch.cuda.is_available())"
   df -h /dev/shm /tmp | tail -2; nproc; free -g | head -2; } 2>&1 | tee "$OUT/machine.txt"
 # The tests marked gpu (they skip without a device); 120 s at most.
-[ "${GPU_TESTS:-1}" = 0 ] || timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" -ra \
+[ "${GPU_TESTS:-1}" = 0 ] || timeout -k 10 120 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" -ra \
     tests/test_units.py tests/test_placement.py tests/test_extension.py tests/test_copier.py 2>&1 | tee "$OUT/pytest-gpu.log"
 # The benchmark: 1.1B and 7B (gpu.py's --budget skips what would not fit, and says so).
-timeout 350 python3 benchmarks/gpu.py --budget 320 --out "$OUT/gpu.json" ${GPU_ARGS:-} 2>&1 | tee "$OUT/gpu.log"
+timeout -k 30 350 python3 benchmarks/gpu.py --budget 320 --out "$OUT/gpu.json" ${GPU_ARGS:-} 2>&1 | tee "$OUT/gpu.log"

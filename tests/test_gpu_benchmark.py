@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -53,6 +54,47 @@ def test_the_dry_run_measures_every_case_the_warm_restart_and_the_probes(tmp_pat
     for line in ("DRY RUN", "warm restart: restart", "warmed ahead of the restart: cpu", "copy probes",
                  "goal (issue 36):", "tiny: miss"):
         assert line in table, table
+    assert (tmp_path / "gpu.txt").read_text() in table, "the table is written beside the JSON"
+
+
+def test_a_run_stopped_by_sigterm_writes_what_ran_and_its_table(tmp_path: Path) -> None:
+    """Note [A report that survives the time limit]: gpu_run.sh's `timeout` sends SIGTERM to the run's
+    process group; the run stops what it started and writes its report and table. Before, it died with
+    nothing written."""
+    out = tmp_path / "gpu.json"
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--dry-run", "--no-warm", "--no-probes", "--models-dir",
+                             str(tmp_path / "models"), "--out", str(out)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().startswith("building tiny")
+        os.killpg(proc.pid, signal.SIGTERM)  # as `timeout` does: the run and what it started in its group
+        printed, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, printed
+    report = json.loads(out.read_text())
+    assert report["notes"][-1].startswith("stopped by SIGTERM after"), report
+    assert out.with_suffix(".txt").read_text() in printed and "stopped by SIGTERM" in printed, printed
+
+
+def test_logits_that_differ_from_the_plain_loads_are_flagged() -> None:
+    """The hit's weights are the plain load's bytes: its logits' checksum differing is said under the
+    table (before, each case's checksum was measured and never compared)."""
+    gpu = _gpu_module()
+
+    def run(checksum: float) -> dict[str, Any]:
+        return {"ctx": 0.1, "call": 1.0, "copy": 0.5, "first": 0.2, "total": 1.3, "steady": 0.1, "token": 5,
+                "checksum": checksum}
+
+    rows = gpu.summarize({"plain": [run(1.5), run(1.5)], "miss": [run(1.5)], "hit": [run(1.25)], "copy": []},
+                         10**9)
+    assert rows["checksums_differ"] == {"plain": [1.5], "hit": [1.25]} and "copy" not in rows, rows
+    assert "tokens_differ" not in rows and rows["hit"]["copy_gbps"] == 2.0
+    text = gpu.table({"dry_run": False, "device": "cuda", "notes": [], "wall_s": 1.0,
+                      "sizes": {"1.1b": {"bytes": 10**9, "cases": rows}}})
+    assert "LOGITS' CHECKSUMS DIFFER from plain's: plain [1.5]; hit [1.25]" in text, text
 
 
 _BLOCKER = """
