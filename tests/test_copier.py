@@ -227,6 +227,22 @@ def test_a_copier_that_died_leaves_moves_to_torch_and_says_why(standin: Callable
     assert filling.reasons(), "the reason is kept"
 
 
+def test_a_reply_that_is_not_the_requests_is_refused_not_taken_for_it(standin: Callable[..., Client],
+                                                                       overmind_home: Path) -> None:
+    """Note [One reply per request]: a request whose reply this kernel stopped waiting for (a `keep` that
+    timed out) leaves that reply to be read by the next request. Before, a fill read a late "kept" reply as
+    its own and made views of a block the copier had not written; now a reply of another kind is refused."""
+    standin()
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    conn.connect(str(copier.socket_path(overmind_home)))
+    try:
+        conn.send(json.dumps({"kind": "drop"}).encode())  # its reply never read, as a request that timed out
+        with pytest.raises(ConnectionError, match="answered 'dropped' to a 'state' request"):
+            filling._request(conn, {"kind": "state"})
+    finally:
+        conn.close()
+
+
 def test_a_copy_no_kernel_used_for_the_idle_time_is_dropped_and_its_units_given_back(
         standin: Callable[..., Client], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OVERMIND_DEVICE_COPY_IDLE", "1")  # before the copier starts: it reads it then

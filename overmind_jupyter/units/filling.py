@@ -26,7 +26,6 @@ after the next restart finds them on the device.
 from __future__ import annotations
 
 import base64
-import contextlib
 import json
 import logging
 import mmap
@@ -83,11 +82,22 @@ def _plain(reason: str) -> None:
 
 # -- the connection ------------------------------------------------------------------------------
 
+# Note [One reply per request]
+# The copier answers each request of a connection once, in order (copier.py's wire format), and nothing
+# else tells a reply to which request it belongs. So a request that got no reply in time (its reply may
+# still come) or a reply that is not the kind its request gets leaves the connection out of step: every
+# later reply would be read as the answer to the request after it (a fill would take a late "kept" for
+# its own, and make views of a block the copier had not written yet). Such a connection is dropped
+# (`_drop`) by whoever met the failure, and the next move connects again.
+_REPLIES = {"hello": "hello", "state": "state", "fill": "filled", "keep": "kept", "drop": "dropped"}
+
+
 def _request(conn: socket.socket, message: dict[str, Any], fds: list[int] = (),  # type: ignore[assignment]
              nbytes: int = 0) -> dict[str, Any]:
     """One request and its reply, waiting at most what copying `nbytes` at the slowest path could take (a
     copier that hangs costs a kernel a minute, then its move goes torch's way; a block it might still be
-    writing is kept from reuse by torch's IPC reference count until the copier lets go of it)."""
+    writing is kept from reuse by torch's IPC reference count until the copier lets go of it). Any failure
+    but an error reply leaves the connection out of step: the caller drops it (Note [One reply per request])."""
     conn.settimeout(_TIMEOUT + nbytes / _SLOWEST)
     socket.send_fds(conn, [json.dumps(message).encode()], list(fds))
     data = conn.recv(MAX_MESSAGE)
@@ -96,6 +106,9 @@ def _request(conn: socket.socket, message: dict[str, Any], fds: list[int] = (), 
     reply: dict[str, Any] = json.loads(data)
     if reply.get("kind") == "error":
         raise RuntimeError(f"the device copier failed: {reply.get('error')}")
+    if reply.get("kind") != _REPLIES[message["kind"]]:
+        raise ConnectionError(f"the device copier answered {reply.get('kind')!r} to a {message['kind']!r} request: "
+                              "the connection is out of step; the next move connects again")
     return reply
 
 
@@ -304,11 +317,17 @@ def _keep_when_up(groups: dict[str, _Group], unit_device: str, label: str) -> No
         try:
             conn = connect(start=False, wait=_START_WAIT)
             for key, arena in wanted:
-                if conn is not None:
-                    with contextlib.suppress(OSError, ValueError, RuntimeError), _lock:
+                if conn is None:
+                    break
+                try:
+                    with _lock:
                         _request(conn, {"kind": "keep", "entry": key, "label": label, "complete": True,
                                         "device": unit_device, "parts": [p.describe() for p in arena.parts]},
                                  arena.fds(), os.fstat(arena.fd).st_size)
+                except (OSError, ValueError, RuntimeError) as exc:  # a late reply would be the next fill's
+                    log.info("the device copier kept no copy of %s: %s", label, exc)
+                    _drop(conn)  # Note [One reply per request]
+                    conn = None
         finally:
             for _, arena in wanted:
                 arena.close()
