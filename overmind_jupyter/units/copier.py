@@ -154,20 +154,48 @@ class _Backend:
                 with contextlib.suppress(BufferError):
                     m.close()
             return
-        fields = request["target"]
-        _, handle, size, offset, counter, counter_offset, event, sync = (
-            _unb64(f) if isinstance(f, str) and i in (1, 4, 6) else f for i, f in enumerate(fields))
-        if int(size) < nbytes:
-            raise ValueError(f"the target holds {int(size)} bytes, not {nbytes}")
-        torch.cuda._lazy_init()
+        try:
+            fields = request["target"]
+            _, handle, size, offset, counter, counter_offset, event, sync = (
+                _unb64(f) if isinstance(f, str) and i in (1, 4, 6) else f for i, f in enumerate(fields))
+            if int(size) < nbytes:
+                raise ValueError(f"the target holds {int(size)} bytes, not {nbytes}")
+            torch.cuda._lazy_init()
+        except BaseException:
+            self.give_back(request)  # Note [The kernel's reference to its block]
+            raise
         with torch.cuda.device(index):
             # opening waits for the kernel's event on the current stream; the staging stream waits for that
-            storage = torch.UntypedStorage._new_shared_cuda(index, handle, size, offset, counter,
-                                                            counter_offset, event, sync)
+            try:
+                storage = torch.UntypedStorage._new_shared_cuda(index, handle, size, offset, counter,
+                                                                counter_offset, event, sync)
+            except BaseException:
+                self.give_back(request)
+                raise
             try:
                 yield torch.empty(0, dtype=torch.uint8, device=f"cuda:{index}").set_(storage, 0, (nbytes,), (1,))
             finally:
                 del storage
+
+    # Note [The kernel's reference to its block]
+    # `_share_cuda_` in the kernel (filling.py) sets the block's IPC reference counter to 1, and only the
+    # deleter of the storage `_new_shared_cuda` opens here brings it back to 0. Until then torch keeps the
+    # block from reuse when the kernel drops it: a fill that failed before it opened the handle (a device
+    # this process does not see, a range outside the arena, no memory for the device copy, a handle that
+    # does not open) would leave the kernel a model's size of device memory it can never use again. So
+    # every fill that does not open its target gives the reference back, as torch.multiprocessing does
+    # for a handle it does not open (`_release_ipc_counter` in torch/multiprocessing/reductions.py).
+    def give_back(self, request: dict[str, Any]) -> None:
+        """Release the kernel's IPC reference of a fill's target this process did not open (Note [The
+        kernel's reference to its block]); nothing for the stand-in, whose target is a memfd."""
+        if self.standin or not isinstance(request.get("target"), list) or len(request["target"]) != 8:
+            return
+        counter, counter_offset = request["target"][4:6]
+        try:
+            self.torch.UntypedStorage._release_ipc_counter_cuda(
+                _unb64(counter) if isinstance(counter, str) else counter, int(counter_offset))
+        except Exception:  # a bad request's fields: the kernel that sent it sees its fill fail
+            log.exception("could not give back the IPC reference of a fill's target")
 
     def new_copy(self, index: int, nbytes: int) -> Any:
         torch = self.torch
@@ -316,36 +344,41 @@ class Copier:
                 self.release(holding)
             return {"kind": "dropped", "copies": len(holdings)}
         if kind in ("fill", "keep"):
-            if not fds:
-                raise ValueError(f"a {kind} needs the entry's arena descriptor")
             self.join_ledger()  # a daemon started after the copier (Note [A copier before the daemon])
             return self.fill(request, fds, target=kind == "fill")
         raise ValueError(f"unknown request {kind!r}")
 
     def fill(self, request: dict[str, Any], fds: list[int], *, target: bool) -> dict[str, Any]:
         t0 = time.perf_counter()
-        entry, device = str(request["entry"]), str(request["device"])
-        label = str(request.get("label") or entry[:12])
-        start, nbytes = int(request.get("start", 0)), int(request.get("nbytes", 0))
-        index = self.backend.index_of(request)
-        parts = [arena.Part(fd, int(offset), int(size)) for (offset, size), fd in zip(request.get("parts", []),
-                                                                                     fds[1:], strict=False)]
-        st = os.fstat(fds[0])
-        part_stats = [os.fstat(p.fd) for p in parts]
-        ident = (st.st_dev, st.st_ino, st.st_size,
-                 tuple((p.offset, p.nbytes, s.st_dev, s.st_ino) for p, s in zip(parts, part_stats, strict=True)))
-        fds = [fds[0], *fds[1 + len(parts):]]  # the arena, then the stand-in's target
-        if start < 0 or nbytes < 0 or start + nbytes > st.st_size:
-            raise ValueError(f"bytes {start}+{nbytes} lie outside the arena ({st.st_size} bytes)")
-        key = (entry, ident, device)
-        copy = self.copies.get(key)
-        source = "device copy"
-        if copy is None and request.get("complete"):
-            copy = self._make_copy(key, label, fds[0], parts, index)
-            source = "host" if copy is not None else source
-        if copy is not None:
-            copy.last_used = time.time()
-            self._touch(copy)
+        try:  # up to the target's opening, which gives the reference back itself if it fails
+            if not fds:
+                raise ValueError(f"a {request['kind']} needs the entry's arena descriptor")
+            entry, device = str(request["entry"]), str(request["device"])
+            label = str(request.get("label") or entry[:12])
+            start, nbytes = int(request.get("start", 0)), int(request.get("nbytes", 0))
+            index = self.backend.index_of(request)
+            parts = [arena.Part(fd, int(offset), int(size))
+                     for (offset, size), fd in zip(request.get("parts", []), fds[1:], strict=False)]
+            st = os.fstat(fds[0])
+            part_stats = [os.fstat(p.fd) for p in parts]
+            ident = (st.st_dev, st.st_ino, st.st_size,
+                     tuple((p.offset, p.nbytes, s.st_dev, s.st_ino) for p, s in zip(parts, part_stats, strict=True)))
+            fds = [fds[0], *fds[1 + len(parts):]]  # the arena, then the stand-in's target
+            if start < 0 or nbytes < 0 or start + nbytes > st.st_size:
+                raise ValueError(f"bytes {start}+{nbytes} lie outside the arena ({st.st_size} bytes)")
+            key = (entry, ident, device)
+            copy = self.copies.get(key)
+            source = "device copy"
+            if copy is None and request.get("complete"):
+                copy = self._make_copy(key, label, fds[0], parts, index)
+                source = "host" if copy is not None else source
+            if copy is not None:
+                copy.last_used = time.time()
+                self._touch(copy)
+        except BaseException:
+            if target:
+                self.backend.give_back(request)  # Note [The kernel's reference to its block]
+            raise
         if target:
             with self.backend.target(request, fds, index) as dst:
                 if copy is not None:
