@@ -335,7 +335,8 @@ class _Dispatch(dict):  # type: ignore[type-arg]
 # `output_attentions` and generate's `return_dict_in_generate` read. A rebuild runs no `__init__`, so a
 # hit in a process that had built no model of that class returned None for hidden states and
 # attentions, and said nothing. The rebuild registers each such class the graph names, as `__init__`
-# would (`_register_recorders`).
+# would (`_register_recorders`): in a plain dict under `str(cls)` up to transformers 5.24 (5.17 is the GPU
+# machine's), through the registry's own `__setitem__`, which takes the model, from 5.25.
 
 
 def _kept_reduction(cls: type) -> Callable[[Any], Any] | None:
@@ -1063,8 +1064,11 @@ def _register_recorders(classes: list[type]) -> None:
         return
     for cls in classes:
         if issubclass(cls, model) and str(cls) not in registry:
-            # an object never initialised: the registry reads its class only
-            registry[cls.__new__(cls)] = getattr(cls, "_can_record_outputs", None)
+            recorded = getattr(cls, "_can_record_outputs", None)
+            if type(registry).__setitem__ is dict.__setitem__:
+                registry[str(cls)] = recorded  # transformers < 5.25: a plain dict, keyed by str(cls) by hand
+            else:  # its own registry, which keys a model by str(model.__class__): an object never initialised
+                registry[cls.__new__(cls)] = recorded
 
 
 # What this process ran short of, not what the entry holds: the entry stays (NoRoomHere)
