@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import mmap
 import os
 import signal
 import socket
@@ -24,10 +25,10 @@ import numpy as np
 import pytest
 import torch
 
-from kernel_server import Client
+from kernel_server import Client, arena
 from kernel_server.ledger import Ledger
 from kernel_server.operations import Op
-from overmind_jupyter import loading, units
+from overmind_jupyter import loading, mappings, units
 from overmind_jupyter.units import copier, filling
 from tests.helpers.cached_modules import arena_backed, in_arena, miss_in_parts, wide_llama
 from tests.helpers.faults_helpers import wait_until
@@ -123,6 +124,29 @@ def test_an_arena_in_parts_is_filled_whole_from_the_host_then_from_its_device_co
         assert not any(in_arena(p) for p in hit.parameters())
         for (name, a), (_, b) in zip(plain.state_dict().items(), hit.state_dict().items(), strict=True):
             assert torch.equal(a, b), name
+
+
+def test_an_arena_in_as_many_files_as_a_miss_makes_is_filled_on_the_standin(standin: Callable[..., Client]) -> None:
+    """A converting miss's arena comes in up to four files (staging's `_FILES`: its own and three parts;
+    the daemon takes up to `MAX_PARTS` parts): with the stand-in's target memfd a fill carries five
+    descriptors. The copier took four, the kernel closed the fifth, and the fill was refused for want of
+    its target. Each part's bytes land at its offset of the arena."""
+    standin()
+    page = mmap.PAGESIZE
+    fds = [os.memfd_create(f"four-files-{i}", os.MFD_CLOEXEC) for i in range(4)]
+    for i, fd in enumerate(fds):
+        os.ftruncate(fd, 4 * page if i == 0 else page)
+        os.pwrite(fd, bytes([i + 1]) * page, 0)  # the arena's first page; each part's one page
+    parts = tuple(arena.Part(fd, i * page, page) for i, fd in enumerate(fds) if i)
+    group = filling._Group("f" * 64, mappings.ArenaFile(fds[0], False, parts), low=0, high=4 * page)
+    try:
+        conn = filling.connect()
+        assert conn is not None
+        block, reply = filling._fill_group(conn, group, torch.device("cpu"), "sim:0", "four files")
+        assert reply["source"] == "host"
+        assert bytes(block.numpy()) == b"".join(bytes([i + 1]) * page for i in range(4))
+    finally:
+        group.arena.close()
 
 
 def test_a_filled_model_keeps_its_ties_trains_and_goes_back_onto_the_cached_weights(

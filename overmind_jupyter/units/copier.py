@@ -67,6 +67,7 @@ from kernel_server import arena, lifecycle, settings
 from kernel_server.client import Client
 from kernel_server.errors import DaemonError, RemoteError
 from kernel_server.operations import Op
+from kernel_server.payloads import MAX_PARTS
 from kernel_server.settings import GiB
 
 from .devices import context_units, cuda_identity, local_devices
@@ -75,7 +76,7 @@ __all__ = ["IDLE_EXIT", "MAX_MESSAGE", "PROTOCOL", "lock_path", "socket_path"]
 
 PROTOCOL = 1
 MAX_MESSAGE = 1 << 16
-MAX_FDS = 4
+MAX_FDS = 1 + MAX_PARTS + 1  # a fill's: the arena's, its parts' (as many as the daemon takes), the stand-in's target
 IDLE_EXIT = 600.0  # seconds with no kernel connected and no copy kept before the copier exits
 _CHUNK = 64 << 20  # bytes of each of the two pinned staging buffers of a device
 
@@ -357,8 +358,14 @@ class Copier:
             label = str(request.get("label") or entry[:12])
             start, nbytes = int(request.get("start", 0)), int(request.get("nbytes", 0))
             index = self.backend.index_of(request)
+            described = request.get("parts", [])
+            wanted = 1 + len(described) + (target and self.backend.standin)
+            if len(fds) != wanted:
+                which = "the arena's, its parts'" + (", the target's memfd" if wanted > 1 + len(described) else "")
+                raise ValueError(f"a {request['kind']} of an arena in {1 + len(described)} files needs {wanted} "
+                                 f"descriptors ({which}), not {len(fds)}")
             parts = [arena.Part(fd, int(offset), int(size))
-                     for (offset, size), fd in zip(request.get("parts", []), fds[1:], strict=False)]
+                     for (offset, size), fd in zip(described, fds[1:1 + len(described)], strict=True)]
             st = os.fstat(fds[0])
             part_stats = [os.fstat(p.fd) for p in parts]
             ident = (st.st_dev, st.st_ino, st.st_size,
@@ -462,6 +469,30 @@ class Copier:
                 conn.send(json.dumps(reply).encode())
 
 
+def _receive(conn: socket.socket) -> tuple[dict[str, Any] | None, list[int]] | None:
+    """The next request on `conn` and its descriptors; None at the connection's end; (None, []) for a
+    request that could not be read, answered with an error here."""
+    try:
+        data, fds, flags, _ = socket.recv_fds(conn, MAX_MESSAGE, MAX_FDS)
+    except OSError:
+        return None
+    if not data:
+        return None
+    try:
+        if flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):  # the kernel closed the descriptors that did not fit
+            raise ValueError(f"it came cut short: more than {MAX_FDS} descriptors or {MAX_MESSAGE} bytes")
+        request = json.loads(data)
+        if not isinstance(request, dict):
+            raise ValueError("not an object")
+    except ValueError as exc:
+        for fd in fds:
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            conn.send(json.dumps({"kind": "error", "error": f"bad request: {exc}"}).encode())
+        return None, []
+    return request, fds
+
+
 def serve(home: Path, standin: bool) -> int:
     """Run the copier until the daemon goes, or until idle (see the module's docstring)."""
     home.mkdir(parents=True, exist_ok=True)
@@ -502,24 +533,15 @@ def serve(home: Path, standin: bool) -> int:
                 continue
             conn = key.fileobj
             assert isinstance(conn, socket.socket)
-            try:
-                data, fds, _, _ = socket.recv_fds(conn, MAX_MESSAGE, MAX_FDS)
-            except OSError:
-                data, fds = b"", []
-            if not data:
+            received = _receive(conn)
+            if received is None:
                 selector.unregister(conn)
                 conn.close()
                 connections -= 1
                 idle_since = time.monotonic()
                 continue
-            try:
-                request = json.loads(data)
-                if not isinstance(request, dict):
-                    raise ValueError("not an object")
-            except ValueError as exc:
-                for fd in fds:
-                    os.close(fd)
-                conn.send(json.dumps({"kind": "error", "error": f"bad request: {exc}"}).encode())
+            request, fds = received
+            if request is None:
                 continue
             copier.work.put(("request", conn, request, fds))
         if copier.client is not None and copier.client.closed:
