@@ -101,11 +101,17 @@ def lock_path(home: Path) -> Path:
 # any route, reach only its own memory, and the copier's copy is written only from the arena, never from
 # a kernel's memory (docs/design.md invariant 3). A copy is the arena's bytes as of a sealed, complete
 # arena: the copier keys it by the entry and the identity of the arena's file (device and inode number,
-# size) and of its parts' files (Note [Arena parts] in kernel_server/arena.py), so an entry compacted into
-# a new arena, or a key published again, never meets an old copy; an arena with pieces pending (their
-# bytes still only in checkpoint files) is copied to a kernel's memory only for the ranges the kernel
-# read from it, and no copy of it is kept.
-_Ident = tuple[int, int, int, tuple[tuple[int, int, int, int], ...]]  # the arena's file, its parts' files
+# size, mtime_ns and ctime_ns: a file system reuses the inode number of a file deleted, and a new arena of
+# the same size could have it) and of its parts' files (Note [Arena parts] in kernel_server/arena.py), so
+# an entry compacted into a new arena, or a key published again, never meets an old copy; an arena with
+# pieces pending (their bytes still only in checkpoint files) is copied to a kernel's memory only for the
+# ranges the kernel read from it, and no copy of it is kept.
+_FileId = tuple[int, int, int, int]  # device, inode number, mtime_ns, ctime_ns
+_Ident = tuple[_FileId, int, tuple[tuple[int, int, _FileId], ...]]  # the arena's file and size; each part's
+
+
+def _file_id(st: os.stat_result) -> _FileId:
+    return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
 
 
 @dataclass(eq=False)
@@ -368,8 +374,8 @@ class Copier:
                      for (offset, size), fd in zip(described, fds[1:1 + len(described)], strict=True)]
             st = os.fstat(fds[0])
             part_stats = [os.fstat(p.fd) for p in parts]
-            ident = (st.st_dev, st.st_ino, st.st_size,
-                     tuple((p.offset, p.nbytes, s.st_dev, s.st_ino) for p, s in zip(parts, part_stats, strict=True)))
+            ident = (_file_id(st), st.st_size,
+                     tuple((p.offset, p.nbytes, _file_id(s)) for p, s in zip(parts, part_stats, strict=True)))
             fds = [fds[0], *fds[1 + len(parts):]]  # the arena, then the stand-in's target
             if start < 0 or nbytes < 0 or start + nbytes > st.st_size:
                 raise ValueError(f"bytes {start}+{nbytes} lie outside the arena ({st.st_size} bytes)")
@@ -402,7 +408,7 @@ class Copier:
     def _make_copy(self, key: tuple[str, _Ident, str], label: str, fd: int, parts: list[arena.Part],
                    index: int) -> _Copy | None:
         entry, ident, device = key
-        nbytes = ident[2]
+        nbytes = ident[1]
         units = -(-nbytes // GiB)
         holding = self._acquire(device, units, label)
         if holding is None:
@@ -422,7 +428,7 @@ class Copier:
         the next fills (at most eight arenas: a mapping costs only its page tables)."""
         found = self.hosts.get(ident)
         if found is None:
-            m = arena.map_private(fd, ident[2], parts=parts)
+            m = arena.map_private(fd, ident[1], parts=parts)
             host = self.backend.torch.frombuffer(m, dtype=self.backend.torch.uint8)
             found = self.hosts[ident] = (m, host)
             while len(self.hosts) > 8:
