@@ -275,6 +275,8 @@ def test_a_copy_no_kernel_used_for_the_idle_time_is_dropped_and_its_units_given_
     assert [h["spare"] for h in holders(client)].count(True) == 1
     assert wait_until(lambda: not filling.state()["copies"], 30, "the idle copy dropped")
     assert not any(h["spare"] for h in holders(client)), "its units given back"
+    # and the arena's mapping, which kept an evicted entry's memory outside the budget (Note [Host mappings])
+    assert wait_until(lambda: filling.state()["host_mappings"] == 0, 30, "the idle host mapping dropped")
 
 
 def test_one_copier_per_user_it_answers_bad_requests_and_exits_with_the_daemon(

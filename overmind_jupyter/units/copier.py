@@ -78,6 +78,7 @@ PROTOCOL = 1
 MAX_MESSAGE = 1 << 16
 MAX_FDS = 1 + MAX_PARTS + 1  # a fill's: the arena's, its parts' (as many as the daemon takes), the stand-in's target
 IDLE_EXIT = 600.0  # seconds with no kernel connected and no copy kept before the copier exits
+HOST_IDLE = 30.0  # seconds an arena's host mapping is kept unused (Note [Host mappings])
 _CHUNK = 64 << 20  # bytes of each of the two pinned staging buffers of a device
 
 log = logging.getLogger("overmind.copier")
@@ -256,7 +257,8 @@ class Copier:
         self.backend = _Backend(standin)
         self.copies: dict[tuple[str, _Ident, str], _Copy] = {}
         self.by_holding: dict[int, tuple[str, _Ident, str]] = {}
-        self.hosts: collections.OrderedDict[_Ident, tuple[mmap.mmap, Any]] = collections.OrderedDict()
+        # the arenas' host mappings, by their identity: (mapping, tensor over it, when last used)
+        self.hosts: collections.OrderedDict[_Ident, tuple[mmap.mmap, Any, float]] = collections.OrderedDict()
         self.stats: dict[str, dict[str, float]] = {"fills": {}, "bytes": {}, "seconds": {}}
         self.work: queue.Queue[tuple[Any, ...]] = queue.Queue()
         self.client: Any = None
@@ -324,8 +326,12 @@ class Copier:
 
     def expire(self, idle: float) -> None:
         """Drop the copies no kernel has used for `idle` seconds (OVERMIND_DEVICE_COPY_IDLE): the ledger
-        gives kernels their units back at once, but programs outside it see only the device's memory."""
+        gives kernels their units back at once, but programs outside it see only the device's memory. And
+        the arenas' host mappings unused for as long, or HOST_IDLE if sooner (Note [Host mappings])."""
         now = time.time()
+        for ident, (_, _, used) in list(self.hosts.items()):
+            if now - used > min(idle, HOST_IDLE):
+                del self.hosts[ident]
         for holding, key in list(self.by_holding.items()):
             copy = self.copies.get(key)
             if copy is not None and now - copy.last_used > idle:
@@ -423,16 +429,22 @@ class Copier:
         self.by_holding[holding] = key
         return copy
 
+    # Note [Host mappings]
+    # A fill from the host reads the arena through a private mapping of its files, kept for the next fills
+    # of that arena (mapping it again would fault its pages in again). But a mapping holds its files open:
+    # an entry the daemon evicts meanwhile keeps its memory (a memfd arena) or disk (a file arena) for as
+    # long as the copier maps it, outside the daemon's budget. So at most eight are kept, and each is
+    # dropped once unused for HOST_IDLE seconds (or OVERMIND_DEVICE_COPY_IDLE, if shorter).
     def _host(self, fd: int, parts: list[arena.Part], ident: _Ident) -> Any:
         """The arena with its parts as a host tensor over a private mapping that nothing writes, kept for
-        the next fills (at most eight arenas: a mapping costs only its page tables)."""
+        the next fills (Note [Host mappings])."""
         found = self.hosts.get(ident)
         if found is None:
             m = arena.map_private(fd, ident[1], parts=parts)
-            host = self.backend.torch.frombuffer(m, dtype=self.backend.torch.uint8)
-            found = self.hosts[ident] = (m, host)
-            while len(self.hosts) > 8:
+            found = (m, self.backend.torch.frombuffer(m, dtype=self.backend.torch.uint8), 0.0)
+            while len(self.hosts) >= 8:
                 self.hosts.popitem(last=False)
+        self.hosts[ident] = (found[0], found[1], time.time())
         self.hosts.move_to_end(ident)
         return found[1]
 
@@ -441,6 +453,7 @@ class Copier:
                 "copies": [{"entry": c.entry, "label": c.label, "device": c.device, "bytes": int(c.tensor.numel()),
                             "units": c.units, "holding": c.holding, "last_used": c.last_used}
                            for c in self.copies.values()],
+                "host_mappings": len(self.hosts),
                 **{name: dict(values) for name, values in self.stats.items()}}
 
     # -- the loop -----------------------------------------------------------------------------
@@ -525,7 +538,7 @@ def serve(home: Path, standin: bool) -> int:
     copy_idle = float(settings.get(settings.DEVICE_COPY_IDLE))
     expired_at = ledger_at = time.monotonic()
     while True:
-        if copier.copies and time.monotonic() - expired_at >= 1.0:  # a look at the copies' age, once a second
+        if (copier.copies or copier.hosts) and time.monotonic() - expired_at >= 1.0:  # their age, once a second
             expired_at = time.monotonic()
             copier.work.put(("expire", copy_idle))
         if copier.client is None and copier.work.empty() and time.monotonic() - ledger_at >= 1.0:
