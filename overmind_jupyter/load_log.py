@@ -128,6 +128,14 @@ class _WhileUsed:
         raise NotImplementedError
 
 
+# Note [Stand-ins left behind]
+# The stand-ins are process-wide, and other code saves and puts back the same attributes: a
+# `warnings.catch_warnings()` block in another thread of the user's that starts during a load and ends
+# after it puts `_showwarning` back after the load restored the original, for good. Outside a load a
+# stand-in only passes on to what it stands in for, so that is harmless, as long as the next load never
+# takes the stand-in for the original: it stood in for itself, and every warning of the process raised
+# RecursionError from then on. (A block that starts before a load and ends during it takes the stand-in
+# away for the rest of the load: what it warns then is not kept for its hits.)
 class _StandIn(_WhileUsed):
     """What a load says goes through these while any thread is inside `load_log`: the library's
     `Logger.warning_once` and `warnings.showwarning`. Each keeps what it saw for the `Said` of every
@@ -139,10 +147,16 @@ class _StandIn(_WhileUsed):
 
     @classmethod
     def install(cls) -> None:
-        cls.once = vars(logging.Logger).get("warning_once")
+        # Never itself as what it stands in for: a `catch_warnings` block of another thread that spans the
+        # end of a load puts the stand-in back for good, as it found it (Note [Stand-ins left behind])
+        once = vars(logging.Logger).get("warning_once")
+        if once is not _warning_once:
+            cls.once = once
         if cls.once is not None:
             logging.Logger.warning_once = _warning_once  # type: ignore[attr-defined]
-        cls.shown, warnings.showwarning = warnings.showwarning, _showwarning
+        if warnings.showwarning is not _showwarning:
+            cls.shown = warnings.showwarning
+        warnings.showwarning = _showwarning
 
     @classmethod
     def restore(cls) -> None:

@@ -340,3 +340,30 @@ def test_a_config_through_cached_is_a_miss_then_a_hit(overmind_home: Path, check
                           "equal": [g.to_dict() == AutoConfig.from_pretrained(path).to_dict() for g in got]}))
     """, env=dict(os.environ, PATHS=json.dumps(checkpoints))))
     assert out["calls"] == {"miss": 1, "hit": 1} and not out["fallbacks"] and out["equal"] == [True, True], out
+
+
+def test_a_catch_warnings_block_across_a_loads_end_leaves_warnings_working(overmind_home: Path) -> None:
+    """Note [Stand-ins left behind] in load_log.py: a `catch_warnings()` of another thread that starts
+    during a load and ends after it puts the load's stand-in of `showwarning` back for good; the next
+    load took it for the original, and every warning of the process raised RecursionError."""
+    import warnings
+
+    from overmind_jupyter.load_log import load_log
+
+    shown: list[str] = []
+    original = warnings.showwarning
+    warnings.showwarning = lambda message, *args, **kwargs: shown.append(str(message))
+    try:
+        with warnings.catch_warnings():  # the test's own filters back at the end
+            warnings.simplefilter("always")
+            with load_log():
+                block = warnings.catch_warnings()  # (as another thread's: the module's state is shared)
+                block.__enter__()
+            block.__exit__(None, None, None)
+            with load_log() as said:
+                warnings.warn("in a load", UserWarning, stacklevel=1)
+            warnings.warn("after it", UserWarning, stacklevel=1)
+    finally:
+        warnings.showwarning = original
+    assert shown == ["in a load", "after it"], shown
+    assert [w[2] for w in said.warned] == ["in a load"], said.warned
