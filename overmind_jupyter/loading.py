@@ -9,8 +9,8 @@ random generators' state (`randomness`), what a load logged (`load_log`), where 
 # Note [Never worse]
 Every failure on the cache path (no key, no daemon, a daemon that dies mid-call, a full budget, an
 unpicklable result, a corrupt entry) ends in the original call, and is recorded with its reason in
-`fallbacks()` and warned once per function, reason and line of the user's (the reason names the argument
-or the result it is about: a loop over one call is told once, another cell's call again; docs/design.md
+`fallbacks()` and warned once per function, reason and checkpoint (the reason names the argument or the
+result it is about: a loop over one call is told once, a load of another model again; docs/design.md
 invariant 1). An exception raised by the
 original call itself propagates unchanged, and its load is abandoned so that no entry is left.
 """
@@ -111,12 +111,12 @@ def cached(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return patched_call(fn, args, kwargs)
 
 
-def _runs_plainly(fn: Callable[..., Any]) -> bool:
+def _runs_plainly(fn: Callable[..., Any], args: tuple[Any, ...]) -> bool:
     """Whether `fn` must run plainly where it is called (Note [Meta loads] in placement.py), said once."""
     reason = plain_only()
     if reason is None:
         return False
-    fall_back(_label(fn), "empty_init", reason)
+    fall_back(_label(fn, args), "empty_init", reason)
     return True
 
 
@@ -134,7 +134,7 @@ def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
     __tracebackhide__ = True  # Note [Our frames hidden]
     started = time.perf_counter()  # a hit's or a miss's wait starts here (Note [Miss times] in progress.py)
     flush_warnings()
-    label = _label(fn)
+    label = _label(fn, args)
     # storages of the references found unchanged (Note [References] in results.py)
     reuse: dict[tuple[str, int, int, str], Any] = {}
     try:
@@ -662,8 +662,12 @@ def _collect_young() -> None:
     gc.collect(0)
 
 
-def _label(fn: Callable[..., Any]) -> str:
-    return f"{keys.owner_name(fn)[1]}(...)"
+def _label(fn: Callable[..., Any], args: tuple[Any, ...] = ()) -> str:
+    """A call that has no key (yet) by its function, and by its checkpoint where its first argument names
+    one: the model a fallback is about (Note [Never worse])."""
+    first = args[0] if args else None
+    named = f"{os.fspath(first)!r}, " if isinstance(first, str | os.PathLike) else ""
+    return f"{keys.owner_name(fn)[1]}({named}...)"
 
 
 def _to_a_real_gpu(device: Any) -> bool:
@@ -798,17 +802,17 @@ def patched_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
 
 def _patched_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     __tracebackhide__ = True  # Note [Our frames hidden]
-    if _runs_plainly(fn):
+    if _runs_plainly(fn, args):
         return fn(*args, **kwargs)
     quantization = quantized(kwargs)
     if quantization is not None:  # Note [Quantized loads] in placement.py
-        fall_back(_label(fn), "quantized", quantization)
+        fall_back(_label(fn, args), "quantized", quantization)
         return fn(*args, **kwargs)
     try:
         split = split_placement(kwargs)
     except Uncacheable as exc:
         if not isinstance(exc, RefusedByLibrary):
-            fall_back(_label(fn), "uncacheable", str(exc))
+            fall_back(_label(fn, args), "uncacheable", str(exc))
         split = None
     if split is None:  # called outside the `except` (Note [Our frames hidden])
         return fn(*args, **kwargs)
@@ -821,7 +825,7 @@ def _patched_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[st
         return obj
     too_big = too_large(obj, split.device) if split.by_sizes else None
     if too_big is not None:  # Note [Auto on one device] in placement.py
-        fall_back(_label(fn), "too_large", too_big)
+        fall_back(_label(fn, args), "too_large", too_big)
         del obj
         return fn(*args, **kwargs)
     return place(obj, split.device)

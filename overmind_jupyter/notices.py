@@ -1,7 +1,7 @@
 """Fallbacks and notices: what a cached call tells about itself. A call that went the plain way is
 recorded with its reason (`fallbacks()`), counted (`calls()`), told to the daemon, and warned once per
-function, reason and line of the user's (Note [Never worse] in loading.py); a notice that is no fallback is warned once
-per topic. A load in a thread of the user's warns in the main thread, at its next load or cell. Every
+function, reason and checkpoint (Note [Never worse] in loading.py); a notice that is no fallback is warned
+once per topic. A load in a thread of the user's warns in the main thread, at its next load or cell. Every
 warning names the user's own line, the first frame outside overmind and the loading libraries (a
 thread's: the line in that thread).
 """
@@ -14,7 +14,6 @@ import sys
 import threading
 import time
 import warnings
-from types import FrameType
 from typing import Any
 
 from kernel_server.client import existing_shared_client
@@ -26,10 +25,10 @@ from .errors import FallbackWarning, OvermindWarning
 __all__ = ["calls", "clear_fallbacks", "count", "emit_deferred", "fall_back", "fallbacks", "tell_once"]
 
 _fallbacks: collections.deque[dict[str, Any]] = collections.deque(maxlen=200)
-# (kind, the function called, reason, the user's line): a function falling back for a reason not told of it
-# at that line yet is told; a loop over one call with other arguments (its label names them), once, as
-# Python warns once per line; another cell's load of another model, again
-_warned: set[tuple[str, str, str, str, int]] = set()
+# (kind, the function called, reason, the checkpoint it loads): a function falling back for a reason not told
+# of it yet is told, and so is a load of another checkpoint; a loop over one call with other arguments (its
+# label names them), once
+_warned: set[tuple[str, str, str, str]] = set()
 _calls: collections.Counter[str] = collections.Counter()
 
 
@@ -60,8 +59,9 @@ def fall_back(label: str, kind: str, reason: str, *, plain: bool = True, loaded:
         _calls["plain"] += 1
     _fallbacks.append({"time": time.time(), "call": label, "kind": kind, "reason": reason})
     _report(label, kind, reason)
-    user, _ = _user_code(sys._getframe(1))
-    said = (kind, label.split("(", 1)[0], reason, user.f_code.co_filename, user.f_lineno)
+    function, _, arguments = label.partition("(")
+    first = arguments.split(",", 1)[0].rstrip(")").strip()
+    said = (kind, function, reason, first if first[:1] in "'\"" else "")  # a checkpoint's load: its path or id
     if said in _warned:
         return
     _warned.add(said)
@@ -100,17 +100,13 @@ _LIBRARY_NAMES = ("transformers", "diffusers", "peft", "torch", "huggingface_hub
 def _user_frame() -> int:
     """The `stacklevel` of `warnings.warn`, called by the function calling this, that names the first
     frame outside overmind and the loading libraries: the line of the user's that loaded."""
-    return 2 + _user_code(sys._getframe(2))[1]
-
-
-def _user_code(frame: FrameType) -> tuple[FrameType, int]:
-    """The first frame from `frame` up that is outside overmind and the loading libraries (the outermost
-    where all are inside), and how many frames up it is."""
-    up = 0
+    frame = sys._getframe(2)
+    level = 2
     while frame.f_back is not None and (frame.f_code.co_filename.startswith(_LIBRARIES) or any(
             f"{os.sep}{name}{os.sep}" in frame.f_code.co_filename for name in _LIBRARY_NAMES)):
-        frame, up = frame.f_back, up + 1
-    return frame, up
+        frame = frame.f_back
+        level += 1
+    return level
 
 
 def clear_fallbacks() -> None:

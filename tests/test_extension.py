@@ -352,7 +352,9 @@ def test_a_failing_loads_traceback_in_the_cell_shows_the_frames_the_plain_one_sh
     assert "skipping hidden" in cached_text and "skipping hidden" not in plain_text
 
 
-def test_uncacheable_argument_loads_plainly_and_status_says_why(shell, tiny_llama: Path, overmind_home: Path) -> None:
+def test_uncacheable_argument_loads_plainly_and_status_says_why(shell, tiny_llama: Path, overmind_home: Path,
+                                                                tmp_path: Path) -> None:
+    import shutil
     import warnings
 
     from transformers import AutoModelForCausalLM
@@ -367,16 +369,18 @@ def test_uncacheable_argument_loads_plainly_and_status_says_why(shell, tiny_llam
     state = magic_json(shell, "status")
     assert any("state_dict" in f["reason"] for f in state["fallbacks"])
     assert any("state_dict" in f["reason"] for f in state["daemon"]["fallbacks"]), "the daemon heard of it too"
-    # told once per line of the user's: a loop once, and another cell's call again (it was silent: one
-    # function, one reason)
-    shell.user_ns["plain"] = plain
-    load = "type(plain).from_pretrained(None, config=plain.config, state_dict=plain.state_dict())"
-    for cell in (f"for _ in range(3):\n    {load}\n", f"# another cell\n{load}\n"):
-        with warnings.catch_warnings(record=True) as told:
+    # told once per function, reason and checkpoint: a loop once, a load of another model again (it was
+    # silent: one function, one reason)
+    other = tmp_path / "other"
+    shutil.copytree(tiny_llama, other)
+    told = []
+    for path in (tiny_llama, tiny_llama, other):
+        with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            assert shell.run_cell(cell, store_history=True).success
-        assert [issubclass(w.category, FallbackWarning) and "no canonical form" in str(w.message)
-                for w in told] == [True], [str(w.message) for w in told]
+            with pytest.raises(ValueError, match="meta"):  # (the plain load's error: it has no weights)
+                type(plain).from_pretrained(str(path), device_map="meta")
+        told.append([str(w.message) for w in caught if issubclass(w.category, FallbackWarning)])
+    assert [len(t) for t in told] == [1, 0, 1] and str(other) in told[2][0], told
 
 
 def test_evict_magic_names_what_it_evicted(shell, tiny_llama: Path, overmind_home: Path,
