@@ -59,15 +59,15 @@ from .dynamic_modules import elsewhere
 from .errors import Uncacheable
 from .reads import is_users_module, path_constants, reads
 
-__all__ = ["GRAPH_FORMAT", "CallKey", "Resolve", "bindings", "changed_since", "files_named", "fingerprint",
-           "make_key", "owner_name", "signature", "under_bindings"]
+__all__ = ["GRAPH_FORMAT", "SOURCE_PARAMS", "CallKey", "Resolve", "bindings", "changed_since", "files_named",
+           "fingerprint", "make_key", "owner_name", "signature", "under_bindings"]
 
 _KEY_FORMAT = 3  # bump on any change to what a key holds: old entries then simply miss
 # The format of the graphs rebuild.py packs, named by every key: an entry packed in another format is a miss
 # (a daemon that outlived an upgrade keeps such entries), not a corrupt entry with a fallback warning.
 # Bump when the storage or tensor references, or what a graph holds, change.
 GRAPH_FORMAT = 9
-_SOURCE_PARAMS = ("pretrained_model_name_or_path", "model_id", "pretrained_model_link_or_path", "repo_id",
+SOURCE_PARAMS = ("pretrained_model_name_or_path", "model_id", "pretrained_model_link_or_path", "repo_id",
                   "pretrained_model_link_or_path_or_dict")
 # diffusers' `from_single_file` reads the layout of the model from these when given (a local folder or
 # a hub id): keyed as checkpoints are, by their files or the commit they resolve to, never by the name.
@@ -157,8 +157,8 @@ def make_key(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
                                             for x in pair] for pair in registered]})
     doc_args = {}
     config_sources = _CONFIG_SOURCES.get(getattr(fn, "__name__", ""), ())
-    for name in sorted(arguments, key=lambda n: (n not in _SOURCE_PARAMS, n)):  # the checkpoint labels the call
-        if name in _SOURCE_PARAMS or (name in config_sources and isinstance(arguments[name], (str, PurePath))):
+    for name in sorted(arguments, key=lambda n: (n not in SOURCE_PARAMS, n)):  # the checkpoint labels the call
+        if name in SOURCE_PARAMS or (name in config_sources and isinstance(arguments[name], (str, PurePath))):
             doc_args[name] = canon.source(name, arguments[name], arguments)
         elif name in _OPAQUE_STRINGS and isinstance(arguments[name], (str, PurePath)):
             doc_args[name] = os.fspath(arguments[name])
@@ -183,7 +183,7 @@ def make_key(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
     key = hashlib.sha256(text.encode()).hexdigest()
     named, dtype = canon.source_label or _plain_arguments(arguments), _dtype_label(arguments)
     if canon.source_label:  # the checkpoint, then what else tells this call's entry from another's of it
-        more = _plain_arguments({k: v for k, v in arguments.items() if k not in _SOURCE_PARAMS})
+        more = _plain_arguments({k: v for k, v in arguments.items() if k not in SOURCE_PARAMS})
         named += f", {more}" if more else ""
     meta = {
         "label": f"{short}({named}{dtype if named else dtype.removeprefix(', ')})",
@@ -251,8 +251,8 @@ def _bind(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any])
                 rest = list(arguments.pop(name))
                 # from_pretrained(*model_args, **kwargs) (the Auto classes): the first positional
                 # argument is the checkpoint, as in the concrete classes' signatures.
-                if rest and not any(p in arguments for p in _SOURCE_PARAMS) and next(iter(sig.parameters)) == name:
-                    arguments[_SOURCE_PARAMS[0]] = rest.pop(0)
+                if rest and not any(p in arguments for p in SOURCE_PARAMS) and next(iter(sig.parameters)) == name:
+                    arguments[SOURCE_PARAMS[0]] = rest.pop(0)
                 arguments.update({f"{name}[{i}]": a for i, a in enumerate(rest)})
     return arguments
 
@@ -338,11 +338,15 @@ def _plain_arguments(arguments: dict[str, Any]) -> str:
     """A call labelled by its arguments of plain values, so that entries of one function (or of one
     checkpoint) tell apart in `ls`: `make(kind='mlp', seed=3)`, cut at _LABEL_ARGUMENTS characters."""
     text = ", ".join(f"{name}={value!r}" for name, value in arguments.items()
-                     if type(value) in _PLAIN_VALUES and name not in ("self", "dtype", "torch_dtype"))
+                     if type(value) in _PLAIN_VALUES and name not in ("self", "dtype", "torch_dtype")
+                     and not (type(value) is str and _SECRET.search(name)))
     return text if len(text) <= _LABEL_ARGUMENTS else text[:_LABEL_ARGUMENTS - 3] + "..."
 
 
 _PLAIN_VALUES = (int, float, bool, str)
+# A string argument a label never shows, since `ls`, status, the panel and warnings print labels: a hub
+# token (`token`, `use_auth_token`) and anything named like a credential
+_SECRET = re.compile(r"token|auth|secret|password|passwd|credential|api_?key", re.IGNORECASE)
 _LABEL_ARGUMENTS = 60
 
 

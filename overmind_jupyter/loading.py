@@ -9,8 +9,8 @@ random generators' state (`randomness`), what a load logged (`load_log`), where 
 # Note [Never worse]
 Every failure on the cache path (no key, no daemon, a daemon that dies mid-call, a full budget, an
 unpicklable result, a corrupt entry) ends in the original call, and is recorded with its reason in
-`fallbacks()` and warned once per function, reason and checkpoint (the reason names the argument or the
-result it is about: a loop over one call is told once, a load of another model again; docs/design.md
+`fallbacks()` and warned once per label and reason (the label names the model, the reason the argument or
+the result it is about: a loop over one call is told once, a load of another model again; docs/design.md
 invariant 1). An exception raised by the
 original call itself propagates unchanged, and its load is abandoned so that no entry is left.
 """
@@ -111,12 +111,12 @@ def cached(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return patched_call(fn, args, kwargs)
 
 
-def _runs_plainly(fn: Callable[..., Any], args: tuple[Any, ...]) -> bool:
+def _runs_plainly(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether `fn` must run plainly where it is called (Note [Meta loads] in placement.py), said once."""
     reason = plain_only()
     if reason is None:
         return False
-    fall_back(_label(fn, args), "empty_init", reason)
+    fall_back(_label(fn, args, kwargs), "empty_init", reason)
     return True
 
 
@@ -134,7 +134,7 @@ def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
     __tracebackhide__ = True  # Note [Our frames hidden]
     started = time.perf_counter()  # a hit's or a miss's wait starts here (Note [Miss times] in progress.py)
     flush_warnings()
-    label = _label(fn, args)
+    label = _label(fn, args, kwargs)
     # storages of the references found unchanged (Note [References] in results.py)
     reuse: dict[tuple[str, int, int, str], Any] = {}
     try:
@@ -662,12 +662,15 @@ def _collect_young() -> None:
     gc.collect(0)
 
 
-def _label(fn: Callable[..., Any], args: tuple[Any, ...] = ()) -> str:
-    """A call that has no key (yet) by its function, and by its checkpoint where its first argument names
-    one: the model a fallback is about (Note [Never worse])."""
-    first = args[0] if args else None
-    named = f"{os.fspath(first)!r}, " if isinstance(first, str | os.PathLike) else ""
-    return f"{keys.owner_name(fn)[1]}({named}...)"
+def _label(fn: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> str:
+    """A call that has no key (yet) by its function, and by its checkpoint (and subfolder) where it names
+    one, positionally or by keyword: the model a fallback is about (Note [Never worse])."""
+    kwargs = kwargs or {}
+    named = [args[0]] if args else [kwargs[p] for p in keys.SOURCE_PARAMS if p in kwargs][:1]
+    shown = [repr(os.fspath(v)) for v in named if isinstance(v, str | os.PathLike)]
+    if isinstance(kwargs.get("subfolder"), str):
+        shown.append(f"subfolder={kwargs['subfolder']!r}")
+    return f"{keys.owner_name(fn)[1]}({', '.join([*shown, '...'])})"
 
 
 def _to_a_real_gpu(device: Any) -> bool:
@@ -802,17 +805,17 @@ def patched_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
 
 def _patched_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     __tracebackhide__ = True  # Note [Our frames hidden]
-    if _runs_plainly(fn, args):
+    if _runs_plainly(fn, args, kwargs):
         return fn(*args, **kwargs)
     quantization = quantized(kwargs)
     if quantization is not None:  # Note [Quantized loads] in placement.py
-        fall_back(_label(fn, args), "quantized", quantization)
+        fall_back(_label(fn, args, kwargs), "quantized", quantization)
         return fn(*args, **kwargs)
     try:
         split = split_placement(kwargs)
     except Uncacheable as exc:
         if not isinstance(exc, RefusedByLibrary):
-            fall_back(_label(fn, args), "uncacheable", str(exc))
+            fall_back(_label(fn, args, kwargs), "uncacheable", str(exc))
         split = None
     if split is None:  # called outside the `except` (Note [Our frames hidden])
         return fn(*args, **kwargs)
@@ -825,7 +828,7 @@ def _patched_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[st
         return obj
     too_big = too_large(obj, split.device) if split.by_sizes else None
     if too_big is not None:  # Note [Auto on one device] in placement.py
-        fall_back(_label(fn, args), "too_large", too_big)
+        fall_back(_label(fn, args, kwargs), "too_large", too_big)
         del obj
         return fn(*args, **kwargs)
     return place(obj, split.device)

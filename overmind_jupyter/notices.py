@@ -1,7 +1,7 @@
 """Fallbacks and notices: what a cached call tells about itself. A call that went the plain way is
 recorded with its reason (`fallbacks()`), counted (`calls()`), told to the daemon, and warned once per
-function, reason and checkpoint (Note [Never worse] in loading.py); a notice that is no fallback is warned
-once per topic. A load in a thread of the user's warns in the main thread, at its next load or cell. Every
+label and reason (Note [Never worse] in loading.py); a notice that is no fallback is warned once per
+topic. A load in a thread of the user's warns in the main thread, at its next load or cell. Every
 warning names the user's own line, the first frame outside overmind and the loading libraries (a
 thread's: the line in that thread).
 """
@@ -25,10 +25,12 @@ from .errors import FallbackWarning, OvermindWarning
 __all__ = ["calls", "clear_fallbacks", "count", "emit_deferred", "fall_back", "fallbacks", "tell_once"]
 
 _fallbacks: collections.deque[dict[str, Any]] = collections.deque(maxlen=200)
-# (kind, the function called, reason, the checkpoint it loads): a function falling back for a reason not told
-# of it yet is told, and so is a load of another checkpoint; a loop over one call with other arguments (its
-# label names them), once
-_warned: set[tuple[str, str, str, str]] = set()
+# (kind, the call's label, reason): a call falling back for a reason not told of it yet is told. A load's
+# label names the model (a checkpoint's load: the checkpoint and its other plain arguments; a call with no
+# key yet: its function and checkpoint), so a load of another model is told again, and a loop over one call
+# whose arguments have no key, once; a move by its method alone (`.to("cuda:0")`, `.cuda()` and a
+# device_map's move of one model: once)
+_warned: set[tuple[str, str, str]] = set()
 _calls: collections.Counter[str] = collections.Counter()
 
 
@@ -59,9 +61,7 @@ def fall_back(label: str, kind: str, reason: str, *, plain: bool = True, loaded:
         _calls["plain"] += 1
     _fallbacks.append({"time": time.time(), "call": label, "kind": kind, "reason": reason})
     _report(label, kind, reason)
-    function, _, arguments = label.partition("(")
-    first = arguments.split(",", 1)[0].rstrip(")").strip()
-    said = (kind, function, reason, first if first[:1] in "'\"" else "")  # a checkpoint's load: its path or id
+    said = (kind, label if plain else label.split("(", 1)[0], reason)
     if said in _warned:
         return
     _warned.add(said)

@@ -67,10 +67,13 @@ def model_name(label: str) -> str:
     "llama-0.1b"; a call without a checkpoint, labelled by its arguments ("make(seed=3)"), by its
     function ("make")."""
     head, _, inner = label.partition("(")
-    first = inner.split(",", 1)[0].rstrip(")").strip()
-    if re.match(r"\w+=", first):
+    quoted = _QUOTED.match(inner)  # the checkpoint, as repr wrote it (a comma in it too)
+    if quoted is None:
         return head
-    return os.path.basename(first.strip("'\"").rstrip("/")) or label
+    return os.path.basename(quoted.group(0)[1:-1].rstrip("/")) or label
+
+
+_QUOTED = re.compile(r"'(?:[^'\\]|\\.)*'|" + r'"(?:[^"\\]|\\.)*"')
 
 
 class Reporter:

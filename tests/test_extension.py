@@ -369,18 +369,22 @@ def test_uncacheable_argument_loads_plainly_and_status_says_why(shell, tiny_llam
     state = magic_json(shell, "status")
     assert any("state_dict" in f["reason"] for f in state["fallbacks"])
     assert any("state_dict" in f["reason"] for f in state["daemon"]["fallbacks"]), "the daemon heard of it too"
-    # told once per function, reason and checkpoint: a loop once, a load of another model again (it was
-    # silent: one function, one reason)
-    other = tmp_path / "other"
-    shutil.copytree(tiny_llama, other)
+    # told once per label and reason: a loop once, a load of another model again, its checkpoint given by
+    # keyword or not, with a comma in its path or not (it was silent: one function, one reason)
+    first, other = tmp_path / "m,1", tmp_path / "m,2"
+    for path in (first, other):
+        shutil.copytree(tiny_llama, path)
     told = []
-    for path in (tiny_llama, tiny_llama, other):
+    for path, keyword in ((first, False), (first, False), (other, True)):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             with pytest.raises(ValueError, match="meta"):  # (the plain load's error: it has no weights)
-                type(plain).from_pretrained(str(path), device_map="meta")
+                if keyword:
+                    type(plain).from_pretrained(pretrained_model_name_or_path=str(path), device_map="meta")
+                else:
+                    type(plain).from_pretrained(str(path), device_map="meta")
         told.append([str(w.message) for w in caught if issubclass(w.category, FallbackWarning)])
-    assert [len(t) for t in told] == [1, 0, 1] and str(other) in told[2][0], told
+    assert [len(t) for t in told] == [1, 0, 1] and repr(str(other)) in told[2][0], told
 
 
 def test_evict_magic_names_what_it_evicted(shell, tiny_llama: Path, overmind_home: Path,

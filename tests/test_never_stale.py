@@ -727,3 +727,9 @@ def test_loads_of_one_checkpoint_are_labelled_by_their_other_plain_arguments(tmp
     assert labels == {f"AutoModelForSequenceClassification.from_pretrained({str(tmp_path)!r}, num_labels={n}, "
                       "dtype=float16)" for n in (2, 3)}, labels
     assert {progress.model_name(label) for label in labels} == {tmp_path.name}
+    # never a credential: labels are printed by ls, status, the panel and warnings
+    secret = keys.make_key(load, (str(tmp_path),), {"token": "hf_SECRET", "use_auth_token": "hf_OTHER",
+                                                    "subfolder": "a"}).label
+    assert "SECRET" not in secret and "OTHER" not in secret and "subfolder='a'" in secret, secret
+    # a bar names the model by its folder, a comma in it too (it read "Loading weights (a")
+    assert progress.model_name("X.from_pretrained('/m/a,v1', num_labels=3)") == "a,v1"
