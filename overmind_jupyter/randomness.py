@@ -88,12 +88,17 @@ def random_state() -> tuple[Any, ...]:
 
 def just_seeded(states: tuple[Any, ...]) -> int | None:
     """The seed of torch's generator where `states` (`random_state`'s, of the generators a load drew from)
-    are torch's alone and what `torch.manual_seed` of it makes, nothing drawn since; else None."""
+    are torch's alone and what the user's `torch.manual_seed` of it makes, nothing drawn since; else None.
+    torch seeds each process itself with a random 64-bit number (as `torch.seed()` does), which leaves the
+    same kind of state: a seed below 2**32 is taken for the user's (people seed with 0, 42, 1234, a date;
+    numpy's and Python's seeds are 32-bit), one above for torch's own, which falls below once in 2**32."""
     import torch
 
     if [name for name, _ in states] != ["torch"]:
         return None
     seed = torch.initial_seed()
+    if seed >= 1 << 32:
+        return None
     fresh = torch.Generator().manual_seed(seed).get_state().numpy().tobytes()
     return seed if states[0][1] == fresh else None
 

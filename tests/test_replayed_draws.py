@@ -306,11 +306,16 @@ from transformers import AutoModelForSequenceClassification, logging
 logging.set_verbosity_error()
 other = shutil.copytree({path!r}, {other!r})
 said = {{}}
-for path, seed in (({path!r}, 1234), (other, None)):  # the second load of each: the marker of the first sends it on
-    for seed in (None, seed):
+for path, how in (({path!r}, 1234), (other, "torch.seed")):  # the marker of the first load sends the second on
+    for seed in (None, how):
         with warnings.catch_warnings(record=True) as told:
             warnings.simplefilter("always")
-            torch.manual_seed(seed) if seed is not None else torch.rand(1)
+            if seed is None:
+                torch.rand(1)
+            elif seed == "torch.seed":
+                torch.seed()  # a random 64-bit seed, as torch gives each process: not the user's
+            else:
+                torch.manual_seed(seed)
             AutoModelForSequenceClassification.from_pretrained(path, num_labels=3)
         said.setdefault(str(seed), []).extend(str(w.message) for w in told if "draws random numbers" in str(w.message))
 print(json.dumps(said))
@@ -321,9 +326,10 @@ def test_a_load_that_draws_is_told_to_seed_only_where_it_was_not(tiny_llama: Pat
                                                                   tmp_path: Path) -> None:
     """A head the checkpoint lacks is drawn at random: the notice that the load is cached per state of
     torch's generator advises seeding it, except where the load started from `torch.manual_seed(N)` with
-    nothing drawn since, where it says so (the advice was given to kernels that had just seeded)."""
+    nothing drawn since, where it says so (the advice was given to kernels that had just seeded); torch's
+    own seed of a fresh process (or `torch.seed()`) is no seed of the user's, and gets the advice."""
     said = last_json(run_py(SEED_NOTICE.format(path=str(tiny_llama), other=str(tmp_path / "other"))))
     (seeded,) = said["1234"]
     assert "here torch.manual_seed(1234), nothing drawn since" in seeded and "seed it" not in seeded, seeded
-    (unseeded,) = said["None"]
+    (unseeded,) = said["torch.seed"]
     assert "seed it (torch.manual_seed) before the load" in unseeded, unseeded
