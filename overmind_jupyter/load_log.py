@@ -134,8 +134,11 @@ class _WhileUsed:
 # after it puts `_showwarning` back after the load restored the original, for good. Outside a load a
 # stand-in only passes on to what it stands in for, so that is harmless, as long as the next load never
 # takes the stand-in for the original: it stood in for itself, and every warning of the process raised
-# RecursionError from then on. (A block that starts before a load and ends during it takes the stand-in
-# away for the rest of the load: what it warns then is not kept for its hits.)
+# RecursionError from then on. A hook of the user's set during a load (`old = warnings.showwarning`, a hook
+# that calls `old`) wraps the stand-in, and the next load stands in for that hook: the stand-in then calls
+# the hook, which calls the stand-in again; called back so, it shows the warning as Python does, as the
+# hook's `old` would have without the cache. (A block that starts before a load and ends during it takes
+# the stand-in away for the rest of the load: what it warns then is not kept for its hits.)
 class _StandIn(_WhileUsed):
     """What a load says goes through these while any thread is inside `load_log`: the library's
     `Logger.warning_once` and `warnings.showwarning`. Each keeps what it saw for the `Said` of every
@@ -288,8 +291,11 @@ def _showwarning(message: Warning | str, category: type[Warning], filename: str,
                  file: Any = None, line: str | None = None) -> None:
     """`warnings.showwarning`, keeping what it shows (not ours) for the hits of each load this thread is in;
     in a quiet kernel, what Python's default filters show (Note [A quiet kernel's miss])."""
+    if getattr(_this_thread, "passing", False):  # called back by what it passed the warning on to
+        _SHOWN_BY_PYTHON(message, category, filename, lineno, file, line)  # Note [Stand-ins left behind]
+        return
     if getattr(_this_thread, "again", False):  # warned again past the quiet load's filter: kept already
-        _StandIn.shown(message, category, filename, lineno, file, line)
+        _pass_on(message, category, filename, lineno, file, line)
         return
     saids = getattr(_this_thread, "saids", ())
     through = getattr(_this_thread, "through", False)  # let through by the quiet load's filter, not the kernel's
@@ -307,7 +313,23 @@ def _showwarning(message: Warning | str, category: type[Warning], filename: str,
     if through:
         _warn_past(message, category, filename, lineno, where)
     else:
-        _StandIn.shown(message, category, filename, lineno, file, line)
+        _pass_on(message, category, filename, lineno, file, line)
+
+
+def _pass_on(*shown: Any) -> None:
+    """Show a warning with the `showwarning` the stand-in stands in for; with Python's own where that is a
+    hook of the user's installed over the stand-in, which called it (Note [Stand-ins left behind])."""
+    target = _StandIn.shown
+    if target is warnings.showwarning:
+        target = _SHOWN_BY_PYTHON
+    _this_thread.passing = True
+    try:
+        target(*shown)
+    finally:
+        _this_thread.passing = False
+
+
+_SHOWN_BY_PYTHON = getattr(warnings, "_showwarning_orig", warnings.showwarning)  # Python's own showwarning
 
 
 def _shown_by_default(category: type[Warning], module: str) -> bool:

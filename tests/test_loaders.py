@@ -367,3 +367,34 @@ def test_a_catch_warnings_block_across_a_loads_end_leaves_warnings_working(overm
         warnings.showwarning = original
     assert shown == ["in a load", "after it"], shown
     assert [w[2] for w in said.warned] == ["in a load"], said.warned
+
+
+def test_a_users_showwarning_hook_set_during_a_load_keeps_warnings_working(overmind_home: Path) -> None:
+    """Note [Stand-ins left behind]: a hook set during a load wraps the stand-in (`old = showwarning`); the
+    next load stands in for the hook, which calls the stand-in back. Every warning raised RecursionError
+    from then on; now the hook sees each warning once and it is shown once, as without the cache."""
+    import warnings
+
+    from overmind_jupyter.load_log import load_log
+
+    seen: list[str] = []
+    original = warnings.showwarning
+    try:
+        with warnings.catch_warnings(record=True) as shown:  # what Python's own showwarning shows
+            warnings.simplefilter("always")
+            with load_log():
+                old = warnings.showwarning
+
+                def hook(message: Warning | str, *args: object, **kwargs: object) -> None:
+                    seen.append(str(message))
+                    old(message, *args, **kwargs)  # type: ignore[arg-type]
+
+                warnings.showwarning = hook
+            with load_log() as said:
+                warnings.warn("in the next load", UserWarning, stacklevel=1)
+            warnings.warn("after it", UserWarning, stacklevel=1)
+    finally:
+        warnings.showwarning = original
+    assert seen == ["in the next load", "after it"], seen
+    assert [str(w.message) for w in shown] == ["in the next load", "after it"], shown
+    assert [w[2] for w in said.warned] == ["in the next load"], said.warned
