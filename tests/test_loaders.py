@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -342,31 +343,40 @@ def test_a_config_through_cached_is_a_miss_then_a_hit(overmind_home: Path, check
     assert out["calls"] == {"miss": 1, "hit": 1} and not out["fallbacks"] and out["equal"] == [True, True], out
 
 
+def across_two_loads(first: Callable[[], Callable[[], None]]) -> tuple[list[str], list[str]]:
+    """Run `first` inside a load and what it returns once that load ended, then warn inside a second load
+    and after it: what Python's showwarning showed, and what the second load kept for its hits."""
+    import warnings
+
+    from overmind_jupyter.load_log import load_log
+
+    original = warnings.showwarning
+    try:
+        with warnings.catch_warnings(record=True) as shown:
+            warnings.simplefilter("always")
+            with load_log():
+                after = first()
+            after()
+            with load_log() as said:
+                warnings.warn("in the next load", UserWarning, stacklevel=1)
+            warnings.warn("after it", UserWarning, stacklevel=1)
+    finally:
+        warnings.showwarning = original
+    return [str(w.message) for w in shown], [w[2] for w in said.warned]
+
+
 def test_a_catch_warnings_block_across_a_loads_end_leaves_warnings_working(overmind_home: Path) -> None:
     """Note [Stand-ins left behind] in load_log.py: a `catch_warnings()` of another thread that starts
     during a load and ends after it puts the load's stand-in of `showwarning` back for good; the next
     load took it for the original, and every warning of the process raised RecursionError."""
     import warnings
 
-    from overmind_jupyter.load_log import load_log
+    def first() -> Callable[[], None]:
+        block = warnings.catch_warnings()  # (as another thread's: the module's state is shared)
+        block.__enter__()
+        return lambda: block.__exit__(None, None, None)
 
-    shown: list[str] = []
-    original = warnings.showwarning
-    warnings.showwarning = lambda message, *args, **kwargs: shown.append(str(message))
-    try:
-        with warnings.catch_warnings():  # the test's own filters back at the end
-            warnings.simplefilter("always")
-            with load_log():
-                block = warnings.catch_warnings()  # (as another thread's: the module's state is shared)
-                block.__enter__()
-            block.__exit__(None, None, None)
-            with load_log() as said:
-                warnings.warn("in a load", UserWarning, stacklevel=1)
-            warnings.warn("after it", UserWarning, stacklevel=1)
-    finally:
-        warnings.showwarning = original
-    assert shown == ["in a load", "after it"], shown
-    assert [w[2] for w in said.warned] == ["in a load"], said.warned
+    assert across_two_loads(first) == (["in the next load", "after it"], ["in the next load"])
 
 
 def test_a_users_showwarning_hook_set_during_a_load_keeps_warnings_working(overmind_home: Path) -> None:
@@ -375,26 +385,17 @@ def test_a_users_showwarning_hook_set_during_a_load_keeps_warnings_working(overm
     from then on; now the hook sees each warning once and it is shown once, as without the cache."""
     import warnings
 
-    from overmind_jupyter.load_log import load_log
-
     seen: list[str] = []
-    original = warnings.showwarning
-    try:
-        with warnings.catch_warnings(record=True) as shown:  # what Python's own showwarning shows
-            warnings.simplefilter("always")
-            with load_log():
-                old = warnings.showwarning
 
-                def hook(message: Warning | str, *args: object, **kwargs: object) -> None:
-                    seen.append(str(message))
-                    old(message, *args, **kwargs)  # type: ignore[arg-type]
+    def first() -> Callable[[], None]:
+        old = warnings.showwarning
 
-                warnings.showwarning = hook
-            with load_log() as said:
-                warnings.warn("in the next load", UserWarning, stacklevel=1)
-            warnings.warn("after it", UserWarning, stacklevel=1)
-    finally:
-        warnings.showwarning = original
+        def hook(message: Warning | str, *args: object, **kwargs: object) -> None:
+            seen.append(str(message))
+            old(message, *args, **kwargs)  # type: ignore[arg-type]
+
+        warnings.showwarning = hook
+        return lambda: None
+
+    assert across_two_loads(first) == (["in the next load", "after it"], ["in the next load"])
     assert seen == ["in the next load", "after it"], seen
-    assert [str(w.message) for w in shown] == ["in the next load", "after it"], shown
-    assert [w[2] for w in said.warned] == ["in the next load"], said.warned
