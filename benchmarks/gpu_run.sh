@@ -8,7 +8,8 @@
 #
 # What comes back under $OUT: gpu.json (the benchmark's report) and gpu.txt (its table), gpu.log,
 # pytest-gpu.log, machine.txt. The end of the output is the benchmark's table. gpu.py writes gpu.json and
-# gpu.txt as each size ends, and on the SIGTERM of its `timeout` (what ran until then; SIGKILL 30 s later). GPU_ARGS passes options to gpu.py, GPU_TESTS=0 skips the tests:
+# gpu.txt as each size ends, and on the SIGTERM of its `timeout` (what ran until then; SIGKILL 30 s later).
+# GPU_ARGS passes options to gpu.py, GPU_TESTS=0 skips the tests:
 # a rerun on the still-warm machine is `GPU_TESTS=0 GPU_ARGS=--quick bash benchmarks/gpu_run.sh`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
