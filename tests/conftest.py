@@ -44,12 +44,12 @@ def _cuda_available() -> bool:
 # number of tests), so the long ones start first and the short ones fill in at the end: with the long ones
 # last, one worker ran alone for the run's last 50-65 s. A file left out runs after these, in its place.
 LONGEST_FIRST = [
-    "test_never_stale.py", "test_loaders.py", "test_rebuild.py", "test_extension.py", "test_atomic_miss_large.py",
-    "test_notebooks.py", "test_atomic_miss.py", "test_replayed_draws.py", "test_warm.py", "test_panel_browser.py",
-    "test_gpu_benchmark.py", "test_widgets_browser.py", "test_progress.py", "test_fuzz.py", "test_helper_threads.py",
-    "test_descriptors.py", "test_notebook_loaders.py", "test_plain_pickle_losses.py", "test_faults.py",
-    "adapters/test_adapter_concurrency.py", "test_views_browser.py", "test_demo.py", "test_staging.py", "test_disk.py",
-    "test_server.py", "test_widgets.py", "test_copier.py", "adapters/test_adapter_generation_settings.py",
+    "test_never_stale.py", "test_atomic_miss_large.py", "test_rebuild.py", "test_notebooks.py", "test_extension.py",
+    "test_warm.py", "test_loaders.py", "test_panel_browser.py", "test_fuzz.py", "test_atomic_miss.py",
+    "test_gpu_benchmark.py", "test_views_browser.py", "test_staging.py", "test_replayed_draws.py", "test_progress.py",
+    "adapters/test_adapter_generation_settings.py", "adapters/test_adapter_concurrency.py", "test_descriptors.py",
+    "test_widgets_browser.py", "test_notebook_loaders.py", "test_demo.py", "test_copier.py", "test_widgets.py",
+    "test_helper_threads.py",
 ]
 
 
