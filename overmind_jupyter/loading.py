@@ -374,11 +374,11 @@ def _random_lookup(ck: keys.CallKey, drawn: list[str]) -> tuple[keys.CallKey, Cl
             if state["status"] == "load":
                 _abandon(client, keyed.key)
             return followed, client, reply
-    keyed = _state_key(ck, drawn)
+    now = randomness.only(randomness.random_state(), drawn)  # (read once: a millisecond)
+    keyed = randomness.under_random_state(ck, now)
     client, reply = _lookup(keyed.key)
     if reply["status"] == "load":
-        keyed.notice = (ck.label, drawn, "", randomness.just_seeded(randomness.only(randomness.random_state(),
-                                                                                   drawn)))
+        keyed.notice = (ck.label, drawn, "", randomness.just_seeded(now))
     return keyed, client, reply
 
 
