@@ -101,6 +101,8 @@ class CallKey:
     # the auto_map references, as written, to code in another folder (Note [Code in another folder] in
     # dynamic_modules.py)
     code: list[str] = field(default_factory=list, repr=False)
+    # the local paths of the call as it spelled them, by real path (Note [Spellings] in spellings.py)
+    spellings: dict[str, str] = field(default_factory=dict, repr=False)
 
 
 def changed_since(ck: CallKey) -> str | None:
@@ -191,7 +193,8 @@ def make_key(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
         "source": canon.source_label,
         "dtype": dtype.removeprefix(", dtype=") or None,
     }
-    return CallKey(key, str(meta["label"]), meta, canon.references, canon.sources, canon.roots, code=canon.code_refs)
+    return CallKey(key, str(meta["label"]), meta, canon.references, canon.sources, canon.roots, code=canon.code_refs,
+                   spellings=canon.spellings)
 
 
 # Note [Torch's default dtype]
@@ -366,6 +369,7 @@ class _Canonical:
         self.sources: list[tuple[str, Callable[[], Any], Any]] = []
         self.roots: dict[str, str] = {}
         self.code_refs: list[str] = []
+        self.spellings: dict[str, str] = {}  # real path -> as the call wrote it (Note [Spellings])
         self._imports: dict[str, dict[str, list[int]]] = {}  # module -> `_users_imports`, once per call
         self._active: set[int] = set()
         self._functions: set[int] = set()
@@ -377,7 +381,7 @@ class _Canonical:
             path = os.path.join(self.cwd, os.path.expanduser(text))
             if os.path.exists(path):
                 self.source_label = self.source_label or repr(text)
-                return self._path(name, path)
+                return self._path(name, path, text)
             if isinstance(value, str) and _HUB_ID.match(value):
                 self.source_label = self.source_label or repr(value)
                 commit = _hub_commit(value, arguments)
@@ -420,8 +424,10 @@ class _Canonical:
         self.code_refs = sorted(refs)
         return keyed
 
-    def _path(self, name: str, path: str) -> Any:
+    def _path(self, name: str, path: str, spelled: str | None = None) -> Any:
         real = os.path.realpath(path)
+        if spelled is not None:
+            self.spellings.setdefault(real, spelled)
         try:
             files = fingerprint(real)
         except OSError as exc:
@@ -448,10 +454,11 @@ class _Canonical:
                 raise Uncacheable(f"argument {name} is a string of {len(v)} characters")
             path = os.path.join(self.cwd, os.path.expanduser(v)) if v else ""
             if path and os.path.exists(path):  # any spelling of a path: "cfgdir", "./m", "~/m", "/abs"
-                return self._path(name, path)
+                return self._path(name, path, v)
             return v
         if isinstance(v, (PurePath, os.PathLike)):
-            return self._path(name, os.path.join(self.cwd, os.path.expanduser(os.fspath(v))))
+            spelled = os.fspath(v)
+            return self._path(name, os.path.join(self.cwd, os.path.expanduser(spelled)), str(spelled))
         if isinstance(v, enum.Enum):
             return {"enum": f"{type(v).__qualname__}.{v.name}"}
         torch = _torch()

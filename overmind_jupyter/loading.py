@@ -37,7 +37,19 @@ from kernel_server.operations import Op
 from kernel_server.payloads import LookupReply
 from kernel_server.transport import close_fds
 
-from . import dynamic_modules, hit_tuning, keys, load_maps, notices, progress, randomness, results, targets, threads
+from . import (
+    dynamic_modules,
+    hit_tuning,
+    keys,
+    load_maps,
+    notices,
+    progress,
+    randomness,
+    results,
+    spellings,
+    targets,
+    threads,
+)
 from .errors import CorruptEntry, EntryElsewhere, NoRoomHere, PackError, PublishError, RefusedByLibrary, Uncacheable
 from .load_log import load_log, log_again, warn_again
 from .notices import calls, clear_fallbacks, count, fall_back, fallbacks, tell_once
@@ -51,7 +63,7 @@ from .placement import (
     split_placement,
     too_large,
 )
-from .results import NO_REPLAY, Replay, remember, result_key
+from .results import NO_REPLAY, Replay, remember, result_key, spellings_of
 
 if TYPE_CHECKING:
     from .load_maps import LoadMap
@@ -147,6 +159,9 @@ def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
         fall_back(label, "key_error", f"{type(exc).__name__}: {exc}")
         return _PLAIN
     label = ck.label
+    for obj in ck.references.values():  # the paths of the cached results it is given (Note [Spellings])
+        for real, spelled in spellings_of(obj).items():
+            ck.spellings.setdefault(real, spelled)
     quantization = quantized_checkpoint(ck)
     if quantization is not None:  # Note [Quantized loads] in placement.py
         fall_back(label, "quantized", quantization)
@@ -635,6 +650,8 @@ def _publish(client: Client, ck: keys.CallKey, obj: Any, replay: Replay, random_
             meta["devices"] = devices
         if packed.next_hook_id:
             meta["hook_ids"] = packed.next_hook_id  # Note [Hook ids] in rebuild.py
+        if ck.spellings:
+            meta["spellings"] = ck.spellings  # Note [Spellings] in spellings.py
         try:
             with progress.loading(client, ck.key, ck.label):  # the copy reports too (Note [Load progress])
                 times = publishing.publish(client, ck.key, ck.label, meta, packed, backing=options.backing,
@@ -652,7 +669,8 @@ def _publish(client: Client, ck: keys.CallKey, obj: Any, replay: Replay, random_
             fall_back(ck.label, "publish", said, loaded=True)
             return
         count("miss")
-        remember(obj, ck.key, packed.graph, replay, pickled_here=True, random_after=random_after)
+        remember(obj, ck.key, packed.graph, replay, pickled_here=True, random_after=random_after,
+                 spellings=ck.spellings)
         progress.tell_miss(ck.label, times, clock.queued_s)
         if ck.notice is not None:
             _tell_seed(*ck.notice)
@@ -735,10 +753,15 @@ def _from_hit(client: Client, ck: keys.CallKey, reply: Response[LookupReply], re
         obj, _roots, random_after = rebuilt
     finally:
         close_fds(fds)
-    remember(obj, ck.key, graph, replay, pickled_here=False, random_after=random_after)
-    _hooks_after(entries[0]["meta"].get("hook_ids"))
-    log_again(entries[0]["meta"].get("log") or [])  # Note [What the load said] in load_log.py
-    warn_again(entries[0]["meta"].get("warned") or [])
+    meta = entries[0]["meta"]
+    respelled = spellings.pairs(meta.get("spellings"), ck.spellings)
+    if respelled:  # this call spells a path otherwise than the entry's (Note [Spellings] in spellings.py)
+        spellings.respell([obj, *_roots], respelled)
+    remember(obj, ck.key, graph, replay, pickled_here=False, random_after=random_after, spellings=ck.spellings,
+             respelled=respelled)
+    _hooks_after(meta.get("hook_ids"))
+    log_again(spellings.respell_said(meta.get("log") or [], respelled))  # Note [What the load said] in load_log.py
+    warn_again(spellings.respell_said(meta.get("warned") or [], respelled))
     if random_after is not None:
         randomness.set_random_state(random_after)  # as the plain load leaves the generators (Note [Random loads])
     count("hit")

@@ -9,7 +9,7 @@ import queue
 import threading
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kernel_server import helper_threads
@@ -20,7 +20,7 @@ from kernel_server.operations import Op
 from . import threads
 from .errors import CorruptEntry, PackError
 
-__all__ = ["NO_REPLAY", "Replay", "holds", "remember", "result_key", "send_unpins", "unpin"]
+__all__ = ["NO_REPLAY", "Replay", "holds", "remember", "result_key", "send_unpins", "spellings_of", "unpin"]
 
 
 @dataclass
@@ -65,6 +65,8 @@ class _Result:
     paths: dict[str, weakref.ref[Any]]
     random_after: tuple[Any, ...] | None = None  # what the graph holds besides (Note [Random loads])
     expected: bytes | None = None  # the entry's graph packed here, once computed
+    spellings: dict[str, str] = field(default_factory=dict)  # the call's paths as it wrote them
+    respelled: list[tuple[str, str]] = field(default_factory=list)  # how its hit changed the entry's spellings
 
     def live(self) -> tuple[Any, Replay] | None:
         result = self.result()
@@ -89,17 +91,28 @@ def _reference(obj: Any, replay: Replay) -> Callable[[], Any]:
 
 
 def remember(obj: Any, key: str, graph: bytes, replay: Replay, *, pickled_here: bool,
-             random_after: tuple[Any, ...] | None = None) -> None:
+             random_after: tuple[Any, ...] | None = None, spellings: dict[str, str] | None = None,
+             respelled: list[tuple[str, str]] | None = None) -> None:
     if not all(_weakable(o) for o in replay.paths.values()):
         return
     result = _reference(obj, replay)
     if result() is None and obj is not None:
         return
     info = _Result(key, graph, pickled_here, result, [weakref.ref(o) for o in replay.roots],
-                  {p: weakref.ref(o) for p, o in replay.paths.items()}, random_after)
+                  {p: weakref.ref(o) for p, o in replay.paths.items()}, random_after,
+                  spellings=spellings or {}, respelled=respelled or [])
     for member in [obj, *replay.roots]:
         if _weakable(member):
             _results[member] = info
+
+
+def spellings_of(obj: Any) -> dict[str, str]:
+    """The paths of the call `obj` came from, as that call wrote them (Note [Spellings] in spellings.py)."""
+    try:
+        info = _results.get(obj)
+    except TypeError:
+        return {}
+    return info.spellings if info is not None else {}
 
 
 def holds(obj: Any) -> bool:
@@ -116,7 +129,7 @@ def result_key(obj: Any, mapped: dict[tuple[str, int, int, str], Any] | None = N
     """The entry `obj` belongs to (it was rebuilt from it, published as it, or changed by the call it
     holds), if it is unchanged since; else None. See Note [References]. `mapped` receives its storages
     that lie in the entry's mappings, for the rebuild of the call it is passed to, to reuse."""
-    from . import rebuild
+    from . import rebuild, spellings
 
     try:
         info = _results.get(obj)
@@ -140,6 +153,8 @@ def result_key(obj: Any, mapped: dict[tuple[str, int, int, str], Any] | None = N
                     info.expected = info.graph
                 else:
                     as_stored, placeholders = rebuild.skeleton(info.graph, info.key)
+                    if info.respelled:  # as its hit was (Note [Spellings] in spellings.py)
+                        spellings.respell([as_stored], info.respelled)
                     info.expected = rebuild.pack(as_stored, self_key=info.key, trust_mappings=True,
                                                  substitutes=placeholders).graph
                     del as_stored, placeholders

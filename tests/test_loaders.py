@@ -399,3 +399,81 @@ def test_a_users_showwarning_hook_set_during_a_load_keeps_warnings_working(overm
 
     assert across_two_loads(first) == (["in the next load", "after it"], ["in the next load"])
     assert seen == ["in the next load", "after it"], seen
+
+
+def test_a_hit_names_the_checkpoint_as_its_own_call_spells_it(overmind_home: Path, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Note [Spellings] in spellings.py: one checkpoint spelled from the project's folder, then from a
+    notebook's folder and by its absolute path. Each hit names it as the plain load with that spelling
+    does: the model, its config, the tokenizer and its files, a base given to PEFT, the load report; so
+    `AutoTokenizer.from_pretrained(model.name_or_path)` finds it from that folder."""
+    import logging
+
+    import torch
+    import transformers
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    from overmind_jupyter import loading
+
+    root = tmp_path / "project"
+    (root / "notebooks").mkdir(parents=True)
+    llama = demo_models.build_tokenizer(demo_models.build_llama(root / "models" / "llama", "tiny"))
+    demo_models.build_lora_adapters(llama, root / "models" / "lora", ("fr",))
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("transformers").addHandler(handler)
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_warning()
+
+    def names(load: Callable[..., object], spelled: str) -> dict[str, object]:
+        torch.manual_seed(0)  # the classifier's head and PEFT's layers are drawn
+        base, tokenizer = load(AutoModelForCausalLM.from_pretrained, spelled), load(AutoTokenizer.from_pretrained,
+                                                                                     spelled)
+        peft = load(PeftModel.from_pretrained, base, os.path.join(spelled, "..", "lora", "fr"))
+        said.clear()
+        load(AutoModelForSequenceClassification.from_pretrained, spelled, num_labels=2)
+        return {"model": (base.name_or_path, base.config._name_or_path),
+                "peft base": peft.base_model.model.name_or_path,
+                "tokenizer": (tokenizer.name_or_path, {k: v for k, v in tokenizer.init_kwargs.items()
+                                                       if isinstance(v, str)}),
+                "report": [line for line in said if "LOAD REPORT" in line]}
+
+    def calls() -> tuple[int, int]:  # this process's, since its first test
+        return loading.calls().get("miss", 0), loading.calls().get("hit", 0)
+
+    before = calls()
+    try:
+        monkeypatch.chdir(root)
+        names(loading.cached, "models/llama")
+        assert calls() == (before[0] + 4, before[1]), (before, calls())
+        for cwd, spelled in ((root / "notebooks", "../models/llama/"), (root / "notebooks", str(llama))):
+            monkeypatch.chdir(cwd)
+            hit, plain = names(loading.cached, spelled), names(lambda fn, *args, **kwargs: fn(*args, **kwargs),
+                                                              spelled)
+            assert hit == plain, (hit, plain)
+            assert spelled in hit["report"][0]
+            assert AutoTokenizer.from_pretrained(hit["model"][0]).name_or_path == spelled
+        assert calls() == (before[0] + 4, before[1] + 8), (before, calls())
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+        logging.getLogger("transformers").removeHandler(handler)
+
+
+def test_a_bare_spelling_is_respelled_only_where_a_path_is_held() -> None:
+    """Note [Spellings]: a checkpoint spelled "llama" (a folder in the working directory) is also a word
+    a model may hold; only a path's attribute or key, and paths under it, take the hit's spelling."""
+    from transformers import LlamaConfig
+
+    from overmind_jupyter import spellings
+
+    config = LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_attention_heads=1,
+                         num_hidden_layers=1, name_or_path="llama")
+    word = config._name_or_path
+    config.family = word  # the same string object, not a path's place
+    model = {"config": config, "files": [os.path.join(word, "tokenizer.json")], "llama": word, "kept": (word,)}
+    spellings.respell([model], spellings.pairs({"/real": "llama"}, {"/real": "../models/llama"}))
+    assert (config._name_or_path, config.family) == ("../models/llama", "llama")
+    assert model["files"] == [os.path.join("../models/llama", "tokenizer.json")]
+    assert (model["llama"], model["kept"]) == ("llama", ("llama",))
