@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from kernel_server import settings
+from kernel_server.formats import units_text
 
 from . import keys, results
 from .errors import PackError, RefusedByLibrary, Uncacheable
@@ -129,8 +130,8 @@ def too_large(obj: Any, device: Any) -> str | None:
         grantable = None  # no ledger: `place` moves it with `.to` and says why
     need = units_for(obj)
     if grantable is not None and need > grantable:
-        return (f"it needs {need} unit{'s' * (need != 1)} of {device} and the ledger can grant {grantable} units "
-                "there, so the plain load puts part of it on the CPU or disk")
+        return (f"it needs {units_text(need)} of {device} and the ledger can grant {units_text(grantable)} there, "
+                "so the plain load puts part of it on the CPU or disk")
     free = _free_for_auto(device)
     size = model_bytes(obj)
     if free is not None and size > free:
