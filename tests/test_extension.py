@@ -387,6 +387,37 @@ def test_uncacheable_argument_loads_plainly_and_status_says_why(shell, tiny_llam
     assert [len(t) for t in told] == [1, 0, 1] and repr(str(other)) in told[2][0], told
 
 
+def test_an_adapter_loaded_onto_a_changed_model_says_why_and_what_to_do(shell, tiny_llama: Path,
+                                                                        tmp_path: Path) -> None:
+    """A base frozen before its adapter is loaded, and a get_peft_model model given a saved adapter, load
+    plainly (no entry holds them as they are now): the warning says so, names the kinds of change, and says
+    how to cache such loads. It said "no canonical form for a cache key", and no fix."""
+    import warnings
+
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from overmind_jupyter.errors import FallbackWarning
+
+    adapter = str(demo_models.build_lora_adapters(tiny_llama, tmp_path / "lora", ("fr",))["fr"])
+    shell.run_line_magic("overmind", "on")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        base = AutoModelForCausalLM.from_pretrained(str(tiny_llama))
+        base.requires_grad_(False)
+        PeftModel.from_pretrained(base, adapter)
+        made = get_peft_model(AutoModelForCausalLM.from_pretrained(str(tiny_llama)),
+                              LoraConfig(r=2, target_modules=["q_proj"]))
+        made.load_adapter(adapter, adapter_name="fr")
+    said = [str(w.message) for w in caught if issubclass(w.category, FallbackWarning)]
+    assert len(said) == 2, said
+    for text, argument in zip(said, ("argument model", "argument self"), strict=True):
+        assert argument in text and "changed since it was loaded or made" in text, text
+        assert "requires_grad_" in text and "get_peft_model" in text and "set_adapter" in text, text
+        assert "load adapters right after loading the base model, before changing it" in text, text
+        assert "canonical form" not in text, text
+
+
 def test_evict_magic_names_what_it_evicted(shell, tiny_llama: Path, overmind_home: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     """`%overmind evict KEY` names the entry as `%overmind status` shows it: its key, label and size."""
