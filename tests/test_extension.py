@@ -391,12 +391,15 @@ def test_an_adapter_loaded_onto_a_changed_model_says_why_and_what_to_do(shell, t
                                                                         tmp_path: Path) -> None:
     """A base frozen before its adapter is loaded, and a get_peft_model model given a saved adapter, load
     plainly (no entry holds them as they are now): the warning says so, names the kinds of change, and says
-    how to cache such loads. It said "no canonical form for a cache key", and no fix."""
+    how to cache such loads. It said "no canonical form for a cache key", and no fix. It names the adapter,
+    given positionally or by keyword (PeftModel.from_pretrained's was "(...)": its path is not the first
+    argument)."""
     import warnings
 
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM
 
+    from overmind_jupyter import loading
     from overmind_jupyter.errors import FallbackWarning
 
     adapter = str(demo_models.build_lora_adapters(tiny_llama, tmp_path / "lora", ("fr",))["fr"])
@@ -406,6 +409,7 @@ def test_an_adapter_loaded_onto_a_changed_model_says_why_and_what_to_do(shell, t
         base = AutoModelForCausalLM.from_pretrained(str(tiny_llama))
         base.requires_grad_(False)
         PeftModel.from_pretrained(base, adapter)
+        PeftModel.from_pretrained(base, model_id=adapter)
         made = get_peft_model(AutoModelForCausalLM.from_pretrained(str(tiny_llama)),
                               LoraConfig(r=2, target_modules=["q_proj"]))
         made.load_adapter(adapter, adapter_name="fr")
@@ -416,6 +420,9 @@ def test_an_adapter_loaded_onto_a_changed_model_says_why_and_what_to_do(shell, t
         assert "requires_grad_" in text and "get_peft_model" in text and "set_adapter" in text, text
         assert "load adapters right after loading the base model, before changing it" in text, text
         assert "canonical form" not in text, text
+        assert repr(adapter) in text, "the adapter's path, given second to PeftModel.from_pretrained"
+    calls = [f["call"] for f in loading.fallbacks()]
+    assert len(calls) == 3 and all(c.endswith(f"({adapter!r}, ...)") for c in calls), calls
 
 
 def test_evict_magic_names_what_it_evicted(shell, tiny_llama: Path, overmind_home: Path,
