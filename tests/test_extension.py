@@ -425,6 +425,32 @@ def test_an_adapter_loaded_onto_a_changed_model_says_why_and_what_to_do(shell, t
     assert len(calls) == 3 and all(c.endswith(f"({adapter!r}, ...)") for c in calls), calls
 
 
+def test_an_adapter_over_two_bases_is_two_entries_that_read_apart(shell, tiny_llama: Path, tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """One adapter over a float32 and over a bfloat16 base are two entries: `ls` and status named both
+    `PeftModel.from_pretrained('.../fr')`. A cached model a call is given is in its label, short: the folder
+    it was loaded from and its dtype (load_adapter's object too)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from overmind_jupyter import loading
+
+    adapters = demo_models.build_lora_adapters(tiny_llama, tmp_path / "lora", ("fr", "de"))
+    shell.run_line_magic("overmind", "on")
+    for dtype in (torch.float32, torch.bfloat16):
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=dtype),
+                                          str(adapters["fr"]))
+    model.load_adapter(str(adapters["de"]), adapter_name="de")
+    labels = sorted(e["meta"]["label"] for e in loading.shared_client().request("ls")["entries"])
+    assert len(labels) == 5, labels
+    fr = f"PeftModel.from_pretrained({str(adapters['fr'])!r}"
+    assert [label for label in labels if label.startswith(fr)] == [
+        f"{fr}, model=<tiny-llama bfloat16>)", f"{fr}, model=<tiny-llama float32>)"], labels
+    assert f"PeftModel.load_adapter({str(adapters['de'])!r}, adapter_name='de', self=<tiny-llama bfloat16>)" \
+        in labels, labels
+    assert capsys.readouterr().err.count("overmind: cached fr in") == 2, "the miss line names the adapter"
+
+
 def test_evict_magic_names_what_it_evicted(shell, tiny_llama: Path, overmind_home: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     """`%overmind evict KEY` names the entry as `%overmind status` shows it: its key, label and size."""
