@@ -185,8 +185,12 @@ def make_key(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
     key = hashlib.sha256(text.encode()).hexdigest()
     named, dtype = canon.source_label or _plain_arguments(arguments), _dtype_label(arguments)
     if canon.source_label:  # the checkpoint, then what else tells this call's entry from another's of it
-        more = _plain_arguments({k: v for k, v in arguments.items() if k not in SOURCE_PARAMS})
+        # (its subfolder first: Note [Labels tell entries apart])
+        rest = sorted((k for k in arguments if k not in SOURCE_PARAMS), key=lambda k: k != "subfolder")
+        more = _plain_arguments({k: arguments[k] for k in rest})
         named += f", {more}" if more else ""
+    given = _given_models(canon.references)
+    named += f", {given}" if named and given else given
     meta = {
         "label": f"{short}({named}{dtype if named else dtype.removeprefix(', ')})",
         "class": qualified.rsplit(".", 1)[0] if getattr(fn, "__self__", None) is not None else None,
@@ -358,6 +362,32 @@ def _dtype_label(arguments: dict[str, Any]) -> str:
         if name in arguments and arguments[name] is not None:
             return f", dtype={str(arguments[name]).removeprefix('torch.')}"
     return ""
+
+
+# Note [Labels tell entries apart]
+# `ls`, status, the panel and the miss line name an entry by its label, so two entries of one checkpoint
+# should read apart where that is cheap to say. After the checkpoint come its subfolder (the miss line then
+# names "sd/unet", where the pipeline, its UNet and its scheduler all read "sd"), its other plain arguments,
+# and each cached model the call was given, short: the folder or hub name it was loaded from and its dtype
+# (`PeftModel.from_pretrained('/m/adapters/fr', model=<llama bfloat16>)`: one adapter over a float32 and
+# over a bfloat16 base read alike). The rest of what a key holds is not shown (a value's whole state, a
+# None given where another caller leaves the argument out, as diffusers' AutoModel does for the hub
+# arguments), so two entries can still read alike; `ls --json` has their keys and dependencies.
+def _given_models(references: dict[str, Any]) -> str:
+    """The cached models among a call's arguments (a base model, load_adapter's object), each short."""
+    return ", ".join(f"{name}=<{_model_short(v)}>" for name, v in references.items()
+                     if callable(getattr(v, "parameters", None)))
+
+
+def _model_short(model: Any) -> str:
+    """"llama bfloat16": the last part of the folder or hub id a model was loaded from (its class's name
+    without one), and its dtype: its first floating parameter's, as transformers' `dtype` says (which
+    raises for a model without one)."""
+    source = getattr(getattr(model, "config", None), "_name_or_path", None)
+    name = os.path.basename(source.rstrip("/")) if isinstance(source, str) and source.strip("/") else \
+        type(model).__name__
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    return f"{name} {str(dtype).removeprefix('torch.')}" if dtype is not None else name
 
 
 class _Canonical:
@@ -654,8 +684,11 @@ class _Canonical:
                 raise Uncacheable(f"argument {name} ({_qualname(v)}) has an adapter gate open on it, whose hooks "
                                   "change the model while it is open; load adapters before adapters.gate(model), "
                                   "or gate.close() first, to cache them")
-            raise Uncacheable(f"argument {name} ({_qualname(v)}) is not a cached result, or changed since it was "
-                              "loaded, so this call has no canonical form for a cache key")
+            raise Uncacheable(f"argument {name} ({_qualname(v)}) was changed since it was loaded or made (by "
+                              "set_adapter, requires_grad_, train() or eval(), an edit of its config or "
+                              "generation_config, or get_peft_model, say), or was loaded without the cache, so no "
+                              "cache entry holds it as it is now; to cache this load, pass the model as it was "
+                              "loaded: load adapters right after loading the base model, before changing it")
         raise Uncacheable(f"argument {name} of type {_qualname(v)} has no canonical form for a cache key")
 
 

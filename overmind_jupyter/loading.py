@@ -682,10 +682,12 @@ def _collect_young() -> None:
 
 def _label(fn: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> str:
     """A call that has no key (yet) by its function, and by its checkpoint (and subfolder) where it names
-    one, positionally or by keyword: the model a fallback is about (Note [Never worse])."""
+    one: its first positional argument that is a path or a name (the second of `PeftModel.from_pretrained(
+    base, "adapters/fr")`), else a checkpoint keyword: the model a fallback is about (Note [Never worse])."""
     kwargs = kwargs or {}
-    named = [args[0]] if args else [kwargs[p] for p in keys.SOURCE_PARAMS if p in kwargs][:1]
-    shown = [repr(os.fspath(v)) for v in named if isinstance(v, str | os.PathLike)]
+    named = [a for a in args if isinstance(a, str | os.PathLike)][:1] or \
+        [kwargs[p] for p in keys.SOURCE_PARAMS if isinstance(kwargs.get(p), str | os.PathLike)][:1]
+    shown = [repr(os.fspath(v)) for v in named]
     if isinstance(kwargs.get("subfolder"), str):
         shown.append(f"subfolder={kwargs['subfolder']!r}")
     return f"{keys.owner_name(fn)[1]}({', '.join([*shown, '...'])})"

@@ -64,16 +64,21 @@ _installed: tuple[Any, Any] | None = None  # (our hook, the one it chains to)
 
 def model_name(label: str) -> str:
     """The model a load's label names, short: "AutoModelForCausalLM('/m/llama-0.1b', dtype=...)" ->
-    "llama-0.1b"; a call without a checkpoint, labelled by its arguments ("make(seed=3)"), by its
-    function ("make")."""
+    "llama-0.1b", with the subfolder that follows it ("sd/unet": Note [Labels tell entries apart] in
+    keys.py); a call without a checkpoint, labelled by its arguments ("make(seed=3)"), by its function
+    ("make")."""
     head, _, inner = label.partition("(")
     quoted = _QUOTED.match(inner)  # the checkpoint, as repr wrote it (a comma in it too)
     if quoted is None:
         return head
-    return os.path.basename(quoted.group(0)[1:-1].rstrip("/")) or label
+    name = os.path.basename(quoted.group(0)[1:-1].rstrip("/")) or label
+    sub = _SUBFOLDER.match(inner, quoted.end())
+    folder = sub.group(1)[1:-1].strip("/") if sub else ""
+    return f"{name}/{folder}" if folder else name
 
 
 _QUOTED = re.compile(r"'(?:[^'\\]|\\.)*'|" + r'"(?:[^"\\]|\\.)*"')
+_SUBFOLDER = re.compile(r", subfolder=(" + _QUOTED.pattern + ")")
 
 
 class Reporter:

@@ -387,6 +387,70 @@ def test_uncacheable_argument_loads_plainly_and_status_says_why(shell, tiny_llam
     assert [len(t) for t in told] == [1, 0, 1] and repr(str(other)) in told[2][0], told
 
 
+def test_an_adapter_loaded_onto_a_changed_model_says_why_and_what_to_do(shell, tiny_llama: Path,
+                                                                        tmp_path: Path) -> None:
+    """A base frozen before its adapter is loaded, and a get_peft_model model given a saved adapter, load
+    plainly (no entry holds them as they are now): the warning says so, names the kinds of change, and says
+    how to cache such loads. It said "no canonical form for a cache key", and no fix. It names the adapter,
+    given positionally or by keyword (PeftModel.from_pretrained's was "(...)": its path is not the first
+    argument)."""
+    import warnings
+
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from overmind_jupyter import loading
+    from overmind_jupyter.errors import FallbackWarning
+
+    adapter = str(demo_models.build_lora_adapters(tiny_llama, tmp_path / "lora", ("fr",))["fr"])
+    shell.run_line_magic("overmind", "on")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        base = AutoModelForCausalLM.from_pretrained(str(tiny_llama))
+        base.requires_grad_(False)
+        PeftModel.from_pretrained(base, adapter)
+        PeftModel.from_pretrained(base, model_id=adapter)
+        made = get_peft_model(AutoModelForCausalLM.from_pretrained(str(tiny_llama)),
+                              LoraConfig(r=2, target_modules=["q_proj"]))
+        made.load_adapter(adapter, adapter_name="fr")
+    said = [str(w.message) for w in caught if issubclass(w.category, FallbackWarning)]
+    assert len(said) == 2, said
+    for text, argument in zip(said, ("argument model", "argument self"), strict=True):
+        assert argument in text and "changed since it was loaded or made" in text, text
+        assert "requires_grad_" in text and "get_peft_model" in text and "set_adapter" in text, text
+        assert "load adapters right after loading the base model, before changing it" in text, text
+        assert "canonical form" not in text, text
+        assert repr(adapter) in text, "the adapter's path, given second to PeftModel.from_pretrained"
+    calls = [f["call"] for f in loading.fallbacks()]
+    assert len(calls) == 3 and all(c.endswith(f"({adapter!r}, ...)") for c in calls), calls
+
+
+def test_an_adapter_over_two_bases_is_two_entries_that_read_apart(shell, tiny_llama: Path, tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """One adapter over a float32 and over a bfloat16 base are two entries: `ls` and status named both
+    `PeftModel.from_pretrained('.../fr')`. A cached model a call is given is in its label, short: the folder
+    it was loaded from and its dtype (load_adapter's object too)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from overmind_jupyter import loading
+
+    adapters = demo_models.build_lora_adapters(tiny_llama, tmp_path / "lora", ("fr", "de"))
+    shell.run_line_magic("overmind", "on")
+    for dtype in (torch.float32, torch.bfloat16):
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=dtype),
+                                          str(adapters["fr"]))
+    model.load_adapter(str(adapters["de"]), adapter_name="de")
+    labels = sorted(e["meta"]["label"] for e in loading.shared_client().request("ls")["entries"])
+    assert len(labels) == 5, labels
+    fr = f"PeftModel.from_pretrained({str(adapters['fr'])!r}"
+    assert [label for label in labels if label.startswith(fr)] == [
+        f"{fr}, model=<tiny-llama bfloat16>)", f"{fr}, model=<tiny-llama float32>)"], labels
+    assert f"PeftModel.load_adapter({str(adapters['de'])!r}, adapter_name='de', self=<tiny-llama bfloat16>)" \
+        in labels, labels
+    assert capsys.readouterr().err.count("overmind: cached fr in") == 2, "the miss line names the adapter"
+
+
 def test_evict_magic_names_what_it_evicted(shell, tiny_llama: Path, overmind_home: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     """`%overmind evict KEY` names the entry as `%overmind status` shows it: its key, label and size."""

@@ -733,3 +733,23 @@ def test_loads_of_one_checkpoint_are_labelled_by_their_other_plain_arguments(tmp
     assert "SECRET" not in secret and "OTHER" not in secret and "subfolder='a'" in secret, secret
     # a bar names the model by its folder, a comma in it too (it read "Loading weights (a")
     assert progress.model_name("X.from_pretrained('/m/a,v1', num_labels=3)") == "a,v1"
+
+
+def test_a_subfolders_load_is_named_by_its_folder_and_subfolder(tmp_path: Path) -> None:
+    """The miss line and the bars name a pipeline's component by the checkpoint and its subfolder ("sd/unet"):
+    a pipeline, its UNet and its scheduler all read "cached sd". The subfolder follows the checkpoint in the
+    label, ahead of the other plain arguments, which a long one cut off."""
+    from diffusers import DDIMScheduler, UNet2DConditionModel
+
+    from overmind_jupyter import keys, progress
+
+    for sub in ("unet", "scheduler"):
+        (tmp_path / sub).mkdir()
+        (tmp_path / sub / "config.json").write_text("{}")
+    unet = keys.make_key(UNet2DConditionModel.from_pretrained, (str(tmp_path),),
+                         {"revision": "r" * 80, "subfolder": "unet"}).label
+    assert unet.startswith(f"UNet2DConditionModel.from_pretrained({str(tmp_path)!r}, subfolder='unet', "), unet
+    assert progress.model_name(unet) == f"{tmp_path.name}/unet"
+    scheduler = keys.make_key(DDIMScheduler.from_pretrained, (str(tmp_path),), {"subfolder": "scheduler/"}).label
+    assert progress.model_name(scheduler) == f"{tmp_path.name}/scheduler"
+    assert progress.model_name(f"X.from_pretrained({str(tmp_path)!r}, subfolder='')") == tmp_path.name
