@@ -79,6 +79,15 @@ _MAX_DEPTH = 32
 _MAX_STRING = 64 * 1024
 _MAX_FILES = 100_000
 _OPAQUE_STRINGS = ("cache_dir", "offload_folder", "local_dir")  # where to look, not what is read
+# Note [Hub arguments left at their default]
+# The libraries' loaders take the hub's arguments as keywords whose default is None or False, and a
+# loader that calls another passes them on as it got them: diffusers' `AutoModel.from_pretrained(path,
+# subfolder="unet")` calls `UNet2DConditionModel.from_pretrained` with `cache_dir=None`, `token=None`,
+# `force_download=False`, ... where the user's own call of it leaves them out. Both loads read the same
+# files the same way, but the two keys differed, and the one model took the budget twice. Such an argument
+# at its default is keyed as left out.
+_HUB_DEFAULTS = {"cache_dir": None, "force_download": False, "local_files_only": False, "proxies": None,
+                 "revision": None, "token": None, "resume_download": None}
 
 # The entry an argument stands for (a model rebuilt from an entry, unchanged since: Note [References]
 # in results.py), or None: the caller of `make_key` knows its results, this module does not.
@@ -145,6 +154,9 @@ def make_key(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
     _check_named(fn)
     qualified, short, package = owner_name(fn)
     arguments = _bind(fn, args, kwargs)
+    for name, default in _HUB_DEFAULTS.items():  # Note [Hub arguments left at their default]
+        if name in arguments and (arguments[name] is None or arguments[name] is default):
+            del arguments[name]
     owner = getattr(fn, "__self__", None)
     if owner is not None and not isinstance(owner, type):
         arguments["self"] = owner  # a method of a loaded object (load_adapter): the object is an input
@@ -370,9 +382,8 @@ def _dtype_label(arguments: dict[str, Any]) -> str:
 # names "sd/unet", where the pipeline, its UNet and its scheduler all read "sd"), its other plain arguments,
 # and each cached model the call was given, short: the folder or hub name it was loaded from and its dtype
 # (`PeftModel.from_pretrained('/m/adapters/fr', model=<llama bfloat16>)`: one adapter over a float32 and
-# over a bfloat16 base read alike). The rest of what a key holds is not shown (a value's whole state, a
-# None given where another caller leaves the argument out, as diffusers' AutoModel does for the hub
-# arguments), so two entries can still read alike; `ls --json` has their keys and dependencies.
+# over a bfloat16 base read alike). The rest of what a key holds is not shown (a value's whole state), so
+# two entries can still read alike; `ls --json` has their keys and dependencies.
 def _given_models(references: dict[str, Any]) -> str:
     """The cached models among a call's arguments (a base model, load_adapter's object), each short."""
     return ", ".join(f"{name}=<{_model_short(v)}>" for name, v in references.items()
@@ -684,11 +695,11 @@ class _Canonical:
                 raise Uncacheable(f"argument {name} ({_qualname(v)}) has an adapter gate open on it, whose hooks "
                                   "change the model while it is open; load adapters before adapters.gate(model), "
                                   "or gate.close() first, to cache them")
-            raise Uncacheable(f"argument {name} ({_qualname(v)}) was changed since it was loaded or made (by "
-                              "set_adapter, requires_grad_, train() or eval(), an edit of its config or "
-                              "generation_config, or get_peft_model, say), or was loaded without the cache, so no "
-                              "cache entry holds it as it is now; to cache this load, pass the model as it was "
-                              "loaded: load adapters right after loading the base model, before changing it")
+            raise Uncacheable(f"argument {name} ({_qualname(v)}) was changed since it was loaded or made "
+                              "(set_adapter, requires_grad_, train() or eval(), an edit of its config or "
+                              "generation_config, get_peft_model), or was loaded without the cache, so no cache "
+                              "entry holds it as it is now; to cache this load, pass the model as it was loaded: "
+                              "load adapters right after loading the base model, before changing it")
         raise Uncacheable(f"argument {name} of type {_qualname(v)} has no canonical form for a cache key")
 
 

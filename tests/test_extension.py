@@ -451,6 +451,24 @@ def test_an_adapter_over_two_bases_is_two_entries_that_read_apart(shell, tiny_ll
     assert capsys.readouterr().err.count("overmind: cached fr in") == 2, "the miss line names the adapter"
 
 
+def test_a_model_loaded_through_diffusers_automodel_is_the_entry_its_own_class_made(
+        shell, checkpoints: dict[str, str]) -> None:
+    """Note [Hub arguments left at their default] in keys.py: diffusers' AutoModel passes the hub's
+    arguments at their defaults (cache_dir=None, ...) to the class it picks, where the class's own call
+    leaves them out: one model, one entry, and the second load is a hit."""
+    from diffusers import AutoModel, UNet2DConditionModel
+
+    from overmind_jupyter import loading
+
+    shell.run_line_magic("overmind", "on")
+    before = dict(loading.calls())
+    first = UNet2DConditionModel.from_pretrained(checkpoints["pipeline"], subfolder="unet")
+    second = AutoModel.from_pretrained(checkpoints["pipeline"], subfolder="unet")
+    assert type(second) is type(first)
+    assert loading.calls().get("hit", 0) == before.get("hit", 0) + 1, loading.calls()
+    assert len(loading.shared_client().request("ls")["entries"]) == 1
+
+
 def test_evict_magic_names_what_it_evicted(shell, tiny_llama: Path, overmind_home: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     """`%overmind evict KEY` names the entry as `%overmind status` shows it: its key, label and size."""
