@@ -419,7 +419,9 @@ class _Canonical:
     def source(self, name: str, value: Any, arguments: dict[str, Any]) -> Any:
         if isinstance(value, (str, PurePath)):
             text = os.fspath(value)
-            path = os.path.join(self.cwd, os.path.expanduser(text))
+            # as the loaders read it: "~/m" is no folder to them (transformers takes it for a hub id, and
+            # fails), so a hit of its folder's entry would answer a call the plain load fails
+            path = os.path.join(self.cwd, text)
             if os.path.exists(path):
                 self.source_label = self.source_label or repr(text)
                 return self._path(name, path, text)

@@ -159,9 +159,6 @@ def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
         fall_back(label, "key_error", f"{type(exc).__name__}: {exc}")
         return _PLAIN
     label = ck.label
-    for obj in ck.references.values():  # the paths of the cached results it is given (Note [Spellings])
-        for real, spelled in spellings_of(obj).items():
-            ck.spellings.setdefault(real, spelled)
     quantization = quantized_checkpoint(ck)
     if quantization is not None:  # Note [Quantized loads] in placement.py
         fall_back(label, "quantized", quantization)
@@ -650,8 +647,9 @@ def _publish(client: Client, ck: keys.CallKey, obj: Any, replay: Replay, random_
             meta["devices"] = devices
         if packed.next_hook_id:
             meta["hook_ids"] = packed.next_hook_id  # Note [Hook ids] in rebuild.py
-        if ck.spellings:
-            meta["spellings"] = ck.spellings  # Note [Spellings] in spellings.py
+        spelled = _spellings(ck)
+        if spelled:
+            meta["spellings"] = spelled  # Note [Spellings] in spellings.py
         try:
             with progress.loading(client, ck.key, ck.label):  # the copy reports too (Note [Load progress])
                 times = publishing.publish(client, ck.key, ck.label, meta, packed, backing=options.backing,
@@ -670,10 +668,30 @@ def _publish(client: Client, ck: keys.CallKey, obj: Any, replay: Replay, random_
             return
         count("miss")
         remember(obj, ck.key, packed.graph, replay, pickled_here=True, random_after=random_after,
-                 spellings=ck.spellings)
+                 spellings=_every_spelling(spelled))
         progress.tell_miss(ck.label, times, clock.queued_s)
         if ck.notice is not None:
             _tell_seed(*ck.notice)
+
+
+def _spellings(ck: keys.CallKey) -> dict[str, dict[str, str]]:
+    """The paths of the call as it wrote them (`""`), and of each cached result it is given, by argument
+    name, as that result's own call wrote them (Note [Spellings] in spellings.py)."""
+    out = {"": ck.spellings} if ck.spellings else {}
+    for name, obj in ck.references.items():
+        given = spellings_of(obj)
+        if given:
+            out[name] = given
+    return out
+
+
+def _every_spelling(spelled: dict[str, dict[str, str]]) -> dict[str, str]:
+    """What a result's call and the results it was given wrote, by real path: its own first."""
+    out: dict[str, str] = {}
+    for paths in spelled.values():
+        for real, written in paths.items():
+            out.setdefault(real, written)
+    return out
 
 
 def _collect_young() -> None:
@@ -755,12 +773,12 @@ def _from_hit(client: Client, ck: keys.CallKey, reply: Response[LookupReply], re
         obj, _roots, random_after = rebuilt
     finally:
         close_fds(fds)
-    meta = entries[0]["meta"]
-    respelled = spellings.pairs(meta.get("spellings"), ck.spellings)
+    meta, spelled = entries[0]["meta"], _spellings(ck)
+    respelled = spellings.found(meta.get("spellings"), spelled, list(ck.references))
     if respelled:  # this call spells a path otherwise than the entry's (Note [Spellings] in spellings.py)
-        spellings.respell([obj, *_roots], respelled)
-    remember(obj, ck.key, graph, replay, pickled_here=False, random_after=random_after, spellings=ck.spellings,
-             respelled=respelled)
+        spellings.respell(obj, _roots, respelled)
+    remember(obj, ck.key, graph, replay, pickled_here=False, random_after=random_after,
+             spellings=_every_spelling(spelled), respelled=respelled)
     _hooks_after(meta.get("hook_ids"))
     log_again(spellings.respell_said(meta.get("log") or [], respelled))  # Note [What the load said] in load_log.py
     warn_again(spellings.respell_said(meta.get("warned") or [], respelled))

@@ -10,7 +10,7 @@ import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kernel_server import helper_threads
 from kernel_server.client import Client
@@ -19,6 +19,9 @@ from kernel_server.operations import Op
 
 from . import threads
 from .errors import CorruptEntry, PackError
+
+if TYPE_CHECKING:
+    from .spellings import Found
 
 __all__ = ["NO_REPLAY", "Replay", "holds", "remember", "result_key", "send_unpins", "spellings_of", "unpin"]
 
@@ -65,8 +68,9 @@ class _Result:
     paths: dict[str, weakref.ref[Any]]
     random_after: tuple[Any, ...] | None = None  # what the graph holds besides (Note [Random loads])
     expected: bytes | None = None  # the entry's graph packed here, once computed
-    spellings: dict[str, str] = field(default_factory=dict)  # the call's paths as it wrote them
-    respelled: list[tuple[str, str]] = field(default_factory=list)  # how its hit changed the entry's spellings
+    # the paths of its call and of the results that call was given, as they wrote them (Note [Spellings])
+    spellings: dict[str, str] = field(default_factory=dict)
+    respelled: Found | None = None  # how its hit changed the entry's spellings
 
     def live(self) -> tuple[Any, Replay] | None:
         result = self.result()
@@ -92,7 +96,7 @@ def _reference(obj: Any, replay: Replay) -> Callable[[], Any]:
 
 def remember(obj: Any, key: str, graph: bytes, replay: Replay, *, pickled_here: bool,
              random_after: tuple[Any, ...] | None = None, spellings: dict[str, str] | None = None,
-             respelled: list[tuple[str, str]] | None = None) -> None:
+             respelled: Found | None = None) -> None:
     if not all(_weakable(o) for o in replay.paths.values()):
         return
     result = _reference(obj, replay)
@@ -100,14 +104,15 @@ def remember(obj: Any, key: str, graph: bytes, replay: Replay, *, pickled_here: 
         return
     info = _Result(key, graph, pickled_here, result, [weakref.ref(o) for o in replay.roots],
                   {p: weakref.ref(o) for p, o in replay.paths.items()}, random_after,
-                  spellings=spellings or {}, respelled=respelled or [])
+                  spellings=spellings or {}, respelled=respelled)
     for member in [obj, *replay.roots]:
         if _weakable(member):
             _results[member] = info
 
 
 def spellings_of(obj: Any) -> dict[str, str]:
-    """The paths of the call `obj` came from, as that call wrote them (Note [Spellings] in spellings.py)."""
+    """The paths of the call `obj` came from and of the results it was given, as those calls wrote them
+    (Note [Spellings] in spellings.py)."""
     try:
         info = _results.get(obj)
     except TypeError:
@@ -154,7 +159,7 @@ def result_key(obj: Any, mapped: dict[tuple[str, int, int, str], Any] | None = N
                 else:
                     as_stored, placeholders = rebuild.skeleton(info.graph, info.key)
                     if info.respelled:  # as its hit was (Note [Spellings] in spellings.py)
-                        spellings.respell([as_stored], info.respelled)
+                        spellings.respell(as_stored[0], as_stored[1], info.respelled)
                     info.expected = rebuild.pack(as_stored, self_key=info.key, trust_mappings=True,
                                                  substitutes=placeholders).graph
                     del as_stored, placeholders

@@ -469,6 +469,33 @@ def test_a_model_loaded_through_diffusers_automodel_is_the_entry_its_own_class_m
     assert len(loading.shared_client().request("ls")["entries"]) == 1
 
 
+def test_a_pipeline_hit_spelled_otherwise_leaves_the_component_it_was_given_as_it_was(
+        shell, checkpoints: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Note [Spellings] in spellings.py: `from_pretrained("./sd", unet=unet)` after a kernel made the entry
+    as `from_pretrained("sd", unet=unet)` names "./sd" and its other components under it, as plainly, and
+    leaves the user's own UNet (loaded as "sd") as it was; the hit is still its entry's, for the next load
+    it is given to (Note [References] in results.py)."""
+    from diffusers import DiffusionPipeline, UNet2DConditionModel
+
+    from overmind_jupyter import loading, results
+
+    monkeypatch.chdir(Path(checkpoints["pipeline"]).parent)
+    run_py("""
+        import overmind_jupyter
+        overmind_jupyter.enable()
+        from diffusers import DiffusionPipeline, UNet2DConditionModel
+        DiffusionPipeline.from_pretrained("sd", unet=UNet2DConditionModel.from_pretrained("sd", subfolder="unet"))
+    """)
+    shell.run_line_magic("overmind", "on")
+    hits = loading.calls().get("hit", 0)
+    unet = UNet2DConditionModel.from_pretrained("sd", subfolder="unet")
+    pipe = DiffusionPipeline.from_pretrained("./sd", unet=unet)
+    assert loading.calls().get("hit", 0) == hits + 2, loading.calls()
+    assert (pipe.config._name_or_path, pipe.vae.config._name_or_path) == ("./sd", os.path.join("./sd", "vae"))
+    assert pipe.unet is unet and unet.config._name_or_path == "sd"
+    assert results.result_key(pipe) is not None, "the respelled hit still pickles as its respelled entry"
+
+
 def test_evict_magic_names_what_it_evicted(shell, tiny_llama: Path, overmind_home: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     """`%overmind evict KEY` names the entry as `%overmind status` shows it: its key, label and size."""

@@ -4,6 +4,7 @@ after a restart."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Callable
@@ -401,6 +402,20 @@ def test_a_users_showwarning_hook_set_during_a_load_keeps_warnings_working(overm
     assert seen == ["in the next load", "after it"], seen
 
 
+@dataclasses.dataclass
+class Held:
+    """An object of the user's that holds a model and the path it came from."""
+
+    model: object
+    path: str
+
+
+def _held(path: str) -> Held:
+    from transformers import AutoModelForCausalLM
+
+    return Held(AutoModelForCausalLM.from_pretrained(path), path)
+
+
 def test_a_hit_names_the_checkpoint_as_its_own_call_spells_it(overmind_home: Path, tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """Note [Spellings] in spellings.py: one checkpoint spelled from the project's folder, then from a
@@ -418,8 +433,11 @@ def test_a_hit_names_the_checkpoint_as_its_own_call_spells_it(overmind_home: Pat
 
     root = tmp_path / "project"
     (root / "notebooks").mkdir(parents=True)
+    monkeypatch.chdir(root)
     llama = demo_models.build_tokenizer(demo_models.build_llama(root / "models" / "llama", "tiny"))
-    demo_models.build_lora_adapters(llama, root / "models" / "lora", ("fr",))
+    # saved as from the project's folder: its adapter_config.json names the base "models/llama", which a
+    # hit spelled otherwise keeps, as plainly
+    demo_models.build_lora_adapters("models/llama", root / "models" / "lora", ("fr",))
     said: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
@@ -434,8 +452,10 @@ def test_a_hit_names_the_checkpoint_as_its_own_call_spells_it(overmind_home: Pat
         peft = load(PeftModel.from_pretrained, base, os.path.join(spelled, "..", "lora", "fr"))
         said.clear()
         load(AutoModelForSequenceClassification.from_pretrained, spelled, num_labels=2)
+        held = load(_held, spelled)
         return {"model": (base.name_or_path, base.config._name_or_path),
-                "peft base": peft.base_model.model.name_or_path,
+                "peft base": (peft.base_model.model.name_or_path, peft.peft_config["default"].base_model_name_or_path),
+                "held": (held.model.name_or_path, held.path),
                 "tokenizer": (tokenizer.name_or_path, {k: v for k, v in tokenizer.init_kwargs.items()
                                                        if isinstance(v, str)}),
                 "report": [line for line in said if "LOAD REPORT" in line]}
@@ -445,9 +465,8 @@ def test_a_hit_names_the_checkpoint_as_its_own_call_spells_it(overmind_home: Pat
 
     before = calls()
     try:
-        monkeypatch.chdir(root)
         names(loading.cached, "models/llama")
-        assert calls() == (before[0] + 4, before[1]), (before, calls())
+        assert calls() == (before[0] + 5, before[1]), (before, calls())
         for cwd, spelled in ((root / "notebooks", "../models/llama/"), (root / "notebooks", str(llama))):
             monkeypatch.chdir(cwd)
             hit, plain = names(loading.cached, spelled), names(lambda fn, *args, **kwargs: fn(*args, **kwargs),
@@ -455,25 +474,49 @@ def test_a_hit_names_the_checkpoint_as_its_own_call_spells_it(overmind_home: Pat
             assert hit == plain, (hit, plain)
             assert spelled in hit["report"][0]
             assert AutoTokenizer.from_pretrained(hit["model"][0]).name_or_path == spelled
-        assert calls() == (before[0] + 4, before[1] + 8), (before, calls())
+        assert calls() == (before[0] + 5, before[1] + 10), (before, calls())
     finally:
         transformers.logging.set_verbosity(verbosity)
         logging.getLogger("transformers").removeHandler(handler)
 
 
 def test_a_bare_spelling_is_respelled_only_where_a_path_is_held() -> None:
-    """Note [Spellings]: a checkpoint spelled "llama" (a folder in the working directory) is also a word
-    a model may hold; only a path's attribute or key, and paths under it, take the hit's spelling."""
+    """Note [Spellings]: a checkpoint spelled "llama" or "." (a folder in the working directory, or that
+    folder) is also a word a model may hold (a label of `id2label`); only a path's attribute or key, and
+    paths under it, take the hit's spelling."""
     from transformers import LlamaConfig
 
     from overmind_jupyter import spellings
 
-    config = LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_attention_heads=1,
-                         num_hidden_layers=1, name_or_path="llama")
-    word = config._name_or_path
-    config.family = word  # the same string object, not a path's place
-    model = {"config": config, "files": [os.path.join(word, "tokenizer.json")], "llama": word, "kept": (word,)}
-    spellings.respell([model], spellings.pairs({"/real": "llama"}, {"/real": "../models/llama"}))
-    assert (config._name_or_path, config.family) == ("../models/llama", "llama")
-    assert model["files"] == [os.path.join("../models/llama", "tokenizer.json")]
-    assert (model["llama"], model["kept"]) == ("llama", ("llama",))
+    for bare in ("llama", "."):
+        config = LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_attention_heads=1,
+                             num_hidden_layers=1, name_or_path=bare, id2label={0: "O", 1: bare})
+        word = config._name_or_path
+        config.family = word  # the same string object, not a path's place
+        model = {"config": config, "files": [os.path.join(word, "tokenizer.json")], "llama": word,
+                 "tokenizer_file": os.path.join(word, "tokenizer.json"), "kept": (word,)}
+        how = spellings.found({"": {"/real": bare}}, {"": {"/real": "../models/llama"}}, [])
+        assert how is not None
+        spellings.respell(model, [], how)
+        assert (config._name_or_path, config.family, config.id2label[1]) == ("../models/llama", bare, bare)
+        assert model["tokenizer_file"] == os.path.join("../models/llama", "tokenizer.json")
+        assert (model["files"], model["llama"], model["kept"]) == ([os.path.join(bare, "tokenizer.json")], bare,
+                                                                    (bare,))
+
+
+def test_a_checkpoint_spelled_with_a_tilde_loads_as_the_plain_load_does(overmind_home: Path, tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers does not expand "~" (it takes "~/llama" for a hub id, and fails): neither does the key,
+    so a cached folder does not answer a call the plain load fails."""
+    from transformers import AutoModelForCausalLM
+
+    from overmind_jupyter import loading
+    from overmind_jupyter.errors import FallbackWarning
+
+    llama = demo_models.build_llama(tmp_path / "llama", "tiny")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    loading.cached(AutoModelForCausalLM.from_pretrained, str(llama))  # the folder's entry
+    with pytest.raises(OSError) as plain:
+        AutoModelForCausalLM.from_pretrained("~/llama")
+    with pytest.warns(FallbackWarning, match="neither a local path nor a hub id"), pytest.raises(type(plain.value)):
+        loading.cached(AutoModelForCausalLM.from_pretrained, "~/llama")
