@@ -34,8 +34,9 @@ mapping of what was written; publishing only moves those tensors onto the arena'
   first forward of that model: Note [Arena backing] in kernel_server/arena.py; RESULTS.md, issue 39).
 - Whose load: a context variable set by the miss and read in the thread that calls `spawn_materialize`, so
   a load in another thread of the user meanwhile goes the library's way.
-- Room: the stage grows in ranges, each reserved with the daemon first (the budget and the disk, as a
-  publish's reservation: Note [Disk room] in kernel_server/disk.py) and, for a file arena, with fallocate.
+- Room: the stage grows in ranges, each reserved with the daemon first (the budget, and the disk where the
+  stage is a file, as a publish's reservation: Note [Disk room] in kernel_server/disk.py) and, for a file
+  arena, with fallocate.
   A refusal stages nothing more: the rest of the load converts into fresh memory and is copied at publish.
 - A staged range the entry does not hold, and no tensor refers to any more, is given back as a hole
   (FALLOC_FL_PUNCH_HOLE); one still referred to stays, unused, in the arena.
@@ -232,7 +233,7 @@ class Stage:
                 break
             try:
                 self._client.request(Op.RESERVE, key=self._key, bytes=want, descriptors=1 + len(self._files),
-                                     timeout=ANSWER_TIMEOUT)
+                                     backing=self.writer.backing, timeout=ANSWER_TIMEOUT)
                 if self.writer.backing == "file":  # one file: Note [Staged conversions]
                     os.posix_fallocate(self.writer.fd, self._reserved, want - self._reserved)
             except (DaemonError, OSError) as exc:
