@@ -111,8 +111,8 @@ def publish(client: Client, key: str, label: str, meta: dict[str, Any], packed: 
             for src in plan.sources:
                 stack.callback(os.close, src.fd)
             try:
-                if stage is not None and not stage.top and not plan.sources:
-                    stage = None  # nothing staged, nothing for the daemon to compact: the configured backing
+                if stage is not None and not stage.converted:
+                    stage = None  # converted nothing: the backing the setting says (Note [Staged conversions])
                 staged_arena, staged_parts = stage.finish(packed.arena_bytes) if stage is not None else (None, [])
                 ahead = (staged_arena is None or staged_arena.backing != "memfd"
                          or meta["made"]["copied"] + len(packed.graph) > _CHUNK)
