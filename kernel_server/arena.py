@@ -20,9 +20,11 @@ page fault per 4 KiB; a disk file's page cache gets large folios and MADV_POPULA
 milliseconds. "auto" therefore takes a file in `arena_directory()` when that is on a disk filesystem
 that supports O_TMPFILE, else a memfd. The file's dirty pages are written back to disk once (they
 become clean page cache the kernel may drop and read back under memory pressure) and the blocks are
-freed when the last descriptor closes. Except for a miss that converts dtypes: its weights are written
-into a memfd as the load converts them, since gigabytes written into a disk file's page cache throttle
-the writer at the kernel's dirty limit (Note [Staged conversions] in overmind_jupyter/staging.py).
+freed when the last descriptor closes. Except for a miss that converts dtypes in transformers' loader:
+its weights are written into a memfd as the load converts them, since gigabytes written into a disk
+file's page cache throttle the writer at the kernel's dirty limit (Note [Staged conversions] in
+overmind_jupyter/staging.py). Which backing a miss gets depends on that alone, not on what the process
+loaded before.
 
 # Note [Filling an arena]
 A kernel fills a new arena inside the loading call, before the call returns (Note [Atomic miss] in

@@ -220,15 +220,15 @@ class Daemon:
 
     def _drop_orphans(self) -> None:
         """Every few seconds, drop the entries whose checkpoints are gone (Note [Orphaned entries]), and give
-        back unpinned entries while the disk under the arenas is short of its reserve, then hand the compactor
-        the entries it skipped for want of disk room that fit now (Note [Disk room])."""
+        back unpinned entries in file arenas while the disk under them is short of its reserve, then hand the
+        compactor the entries it skipped for want of disk room that fit now (Note [Disk room])."""
         while not self._stopping.wait(ORPHAN_SWEEP_S):
             dropped = self.store.drop_orphaned()
             if dropped:
                 log.info("dropped %d entries whose checkpoint files are gone", len(dropped))
             evicted = self.store.make_disk_room()  # Note [Disk room] in disk.py
             if evicted:
-                log.warning("the disk under the arenas fell below its reserve: evicted %d unpinned entries",
+                log.warning("the disk under the arenas fell below its reserve: evicted %d unpinned entries in files",
                             len(evicted))
             for key in self.store.compactions_due():  # the copies that found no room before (same Note)
                 self.compactor.submit(key)

@@ -5,15 +5,18 @@ A file arena (Note [Arena backing] in arena.py) is an unnamed file: `du` shows n
 taken until the last kernel mapping it lets go. Where the state directory is on disk (no
 $XDG_RUNTIME_DIR: containers, JupyterHub's single-user servers, ssh sessions), the memory budget alone
 would let the cache fill a small disk the user needs: half of a 64 GB machine's memory is 32 GB of a 10 GB
-home. So a new arena must also leave the disk's free space at or above the reserve (OVERMIND_DISK_RESERVE,
-the largest of its sizes and percentages of the filesystem; by default 10% or 3 GiB): the store counts
-what loads in flight have reserved and not written yet against the free space it reads, evicts unpinned
-entries (least recently used first) while that falls short, and refuses the rest, and the kernel then
-loads plainly, saying so. The daemon looks again every few seconds, so that a disk filled by something
-else makes the cache give its unpinned entries back before the user runs out. An entry still mapped by a
-kernel frees its blocks when that kernel lets go of it; an entry evicted under the store's lock counts as
-given back at once, as its descriptors close when the lock is released (Note [Closing after the lock] in
-store.py). memfd arenas take memory, not disk: the budget bounds them.
+home. So a new file arena must also leave the disk's free space at or above the reserve
+(OVERMIND_DISK_RESERVE, the largest of its sizes and percentages of the filesystem; by default 10% or 3
+GiB): the store counts what loads in flight have reserved for file arenas and not written yet against the
+free space it reads, evicts unpinned entries in file arenas (least recently used first) while that falls
+short, and refuses the rest, and the kernel then loads plainly, saying so. The daemon looks again every
+few seconds, so that a disk filled by something else makes the cache give its unpinned file entries back
+before the user runs out. An entry still mapped by a kernel frees its blocks when that kernel lets go of
+it; an entry evicted under the store's lock counts as given back at once, as its descriptors close when
+the lock is released (Note [Closing after the lock] in store.py). memfd arenas take memory, not disk: the
+budget bounds them. So each reservation says which its arena is ("backing", a file when it does not say),
+a memfd's is never refused for want of disk, and no entry in a memfd is evicted to make room on the disk,
+which its eviction would not give.
 
 The compactor's copy of an entry (Note [Pending pieces] in store.py) is a new arena too, written after the
 publish that passed the check above. A same-dtype miss writes almost nothing to its arena before it

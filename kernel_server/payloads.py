@@ -99,6 +99,7 @@ class ReserveRequest(TypedDict):
     key: Key
     bytes: Count
     descriptors: NotRequired[Annotated[int, Range(2, MAX_FDS)]]  # graph, arena, one per source (2 when absent)
+    backing: NotRequired[Literal["memfd", "file"]]  # of its arena: a memfd takes no disk ("file" when absent)
 
 
 class Source(TypedDict):

@@ -38,9 +38,11 @@ A frame is a fixed 12-byte header followed by a JSON payload::
   (null after the last). Neither reply grows with the number of entries (Note [Status with many entries]
   in catalogue.py).
 - The "reserve" before a "publish" MAY say how many descriptors it will attach ("descriptors"; 2 when
-  absent). A receiver whose descriptor table is full gets a frame whole but without its descriptors
-  (MSG_CTRUNC, the header announcing at most MAX_FDS): that request alone fails, with the error
-  "descriptors_exhausted", and the connection stays (Note [Descriptor budget] in descriptors.py).
+  absent), and whether its arena is a "memfd" or a "file" ("backing"; "file" when absent): only a file's
+  bytes count against the disk's reserve (Note [Disk room] in disk.py). A receiver whose descriptor table
+  is full gets a frame whole but without its descriptors (MSG_CTRUNC, the header announcing at most
+  MAX_FDS): that request alone fails, with the error "descriptors_exhausted", and the connection stays
+  (Note [Descriptor budget] in descriptors.py).
 
 The operations (their request and reply fields: operations.PAYLOADS, typed in payloads.py): hello, ping,
 status, ls, lookup, cancel, reserve, publish, abandon, unpin, evict, progress, hits, fallback, shutdown,

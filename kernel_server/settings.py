@@ -262,8 +262,8 @@ WAIT_TIMEOUT = Setting("wait_timeout", "OVERMIND_WAIT_TIMEOUT", seconds, 600.0, 
 ARENA = Setting("arena", "OVERMIND_ARENA", one_of("auto", "memfd", "file"), "auto", "`auto`", "file",
                 "backing of new entries: an unnamed `file` on disk (page cache: large pages, the fastest hits, "
                 "written back to disk once), a sealed `memfd` (shmem), or `auto`: the file where the arena "
-                "directory is on a disk filesystem, else the memfd (and the memfd for a miss that converts dtypes, "
-                "which fills it faster: Note [Staged conversions])", "kernel")
+                "directory is on a disk filesystem, else the memfd (and the memfd for a miss whose dtype conversions "
+                "transformers makes, which fills it faster: Note [Staged conversions])", "kernel")
 ARENA_DIR = Setting("arena_dir", "OVERMIND_ARENA_DIR", directory_for_files, "",
                     "the state directory, or `~/.cache/overmind/arenas` when that is a tmpfs", "/scratch/overmind",
                     "where file arenas live; they have no name and vanish with their entry", "both")

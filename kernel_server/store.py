@@ -104,6 +104,7 @@ class _Load:
     owner: ConnId
     started: float = field(default_factory=time.time)
     reserved: int = 0
+    on_disk: int = 0  # what of `reserved` its arena takes on the disk: all of it for a file arena (Note [Disk room])
     nfds: int = 0  # descriptors reserved for the entry (Note [Descriptor budget])
     waiters: deque[_Waiter] = field(default_factory=deque)
     loaded: float | None = None  # when the loader first reserved: its plain load had ended
@@ -293,14 +294,15 @@ class Store:
                         return True
         return False
 
-    def reserve(self, conn: ConnId, key: str, nbytes: int, nfds: int = 2) -> list[str]:
-        """Reserve room for the load of `key` owned by `conn`: `nbytes` of the budget and the `nfds`
-        descriptors its entry will hold (Note [Descriptor budget]); returns the keys evicted to make it."""
+    def reserve(self, conn: ConnId, key: str, nbytes: int, nfds: int = 2, backing: str = "file") -> list[str]:
+        """Reserve room for the load of `key` owned by `conn`: `nbytes` of the budget, of the disk too where
+        its arena is a file (`backing`: Note [Disk room] in disk.py), and the `nfds` descriptors its entry will
+        hold (Note [Descriptor budget]); returns the keys evicted to make it."""
         with self._locked():
-            return self._reserve(self._owned_load(conn, key), nbytes, nfds)
+            return self._reserve(self._owned_load(conn, key), nbytes, nfds, nbytes if backing == "file" else 0)
 
-    def _reserve(self, load: _Load, nbytes: int, nfds: int) -> list[str]:
-        """`reserve` for `load`, with the lock held."""
+    def _reserve(self, load: _Load, nbytes: int, nfds: int, on_disk: int) -> list[str]:
+        """`reserve` for `load`, with the lock held: `on_disk` of the `nbytes` go to the disk."""
         if nbytes > self.budget:
             raise BudgetExceeded(
                 "budget_exceeded",
@@ -308,7 +310,7 @@ class Store:
                 "raise OVERMIND_BUDGET (bytes, or a suffix like 40G) and restart the daemon "
                 "with `overmind-daemon stop`",
             )
-        need, need_fds = nbytes - load.reserved, nfds - load.nfds
+        need, need_fds, need_disk = nbytes - load.reserved, nfds - load.nfds, on_disk - load.on_disk
         # what eviction cannot free: a load that would not fit with every unused entry gone evicts none of
         # them for nothing
         held = self._held_bytes()
@@ -316,14 +318,14 @@ class Store:
             raise self._refuse_for_descriptors(nfds)
         if held.nbytes + self.in_flight.nbytes + need > self.budget:
             raise self._refuse_for_budget(nbytes, held.nbytes, load)
-        evicted = self._make_room(need, need_fds)
+        evicted = self._make_room(need, need_fds, need_disk)
         if not self._fits_fds(need_fds):
             raise self._refuse_for_descriptors(nfds)
-        if not self._fits_disk(need):
-            raise BudgetExceeded("budget_exceeded", self._disk_refusal(nbytes))
+        if not self._fits_disk(need_disk):
+            raise BudgetExceeded("budget_exceeded", self._disk_refusal(on_disk))
         if not self._fits_bytes(need):
             raise self._refuse_for_budget(nbytes, self._held_bytes().nbytes, load)
-        load.reserved, load.nfds = nbytes, nfds
+        load.reserved, load.on_disk, load.nfds = nbytes, on_disk, nfds
         if load.loaded is None:
             load.loaded = time.time()  # Note [Load time saved]
         return evicted
@@ -343,8 +345,10 @@ class Store:
             with self._locked():
                 load = self._owned_load(conn, key)
                 nfds = 2 + len(parts) + len(sources)
-                if graph_bytes + arena_bytes > load.reserved or nfds > load.nfds:  # Note [Reserved at publish]
-                    self._reserve(load, max(graph_bytes + arena_bytes, load.reserved), max(nfds, load.nfds))
+                on_disk = max(arena_bytes, load.on_disk) if backing == "file" else load.on_disk
+                if graph_bytes + arena_bytes > load.reserved or nfds > load.nfds or on_disk > load.on_disk:
+                    self._reserve(load, max(graph_bytes + arena_bytes, load.reserved), max(nfds, load.nfds),
+                                  on_disk)  # Note [Reserved at publish]
                 missing = [d for d in deps if d not in self._entries]
                 if missing:
                     raise RemoteError("missing_dependency", f"entries {missing} were evicted meanwhile")
@@ -475,7 +479,7 @@ class Store:
         with self._locked():
             if self.disk is None or not self._short_of_disk:
                 return []
-            room = self.disk.room() + self._dropped_disk - self.in_flight.nbytes - self._compaction_unwritten
+            room = self.disk.room() + self._dropped_disk - self._unwritten_on_disk()
             due = []
             for key, handed in self._short_of_disk.items():
                 entry = self._entries.get(key)
@@ -628,35 +632,40 @@ class Store:
         return Usage(sum(e.nbytes for e in held), sum(e.nfds for e in held))
 
     def _fits_bytes(self, need: int) -> bool:
-        return self.held.nbytes + self.in_flight.nbytes + need <= self.budget and self._fits_disk(need)
+        return self.held.nbytes + self.in_flight.nbytes + need <= self.budget
+
+    def _unwritten_on_disk(self) -> int:
+        """What loads in flight reserved on the disk and the compaction in flight has yet to write there."""
+        return sum(load.on_disk for load in self._loads.values()) + self._compaction_unwritten
 
     def _fits_disk(self, need: int) -> bool:
-        """Whether `need` more bytes leave the disk's free space above its reserve, counting what loads in
-        flight reserved and what the compaction in flight has yet to write as not written yet (Note [Disk
-        room] in disk.py)."""
-        return self.disk is None or (need + self.in_flight.nbytes + self._compaction_unwritten
-                                     <= self.disk.room() + self._dropped_disk)
+        """Whether `need` more bytes of file arenas leave the disk's free space above its reserve, counting
+        what is reserved there and not written yet as taken (Note [Disk room] in disk.py). Taking nothing
+        more of the disk (a memfd arena) always fits."""
+        return self.disk is None or need <= 0 or (need + self._unwritten_on_disk()
+                                                  <= self.disk.room() + self._dropped_disk)
 
     def _disk_refusal(self, nbytes: int) -> str:
         """Why `nbytes` more do not fit on the disk, and what to do."""
-        unwritten = self.in_flight.nbytes + self._compaction_unwritten
-        return self.disk.refusal(nbytes, unwritten) if self.disk is not None else "no room on the disk"
+        return self.disk.refusal(nbytes, self._unwritten_on_disk()) if self.disk is not None else "no room on the disk"
 
     def make_disk_room(self) -> list[str]:
-        """Evict unpinned entries while the disk's free space is below its reserve (something else filled
-        it); returns the keys evicted."""
+        """Evict unpinned entries in file arenas while the disk's free space is below its reserve (something
+        else filled it); returns the keys evicted. Entries in memfds stay: they take no disk."""
         with self._locked():
             disk = self.disk
             if disk is None or disk.room() >= 0:
                 return []
-            return self._evict_until(lambda: disk.room() + self._dropped_disk >= 0)
+            return self._evict_until(lambda: disk.room() + self._dropped_disk >= 0, on_disk=True)
 
     def _fits_fds(self, need_fds: int) -> bool:
         return self.held.nfds + self.in_flight.nfds + need_fds <= self.descriptors.cap
 
-    def _make_room(self, need: int, need_fds: int = 0) -> list[str]:
-        """Evict until `need` more bytes and `need_fds` more descriptors fit, or nothing is left to evict."""
-        return self._evict_until(lambda: self._fits_bytes(need) and self._fits_fds(need_fds))
+    def _make_room(self, need: int, need_fds: int = 0, need_disk: int = 0) -> list[str]:
+        """Evict until `need` more bytes of the budget, `need_disk` more of the disk and `need_fds` more
+        descriptors fit, or nothing is left to evict: for the disk, only entries in file arenas."""
+        evicted = self._evict_until(lambda: self._fits_bytes(need) and self._fits_fds(need_fds))
+        return evicted + self._evict_until(lambda: self._fits_disk(need_disk), on_disk=True)
 
     def _shed(self, fds: int) -> list[str]:
         target = self.held.nfds - fds
@@ -666,9 +675,10 @@ class Store:
             os.close(fd)
         return evicted
 
-    def _evict_until(self, done: Callable[[], bool]) -> list[str]:
+    def _evict_until(self, done: Callable[[], bool], on_disk: bool = False) -> list[str]:
         """Evict least-recently-used unpinned entries (dependents with them) until `done()`, in O(log n)
-        per victim (Note [Eviction in O(log n)] in catalogue.py)."""
+        per victim (Note [Eviction in O(log n)] in catalogue.py); `on_disk`: only those whose arenas are
+        files, for room on the disk (Note [Disk room] in disk.py)."""
         if done():
             return []
         held = self._entries.held_by_pins()
@@ -676,7 +686,8 @@ class Store:
         for key in self._entries.by_use():  # the least recently used first
             if done():
                 break
-            if key not in held and key in self._entries:  # not gone with an entry it builds on
+            entry = self._entries.get(key)  # None: gone with an entry it builds on
+            if key not in held and entry is not None and (not on_disk or entry.backing == "file"):
                 evicted += self._drop(key)
         self.stats["evicted"] += len(evicted)
         return evicted

@@ -80,10 +80,11 @@ class StoreService:
         return Reply({"cancelled": False})
 
     def reserve(self, conn: Peer, req: Request[ReserveRequest]) -> Reply[EvictedReply]:
-        """`bytes` of the budget for the load of `key`, and the `descriptors` its publish will bring
-        (graph, arena and one per source: 2 unless said; Note [Descriptor budget] in descriptors.py)."""
+        """`bytes` of the budget for the load of `key`, of the disk too unless its arena is a memfd (`backing`:
+        Note [Disk room] in disk.py), and the `descriptors` its publish will bring (graph, arena and one per
+        source: 2 unless said; Note [Descriptor budget] in descriptors.py)."""
         p = req.payload
-        evicted = self.store.reserve(conn.id, p["key"], p["bytes"], p.get("descriptors", 2))
+        evicted = self.store.reserve(conn.id, p["key"], p["bytes"], p.get("descriptors", 2), p.get("backing", "file"))
         return Reply({"evicted": evicted})
 
     def publish(self, conn: Peer, req: Request[PublishRequest]) -> Reply[PublishReply]:

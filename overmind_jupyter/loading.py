@@ -200,9 +200,10 @@ def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
         with _loading_here(ck.key) as alone:
             if not alone:  # another thread of this kernel loaded it meanwhile: ask again (a hit, most likely)
                 return _cached_call(fn, args, kwargs, device)
-            with staging.staged(client, ck.key, client.home, options.backing) as stage:  # Note [Staged conversions]
-                return _miss(client, ck, fn, args, kwargs, replay, device, stage,
-                             progress.MissClock(started, queued_s=queued), called if followed else None)
+            clock = progress.MissClock(started, queued_s=queued)
+            # Note [Staged conversions]
+            with staging.staged(client, ck.key, client.home, options.backing, clock) as stage:
+                return _miss(client, ck, fn, args, kwargs, replay, device, stage, clock, called if followed else None)
     except BaseException:
         _give_back(client, ck.key, reply)
         raise
@@ -456,7 +457,7 @@ def _miss(client: Client, ck: keys.CallKey, fn: Callable[..., Any], args: tuple[
               load_maps.files_mapped() as maps,  # Note [Files the load maps] in load_maps.py
               following as drew):
             obj = fn(*args, **kwargs)
-        clock.load_s = time.perf_counter() - loaded  # Note [Miss times] in progress.py
+        clock.load_s += time.perf_counter() - loaded  # Note [Miss times] in progress.py
     except BaseException:
         _abandon(client, ck.key)
         raise

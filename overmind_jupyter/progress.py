@@ -204,7 +204,8 @@ class MissClock:
     Args:
         started: `time.perf_counter()` at the call's start.
         queued_s: how long its lookup waited for another load of the entry, which ended without a result.
-        load_s: the load itself, once it returned.
+        load_s: the load itself, once it returned (with the import of transformers' loading module a miss
+            made for it: Note [Staged conversions] in staging.py).
     """
 
     started: float

@@ -111,22 +111,25 @@ def publish(client: Client, key: str, label: str, meta: dict[str, Any], packed: 
             for src in plan.sources:
                 stack.callback(os.close, src.fd)
             try:
-                if stage is not None and not stage.top and not plan.sources:
-                    stage = None  # nothing staged, nothing for the daemon to compact: the configured backing
+                if stage is not None and not stage.converted:
+                    stage = None  # converted nothing: the backing the setting says (Note [Staged conversions])
                 staged_arena, staged_parts = stage.finish(packed.arena_bytes) if stage is not None else (None, [])
-                if (staged_arena is None or staged_arena.backing != "memfd"
-                        or meta["made"]["copied"] + len(packed.graph) > _CHUNK):
-                    # Else the publish reserves it all: a few MiB written into memory first (Note [Reserved
-                    # at publish] in kernel_server/store.py); a file on a disk is reserved before it is written
-                    # (Note [Disk room] in kernel_server/disk.py). The descriptors the entry will hold: graph,
-                    # arena, one per part and per source (Note [Descriptor budget] in kernel_server/descriptors.py).
-                    client.request(Op.RESERVE, key=key, bytes=packed.arena_bytes + len(packed.graph),
-                                   descriptors=2 + len(staged_parts) + len(plan.sources), timeout=ANSWER_TIMEOUT)
-                if staged_arena is None:
+                ahead = (staged_arena is None or staged_arena.backing != "memfd"
+                         or meta["made"]["copied"] + len(packed.graph) > _CHUNK)
+                if staged_arena is None:  # (nothing written yet: a file takes no disk before it is)
                     staged_arena = staging.new_arena(packed.arena_bytes, key, client.home, backing)
                 data = stack.enter_context(contextlib.closing(staged_arena))
                 for writer, _ in staged_parts:
                     stack.enter_context(contextlib.closing(writer))
+                if ahead:
+                    # Else the publish reserves it all: a few MiB written into memory first (Note [Reserved
+                    # at publish] in kernel_server/store.py); a file on a disk is reserved before it is written,
+                    # a memfd takes no disk (Note [Disk room] in kernel_server/disk.py). The descriptors the
+                    # entry will hold: graph, arena, one per part and per source (Note [Descriptor budget] in
+                    # kernel_server/descriptors.py).
+                    client.request(Op.RESERVE, key=key, bytes=packed.arena_bytes + len(packed.graph),
+                                   descriptors=2 + len(staged_parts) + len(plan.sources), backing=data.backing,
+                                   timeout=ANSWER_TIMEOUT)
                 parts = [arena.Part(writer.seal(), at, writer.nbytes) for writer, at in staged_parts]
                 meta["made"]["files"] = 1 + len(parts)
                 private = (arena.map_private(data.fd, packed.arena_bytes, parts=parts)
@@ -199,7 +202,7 @@ def publish_marker(client: Client, key: str, meta: dict[str, Any]) -> None:
     """Make `key` (whose load this connection holds) an entry without bytes, that only says what `meta`
     says (a load whose result depends on the random generators: Note [Random loads] in randomness.py)."""
     try:
-        client.request(Op.RESERVE, key=key, bytes=1, timeout=ANSWER_TIMEOUT)
+        client.request(Op.RESERVE, key=key, bytes=1, backing="memfd", timeout=ANSWER_TIMEOUT)
         graph, data = arena.ArenaWriter(1, name=f"overmind-marker:{key[:12]}"), arena.ArenaWriter(0)
         try:
             graph.view[:] = b"\0"

@@ -32,10 +32,18 @@ mapping of what was written; publishing only moves those tensors onto the arena'
   10.5 s against plain's 1.3 s into a file, 2.0 s into a memfd. The price is the hit's first forward,
   which takes 4 KiB shmem pages instead of a file's large folios (0.77 s against 0.60 s for call and
   first forward of that model: Note [Arena backing] in kernel_server/arena.py; RESULTS.md, issue 39).
+  So a miss that converted nothing (a load in the stored dtype) lets the stage go, and its arena is any
+  other miss's, as the setting says: a file where "auto" finds a disk.
+- Every load alike: transformers imports `core_model_loading` with `modeling_utils`, which an Auto class
+  imports only inside its first `from_pretrained`. Without it there is nothing to wrap, and a process's
+  first converting miss went into a file, its later ones into a memfd. So a miss that finds transformers
+  imported and not that module imports it before the load; its time counts as the load's (Note [Miss
+  times] in progress.py), which would have spent it.
 - Whose load: a context variable set by the miss and read in the thread that calls `spawn_materialize`, so
   a load in another thread of the user meanwhile goes the library's way.
-- Room: the stage grows in ranges, each reserved with the daemon first (the budget and the disk, as a
-  publish's reservation: Note [Disk room] in kernel_server/disk.py) and, for a file arena, with fallocate.
+- Room: the stage grows in ranges, each reserved with the daemon first (the budget, and the disk where the
+  stage is a file, as a publish's reservation: Note [Disk room] in kernel_server/disk.py) and, for a file
+  arena, with fallocate.
   A refusal stages nothing more: the rest of the load converts into fresh memory and is copied at publish.
 - A staged range the entry does not hold, and no tensor refers to any more, is given back as a hole
   (FALLOC_FL_PUNCH_HOLE); one still referred to stays, unused, in the arena.
@@ -48,16 +56,18 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib
 import inspect
 import logging
 import os
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -65,6 +75,9 @@ from kernel_server import arena
 from kernel_server.client import ANSWER_TIMEOUT, Client
 from kernel_server.errors import DaemonError
 from kernel_server.operations import Op
+
+if TYPE_CHECKING:
+    from .progress import MissClock
 
 __all__ = ["Stage", "new_arena", "staged"]
 
@@ -126,6 +139,7 @@ class Stage:
         self._used = 0  # the sum of the files' tops
         self._reserved = 0  # what the daemon (and fallocate) reserved
         self._stopped = False
+        self.converted = False  # whether the load converted a tensor on the CPU (staged or not)
         self._starts_in_arena: list[int] | None = None  # where each file lies in the arena, once laid out
         # (file, offset) -> (bytes, the view its tensor is made on: alive while any tensor of the range is)
         self._ranges: dict[tuple[_File, int], tuple[int, weakref.ref[memoryview]]] = {}
@@ -160,6 +174,7 @@ class Stage:
         src = tensor[...]
         if src.device.type != "cpu" or src.dtype == dtype or not src.is_contiguous():
             return fallback(src)
+        self.converted = True
         try:
             out = self._write(src, dtype)
             if out is not None:
@@ -232,7 +247,7 @@ class Stage:
                 break
             try:
                 self._client.request(Op.RESERVE, key=self._key, bytes=want, descriptors=1 + len(self._files),
-                                     timeout=ANSWER_TIMEOUT)
+                                     backing=self.writer.backing, timeout=ANSWER_TIMEOUT)
                 if self.writer.backing == "file":  # one file: Note [Staged conversions]
                     os.posix_fallocate(self.writer.fd, self._reserved, want - self._reserved)
             except (DaemonError, OSError) as exc:
@@ -290,11 +305,13 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
 
 
 @contextlib.contextmanager
-def staged(client: Client, key: str, home: str | Path, backing: str) -> Iterator[Stage | None]:
+def staged(client: Client, key: str, home: str | Path, backing: str,
+           clock: MissClock | None = None) -> Iterator[Stage | None]:
     """While the body loads the miss of `key` in this thread (and publishes it), conversions on the CPU
     write into a `Stage` (yielded; None where the loader has no place to stage: Note [Staged
-    conversions]). The stage is let go of at the end; its tensors keep what they need of it."""
-    module = sys.modules.get("transformers.core_model_loading")
+    conversions]). The stage is let go of at the end; its tensors keep what they need of it. `clock`: the
+    miss's, whose load gets the time of importing transformers' loading module (same Note)."""
+    module = _loading_module(clock)
     if module is None or not _wrappable(module):
         yield None
         return
@@ -311,6 +328,24 @@ def staged(client: Client, key: str, home: str | Path, backing: str) -> Iterator
     finally:
         _ACTIVE.reset(token)
         stage.close()
+
+
+def _loading_module(clock: MissClock | None) -> Any:
+    """transformers' module that makes checkpoint tensors, imported first where transformers is and it is
+    not (Note [Staged conversions]: every load alike); None where there is none."""
+    module = sys.modules.get("transformers.core_model_loading")
+    if module is not None or "transformers" not in sys.modules:
+        return module
+    started = time.perf_counter()
+    try:
+        module = importlib.import_module("transformers.core_model_loading")
+    except Exception as exc:  # noqa: BLE001 (transformers 4 has none; nothing is staged then, as ever)
+        _log.info("no transformers.core_model_loading to stage conversions in: %s", exc)
+        return None
+    finally:
+        if clock is not None:
+            clock.load_s += time.perf_counter() - started
+    return module
 
 
 _wrap_lock = threading.Lock()

@@ -55,8 +55,9 @@ kernel measured them and printed them in the cell ("cached llama in 20.1 s: load
 
 each hit saves the plain load it replaced less its own wait, and every miss's caching is a cost, hit or
 not. `time_saved` holds these sums over the daemon's life (its `saved_s` negative while the caching cost
-more than the hits saved); `texts.saved` is `saved_s` as a figure ("none" while it is negative: never a
-negative saving), `texts.saved_detail` says it with its parts (and by how much the caching cost more).
+more than the hits saved, or the hits took longer than the loads they replaced); `texts.saved` is `saved_s`
+as a figure ("none" while it is negative: never a negative saving), `texts.saved_detail` says it with its
+parts (and why none was saved).
 """
 
 from __future__ import annotations

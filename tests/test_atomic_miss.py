@@ -434,7 +434,7 @@ HOG = "while True: pass"
 
 
 def test_status_widget_and_cli_show_the_copy_left_with_its_model_percent_and_time(
-        overmind_home: Path, tmp_path: Path) -> None:
+        overmind_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """While the daemon copies a same-dtype entry from its checkpoint (slowed here: every core is busy,
     so it waits for an idle one before each chunk), `%overmind status`'s text, the status widget's
     table and `overmind-daemon ls` name the model and show the percent done and the time left. The
@@ -452,6 +452,7 @@ def test_status_widget_and_cli_show_the_copy_left_with_its_model_percent_and_tim
 
     path = demo_models.build_llama(tmp_path / "m", "tiny", hidden_size=512, intermediate_size=1536,
                                    num_hidden_layers=8, vocab_size=8192)  # about 60 MiB in bf16
+    monkeypatch.setattr(loading.options, "backing", "memfd")  # arenas `arenas_of` finds by name
     hogs = [subprocess.Popen([sys.executable, "-c", HOG]) for _ in range(os.cpu_count() or 1)]
     try:
         model = loading.cached(AutoModelForCausalLM.from_pretrained, str(path), dtype=torch.bfloat16)

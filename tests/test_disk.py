@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from kernel_server import Client, arena
+from kernel_server.errors import RemoteError
 from kernel_server.formats import pending_text
 from tests.helpers.faults_helpers import daemon_log, wait_until
 from tests.helpers.snippets import last_json, run_py
@@ -103,6 +104,44 @@ def test_a_disk_filled_by_something_else_makes_the_cache_give_back_its_unpinned_
             time.sleep(0.2)
         assert client.request("status")["entries"] == [], "the daemon evicted both entries to keep the reserve"
     assert free(small_disk) >= RESERVE
+
+
+def cache_entry(client: Client, key: str, nbytes: int, backing: str, directory: Path | None = None) -> None:
+    """An unpinned entry of `nbytes` in a memfd or a file arena in `directory`, made as a kernel's miss makes it."""
+    assert client.request("lookup", key=key, wait=False)["status"] == "load"
+    client.request("reserve", key=key, bytes=nbytes + 16, backing=backing)
+    graph, data = arena.ArenaWriter(16), arena.ArenaWriter(nbytes, backing=backing, directory=directory)
+    try:
+        os.posix_fallocate(data.fd, 0, nbytes)  # the blocks (or pages) its bytes take
+        client.request("publish", key=key, fds=[graph.seal(), data.seal()], graph_bytes=16, arena_bytes=nbytes,
+                       meta={"label": key})
+    finally:
+        graph.close()
+        data.close()
+
+
+def test_entries_in_memory_neither_count_against_the_reserve_nor_go_to_make_room_on_the_disk(
+        disk_env: dict[str, str], small_disk: Path, overmind_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """memfd arenas take memory, not disk (Note [Disk room]): with the disk below its reserve, the daemon gives
+    back the entry in a file and keeps the one in a memfd; a new memfd is granted its room there, and a new
+    file is refused it without an entry in memory evicted for nothing."""
+    for name in ("OVERMIND_ARENA", "OVERMIND_ARENA_DIR", "OVERMIND_DISK_RESERVE"):
+        monkeypatch.setenv(name, disk_env[name])
+    nbytes = 16 << 20
+    with Client(overmind_home, role="test") as client:
+        def cached() -> list[str]:
+            return sorted(e["key"] for e in client.request("status")["entries"])
+
+        cache_entry(client, "in-memory", nbytes, "memfd")
+        cache_entry(client, "on-disk", nbytes, "file", small_disk)
+        (small_disk / "users-file").write_bytes(b"\0" * (44 << 20))  # 4 MiB free; 20 once the file entry goes
+        wait_until(lambda: "on-disk" not in cached(), 20, "the entry in a file was given back")
+        assert cached() == ["in-memory"] and free(small_disk) < RESERVE
+        assert client.request("lookup", key="new", wait=False)["status"] == "load"
+        assert client.request("reserve", key="new", bytes=nbytes, backing="memfd")["evicted"] == []
+        with pytest.raises(RemoteError, match="no room on the disk"):
+            client.request("reserve", key="new", bytes=nbytes, backing="file")
+        assert cached() == ["in-memory"]
 
 
 def test_status_says_where_the_bytes_live(disk_env: dict[str, str], small_disk: Path, overmind_home: Path) -> None:

@@ -20,7 +20,7 @@ from overmind_jupyter import demo_models, loading
 from overmind_jupyter.errors import FallbackWarning
 from tests.helpers.cached_modules import miss_in_parts, wide_llama
 from tests.helpers.faults_helpers import wait_until
-from tests.helpers.snippets import last_json, run_py
+from tests.helpers.snippets import last_json, run_py, start_py
 
 KEPT: list[torch.Tensor] = []  # what a loading function below keeps outside its result
 
@@ -212,6 +212,37 @@ PARTS_PROBE = """
                       "files": sorted({file_of(p.data_ptr()) for p in m.parameters()}),
                       "checkpoint": any("model.safetensors" in f for f in files.values())}))
 """
+
+
+# A fresh process's loads, through an Auto class (transformers imports its loading module inside the first)
+LOADS_IN_ORDER = """
+    import torch
+    from transformers import AutoModelForCausalLM
+    from overmind_jupyter import loading
+    for path, dtype in LOADS:
+        loading.cached(AutoModelForCausalLM.from_pretrained, path, dtype=getattr(torch, dtype))
+    assert loading.calls() == {"miss": len(LOADS)} and not loading.fallbacks(), (loading.calls(), loading.fallbacks())
+"""
+
+
+def test_a_miss_gets_the_backing_of_its_kind_whatever_the_process_loaded_before(
+        overmind_home: Path, bf16_llama: Path, tmp_path: Path) -> None:
+    """OVERMIND_ARENA=auto, the arenas on a disk (Note [Arena backing] in kernel_server/arena.py): a miss in
+    the stored dtype gets a file and one that converts dtypes a memfd, the process's first load as its later
+    ones, in either order."""
+    other = demo_models.build_llama(tmp_path / "llama", "tiny", dtype="bfloat16", seed=1)
+    orders = [[(str(bf16_llama), "bfloat16"), (str(bf16_llama), "float32")],
+              [(str(other), "float32"), (str(other), "bfloat16")]]
+    env = dict(os.environ, OVERMIND_ARENA="auto")
+    procs = [start_py(LOADS_IN_ORDER.replace("LOADS", repr(loads)), env=env) for loads in orders]
+    for proc in procs:
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err[-3000:]
+    with Client(overmind_home, role="test") as client:
+        backings = {e["meta"]["label"]: e["backing"] for e in client.request("ls")["entries"]}
+    want = {f"AutoModelForCausalLM.from_pretrained({path!r}, dtype={dtype})": "file" if dtype == "bfloat16" else "memfd"
+            for loads in orders for path, dtype in loads}
+    assert backings == want
 
 
 def staged_files(model: torch.nn.Module) -> set[str]:

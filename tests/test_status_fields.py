@@ -138,8 +138,33 @@ def test_a_publish_says_what_the_miss_cost_and_the_parts_add_up(daemon: Client,
     assert state_view(status)["texts"]["saved"] == "none" and state_view(status)["texts"]["saved_detail"] == said
     assert cli_main(["status"]) == 0 and f"time   {said}\n" in capsys.readouterr().out
     assert formats.saved_figure(-0.0004) == "0 ms" and formats.saved_figure(1.44) == "1.4 s", "no loss that rounds to 0"
+    # a hit slower than the load it replaced (its kernel imported the model's code first)
+    daemon.request("lookup", key="b" * 64, wait=False).close()
+    daemon.request("hits", hits=[{"key": "b" * 64, "t": time.time(), "hit_s": 4.0}])
+    said = ("none saved yet (the hits took longer than the loads they replaced): 1 hit took 4.0 s instead of 3.0 s, "
+            "plus 12 s of caching in 2 misses")
+    assert cli_main(["status"]) == 0 and f"time   {said}\n" in capsys.readouterr().out
     with pytest.raises(Exception, match="times"):
         miss_and_publish(daemon, "c" * 64, "o", times={"waited_s": -1.0, "load_s": 0.0, "cache_s": 0.0})
+
+
+@pytest.mark.parametrize(("plain_s", "hit_s", "cache_s", "said"), [
+    (14.0, 0.4, 1.6, "12 s saved: 3 hits took 400 ms instead of 14 s, less 1.6 s of caching in 2 misses"),
+    (0.45, 0.4, 0.059, "none saved yet (the caching cost 9 ms more than the hits saved): 3 hits took 400 ms instead "
+                       "of 450 ms, less 59 ms of caching in 2 misses"),
+    (0.033, 3.3, 0.036, "none saved yet (the hits took longer than the loads they replaced): 3 hits took 3.3 s "
+                        "instead of 33 ms, plus 36 ms of caching in 2 misses"),
+    (0.033, 3.3, 0.0, "none saved yet (the hits took longer than the loads they replaced): 3 hits took 3.3 s "
+                      "instead of 33 ms, plus 0 ms of caching in 2 misses"),
+    (0.4, 0.4004, 0.0, "0 ms saved: 3 hits took 400 ms instead of 400 ms, less 0 ms of caching in 2 misses"),
+])
+def test_what_the_cache_saved_is_said_truly_when_the_hits_or_the_caching_cost_more(
+        plain_s: float, hit_s: float, cache_s: float, said: str) -> None:
+    """Note [Load time saved]: never a negative saving, and what is said of the loss is what made it: the
+    caching, where the hits saved less than it cost; the hits, where they took longer than the loads they
+    replaced (the caching then adds to it)."""
+    sums = payloads.TimeSaved(misses=2, cache_s=cache_s, hits=3, plain_s=plain_s, hit_s=hit_s)
+    assert formats.saved_text(sums) == said
 
 
 def test_a_loads_progress_reaches_status_with_eta(daemon: Client, overmind_home: Path) -> None:

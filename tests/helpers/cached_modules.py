@@ -4,10 +4,12 @@ private mappings of the daemon's arena."""
 from __future__ import annotations
 
 import gc
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from transformers.utils import logging as transformers_logging
 
 from overmind_jupyter import demo_models, loading, rebuild
 from tests.helpers import tiny_modules
@@ -30,6 +32,15 @@ def in_arena(t: torch.Tensor) -> bool:
 
 def wide_llama(path: Path) -> Path:
     return demo_models.build_llama(path, "tiny", dtype="bfloat16", **WIDE_LLAMA)
+
+
+def slowly_built(steps: int, delay: float) -> torch.nn.Module:
+    """`tiny_modules.build("mlp")` after a transformers progress bar of `steps` steps `delay` s apart (the
+    library's own bar, which a miss names and reports: Note [Load progress] in overmind_jupyter/progress.py):
+    a load whose progress lasts as long as a test wants, on any machine."""
+    for _ in transformers_logging.tqdm(range(steps), desc="Loading weights"):
+        time.sleep(delay)
+    return tiny_modules.build("mlp")
 
 
 def miss_in_parts(path: Path, dtype: torch.dtype) -> tuple[torch.nn.Module, dict[str, Any]]:
