@@ -142,7 +142,10 @@ def _walk(root: Any, respelling: _Respelling, fence: set[int]) -> None:
                 _respell_items(obj, dict.__setitem__, obj.items(), respelling, stack)
         elif isinstance(obj, list):
             _respell_items(obj, list.__setitem__, enumerate(obj), respelling, stack, named=False)
-        state = getattr(obj, "__dict__", None)  # a module's, a config's, a user's object's; a FrozenDict's too
+        try:
+            state = getattr(obj, "__dict__", None)  # a module's, a config's, a user's object's; a FrozenDict's too
+        except Exception:  # noqa: BLE001 (an object that will not say: it keeps what it holds)
+            continue
         if state and type(state) is dict:
             _respell_items(state, dict.__setitem__, state.items(), respelling, stack)
 
