@@ -202,7 +202,8 @@ def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
                 return _cached_call(fn, args, kwargs, device)
             clock = progress.MissClock(started, queued_s=queued)
             # Note [Staged conversions]
-            with staging.staged(client, ck.key, client.home, options.backing, clock) as stage:
+            with staging.staged(client, ck.key, client.home, options.backing,
+                                clock if _an_auto_model(fn) else None) as stage:
                 return _miss(client, ck, fn, args, kwargs, replay, device, stage, clock, called if followed else None)
     except BaseException:
         _give_back(client, ck.key, reply)
@@ -673,6 +674,12 @@ def _publish(client: Client, ck: keys.CallKey, obj: Any, replay: Replay, random_
         progress.tell_miss(ck.label, times, clock.queued_s)
         if ck.notice is not None:
             _tell_seed(*ck.notice)
+
+
+def _an_auto_model(fn: Callable[..., Any]) -> bool:
+    """Whether `fn` is a loader of one of transformers' Auto model classes (AutoModelForCausalLM, ...)."""
+    owner = getattr(fn, "__self__", None)
+    return isinstance(owner, type) and any(c.__name__ == "_BaseAutoModelClass" for c in owner.__mro__)
 
 
 def _spellings(ck: keys.CallKey) -> dict[str, dict[str, str]]:

@@ -245,6 +245,22 @@ def test_a_miss_gets_the_backing_of_its_kind_whatever_the_process_loaded_before(
     assert backings == want
 
 
+def test_a_tokenizers_miss_imports_no_module_of_model_loading(overmind_home: Path, tmp_path: Path) -> None:
+    """Only the miss of an Auto model class imports transformers' loading module ahead (Note [Staged
+    conversions]): a tokenizer's plain load never imports it, nor does its miss (0.6 s here)."""
+    tokenizer = demo_models.build_tokenizer(tmp_path / "tokenizer")
+    out = last_json(run_py(f"""
+        import json, sys
+        import overmind_jupyter
+        overmind_jupyter.enable()
+        from transformers import AutoTokenizer
+        from overmind_jupyter import loading
+        AutoTokenizer.from_pretrained({str(tokenizer)!r})
+        print(json.dumps({{"calls": loading.calls(), "imported": "transformers.core_model_loading" in sys.modules}}))
+    """))
+    assert out == {"calls": {"miss": 1}, "imported": False}, out
+
+
 def staged_files(model: torch.nn.Module) -> set[str]:
     return {mapped_file(p.data_ptr()) for p in model.parameters()}
 
