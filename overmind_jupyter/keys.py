@@ -85,7 +85,10 @@ _OPAQUE_STRINGS = ("cache_dir", "offload_folder", "local_dir")  # where to look,
 # subfolder="unet")` calls `UNet2DConditionModel.from_pretrained` with `cache_dir=None`, `token=None`,
 # `force_download=False`, ... where the user's own call of it leaves them out. Both loads read the same
 # files the same way, but the two keys differed, and the one model took the budget twice. Such an argument
-# at its default is keyed as left out.
+# at its default is keyed as left out, of the libraries' own loaders only: a function of the user's may take
+# a `revision=None` that means something else than its own default ("best"), and its two calls are two
+# loads.
+_HUB_LOADERS = ("transformers", "diffusers", "peft")
 _HUB_DEFAULTS = {"cache_dir": None, "force_download": False, "local_files_only": False, "proxies": None,
                  "revision": None, "token": None, "resume_download": None}
 
@@ -154,9 +157,10 @@ def make_key(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
     _check_named(fn)
     qualified, short, package = owner_name(fn)
     arguments = _bind(fn, args, kwargs)
-    for name, default in _HUB_DEFAULTS.items():  # Note [Hub arguments left at their default]
-        if name in arguments and (arguments[name] is None or arguments[name] is default):
-            del arguments[name]
+    if package in _HUB_LOADERS:  # Note [Hub arguments left at their default]
+        for name, default in _HUB_DEFAULTS.items():
+            if name in arguments and (arguments[name] is None or arguments[name] is default):
+                del arguments[name]
     owner = getattr(fn, "__self__", None)
     if owner is not None and not isinstance(owner, type):
         arguments["self"] = owner  # a method of a loaded object (load_adapter): the object is an input

@@ -479,6 +479,19 @@ def test_a_module_edited_two_imports_below_the_models_class_is_a_miss(overmind_h
     assert [(g["layers"], g["calls"]) for g in got] == [(1, {"miss": 1}), (2, {"miss": 1})]
 
 
+def load_run(revision: str | None = "best") -> torch.nn.Module:
+    """A function of the user's whose `revision=None` means something else than its default."""
+    return tiny_modules.build("mlp", width=8 if revision == "best" else 16)
+
+
+def test_a_functions_hub_named_argument_given_as_none_is_another_call(overmind_home: Path) -> None:
+    """Note [Hub arguments left at their default] in keys.py: only the libraries' loaders key a
+    `revision=None` as left out; `load_run(revision=None)` of the user's is not `load_run()`."""
+    misses = loading.calls().get("miss", 0)
+    widths = [loading.cached(load_run, **kwargs).layers[0].in_features for kwargs in ({}, {"revision": None})]
+    assert widths == [8, 16] and loading.calls().get("miss", 0) == misses + 2, (widths, loading.calls())
+
+
 def test_a_function_is_keyed_by_the_environment_it_reads(overmind_home: Path, tiny_llama: Path,
                                                         tmp_path: Path) -> None:
     """A path taken from os.environ: another value is another model, never the first one's entry."""
