@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import logging
 import mmap
 import os
@@ -57,6 +58,7 @@ _log = logging.getLogger(__name__)
 _WRITERS = min(2, os.cpu_count() or 1)
 _MAX_SOURCES = 32  # more files than this are copied instead (a reply's descriptors are limited)
 _CHUNK = 64 << 20
+_UNRESERVED = 8 << 20  # what a miss may write before the publish reserves it (Note [Reserved at publish])
 _PROGRESS_BYTES = 256 << 20  # copies at least this large show a progress bar
 # The fallback kind of a publish the daemon refused, by its error code (any other failure: "publish").
 _REFUSALS = {"budget_exceeded": "budget", "descriptors_exhausted": "descriptors"}
@@ -104,7 +106,7 @@ def publish(client: Client, key: str, label: str, meta: dict[str, Any], packed: 
     pin = mappings.Pin(key, unpin)
     pin.hold()  # until the end of this call: released with no mapping made, it unpins at once
     forget: list[Callable[[], None]] = []
-    published = False
+    published = on_disk = False
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.no_grad())  # for the moves (`_move`)
@@ -114,19 +116,16 @@ def publish(client: Client, key: str, label: str, meta: dict[str, Any], packed: 
                 if stage is not None and not stage.converted:
                     stage = None  # converted nothing: the backing the setting says (Note [Staged conversions])
                 staged_arena, staged_parts = stage.finish(packed.arena_bytes) if stage is not None else (None, [])
-                ahead = (staged_arena is None or staged_arena.backing != "memfd"
-                         or meta["made"]["copied"] + len(packed.graph) > _CHUNK)
                 if staged_arena is None:  # (nothing written yet: a file takes no disk before it is)
                     staged_arena = staging.new_arena(packed.arena_bytes, key, client.home, backing)
                 data = stack.enter_context(contextlib.closing(staged_arena))
+                on_disk = data.backing == "file"
                 for writer, _ in staged_parts:
                     stack.enter_context(contextlib.closing(writer))
-                if ahead:
-                    # Else the publish reserves it all: a few MiB written into memory first (Note [Reserved
-                    # at publish] in kernel_server/store.py); a file on a disk is reserved before it is written,
-                    # a memfd takes no disk (Note [Disk room] in kernel_server/disk.py). The descriptors the
-                    # entry will hold: graph, arena, one per part and per source (Note [Descriptor budget] in
-                    # kernel_server/descriptors.py).
+                if meta["made"]["copied"] + len(packed.graph) > _UNRESERVED:
+                    # Else the publish reserves it all, a few MiB written first (Note [Reserved at publish]
+                    # in kernel_server/store.py). The descriptors the entry will hold: graph, arena, one per
+                    # part and per source (Note [Descriptor budget] in kernel_server/descriptors.py).
                     client.request(Op.RESERVE, key=key, bytes=packed.arena_bytes + len(packed.graph),
                                    descriptors=2 + len(staged_parts) + len(plan.sources), backing=data.backing,
                                    timeout=ANSWER_TIMEOUT)
@@ -178,6 +177,11 @@ def publish(client: Client, key: str, label: str, meta: dict[str, Any], packed: 
                 _abandon(client, key)
                 kind = _REFUSALS.get(exc.code, "publish") if isinstance(exc, RemoteError) else "publish"
                 said = f"{exc}; {descriptors.short_here(exc)}" if descriptors.exhausted(exc) else str(exc)
+                if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT) and on_disk:
+                    kind, said = "budget", (
+                        f"no room on the disk for its arena: writing to {arena.arena_directory(client.home)} "
+                        f"failed ({exc.strerror}); free disk space there, or put the arenas elsewhere "
+                        "(OVERMIND_ARENA_DIR) and restart the daemon (`overmind-daemon stop`)")
                 raise PublishError(kind, said) from exc
     finally:
         if not published:
