@@ -13,10 +13,11 @@ short, and refuses the rest, and the kernel then loads plainly, saying so. The d
 few seconds, so that a disk filled by something else makes the cache give its unpinned file entries back
 before the user runs out. An entry still mapped by a kernel frees its blocks when that kernel lets go of
 it; an entry evicted under the store's lock counts as given back at once, as its descriptors close when
-the lock is released (Note [Closing after the lock] in store.py). memfd arenas take memory, not disk: the
-budget bounds them. So each reservation says which its arena is ("backing", a file when it does not say),
-a memfd's is never refused for want of disk, and no entry in a memfd is evicted to make room on the disk,
-which its eviction would not give.
+the lock is released (Note [Closing after the lock] in store.py), for what its arena holds: not the pieces
+still served from its checkpoint (Note [Pending pieces] in store.py), which are holes in its file. memfd
+arenas take memory, not disk: the budget bounds them. So each reservation says which its arena is
+("backing", a file when it does not say), a memfd's is never refused for want of disk, and no entry in a
+memfd is evicted to make room on the disk, which its eviction would not give.
 
 The compactor's copy of an entry (Note [Pending pieces] in store.py) is a new arena too, written after the
 publish that passed the check above. A same-dtype miss writes almost nothing to its arena before it

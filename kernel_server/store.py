@@ -730,7 +730,8 @@ class Store:
             if entry is None:
                 continue
             self._dropped += [entry.graph_fd, *entry.byte_fds()]
-            self._dropped_disk += entry.arena_bytes if entry.backing == "file" else 0
+            # what its arena's blocks take: not the pieces still in their checkpoint (Note [Disk room] in disk.py)
+            self._dropped_disk += entry.arena_bytes - entry.pending_bytes if entry.backing == "file" else 0
             self._short_of_disk.pop(k, None)
             dropped.append(k)
         return dropped

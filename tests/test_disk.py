@@ -211,3 +211,34 @@ def test_a_copy_that_would_take_the_reserve_waits_for_room(
         client.close()
         for fd in (graph.fd, data.fd, source):
             os.close(fd)
+
+
+def test_an_entry_served_from_its_checkpoint_frees_only_what_its_arena_holds_when_evicted(
+        disk_env: dict[str, str], small_disk: Path, overmind_home: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An entry not yet compacted holds its pieces in its checkpoint: its file arena takes next to nothing on
+    the disk, so evicting it makes no room there, and a load that needs room is refused, not let into the
+    reserve (Note [Disk room])."""
+    for name in ("OVERMIND_ARENA", "OVERMIND_ARENA_DIR", "OVERMIND_DISK_RESERVE"):
+        monkeypatch.setenv(name, disk_env[name])
+    nbytes = 16 << 20
+    source_path = tmp_path / "model.safetensors"
+    source_path.write_bytes(b"\1" * nbytes)
+    source = os.open(source_path, os.O_RDONLY)
+    graph, data = arena.ArenaWriter(16), arena.ArenaWriter(nbytes, backing="file", directory=small_disk)
+    try:
+        with Client(overmind_home, role="test") as client:
+            assert client.request("lookup", key="pending", wait=False)["status"] == "load"
+            client.request("reserve", key="pending", bytes=nbytes + 16, descriptors=3)
+            (small_disk / "users-file").write_bytes(b"\0" * (30 << 20))  # 34 MiB free: its copy would not fit
+            client.request("publish", key="pending", fds=[graph.seal(), data.seal(), source], graph_bytes=16,
+                           arena_bytes=nbytes, meta={"label": "pending"}, pieces=[[0, nbytes, 0, 0]],
+                           sources=[{"path": str(source_path), **arena.file_identity(os.fstat(source))}])
+            wait_until(lambda: "no room on the disk to compact" in daemon_log(overmind_home), 10, "the copy waits")
+            assert client.request("lookup", key="new", wait=False)["status"] == "load"
+            with pytest.raises(RemoteError, match="no room on the disk"):  # 10 MiB above the reserve, evicting or not
+                client.request("reserve", key="new", bytes=12 << 20, backing="file")
+        assert free(small_disk) >= RESERVE
+    finally:
+        for fd in (graph.fd, data.fd, source):
+            os.close(fd)
