@@ -399,7 +399,8 @@ def _model_short(model: Any) -> str:
     without one), and its dtype: its first floating parameter's, as transformers' `dtype` says (which
     raises for a model without one)."""
     source = getattr(getattr(model, "config", None), "_name_or_path", None)
-    name = os.path.basename(source.rstrip("/")) if isinstance(source, str) and source.strip("/") else \
+    # "." and "..": the folder's own name, as the call's cwd has it (keys are made in the caller's cwd)
+    name = os.path.basename(os.path.abspath(source)) if isinstance(source, str) and source.strip("/") else \
         type(model).__name__
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
     return f"{name} {str(dtype).removeprefix('torch.')}" if dtype is not None else name

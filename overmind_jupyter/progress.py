@@ -71,7 +71,9 @@ def model_name(label: str) -> str:
     quoted = _QUOTED.match(inner)  # the checkpoint, as repr wrote it (a comma in it too)
     if quoted is None:
         return head
-    name = os.path.basename(quoted.group(0)[1:-1].rstrip("/")) or label
+    written = quoted.group(0)[1:-1]
+    # "." and "..": the folder's own name, in the caller's cwd (where its label was made, and this runs)
+    name = os.path.basename(os.path.abspath(written)) if written.strip("/") else label
     sub = _SUBFOLDER.match(inner, quoted.end())
     folder = sub.group(1)[1:-1].strip("/") if sub else ""
     return f"{name}/{folder}" if folder else name

@@ -748,6 +748,23 @@ def test_loads_of_one_checkpoint_are_labelled_by_their_other_plain_arguments(tmp
     assert progress.model_name("X.from_pretrained('/m/a,v1', num_labels=3)") == "a,v1"
 
 
+def test_a_model_loaded_from_its_own_folder_is_named_by_that_folder(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """`from_pretrained(".")` in the model's folder: the bars, the miss line and the label of a call given
+    that model name the folder, not "." (they read "cached ." and "model=<. float32>")."""
+    from overmind_jupyter import keys, progress
+    from tests.helpers import tiny_modules
+
+    (tmp_path / "llama").mkdir()
+    monkeypatch.chdir(tmp_path / "llama")
+    assert progress.model_name("X.from_pretrained('.', dtype=float32)") == "llama"
+    assert progress.model_name("X.from_pretrained('./')") == "llama"
+    assert progress.model_name("X.from_pretrained('..')") == tmp_path.name
+    model = tiny_modules.build("mlp", seed=1, width=4, depth=1)
+    model.config = type("Config", (), {"_name_or_path": "."})()
+    assert keys._model_short(model) == "llama float32"
+
+
 def test_a_subfolders_load_is_named_by_its_folder_and_subfolder(tmp_path: Path) -> None:
     """The miss line and the bars name a pipeline's component by the checkpoint and its subfolder ("sd/unet"):
     a pipeline, its UNet and its scheduler all read "cached sd". The subfolder follows the checkpoint in the
