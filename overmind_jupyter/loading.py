@@ -632,6 +632,7 @@ def _publish(client: Client, ck: keys.CallKey, obj: Any, replay: Replay, random_
     meanwhile (Note [A miss's collections]). Then what `ck.notice` holds is said."""
     from . import publishing, rebuild
 
+    kept = _kept(ck)  # before the pack and publish move anything (Note [References] in results.py)
     with rebuild.gc_paused() as collecting:
         try:
             packed = rebuild.pack((obj, replay.roots, random_after), substitutes=replay.paths, stage=stage,
@@ -652,6 +653,8 @@ def _publish(client: Client, ck: keys.CallKey, obj: Any, replay: Replay, random_
         spelled = _spellings(ck)
         if spelled:
             meta["spellings"] = spelled  # Note [Spellings] in spellings.py
+        if kept:
+            meta["kept"] = kept  # Note [References] in results.py
         try:
             with progress.loading(client, ck.key, ck.label):  # the copy reports too (Note [Load progress])
                 times = publishing.publish(client, ck.key, ck.label, meta, packed, backing=options.backing,
@@ -670,10 +673,27 @@ def _publish(client: Client, ck: keys.CallKey, obj: Any, replay: Replay, random_
             return
         count("miss")
         remember(obj, ck.key, packed.graph, replay, pickled_here=True, random_after=random_after,
-                 spellings=_every_spelling(spelled))
+                 spellings=_every_spelling(spelled), kept=[ck.references[name] for name in kept])
         progress.tell_miss(ck.label, times, clock.queued_s)
         if ck.notice is not None:
             _tell_seed(*ck.notice)
+
+
+def _kept(ck: keys.CallKey) -> list[str]:
+    """The arguments of `ck`'s call, just loaded, that are still their entries' (the call only holds
+    them): they stay registered as those entries' (Note [References] in results.py)."""
+    try:
+        return sorted(name for name, given in ck.references.items() if result_key(given) is not None)
+    except Exception:  # noqa: BLE001 (a bug here must not break a load: every argument registered, as before)
+        return []
+
+
+def _kept_by(ck: keys.CallKey, meta: dict[str, Any]) -> list[Any]:
+    """The arguments of `ck`'s call that the miss of its entry found still their entries' (`_kept`)."""
+    kept = meta.get("kept")
+    if not isinstance(kept, list):
+        return []
+    return [ck.references[name] for name in kept if isinstance(name, str) and name in ck.references]
 
 
 def _an_auto_model(fn: Callable[..., Any]) -> bool:
@@ -786,7 +806,7 @@ def _from_hit(client: Client, ck: keys.CallKey, reply: Response[LookupReply], re
     if respelled:  # this call spells a path otherwise than the entry's (Note [Spellings] in spellings.py)
         spellings.respell(obj, _roots, respelled)
     remember(obj, ck.key, graph, replay, pickled_here=False, random_after=random_after,
-             spellings=_every_spelling(spelled), respelled=respelled)
+             spellings=_every_spelling(spelled), respelled=respelled, kept=_kept_by(ck, meta))
     _hooks_after(meta.get("hook_ids"))
     log_again(spellings.respell_said(meta.get("log") or [], respelled))  # Note [What the load said] in load_log.py
     warn_again(spellings.respell_said(meta.get("warned") or [], respelled))

@@ -8,7 +8,7 @@ import os
 import queue
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -96,7 +96,9 @@ def _reference(obj: Any, replay: Replay) -> Callable[[], Any]:
 
 def remember(obj: Any, key: str, graph: bytes, replay: Replay, *, pickled_here: bool,
              random_after: tuple[Any, ...] | None = None, spellings: dict[str, str] | None = None,
-             respelled: Found | None = None) -> None:
+             respelled: Found | None = None, kept: Collection[Any] = ()) -> None:
+    """Register `obj`, the result of the call of entry `key`, and the arguments it replayed onto as that
+    entry's; not those of them in `kept`, which the call left their own entries' (Note [References])."""
     if not all(_weakable(o) for o in replay.paths.values()):
         return
     result = _reference(obj, replay)
@@ -105,9 +107,15 @@ def remember(obj: Any, key: str, graph: bytes, replay: Replay, *, pickled_here: 
     info = _Result(key, graph, pickled_here, result, [weakref.ref(o) for o in replay.roots],
                   {p: weakref.ref(o) for p, o in replay.paths.items()}, random_after,
                   spellings=spellings or {}, respelled=respelled)
-    for member in [obj, *replay.roots]:
+    left = {id(o) for o in kept}
+    for member in [obj, *(o for o in replay.roots if id(o) not in left)]:
         if _weakable(member):
             _results[member] = info
+    if not pickled_here:  # a hit, which gave the arguments it kept their state anew
+        for given in kept:
+            own = _results.get(given) if _weakable(given) else None
+            if own is not None and own.pickled_here:  # its pickle's strings are no longer its own
+                own.pickled_here, own.expected = False, None
 
 
 def spellings_of(obj: Any) -> dict[str, str]:
@@ -184,6 +192,20 @@ def result_key(obj: Any, mapped: dict[tuple[str, int, int, str], Any] | None = N
 # the rebuild takes its strings from the graph: see `rebuild._new`; a pickle made in another process
 # differs in memo layout and in the order of its sets); for a miss this process published, the graph
 # it pickled from this very object.
+# Each live object is registered as ONE entry's (`_results`): the entry of the call that made it, or of
+# the last call that changed it in place (a base model PeftModel.from_pretrained injects layers into, the
+# model load_adapter adds one to), whose check then covers the object's new state with the rest of that
+# call's result. A cached result that a call only holds (a vae or UNet given to a pipeline) keeps its own
+# entry's registration. Registered as the pipeline's, it was keyed by the pipeline's entry while that
+# pipeline lived (a key that a process which had not made that pipeline computed otherwise: a miss and
+# a second entry for one call) and by no entry once it was collected (the next load it was given to
+# fell back, told it was changed). Whether the call changed an argument is asked once, by the miss,
+# after the load (`result_key` of each argument, a pack each): the entry's meta names those still
+# their entries' ("kept"), and every hit of it, in any process, reads the names instead of asking
+# (`result_key` is as cheap on a hit as before). An entry whose meta names none registers them all,
+# as it did before. A hit gives the arguments it replays onto their state anew, strings made by its own
+# graph's unpickling included, which share otherwise than those of the graph a miss of this process
+# pickled from the argument: a kept argument published here is compared with a skeleton from then on.
 
 
 def _weakable(obj: Any) -> bool:

@@ -496,6 +496,32 @@ def test_a_pipeline_hit_spelled_otherwise_leaves_the_component_it_was_given_as_i
     assert results.result_key(pipe) is not None, "the respelled hit still pickles as its respelled entry"
 
 
+def test_a_vae_given_to_pipelines_stays_its_own_entrys(shell, checkpoints: dict[str, str]) -> None:
+    """Note [References] in results.py: a cached vae given to a pipeline's load is keyed by its own entry
+    in the next load it is given to, as in a process that loaded no pipeline with it: the same pipeline
+    again is a hit while the first lives, and a load after the pipelines are gone keys it, not a fallback."""
+    import gc
+
+    from diffusers import AutoencoderKL, DiffusionPipeline
+
+    from overmind_jupyter import loading, results
+
+    shell.run_line_magic("overmind", "on")
+    vae = AutoencoderKL.from_pretrained(checkpoints["pipeline"], subfolder="vae")
+    own = results.result_key(vae)
+    pipe = DiffusionPipeline.from_pretrained(checkpoints["pipeline"], vae=vae)
+    assert pipe.vae is vae and results.result_key(vae) == own
+    hits = loading.calls().get("hit", 0)
+    again = DiffusionPipeline.from_pretrained(checkpoints["pipeline"], vae=vae)
+    assert loading.calls().get("hit", 0) == hits + 1, loading.calls()
+    assert len(loading.shared_client().request("ls")["entries"]) == 2, "the vae's and the pipeline's"
+    del pipe, again
+    gc.collect()
+    DiffusionPipeline.from_pretrained(checkpoints["pipeline"], vae=vae)  # a fallback's warning is an error here
+    assert loading.calls().get("hit", 0) == hits + 2, loading.calls()
+    assert results.result_key(vae) == own
+
+
 def test_evict_magic_names_what_it_evicted(shell, tiny_llama: Path, overmind_home: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     """`%overmind evict KEY` names the entry as `%overmind status` shows it: its key, label and size."""

@@ -538,6 +538,27 @@ def test_an_entry_built_on_another_references_its_bytes(overmind_home: Path) -> 
     assert rebuild.entry_of(again.inner.layers[0].weight.data_ptr())[0] == inner_key
 
 
+def test_a_result_given_unchanged_to_another_load_stays_its_own_entrys(overmind_home: Path) -> None:
+    """Note [References] in results.py: a cached result that a load only holds (a vae given to a pipeline)
+    is still keyed by its own entry after that load, as in a process that never made it: the same call
+    again is a hit, not a second entry; and once that load's result is gone, it is still a reference."""
+    import gc
+
+    inner = loading.cached(tiny_modules.build, "mlp", width=32)
+    own = loading.result_key(inner)
+    outer = loading.cached(tiny_modules.wrap, inner)
+    assert outer.inner is inner and loading.result_key(inner) == own, "still its own entry's"
+    hits = loading.calls().get("hit", 0)
+    again = loading.cached(tiny_modules.wrap, inner)
+    assert loading.calls().get("hit", 0) == hits + 1, "the same call: a hit of its entry"
+    assert len(loading.shared_client().request("ls")["entries"]) == 2
+    del outer, again
+    gc.collect()
+    assert loading.result_key(inner) == own
+    loading.cached(tiny_modules.wrap, inner, seed=1)  # keyed by its reference: no fallback (an error here)
+    assert loading.result_key(inner) == own
+
+
 def test_a_changed_object_is_no_reference(overmind_home: Path) -> None:
     loading.cached(tiny_modules.build, "mlp", width=64)
     inner = loading.cached(tiny_modules.build, "mlp", width=64)
