@@ -44,10 +44,11 @@ def test_the_magic_alone_lists_its_subcommands() -> None:
     assert all(command in str(said.value) for command in SUBCOMMANDS) and "%overmind?" in str(said.value)
 
 
-def test_a_word_a_subcommand_does_not_take_is_refused_and_evict_without_a_daemon_says_so(
+def test_a_word_a_subcommand_does_not_take_is_refused_and_evict_and_units_without_a_daemon_say_so(
         overmind_home: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`%overmind off please` must not turn the cache off as if the word meant something; evict with no
-    daemon has nothing to evict (and starts none)."""
+    daemon has nothing to evict, and units (as text, as JSON, `units.state()`) say that none runs: none of
+    them starts one (Note [Reads start no daemon] in units/residency.py)."""
     shell = InteractiveShell.instance()
     shell.run_line_magic("load_ext", "overmind_jupyter")
     try:
@@ -69,6 +70,15 @@ def test_a_word_a_subcommand_does_not_take_is_refused_and_evict_without_a_daemon
         shell.run_line_magic("overmind", "evict abc  # the entry abc")
         assert capsys.readouterr().out == f"no daemon runs at {overmind_home}: nothing to evict\n"
         assert not (overmind_home / "daemon.sock").exists(), "no daemon was started to evict from"
+        from overmind_jupyter import units
+
+        for line in ("units", "units --json"):
+            with pytest.raises(UsageError, match=f"^no overmind daemon runs at {overmind_home}, so no kernel holds "
+                                                 "GPU units; it starts with the first `%overmind on`"):
+                shell.run_line_magic("overmind", line)
+        with pytest.raises(units.UnitsError, match="no overmind daemon runs at"):
+            units.state()
+        assert not (overmind_home / "daemon.sock").exists(), "no daemon was started to read the units from"
     finally:
         shell.run_line_magic("unload_ext", "overmind_jupyter")
 

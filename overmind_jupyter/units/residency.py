@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from kernel_server import lifecycle, settings
 from kernel_server.client import Client, Response, interrupts_held, shared_client
-from kernel_server.errors import DaemonError, RemoteError
+from kernel_server.errors import DaemonError, DaemonUnavailable, RemoteError
 from kernel_server.formats import units_text
 from kernel_server.operations import Op
 from kernel_server.payloads import Grant
@@ -209,7 +209,12 @@ class Residency:
         return found.capacity - context_units(found.simulated)
 
     def state(self) -> dict[str, Any]:
-        client, devices = self._bind()
+        """The ledger seen from this kernel; a read, which starts no daemon (Note [Reads start no daemon]).
+
+        Raises:
+            UnitsError: no daemon runs, or the ledger cannot be read.
+        """
+        client, devices = self._bind(spawn=False)
         try:
             snap: dict[str, Any] = dict(client.request(Op.UNITS_STATE, timeout=30).payload)  # with this kernel's facts
         except RemoteError as exc:
@@ -233,12 +238,22 @@ class Residency:
 
     # -- connection and devices -------------------------------------------------------------
 
-    def _bind(self) -> tuple[Client, list[Device]]:
+    # Note [Reads start no daemon]
+    # What only reads the ledger (`units.state()`, `%overmind units` with or without --json, the units
+    # widget's polls) never starts a daemon, as `%overmind status` and `%overmind evict` start none: a user
+    # who stopped the daemon, or never started one, is told that none runs, and its absence is the answer
+    # (no kernel holds units). A placement starts one, as a load does.
+    def _bind(self, *, spawn: bool = True) -> tuple[Client, list[Device]]:
         """The kernel's connection and the devices it may use; a new connection (the daemon restarted)
-        orphans the placements of the old one, whose units the daemon freed with it."""
+        orphans the placements of the old one, whose units the daemon freed with it. Without `spawn`, no
+        daemon is started (Note [Reads start no daemon])."""
         try:
-            client = shared_client()
+            client = shared_client(spawn=spawn)
         except DaemonError as exc:
+            if not spawn and isinstance(exc, DaemonUnavailable):
+                home = lifecycle.state_dir(create=False)
+                raise UnitsError(f"no overmind daemon runs at {home}, so no kernel holds GPU units; it starts "
+                                 "with the first `%overmind on` or units.place(model)") from exc
             raise UnitsError(f"GPU units need the overmind daemon, which is not available: {exc}") from exc
         with self._lock:
             if client is self._client:
