@@ -129,12 +129,23 @@ def _stop(args: argparse.Namespace) -> int:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
     assert pid is not None
+    # Note [Stop without waiting]
+    # `--timeout 0` asks the daemon to stop and does not wait for it: the daemon ends its clients'
+    # requests and exits a moment later, which is no failure of the command. So the daemon's exit is looked
+    # for at least once, after the request (a daemon already gone is said stopped), and with 0 the command
+    # says that the stop was asked for and exits 0; only a wait that ran out advises SIGKILL.
     deadline = time.monotonic() + args.timeout
-    while time.monotonic() < deadline:
+    while True:
         if lifecycle.process_gone(pid):
             print(f"stopped daemon pid {pid}")
             return 0
+        if time.monotonic() >= deadline:
+            break
         time.sleep(0.02)
+    if args.timeout == 0:
+        print(f"asked daemon pid {pid} to stop, without waiting for it (--timeout 0): it exits once its "
+              "clients' requests end; `overmind-daemon status` says when it has")
+        return 0
     print(f"daemon pid {pid} did not stop within {args.timeout:g} s: `kill -KILL {pid}` ends it (kernels load "
           "plainly until the next load starts a new one)", file=sys.stderr)
     return 1

@@ -216,6 +216,18 @@ def test_cli_status_ls_evict_json(daemon: Client, overmind_home: Path) -> None:
         piped = subprocess.run(f"{shlex.quote(sys.executable)} -m kernel_server {' '.join(command)} | true", shell=True,
                                capture_output=True, text=True, check=True)
         assert piped.stderr == "", piped.stderr
+    # `stop --timeout 0` asks and does not wait: no failure, no SIGKILL advice (Note [Stop without waiting])
+    pid = daemon.daemon_pid
+    stop = subprocess.run([sys.executable, "-m", "kernel_server", "stop", "--timeout", "0"], capture_output=True,
+                          text=True, timeout=30, check=False)
+    assert stop.returncode == 0 and stop.stderr == "", stop
+    assert stop.stdout in (f"stopped daemon pid {pid}\n", f"asked daemon pid {pid} to stop, without waiting for it "
+                           "(--timeout 0): it exits once its clients' requests end; `overmind-daemon status` says "
+                           "when it has\n"), stop.stdout
+    deadline = time.monotonic() + 10
+    while not lifecycle.process_gone(pid):
+        assert time.monotonic() < deadline, "the daemon asked to stop did not exit"
+        time.sleep(0.02)
 
 
 def test_state_dir_refuses_symlink_and_open_modes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
