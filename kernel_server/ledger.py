@@ -190,11 +190,12 @@ class Ledger:
 
     @classmethod
     def from_env(cls, kernels: Callable[[ConnId], Connection]) -> Ledger:
-        """The daemon's ledger, configured by OVERMIND_FAKE_GPUS and OVERMIND_GPU_RESERVE. A bad value does
-        not stop the daemon: every units operation then answers an error that names it."""
+        """The daemon's ledger, configured by OVERMIND_FAKE_GPUS and OVERMIND_GPU_RESERVE. A bad device list
+        is reported once and simulates nothing, as if unset; a bad reserve does not stop the daemon either:
+        every units operation then answers an error that names it (Note [Bad settings] in settings.py)."""
+        fake_gpus = settings.get(settings.FAKE_GPUS) or None
         try:
-            return cls(kernels, fake_gpus=settings.FAKE_GPUS.read() or None,
-                       reserve_gib=settings.GPU_RESERVE.read())
+            return cls(kernels, fake_gpus=fake_gpus, reserve_gib=settings.GPU_RESERVE.read())
         except settings.SettingError as exc:
             log.error("units ledger disabled: %s", exc)
             ledger = cls(kernels)
@@ -504,7 +505,7 @@ class Ledger:
             _run(effects)
 
     def check_config(self) -> None:
-        """Raise the configuration error (a bad OVERMIND_FAKE_GPUS, say) for every units request."""
+        """Raise the configuration error (a bad OVERMIND_GPU_RESERVE) for every units request."""
         if self.config_error is not None:
             raise RemoteError("bad_config", self.config_error)
 

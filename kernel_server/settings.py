@@ -11,10 +11,11 @@ A bad value never stops anything. `get` reports it once, as a SettingWarning tha
 the value and a valid example, and uses the default instead: import, `%load_ext` and the daemon always
 start, and a bad `OVERMIND_ENABLED` leaves the cache off. A kernel that loads the extension from its
 config, before any cell, shows what it reported then at its first cell (`Session` in
-overmind_jupyter/extension.py). The units ledger is the one reader that
-refuses instead (`read`): a wrong simulated device list (OVERMIND_FAKE_GPUS) or GPU reserve
-(OVERMIND_GPU_RESERVE) answers every units request with the message, since silently simulating nothing,
-or granting units the device does not have, would be a worse surprise.
+overmind_jupyter/extension.py). A wrong simulated device list (OVERMIND_FAKE_GPUS) is no exception:
+it simulates nothing, in the kernel and in the daemon, as the warning says, so that a typo leaves a GPU
+machine's real devices usable through the ledger, and a CPU one says that it has no GPU. The units ledger
+is the one reader that refuses instead (`read`): a wrong GPU reserve (OVERMIND_GPU_RESERVE) answers every
+units request with the message, since granting units the device does not have would be a worse surprise.
 
 # Note [Memory limit]
 The budget's default (half) and its percentages are of the memory this process may use: physical

@@ -92,12 +92,9 @@ def split_placement(kwargs: dict[str, Any]) -> Split:
 
 def _gpus() -> tuple[int, bool]:
     """The CUDA devices this kernel has, and whether they are simulated (OVERMIND_FAKE_GPUS)."""
-    try:
-        spec = settings.FAKE_GPUS.read()
-        if spec:
-            return len(settings.parse_fake_gpus(spec)), True
-    except (settings.SettingError, ValueError):
-        pass  # reported where the units read it; here it simulates nothing
+    spec = settings.get(settings.FAKE_GPUS)  # a bad list is reported once and simulates nothing
+    if spec:
+        return len(settings.parse_fake_gpus(spec)), True
     import torch
 
     return (torch.cuda.device_count() if torch.cuda.is_available() else 0), False

@@ -119,13 +119,38 @@ def test_fake_gpus_spec_reads_counts_and_sizes() -> None:
     assert ledger.snapshot()["devices"][0]["capacity"] == 15, "whole GiB units, after the reserve"
 
 
-def test_bad_configuration_answers_errors_and_keeps_the_daemon(fake_gpus: Callable[..., Client]) -> None:
-    client = fake_gpus("lots")
-    with pytest.raises(RemoteError, match="OVERMIND_FAKE_GPUS='lots'") as info:
+def test_bad_reserve_answers_errors_and_keeps_the_daemon(fake_gpus: Callable[..., Client]) -> None:
+    client = fake_gpus("2x16", reserve=-1)
+    with pytest.raises(RemoteError, match="OVERMIND_GPU_RESERVE='-1'") as info:
         client.request("units_acquire", units=1)
     assert info.value.code == "bad_config" and "overmind-daemon stop" in str(info.value)
     assert client.request("status")["units"]["config_error"]
     assert client.request("ping")["pong"]
+
+
+def test_a_bad_device_list_is_said_once_and_simulates_nothing(fake_gpus: Callable[..., Client],
+                                                              overmind_home: Path) -> None:
+    """A bad OVERMIND_FAKE_GPUS is reported once, "using the default (none)", and the default is what the
+    kernel and the daemon it started use: no simulated device, no error of the value from the units (Note
+    [Bad settings] in kernel_server/settings.py)."""
+    client = fake_gpus("2x0")  # in this process's environment and the daemon's
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        state = units.state()
+        units.state()
+        text = units.format_state(state)
+    assert [str(w.message) for w in said] == [
+        "OVERMIND_FAKE_GPUS='2x0' is not a device list (COUNTxGiB, as in 2x16 for two devices of 16 GiB, or "
+        "several joined by commas, as in 1x80,2x16): write e.g. OVERMIND_FAKE_GPUS=2x16; using the default "
+        "(none) meanwhile"]
+    assert not state["simulated"] and not state["config_error"], state
+    assert "ledger disabled" not in text and "OVERMIND_FAKE_GPUS" not in text, text
+    if not torch.cuda.is_available():
+        assert state["devices"] == []
+        with pytest.raises(units.NoDeviceError, match="no GPU is visible in this kernel"):
+            units.place(linear(), "cuda:0")
+    assert client.request("units_state")["fake_gpus"] is None
+    assert (overmind_home / "daemon.log").read_text().count("OVERMIND_FAKE_GPUS='2x0'") == 1
 
 
 def test_bad_requests_get_error_replies(fake_gpus: Callable[..., Client]) -> None:

@@ -33,11 +33,9 @@ CONTEXT_UNITS = 1
 
 
 def local_devices() -> list[dict[str, Any]]:
-    """The devices of this process, as `units_register` takes them."""
-    try:
-        spec = settings.FAKE_GPUS.read()
-    except settings.SettingError as exc:
-        raise UnitsError(str(exc)) from None
+    """The devices of this process, as `units_register` takes them. A bad OVERMIND_FAKE_GPUS is reported
+    once and simulates nothing, as if unset (Note [Bad settings] in kernel_server/settings.py)."""
+    spec = settings.get(settings.FAKE_GPUS)
     if spec:
         sizes = settings.parse_fake_gpus(spec)
         return [{"id": f"sim:{i}", "name": f"cuda:{i}", "total_bytes": int(gib * GiB), "model": "simulated",
