@@ -238,8 +238,9 @@ class Ledger:
         with self._cond:
             if not self._devices:
                 raise RemoteError("no_device", "the units ledger knows no GPU: use units from a kernel that "
-                                               "sees one, or start the daemon with OVERMIND_FAKE_GPUS=2x16 "
-                                               "in its environment to simulate two devices of 16 GiB")
+                                               "sees one, or start the kernel and the daemon with "
+                                               "OVERMIND_FAKE_GPUS=2x16 in their environment to simulate two "
+                                               "devices of 16 GiB")
             names = list(self._devices) if devices is None else devices
             unknown = [d for d in names if d not in self._devices]
             if unknown or not names:

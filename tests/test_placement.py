@@ -262,6 +262,40 @@ def test_gpu_an_entry_on_a_device_is_checked_by_its_identity(daemon) -> None:
     assert [e["key"] for e in daemon.request("ls")["entries"]] == [entry["key"]], "the entry stays"
 
 
+def test_a_kernel_that_simulates_no_gpu_places_nothing_on_the_daemon_s_simulated_ones(
+        fake_gpus: None, tiny_llama: Path, overmind_home: Path, monkeypatch: pytest.MonkeyPatch, shell) -> None:
+    """A daemon started with OVERMIND_FAKE_GPUS, this kernel without it: `device_map="cuda:0"` ends as the
+    plain load does (torch's error without CUDA, the model on the real device with it), on a miss and on a
+    hit, with a notice that says the daemon simulates GPUs and how to restart it; it used to return the
+    model on the CPU, "placed" on a simulated device (Note [Simulated here] in units/residency.py)."""
+    from transformers import AutoModelForCausalLM
+
+    from kernel_server import Client
+
+    Client(overmind_home, role="test").close()  # the daemon starts with the test's OVERMIND_FAKE_GPUS=1x16
+    load = AutoModelForCausalLM.from_pretrained
+    shell.run_line_magic("overmind", "off")
+    plain = plain_error(lambda: load(str(tiny_llama), device_map="cuda:0")) if not torch.cuda.is_available() else None
+    shell.run_line_magic("overmind", "on")
+    monkeypatch.delenv("OVERMIND_FAKE_GPUS")  # after `%overmind on`, which writes the extension's config there
+    before = loading.calls()
+    for told in (pytest.warns(FallbackWarning, match=r"the daemon simulates GPUs \(OVERMIND_FAKE_GPUS=1x16"),
+                 warnings.catch_warnings(record=True)):
+        with told:
+            if plain is None:
+                model = load(str(tiny_llama), device_map="cuda:0")
+                assert next(model.parameters()).device == torch.device("cuda:0")
+                continue
+            with pytest.raises(type(plain)) as raised:
+                load(str(tiny_llama), device_map="cuda:0")
+        assert str(raised.value) == str(plain)
+    after = loading.calls()
+    assert (after["miss"] - before["miss"], after["hit"] - before["hit"]) == (1, 1), (before, after)
+    [fallback] = {f["reason"] for f in loading.fallbacks()}
+    assert "restart the daemon without the variable (`overmind-daemon stop`" in fallback, fallback
+    assert units.state()["devices"][0]["holders"] == [], "nothing placed on the simulated device"
+
+
 # -- f. device_map="auto" on one device ----------------------------------------------------------------
 
 def test_auto_on_one_device_places_a_model_that_fits(fake_gpus: None, tiny_llama: Path, shell) -> None:

@@ -11,9 +11,10 @@ print(units.format_state(units.state()))   # per device: capacity; each holder: 
 ```
 
 When another kernel needs units, the daemon asks idle holders, least recently used first, to release;
-their kernels move those models back to the CPU. `OVERMIND_FAKE_GPUS=2x16` (in the daemon's environment)
-simulates two devices of 16 GiB: everything is accounted for as on real devices and labelled "simulated",
-while models stay on the CPU. Importing this package imports neither torch nor CUDA (docs/design.md invariant 8).
+their kernels move those models back to the CPU. `OVERMIND_FAKE_GPUS=2x16` (in the kernel's environment,
+which the daemon it starts inherits) simulates two devices of 16 GiB: everything is accounted for as on
+real devices and labelled "simulated", while models stay on the CPU. Importing this package imports
+neither torch nor CUDA (docs/design.md invariant 8).
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 A kernel reports what it sees: simulated devices when OVERMIND_FAKE_GPUS is set (no torch import, no
 CUDA), else every visible CUDA device by its UUID, so that kernels with different CUDA_VISIBLE_DEVICES
 still share one ledger entry per physical device. The daemon answers with the devices to use; a daemon
-that simulates devices overrides what the kernel reports (see kernel_server/ledger.py).
+that simulates devices overrides what the kernel reports (see kernel_server/ledger.py), and a kernel that
+simulates none uses none of them (Note [Simulated here] in residency.py).
 """
 
 from __future__ import annotations

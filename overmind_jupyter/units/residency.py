@@ -151,6 +151,7 @@ class Residency:
         self._lock = threading.Lock()
         self._client: Client | None = None
         self._devices: list[Device] = []
+        self._daemon_only: str | None = None  # what the daemon simulates for itself alone (Note [Simulated here])
         self._by_holding: dict[int, Placement] = {}
         self._by_model: weakref.WeakKeyDictionary[Any, Placement] = weakref.WeakKeyDictionary()
         self._homes: weakref.WeakKeyDictionary[Any, _Home] = weakref.WeakKeyDictionary()
@@ -258,7 +259,7 @@ class Residency:
         with self._lock:
             if client is self._client:
                 return client, self._devices
-        devices = self._register(client)
+        devices, daemon_only = self._register(client)
         with self._lock:
             if self._client is not client:
                 for placement in list(self._by_holding.values()):
@@ -267,24 +268,46 @@ class Residency:
                 self._by_holding.clear()
                 self._client = client
                 self._devices = devices
+                self._daemon_only = daemon_only
                 client.on_push("units_release_request", self._on_release_request)
             return client, self._devices
 
-    def _register(self, client: Client) -> list[Device]:
+    # Note [Simulated here]
+    # A kernel uses simulated devices only when it simulates them itself (OVERMIND_FAKE_GPUS in its own
+    # environment). A daemon started with the variable answers every kernel's registration with its
+    # simulated devices, and a kernel without it (no CUDA, or real GPUs the daemon then ignores) used to
+    # take them: `device_map="cuda:0"` "placed" the model there and returned it on the CPU, where the plain
+    # load raises (no CUDA) or puts it on the real GPU (docs/design.md invariant 1). Such a kernel now uses
+    # no device of the ledger: a placement raises NoDeviceError, which says that the daemon simulates GPUs
+    # and how to restart it without, and a load's placement falls back to the plain move with that notice
+    # (placement.place), which raises torch's error or moves the model to the real device, as without us.
+    def _register(self, client: Client) -> tuple[list[Device], str | None]:
+        """The devices this kernel may use, and the daemon's OVERMIND_FAKE_GPUS when the daemon simulates
+        devices that this kernel does not (then none: Note [Simulated here])."""
+        mine = local_devices()
         try:
-            reply = client.request(Op.UNITS_REGISTER, devices=local_devices(), timeout=30)
+            reply = client.request(Op.UNITS_REGISTER, devices=mine, timeout=30)
         except RemoteError as exc:
             raise _units_error(exc) from None
         except DaemonError as exc:
             raise UnitsError(f"cannot reach the units ledger: {exc}") from exc
+        if reply["simulated"] and not any(d["simulated"] for d in mine):
+            return [], str(reply["fake_gpus"])
         return [Device(d["id"], d["name"], d["simulated"], d["capacity"], d["model"])
-                for d in reply["devices"]]
+                for d in reply["devices"]], None
 
     def _resolve(self, device: Any, devices: list[Device]) -> list[Device]:
+        if not devices and self._daemon_only is not None:
+            spec = self._daemon_only
+            raise NoDeviceError(f"the daemon simulates GPUs (OVERMIND_FAKE_GPUS={spec} in its environment) and "
+                                "this kernel does not, so it places no model on them: "
+                                "restart the daemon without the variable (`overmind-daemon stop`; the next "
+                                f"load starts one with this kernel's settings), or set OVERMIND_FAKE_GPUS={spec} "
+                                "in this kernel too to try units on simulated devices")
         if not devices:
             raise NoDeviceError("no GPU is visible in this kernel and the daemon simulates none; to try "
-                                "units without a GPU, start the daemon with OVERMIND_FAKE_GPUS=2x16 in its "
-                                "environment (`overmind-daemon stop` first)")
+                                "units without a GPU, start the kernel with OVERMIND_FAKE_GPUS=2x16 in its "
+                                "environment (the daemon it starts inherits it: `overmind-daemon stop` first)")
         if device is None:
             return devices
         name = f"cuda:{device}" if isinstance(device, int) and not isinstance(device, bool) else str(device)
