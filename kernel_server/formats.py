@@ -110,8 +110,14 @@ def saved_text(sums: TimeSaved) -> str:
     saved yet (the caching cost 9 ms more than the hits saved): 3 hits took ..."; while the hits took longer
     than the loads they replaced (a hit in a fresh process imports the model's code first), "none saved yet
     (the hits took longer than the loads they replaced): 1 hit took 3.3 s instead of 33 ms, plus 36 ms of
-    caching in 2 misses"."""
+    caching in 2 misses". Before the first hit, only what is true then: "none saved yet: no hit yet, and the
+    caching cost 24 ms in 1 miss" ("none saved yet: no load through the cache yet" before the first miss)."""
     hits, misses, saved = sums["hits"], sums["misses"], saved_seconds(sums)
+    if not hits:  # no "0 hits took 0 ms instead of 0 ms": nothing was compared yet
+        if not misses:
+            return "none saved yet: no load through the cache yet"
+        return (f"none saved yet: no hit yet, and the caching cost {seconds_text(sums['cache_s'])} in {misses} "
+                f"miss{'' if misses == 1 else 'es'}")
     slower = _lost(sums["plain_s"] - sums["hit_s"])  # then the caching adds to what the hits lost
     if slower:
         head = "none saved yet (the hits took longer than the loads they replaced)"
