@@ -105,7 +105,11 @@ def status() -> dict[str, Any]:
 
 def evict(key: str | None = None) -> list[str]:
     """Evict the entry `key` (or a unique prefix of it), or every entry when `key` is None. Kernels
-    that use an evicted model keep it; the memory goes with the last of them. Returns evicted keys."""
+    that use an evicted model keep it; the memory goes with the last of them. Returns evicted keys.
+
+    Raises:
+        ValueError: `key` is empty or longer than a key, or TypeError: it is not a string.
+    """
     return list(evict_reply(key)["evicted"])
 
 
@@ -115,9 +119,24 @@ def evict_reply(key: str | None = None) -> dict[str, Any]:
     as `%overmind evict` prints it."""
     from kernel_server.client import shared_client
 
+    if key is not None:
+        _check_key(key)
     client = shared_client(spawn=False)
     reply = client.request(Op.EVICT, all=True) if key is None else client.request(Op.EVICT, key=key)
     return dict(reply.payload)
+
+
+def _check_key(key: object) -> None:
+    """Refuse, with what to pass instead, a key no entry can have: an empty one would otherwise reach the
+    daemon as a bad request, and be read by no one as "every entry"."""
+    from kernel_server.payloads import MAX_KEY
+
+    what = ("pass the key of an entry or a unique prefix of it, as `%overmind status` and `overmind-daemon ls` "
+            "list them, or no key at all (`evict()`) to evict every entry")
+    if not isinstance(key, str):
+        raise TypeError(f"evict takes a key as a string, not {type(key).__name__}: {what}")
+    if not 1 <= len(key) <= MAX_KEY:
+        raise ValueError(f"evict got {'an empty key' if not key else f'a key of {len(key)} characters'}: {what}")
 
 
 def _patched_text(s: dict[str, Any]) -> str:

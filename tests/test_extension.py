@@ -538,6 +538,14 @@ def test_evict_magic_names_what_it_evicted(shell, tiny_llama: Path, overmind_hom
     line = f"  {entry['key'][:12]}  {entry['meta']['label']}  {byte_text(entry['bytes'])}"
     assert said == f"evicted 1 entry ({byte_text(entry['bytes'])}):\n{line}\n", said
     assert "tiny" in entry["meta"]["label"] or "Llama" in entry["meta"]["label"], entry["meta"]
+    import overmind_jupyter
+
+    what = "pass the key of an entry or a unique prefix of it, as `%overmind status` and `overmind-daemon ls` list them"
+    for key, error, said in (("", ValueError, "evict got an empty key: "), ("k" * 300, ValueError, "of 300 characters"),
+                             (b"abc", TypeError, "evict takes a key as a string, not bytes")):
+        with pytest.raises(error, match=re.escape(said)) as raised:
+            overmind_jupyter.evict(key)  # type: ignore[arg-type]
+        assert what in str(raised.value) and "no key at all (`evict()`) to evict every entry" in str(raised.value)
     shell.run_line_magic("overmind", "evict --all")
     assert capsys.readouterr().out == "evicted 0 entries\n", "nothing left to evict, and it says so"
 
