@@ -178,7 +178,7 @@ def publish(client: Client, key: str, label: str, meta: dict[str, Any], packed: 
                 kind = _REFUSALS.get(exc.code, "publish") if isinstance(exc, RemoteError) else "publish"
                 said = f"{exc}; {descriptors.short_here(exc)}" if descriptors.exhausted(exc) else str(exc)
                 if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT) and on_disk:
-                    kind, said = "budget", (
+                    said = (
                         f"no room on the disk for its arena: writing to {arena.arena_directory(client.home)} "
                         f"failed ({exc.strerror}); free disk space there, or put the arenas elsewhere "
                         "(OVERMIND_ARENA_DIR) and restart the daemon (`overmind-daemon stop`)")
