@@ -12,6 +12,15 @@ pages in 0.16 s of a core, right as the loading kernel ran its first forward (1.
 call and first forward 0.50 s after a miss, against plain's 0.31 s). With the daemon out of
 descriptors, an entry is put back in the queue for later (Note [Descriptor budget] in descriptors.py);
 it stays servable from its files meanwhile.
+
+# Note [A dropped entry's copy stops]
+An entry can leave the store while the compactor copies it: evicted (`evict --all` to free the disk), stale,
+orphaned. Its copy is then worth nothing, and it held what the user had just freed: a 229 MiB copy waiting
+for an idle core before each chunk held its unwritten room on the disk, and the arena files it had read
+and written, for 30 s after `evict --all`, and a load in that time was refused for want of disk with no
+entry left. So the store, as it drops the entry, sets its job's `dropped` and gives the copy's unwritten
+room back at once (Note [Disk room] in disk.py); the copy stops before its next chunk, or within 0.1 s of
+its wait for an idle core, and closes its new arena and its descriptors, which frees the blocks it wrote.
 """
 
 from __future__ import annotations
@@ -114,6 +123,8 @@ class Compactor:
             try:
                 fd = self._compact(job)
             except InterruptedError:
+                if job.dropped.is_set():
+                    log.info("stopped compacting %s: it left the cache", key[:12])
                 fd = None
             except (OSError, ValueError) as exc:
                 if isinstance(exc, OSError) and descriptors.exhausted(exc):
@@ -138,9 +149,9 @@ class Compactor:
         timer.daemon = True
         timer.start()
 
-    def _wait_for_an_idle_core(self) -> None:
+    def _wait_for_an_idle_core(self, job: CompactionJob) -> None:
         deadline = time.monotonic() + self.patience
-        while time.monotonic() < deadline and not self._stop.is_set():
+        while time.monotonic() < deadline and not self._stop.is_set() and not job.dropped.is_set():
             if idle_cores() >= 0.8:
                 return
 
@@ -165,10 +176,12 @@ class Compactor:
                     for fd, src, dst, length in copies:
                         for at in range(0, length, _CHUNK):
                             if allowance <= 0:
-                                self._wait_for_an_idle_core()
+                                self._wait_for_an_idle_core(job)
                                 allowance = _CHUNK
                             if self._stop.is_set():
                                 raise InterruptedError("the daemon is stopping")
+                            if job.dropped.is_set():  # Note [A dropped entry's copy stops]
+                                raise InterruptedError("the entry left the cache")
                             n = min(_CHUNK, length - at)
                             # a chunk's pages allocated at a time, after the wait: ENOSPC here, not a
                             # SIGBUS at the write; and a large arena's pages are not zeroed all at once

@@ -25,8 +25,9 @@ publishes, so the free space still looked untouched to the misses after it: seve
 check before any was compacted, the copies then left 10.7 MiB of a 60 MiB reserve free, and the periodic
 look evicted other entries to make up. So a compaction starts only where its whole arena fits as a new
 arena would (`Store.compaction_job`), and what it has not written yet counts against the free space like
-a load in flight's reservation until it ends, so that a load and a copy never both count on the same
-room. It evicts nothing: an entry that does not fit stays servable from its checkpoint files (hits map
+a load in flight's reservation until it ends or its entry leaves the store (evicted, stale: the copy then
+stops, Note [A dropped entry's copy stops] in compaction.py), so that a load and a copy never both count on
+the same room. It evicts nothing: an entry that does not fit stays servable from its checkpoint files (hits map
 them), and the daemon log says so once for that entry. Every few seconds, after looking at the reserve,
 the daemon hands the skipped entries that fit by then back to the compactor, oldest first, as many as fit
 together: an eviction, the end of a load or a copy, or the user's own files deleted make the room, and no

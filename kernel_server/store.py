@@ -137,7 +137,9 @@ class LookupResult:
 
 @dataclass
 class CompactionJob:
-    """What the compactor needs of one entry, with descriptors of its own (closed by `close`)."""
+    """What the compactor needs of one entry, with descriptors of its own (closed by `close`). `dropped` is
+    set once the entry leaves the store (evicted, stale, orphaned): the copy stops at its next chunk (Note
+    [A dropped entry's copy stops] in compaction.py)."""
 
     key: str
     entry: Entry
@@ -147,6 +149,7 @@ class CompactionJob:
     pieces: list[list[int]]
     sources: list[arena.SourceFile]
     parts: list[arena.Part] = field(default_factory=list)
+    dropped: threading.Event = field(default_factory=threading.Event)
 
     def close(self) -> None:
         for fd in [self.arena_fd, *(p.fd for p in self.parts), *(s.fd for s in self.sources)]:
@@ -194,6 +197,8 @@ class Store:
         # The daemon keeps its count of connections current (Note [Descriptor budget]).
         self.descriptors = descriptors.DescriptorBudget.of_process()
         self.compacting = True  # whether the daemon's compactor copies entries' pieces (OVERMIND_COMPACT)
+        # the compaction in flight (Note [A dropped entry's copy stops] in compaction.py)
+        self._compaction: CompactionJob | None = None
         self._compaction_unwritten = 0  # bytes the compaction in flight has yet to take of the disk (Note [Disk room])
         self._short_of_disk: dict[str, bool] = {}  # entries whose compaction found no room on the disk: whether
         # handed back to the compactor since (`compactions_due`)
@@ -443,14 +448,15 @@ class Store:
             parts = [arena.Part(fd, p.offset, p.nbytes) for p, fd in zip(entry.parts, fds[1:1 + n], strict=True)]
             sources = [arena.SourceFile(fd, dict(s.identity), s.path)
                        for s, fd in zip(entry.sources, fds[1 + n:], strict=True)]
-            return CompactionJob(key, entry, fds[0], entry.arena_bytes, entry.backing,
-                                 [list(p) for p in entry.pieces], sources, parts)
+            self._compaction = CompactionJob(key, entry, fds[0], entry.arena_bytes, entry.backing,
+                                             [list(p) for p in entry.pieces], sources, parts)
+            return self._compaction
 
     def compaction_progress(self, job: CompactionJob, done: int) -> None:
         with self._locked():
             if job.entry.compaction is not None:
                 job.entry.compaction["done"] = done
-            if self._compaction_unwritten:
+            if self._compaction_unwritten and not job.dropped.is_set():
                 self._compaction_unwritten = job.arena_bytes - done  # each chunk is allocated as it is copied
 
     def compaction_finish(self, job: CompactionJob, arena_fd: int | None) -> bool:
@@ -459,6 +465,8 @@ class Store:
         gone, stale or changed."""
         with self._locked():
             self._compaction_unwritten = 0
+            if self._compaction is job:
+                self._compaction = None
             entry = self._entries.get(job.key)
             current = entry is job.entry and entry is not None and self._intact(entry)
             if entry is job.entry and entry is not None:
@@ -733,6 +741,10 @@ class Store:
             # what its arena's blocks take: not the pieces still in their checkpoint (Note [Disk room] in disk.py)
             self._dropped_disk += entry.arena_bytes - entry.pending_bytes if entry.backing == "file" else 0
             self._short_of_disk.pop(k, None)
+            job = self._compaction
+            if job is not None and job.entry is entry and not job.dropped.is_set():
+                job.dropped.set()  # Note [A dropped entry's copy stops] in compaction.py
+                self._compaction_unwritten = 0
             dropped.append(k)
         return dropped
 

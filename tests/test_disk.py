@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -240,5 +241,49 @@ def test_an_entry_served_from_its_checkpoint_frees_only_what_its_arena_holds_whe
                 client.request("reserve", key="new", bytes=12 << 20, backing="file")
         assert free(small_disk) >= RESERVE
     finally:
+        for fd in (graph.fd, data.fd, source):
+            os.close(fd)
+
+
+def test_evicting_an_entry_stops_its_copy_and_gives_its_room_back(
+        disk_env: dict[str, str], small_disk: Path, overmind_home: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An entry evicted while the compactor copies it gives back at once the room its copy had yet to write,
+    and the copy stops (Note [A dropped entry's copy stops] in kernel_server/compaction.py): a load that
+    needs that room is let in with no entry left, not refused until the copy ends. Every core is kept busy
+    so that the copy waits for an idle one (up to 2 s before each chunk) while the test evicts its entry."""
+    for name in ("OVERMIND_ARENA", "OVERMIND_ARENA_DIR", "OVERMIND_DISK_RESERVE"):
+        monkeypatch.setenv(name, disk_env[name])
+    nbytes = 36 << 20  # two chunks of the copy; the disk has 40 MiB above its reserve
+    source_path = tmp_path / "model.safetensors"
+    source_path.write_bytes(b"\1" * nbytes)
+    source = os.open(source_path, os.O_RDONLY)
+    graph, data = arena.ArenaWriter(16), arena.ArenaWriter(nbytes, backing="file", directory=small_disk)
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+    try:
+        with Client(overmind_home, role="test") as client:
+            assert client.request("lookup", key="copied", wait=False)["status"] == "load"
+            client.request("reserve", key="copied", bytes=nbytes + 16, descriptors=3)
+            client.request("publish", key="copied", fds=[graph.seal(), data.seal(), source], graph_bytes=16,
+                           arena_bytes=nbytes, meta={"label": "copied"}, pieces=[[0, nbytes, 0, 0]],
+                           sources=[{"path": str(source_path), **arena.file_identity(os.fstat(source))}])
+            def copying() -> dict[str, Any] | None:
+                pending = client.request("status")["entries"][0]["pending"]
+                return pending if pending["copying"] else None
+
+            pending = wait_until(copying, 10, "the copy started")
+            assert pending["done"] == 0, pending  # waiting for an idle core
+            client.request("evict", all=True)
+            assert client.request("lookup", key="new", wait=False)["status"] == "load"
+            client.request("reserve", key="new", bytes=30 << 20, backing="file")  # the copy's 36 MiB are free again
+            for p in busy:
+                p.kill()
+            wait_until(lambda: "stopped compacting" in daemon_log(overmind_home), 5, "the copy stopped")
+            assert client.request("status")["stats"].get("compacted") is None
+        assert free(small_disk) >= SIZE - (1 << 20)
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
         for fd in (graph.fd, data.fd, source):
             os.close(fd)
