@@ -165,15 +165,21 @@ class CompactionJob:
 # derives `cache_s` as their difference, so that the parts always add up to the whole. A publish without
 # times (an older kernel's) is timed by the daemon: from the lookup that made the connection the loader
 # to its first reserve (sent once the load returned) as `load_s`, and to the publish as `waited_s`.
-# Each hit goes into `hits_log` (bounded) with its entry's three figures; the hit's own wait (`hit_s`,
-# the whole call as the kernel timed it) comes later, never on the hit's path: a `hits` report (fire and
-# forget) fills it in. What the cache saved, honestly:
+# Each hit is logged with its entry's three figures; the hit's own wait (`hit_s`, the whole call as the
+# kernel timed it) comes later, never on the hit's path: a `hits` report (fire and forget) fills it in.
+# The hit waits for it in `_untimed`, by kernel and key, whatever came since: a kernel reports its hits
+# after a cell, a miss, a status read, its end, or every few hundred hits (Note [Hit times] in
+# overmind_jupyter/progress.py), and every hit it reports counts (300 hits in a loop once counted 200,
+# the length of the log they were matched against). `_untimed` forgets its oldest hits past UNTIMED_HITS
+# only: those of kernels that ended without reporting them. `hits_log` shows the last HITS_LOG hits,
+# timed or not yet. What the cache saved, honestly:
 #     saved = sum over timed hits of (load_s of its entry - hit_s)  -  sum over misses of cache_s
 # each hit saves the plain load it replaced less its own wait, and every miss published since the daemon
 # started added its caching to what its user waited, whether or not its entry was ever hit. `time_saved`
 # in status keeps these sums over the daemon's life (`hits_log` holds only the recent hits);
 # overmind_jupyter/view.py words them for every view.
 HITS_LOG = 200
+UNTIMED_HITS = 10_000
 
 # Note [Progress]
 # Every long operation reports progress in one shape, `{label, done, total, unit, eta_s}`: a load in
@@ -193,6 +199,8 @@ class Store:
         self._loads: dict[str, _Load] = {}
         self.stats = Counter[str]()
         self.hits_log: deque[LoggedHit] = deque(maxlen=HITS_LOG)  # Note [Load time saved]
+        self._untimed: dict[tuple[int, str], deque[LoggedHit]] = {}  # the hits not timed yet (the same Note),
+        self._untimed_n = 0  # by (pid, key), oldest first, and how many
         self.time_saved = TimeSaved(misses=0, cache_s=0.0, hits=0, plain_s=0.0, hit_s=0.0)  # the same Note
         # The daemon keeps its count of connections current (Note [Descriptor budget]).
         self.descriptors = descriptors.DescriptorBudget.of_process()
@@ -405,17 +413,21 @@ class Store:
             return True
 
     def report_hits(self, pid: int, hits: list[tuple[str, float, float]]) -> None:
-        """A kernel's hit times, `(key, when, hit_s)` each, filled into the hits it made (Note [Load time
-        saved]); a hit that fell out of the log meanwhile is skipped."""
+        """A kernel's hit times, `(key, when, hit_s)` each, filled into the hits it made, oldest first
+        (Note [Load time saved]); a time that matches no untimed hit of that kernel is skipped."""
         with self._locked():
             for key, when, hit_s in hits:
-                for h in reversed(self.hits_log):
-                    if h["key"] == key and h["pid"] == pid and h["hit_s"] is None and h["t"] <= when + 1:
-                        h["hit_s"] = hit_s
-                        self.time_saved["hits"] += 1
-                        self.time_saved["plain_s"] += h["load_s"]
-                        self.time_saved["hit_s"] += hit_s
-                        break
+                untimed = self._untimed.get((pid, key))
+                if not untimed or untimed[0]["t"] > when + 1:
+                    continue
+                h = untimed.popleft()
+                self._untimed_n -= 1
+                if not untimed:
+                    del self._untimed[pid, key]
+                h["hit_s"] = hit_s
+                self.time_saved["hits"] += 1
+                self.time_saved["plain_s"] += h["load_s"]
+                self.time_saved["hit_s"] += hit_s
 
     # -- compaction (Note [Pending pieces]) ---------------------------------------------------------
 
@@ -577,7 +589,16 @@ class Store:
             return
         self.stats["hits"] += 1
         label = str(entry.meta.get("label") or "")[:LABEL_CHARS]  # Note [Status with many entries] in catalogue.py
-        self.hits_log.append(LoggedHit(t=time.time(), key=entry.key, label=label, pid=pid, hit_s=None, **entry.times))
+        hit = LoggedHit(t=time.time(), key=entry.key, label=label, pid=pid, hit_s=None, **entry.times)
+        self.hits_log.append(hit)
+        self._untimed.setdefault((pid, entry.key), deque()).append(hit)  # Note [Load time saved]
+        self._untimed_n += 1
+        if self._untimed_n > UNTIMED_HITS:  # the oldest first: a kernel that ended without reporting it
+            oldest = next(iter(self._untimed))
+            self._untimed[oldest].popleft()
+            self._untimed_n -= 1
+            if not self._untimed[oldest]:
+                del self._untimed[oldest]
 
     def _owned_load(self, conn: ConnId, key: str) -> _Load:
         load = self._loads.get(key)

@@ -216,7 +216,7 @@ def _hit(client: Client, ck: keys.CallKey, reply: Response[LookupReply], replay:
     __tracebackhide__ = True  # Note [Our frames hidden]
     try:
         obj = _from_hit(client, ck, reply, replay, reuse, device)
-        progress.hit(ck.key, time.perf_counter() - started)
+        progress.hit(ck.key, time.perf_counter() - started, client)
         return obj
     except CorruptEntry as exc:
         _evict_quietly(client, ck.key)

@@ -19,7 +19,10 @@ failure to report is ignored: progress never fails a load.
 The daemon logs each hit with the plain load time it saved (Note [Load time saved] in
 kernel_server/store.py); the hit's own time, the whole wait of the call from its start to its return, is
 measured here and sent later, never on the hit's path: it waits in `_hit_times` until the next request
-that can carry it without a round trip of its own (a status read, a miss, the end of the process).
+that can carry it without a round trip of its own (a status read, a miss, the end of a cell or of the
+process), or until SEND_HITS hits wait (a loop of hits in one cell or script), which the hit that makes
+them so many sends without waiting for the answer. So none is pushed out of `_hit_times` (2,000 hits in
+one script once reported only its last 1,000), and the daemon counts every hit it gets a time for.
 
 # Note [Miss times]
 A miss's cost is timed from the same start as a hit's: the call's start. `MissClock` takes the load
@@ -54,7 +57,8 @@ __all__ = ["REPORT_S", "MissClock", "Reporter", "flush_hit_times", "hit", "loadi
 
 REPORT_S = 0.25  # at most one progress report per load this often
 QUEUED_S = 0.5  # a lookup that took this long waited for another load (an answer takes milliseconds)
-_MAX_HITS = 1000
+_MAX_HITS = 1000  # hit times kept unsent at most: the most a `hits` report carries
+SEND_HITS = 250  # hit times waiting that a hit sends at once (Note [Hit times])
 
 _hit_times: collections.deque[dict[str, Any]] = collections.deque(maxlen=_MAX_HITS)
 _current = threading.local()  # the Reporter of the miss this thread loads
@@ -231,9 +235,12 @@ def tell_miss(label: str, times: MissTimes, queued_s: float = 0.0) -> None:
 
 # -- hit times (Note [Hit times]) --------------------------------------------------------------------------
 
-def hit(key: str, seconds: float) -> None:
-    """Remember that a hit of `key` took `seconds` (sent later by `flush_hit_times`)."""
+def hit(key: str, seconds: float, client: Any = None) -> None:
+    """Remember that a hit of `key` took `seconds` (sent later by `flush_hit_times`, at once through `client`
+    once SEND_HITS wait: Note [Hit times])."""
     _hit_times.append({"key": key, "t": time.time(), "hit_s": seconds})
+    if len(_hit_times) >= SEND_HITS:
+        flush_hit_times(client)
 
 
 def flush_hit_times(client: Any = None) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from kernel_server import Client
+from kernel_server.store import HITS_LOG
 
 LOAD = """
 import overmind_jupyter, torch
@@ -182,3 +183,22 @@ def test_a_load_over_within_a_report_interval_reports_nothing(daemon: Client) ->
     reporter.report("Loading weights", 10, 10, force=True)
     assert shown()["done"] == 10, "the bar's end, reported at once after a first report"
     daemon.request("abandon", key=key)
+
+
+def test_every_hit_of_a_long_loop_counts_in_the_time_saved(daemon: Client) -> None:
+    """Note [Hit times] in overmind_jupyter/progress.py, Note [Load time saved] in kernel_server/store.py: a
+    script that hits one entry more often than the daemon's hits log holds, and more often than the kernel
+    keeps unsent hit times, with no cell, miss or status read between, gets every hit's time counted."""
+    n = 1100
+    run_snippet(f"""
+        from overmind_jupyter import loading
+        from tests.helpers import tiny_modules
+        for _ in range({n} + 1):  # a miss, then the hits
+            loading.cached(tiny_modules.build, "mlp", 1, width=8, depth=1)
+        assert loading.calls() == {{"miss": 1, "hit": {n}}}, loading.calls()
+    """)
+    deadline = time.monotonic() + 10
+    while (status := daemon.request("status").payload)["time_saved"]["hits"] < n and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert status["stats"]["hits"] == status["time_saved"]["hits"] == n, (status["stats"], status["time_saved"])
+    assert len(status["hits_log"]) == HITS_LOG and all(h["hit_s"] is not None for h in status["hits_log"])
