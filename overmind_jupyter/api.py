@@ -6,6 +6,7 @@ The IPython side (the magic, the event callback) is overmind_jupyter/extension.p
 
 from __future__ import annotations
 
+import sys
 import threading
 import warnings
 from typing import Any
@@ -82,9 +83,13 @@ def status() -> dict[str, Any]:
     from kernel_server import lifecycle
     from kernel_server.client import shared_client
 
-    from . import loading, patching, progress
+    from . import loading, patching, progress, results
     from .warm import warmup
 
+    unmapped = sys.modules.get(f"{__package__}.mappings")  # (imported by the first hit or miss)
+    if unmapped is not None:  # the unpins of mappings whose cleanup a Ctrl-C delayed, first (Note
+        unmapped.finish_unmapped()  # [Cleanup that Ctrl-C cannot cut short] in mappings.py)
+    results.send_unpins()
     out: dict[str, Any] = {
         "enabled": _enabled,
         "patched": patching.patched(),

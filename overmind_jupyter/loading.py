@@ -100,6 +100,9 @@ def flush_warnings() -> None:
     """Emit the warnings of loads in other threads, and import what a hit imports once torch is imported
     (called at each load and after each cell)."""
     notices.emit_deferred()
+    unmapped = sys.modules.get(f"{__package__}.mappings")  # (imported by the first hit or miss)
+    if unmapped is not None:
+        unmapped.finish_unmapped()  # Note [Cleanup that Ctrl-C cannot cut short] in mappings.py
     results.send_unpins()  # those waiting for no helper thread (Note [Helper threads] in threads.py)
     hit_tuning.prepare()  # Note [Imports ahead of the hit] in hit_tuning.py
 

@@ -22,7 +22,7 @@ from kernel_server.operations import Op
 
 from .errors import FallbackWarning, OvermindWarning
 
-__all__ = ["calls", "clear_fallbacks", "count", "emit_deferred", "fall_back", "fallbacks", "tell_once"]
+__all__ = ["calls", "clear_fallbacks", "count", "emit_deferred", "fall_back", "fallbacks", "tell", "tell_once"]
 
 _fallbacks: collections.deque[dict[str, Any]] = collections.deque(maxlen=200)
 # (kind, the call's label, reason): a call falling back for a reason not told of it yet is told. A load's
@@ -75,6 +75,11 @@ def tell_once(topic: str, message: str) -> None:
     if ("notice", topic) in _told:
         return
     _told.add(("notice", topic))
+    _warn(message, OvermindWarning)
+
+
+def tell(message: str) -> None:
+    """A notice that is no fallback, each time."""
     _warn(message, OvermindWarning)
 
 

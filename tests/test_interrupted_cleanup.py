@@ -1,0 +1,136 @@
+"""A Ctrl-C that lands in the cleanup of a cached model's mappings, as the model is freed, cuts none of it
+short: the entry is unpinned and the descriptors closed, at once or by the next sweep, and the Ctrl-C is
+raised or warned of (Note [Cleanup that Ctrl-C cannot cut short] in overmind_jupyter/mappings.py).
+
+The Ctrl-C is a real SIGINT raised in the process by Python's own machinery, timed by no clock: a weak
+reference whose callback is `_thread.interrupt_main`, made after ours, is called first when its object dies
+(the callbacks of an object's weak references run newest first), so the interrupt is pending as our
+finalizer starts, and Python raises it at the finalizer's first instruction.
+"""
+
+from __future__ import annotations
+
+import _thread
+import gc
+import json
+import mmap
+import os
+import signal
+import sys
+import warnings
+import weakref
+from pathlib import Path
+
+import pytest
+
+from overmind_jupyter import mappings
+from overmind_jupyter.errors import OvermindWarning
+from tests.helpers.snippets import last_json, run_py
+
+
+class _Interrupting(weakref.ref):  # type: ignore[type-arg]
+    """A weak reference whose callback `_thread.interrupt_main` takes it for SIGINT's number: called
+    from C with no Python frame of its own, it leaves the interrupt pending for the next callback."""
+
+    __slots__ = ()
+
+    def __index__(self) -> int:
+        return int(signal.SIGINT)
+
+
+# A kernel's cell: a hit of a tiny model (the entry published by an earlier process), then the model let
+# go of with a Ctrl-C pending as its mapping's finalizer starts. Python prints the interrupt as ignored
+# in the finalizer; the next call (here `status`) finishes what it left. The last line is JSON.
+FREED_UNDER_CTRL_C = """
+    import _thread, gc, json, os, signal, sys, weakref
+    import overmind_jupyter
+    from kernel_server.client import shared_client
+    from overmind_jupyter import loading, mappings
+    from tests.helpers import tiny_modules
+    from tests.test_interrupted_cleanup import _Interrupting
+
+    client = shared_client()
+    def pinned():
+        return [e["key"] for e in client.request("status")["entries"]
+                if any(p["conn"] == client.conn_id for p in e["pinned_by"])]
+
+    model = loading.cached(tiny_modules.build, "mlp", width=64)  # warms up what a load opens
+    del model
+    gc.collect()
+    loading.flush_warnings()
+    fds = len(os.listdir("/proc/self/fd"))
+    model = loading.cached(tiny_modules.build, "mlp", width=64)
+    held = pinned()
+    mapped = [ref() for records in mappings._by_key.values() for ref, *_ in records]
+    interrupting = [_Interrupting(m, _thread.interrupt_main) for m in mapped if m is not None]
+    del mapped
+    ignored = []
+    sys.unraisablehook = lambda u: ignored.append(type(u.exc_value).__name__)
+    del model  # the Ctrl-C lands in the finalizer, which Python reports and goes on from
+    gc.collect()
+    sys.unraisablehook = sys.__unraisablehook__
+    overmind_jupyter.status()
+    print(json.dumps({"calls": loading.calls(), "held": held, "ignored": ignored, "fds": fds,
+                      "fds_after": len(os.listdir("/proc/self/fd")), "interrupting": len(interrupting)}))
+    sys.stdout.flush()
+    import time
+    deadline = time.monotonic() + 10
+    while pinned() and time.monotonic() < deadline:  # the unpin goes by the unpinner thread
+        time.sleep(0.05)
+    print(json.dumps({"pinned": pinned()}))
+"""
+
+
+def test_a_model_freed_as_ctrl_c_lands_is_unpinned_and_its_descriptors_closed(daemon: Path) -> None:
+    """The hit's arena mapping dies with a Ctrl-C pending as its finalizer starts: the interrupt is
+    reported as ignored there (the finalizer did nothing), and `status`, the next call, finishes the
+    cleanup: the descriptors the hit opened are closed and the entry is no longer pinned by the kernel,
+    so eviction for the budget can free it."""
+    env = dict(os.environ, OVERMIND_POPULATE="0")  # the mapping dies on the main thread, with the model
+    run_py("""
+        from overmind_jupyter import loading
+        from tests.helpers import tiny_modules
+        loading.cached(tiny_modules.build, "mlp", width=64)
+    """, env=env)
+    proc = run_py(FREED_UNDER_CTRL_C, env=env)
+    first, last = json.loads(proc.stdout.strip().splitlines()[-2]), last_json(proc)
+    assert first["calls"] == {"hit": 2}, (first, proc.stderr)
+    assert first["held"] and first["interrupting"] == 1, first
+    assert first["ignored"] == ["KeyboardInterrupt"], "the Ctrl-C landed in the finalizer"
+    assert first["fds_after"] == first["fds"], (first, "the arena's descriptor closed")
+    assert last["pinned"] == [], "the entry unpinned"
+
+
+def test_a_ctrl_c_during_the_cleanup_waits_for_its_end_and_is_warned_of(tmp_path: Path) -> None:
+    """A Ctrl-C that comes while a mapping's cleanup runs (here: as what it kept is let go of, in its
+    middle) is held until the cleanup is done: the pin released, the descriptor closed, the registry
+    emptied; and since a finalizer cannot raise it to the cell, it is warned of."""
+    released: list[str] = []
+    pin = mappings.Pin("an-entry", released.append)
+    m = mmap.mmap(-1, mmap.PAGESIZE)
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+
+    class Kept:
+        pass
+
+    kept = Kept()
+    interrupting = _Interrupting(kept, _thread.interrupt_main)
+    mappings.register(m, "an-entry", pin, arena_file=mappings.ArenaFile(fd, True), keep=[kept])
+    del kept
+    ignored: list[str] = []
+    hook = sys.unraisablehook
+    sys.unraisablehook = lambda u: ignored.append(type(u.exc_value).__name__)
+    try:
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            del m
+            gc.collect()
+    finally:
+        sys.unraisablehook = hook
+    assert interrupting() is None
+    assert released == ["an-entry"], "the pin released"
+    assert "an-entry" not in mappings._by_key
+    with pytest.raises(OSError):
+        os.fstat(fd)
+    assert ignored == [], "no exception left the finalizer"
+    assert [(w.category, "Interrupt again" in str(w.message)) for w in warned] == [(OvermindWarning, True)]
