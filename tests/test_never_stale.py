@@ -479,6 +479,141 @@ def test_a_module_edited_two_imports_below_the_models_class_is_a_miss(overmind_h
     assert [(g["layers"], g["calls"]) for g in got] == [(1, {"miss": 1}), (2, {"miss": 1})]
 
 
+# A kernel with a module of blocks beside the notebook, whose function builds a `Block`. {edit}: the module is
+# rewritten after its import and not reloaded, as by a user who forgets to. What the cached and the plain call
+# build, and how the cached one went.
+STALE = """
+    import json, os, sys, torch
+    sys.path.insert(0, os.getcwd())
+    from overmind_jupyter import loading
+    from stale_blocks import Block
+    if {edit}:
+        with open("stale_blocks.py", "w") as f:
+            f.write({blocks!r}.format(width=16))
+
+    def build():
+        return Block(4)
+
+    torch.manual_seed(0)
+    cached = loading.cached(build)
+    torch.manual_seed(0)
+    plain = build()
+    print(json.dumps({{"cached": [cached.width, list(cached.proj.weight.shape)],
+                       "plain": [plain.width, list(plain.proj.weight.shape)],
+                       "same": all(torch.equal(a, b) for a, b in zip(cached.parameters(), plain.parameters())),
+                       "calls": loading.calls()}}))
+"""
+BLOCKS = """import torch
+
+
+class Block(torch.nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.width = {width}
+        self.proj = torch.nn.Linear(n, {width})
+"""
+
+
+def test_a_module_edited_but_not_reloaded_is_keyed_by_the_code_the_kernel_runs(overmind_home: Path,
+                                                                                tmp_path: Path) -> None:
+    """Note [The user's modules a module imports] in keys.py: a kernel that imported stale_blocks.py before it
+    was edited builds the old `Block`, and stores that; a kernel that imports the edited file builds the new
+    one, and must not get the other's entry (it did: both keys named the file as it is on disk)."""
+    (tmp_path / "stale_blocks.py").write_text(BLOCKS.format(width=8))
+    got = [last_json(run_py(STALE.format(edit=edit, blocks=BLOCKS), cwd=tmp_path))
+           for edit in (True, False)]  # the old Block in memory, the file edited; then the new one imported
+    assert got == [{"cached": [8, [8, 4]], "plain": [8, [8, 4]], "same": True, "calls": {"miss": 1}},
+                   {"cached": [16, [16, 4]], "plain": [16, [16, 4]], "same": True, "calls": {"miss": 1}}]
+
+
+# A notebook's cell: a model class whose `__init__` builds a `Block` of a module beside the notebook.
+EXTENDED = """
+from transformers import LlamaForCausalLM
+{imports}
+
+
+class Extended(LlamaForCausalLM):
+    def __init__(self, config):
+        super().__init__(config)
+        self.extra = {block}(8)
+"""
+
+
+@pytest.mark.parametrize("read", ["global", "module attribute"])
+def test_a_model_class_is_keyed_by_the_module_code_in_memory_not_by_its_file(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch,
+                                                                              tiny_llama: Path, read: str) -> None:
+    """Note [The user's modules a module imports] in keys.py: a model class that builds a `Block` of a module
+    beside the notebook (read as a global, or as the module's attribute) has one key while the module in
+    memory is the old one and its file the edited one, and another once the edited file is imported: the
+    two build different models."""
+    import importlib
+
+    from overmind_jupyter import keys
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cell = EXTENDED.format(**({"imports": "from stale_layers import Block", "block": "Block"} if read == "global"
+                              else {"imports": "import stale_layers", "block": "stale_layers.Block"}))
+
+    def key() -> str:
+        notebook: dict[str, object] = {"__name__": "__main__"}
+        exec(compile(cell, "<cell>", "exec"), notebook)  # the notebook runs its cell
+        loader = notebook["Extended"].from_pretrained  # type: ignore[attr-defined]
+        return keys.make_key(loader, (str(tiny_llama),), {}).key
+
+    (tmp_path / "stale_layers.py").write_text(BLOCKS.format(width=8))
+    try:
+        module = importlib.import_module("stale_layers")
+        (tmp_path / "stale_layers.py").write_text(BLOCKS.format(width=16))  # edited, not reloaded
+        stale = key()
+        importlib.reload(module)
+        assert key() != stale
+    finally:
+        sys.modules.pop("stale_layers", None)
+
+
+def test_a_modules_logger_and_a_librarys_table_it_imports_are_keyed_by_name(tmp_path: Path, tiny_llama: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Note [What a module of the user's takes from a library] in keys.py: a class of a module beside the
+    notebook, keyed by its code, reads its logger and transformers' `ACT2FN`, neither of which has a canonical
+    form of its own; its model's load is still cached, and another table of that name is another key."""
+    import importlib
+
+    from overmind_jupyter import keys
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "act_blocks.py").write_text(textwrap.dedent("""
+        import logging
+        import torch
+        from transformers.activations import ACT2FN
+
+        logger = logging.getLogger(__name__)
+
+
+        class Gate(torch.nn.Module):
+            def __init__(self, n):
+                super().__init__()
+                self.act = ACT2FN["silu"]
+                logger.info("a gate of %d", n)
+    """))
+    try:
+        module = importlib.import_module("act_blocks")
+        cell = EXTENDED.format(imports="from act_blocks import Gate", block="Gate")
+
+        def key() -> str:
+            notebook: dict[str, object] = {"__name__": "__main__"}
+            exec(compile(cell, "<cell>", "exec"), notebook)  # the notebook runs its cell
+            loader = notebook["Extended"].from_pretrained  # type: ignore[attr-defined]
+            return keys.make_key(loader, (str(tiny_llama),), {}).key
+
+        first = key()
+        assert key() == first
+        monkeypatch.setattr(module, "ACT2FN", {"silu": 1})  # a table of the user's own: keyed by its value
+        assert key() != first
+    finally:
+        sys.modules.pop("act_blocks", None)
+
+
 def load_run(revision: str | None = "best") -> torch.nn.Module:
     """A function of the user's whose `revision=None` means something else than its default."""
     return tiny_modules.build("mlp", width=8 if revision == "best" else 16)
