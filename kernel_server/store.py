@@ -25,12 +25,13 @@ eviction are computed from every entry: the catalogue keeps them (Note [Eviction
 # Note [Reserved at publish]
 A loader reserves the room of its entry before it writes gigabytes (a converting miss's stage, a large
 copy). A publish also reserves whatever was not reserved before it, bytes and descriptors, as `reserve`
-would, evicting or refusing alike: so a miss that writes at most a few MiB before it publishes (a
-same-dtype load: its weights stay in the checkpoint files until the compactor copies them; a converting
-load, whose stage reserved its ranges as it wrote them) makes one round trip, not two. In a file arena
-those MiB reach the disk before its check (Note [Disk room] in disk.py): on a full disk the write raises
-ENOSPC and the load falls back, and past the reserve they stay only until the check refuses them (the
-file is unnamed: closing it frees its blocks).
+would, evicting or refusing alike: so a miss that writes at most a few MiB into a memfd before it
+publishes (a same-dtype load: its weights stay in the checkpoint files until the compactor copies them; a
+converting load, whose stage reserved its ranges as it wrote them) makes one round trip, not two. A file
+arena is reserved before its first byte is written (Note [Disk room] in disk.py): written first, the
+check counted those bytes twice (in the free space it reads and in the entry's size), and where it
+refused, the tensors the miss had moved onto the arena kept its blocks taken for as long as the model
+lived, past the reserve that refused them.
 
 # Note [Orphaned entries]
 An entry's key names the checkpoint files it was loaded from, by their identity: once they are deleted

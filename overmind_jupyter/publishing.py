@@ -58,7 +58,7 @@ _log = logging.getLogger(__name__)
 _WRITERS = min(2, os.cpu_count() or 1)
 _MAX_SOURCES = 32  # more files than this are copied instead (a reply's descriptors are limited)
 _CHUNK = 64 << 20
-_UNRESERVED = 8 << 20  # what a miss may write before the publish reserves it (Note [Reserved at publish])
+_UNRESERVED = 8 << 20  # what a miss may write into memory before the publish reserves it (Note [Reserved at publish])
 _PROGRESS_BYTES = 256 << 20  # copies at least this large show a progress bar
 # The fallback kind of a publish the daemon refused, by its error code (any other failure: "publish").
 _REFUSALS = {"budget_exceeded": "budget", "descriptors_exhausted": "descriptors"}
@@ -122,10 +122,10 @@ def publish(client: Client, key: str, label: str, meta: dict[str, Any], packed: 
                 on_disk = data.backing == "file"
                 for writer, _ in staged_parts:
                     stack.enter_context(contextlib.closing(writer))
-                if meta["made"]["copied"] + len(packed.graph) > _UNRESERVED:
-                    # Else the publish reserves it all, a few MiB written first (Note [Reserved at publish]
-                    # in kernel_server/store.py). The descriptors the entry will hold: graph, arena, one per
-                    # part and per source (Note [Descriptor budget] in kernel_server/descriptors.py).
+                if on_disk or meta["made"]["copied"] + len(packed.graph) > _UNRESERVED:
+                    # Else the publish reserves it all, a few MiB written into memory first (Note [Reserved at
+                    # publish] in kernel_server/store.py). The descriptors the entry will hold: graph, arena,
+                    # one per part and per source (Note [Descriptor budget] in kernel_server/descriptors.py).
                     client.request(Op.RESERVE, key=key, bytes=packed.arena_bytes + len(packed.graph),
                                    descriptors=2 + len(staged_parts) + len(plan.sources), backing=data.backing,
                                    timeout=ANSWER_TIMEOUT)
