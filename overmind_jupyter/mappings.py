@@ -42,6 +42,7 @@ a cached call").
 
 from __future__ import annotations
 
+import _signal  # type: ignore[import-not-found]  # (no stubs: the C half of `signal`)
 import bisect
 import collections
 import ctypes
@@ -54,7 +55,7 @@ import threading
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from kernel_server import arena
 from kernel_server.arena import Part, SourceFile
@@ -71,7 +72,10 @@ __all__ = [
     "finish_unmapped",
     "register",
     "span_of",
+    "uninterrupted",
 ]
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -156,7 +160,15 @@ def register(mapping: mmap.mmap, key: str, pin: Pin | None, pieces: list[tuple[i
     offset), by default the whole mapping at arena offset 0. `pin` is held until the mapping dies;
     `source` and `arena_file` (a mapping of the entry's arena: its descriptor) are closed then, and
     `keep` is emptied. Returns a function that takes the record back at once (a publish that failed
-    after mapping its arena)."""
+    after mapping its arena). Runs whole, SIGINT held (Note [Cleanup that Ctrl-C cannot cut short]): a
+    Ctrl-C between the finalizer made here and the pin held would have the finalizer release a pin never
+    held, and the entry stay pinned."""
+    return uninterrupted(_register, mapping, key, pin, pieces, source, arena_file, keep)
+
+
+def _register(mapping: mmap.mmap, key: str, pin: Pin | None, pieces: list[tuple[int, int, int]] | None,
+              source: SourceFile | None, arena_file: ArenaFile | None,
+              keep: list[Any] | None) -> Callable[[], None]:
     if _unmapped:  # the spans of dead mappings out first: their addresses may be this one's
         finish_unmapped()
     start = address_of(mapping)
@@ -287,13 +299,13 @@ def _hold_interrupts() -> Any:
     nothing was changed: another thread, SIGINT held already (a finalizer inside a sweep), or a handler
     that raises nothing (ignored, the default's end of the process, or one not set from Python)."""
     global _interrupted
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    old = signal.getsignal(signal.SIGINT)
-    if old is _record_interrupt or not callable(old):
+    # (`_signal`'s functions, not `signal`'s wrappers of them: a hit holds SIGINT a few times, and each
+    # wrapper's enum conversions are Python calls)
+    old = _signal.getsignal(signal.SIGINT)
+    if old is _record_interrupt or not callable(old) or threading.get_ident() != threading.main_thread().ident:
         return None
     _interrupted = False
-    signal.signal(signal.SIGINT, _record_interrupt)  # last: from here on, a Ctrl-C is recorded
+    _signal.signal(signal.SIGINT, _record_interrupt)  # last: from here on, a Ctrl-C is recorded
     return old
 
 
@@ -301,7 +313,7 @@ def _put_back_interrupts(old: Any) -> bool:
     """Put back what `_hold_interrupts` replaced; whether a Ctrl-C came meanwhile."""
     if old is None:
         return False
-    signal.signal(signal.SIGINT, old)
+    _signal.signal(signal.SIGINT, old)
     return _interrupted
 
 
@@ -327,6 +339,18 @@ def _collect(cleanup: _Cleanup) -> None:
 
         notices.tell("overmind: a Ctrl-C came while this kernel let go of a model from the cache, inside a "
                      "finalizer, where Python cannot raise it: the cell went on. Interrupt again to stop it.")
+
+
+def uninterrupted(work: Callable[..., _T], *args: Any) -> _T:
+    """`work(*args)` with SIGINT held from its first step to its last (Note [Cleanup that Ctrl-C cannot cut
+    short]); a Ctrl-C that came meanwhile is raised after, as KeyboardInterrupt. A Ctrl-C can still land
+    before the hold, in this call's first instructions, with nothing of `work` done."""
+    old = _hold_interrupts()
+    try:
+        return work(*args)
+    finally:
+        if _put_back_interrupts(old):
+            raise KeyboardInterrupt
 
 
 def finish_unmapped() -> None:

@@ -713,6 +713,8 @@ class _Rebuild:
         # (entry key, None for its arena or the index of a source file) -> this rebuild's mapping of it
         self.maps: dict[tuple[str, int | None], mmap.mmap] = {}
         self.pins: dict[str, mappings.Pin] = {}
+        # the entries whose pin a registered mapping holds (Note [Pins a Ctrl-C cannot leave] in loading.py)
+        self.held: set[str] = set()
         self.storages: dict[tuple[str, int, int, str], torch.UntypedStorage] = {}
         self.arguments: dict[str, Any] = {}
         self.reuse: dict[tuple[str, int, int, str], torch.UntypedStorage] = {}
@@ -802,6 +804,10 @@ class _Rebuild:
         m = self.maps.get((ref.key, source))
         if m is not None:
             return m
+        # Note [Pins a Ctrl-C cannot leave] in loading.py
+        return mappings.uninterrupted(self._map_now, ref, source)
+
+    def _map_now(self, ref: ArenaRef, source: int | None) -> mmap.mmap:
         pin = self.pins.get(ref.key)
         if pin is None:
             pin = self.pins[ref.key] = mappings.Pin(ref.key, self.on_unmap)
@@ -814,6 +820,7 @@ class _Rebuild:
             m = arena.map_private(src.fd, src.identity["size"])
             mappings.register(m, ref.key, pin, [(file_offset, nbytes, offset) for offset, nbytes, i, file_offset
                                                 in ref.pieces if i == source], source=src.dup())
+        self.held.add(ref.key)  # its mappings unpin it from here on
         self.maps[(ref.key, source)] = m
         return m
 
@@ -1089,35 +1096,33 @@ def _failure(exc: Exception, what: str) -> CorruptEntry | NoRoomHere:
 
 
 def rebuild(graph: bytes, arenas: dict[str, ArenaRef], own_key: str, *,
-            on_unmap: Callable[[str], None] = lambda key: None, populate: bool = True,
-            arguments: dict[str, Any] | None = None,
+            on_unmap: Callable[[str], None] = lambda key: None, held: set[str] | None = None,
+            populate: bool = True, arguments: dict[str, Any] | None = None,
             reuse: dict[tuple[str, int, int, str], torch.UntypedStorage] | None = None) -> Any:
     """Unpickle a packed graph over private mappings of `arenas` (keyed by entry key; `own_key` is the
     entry's own). `on_unmap(key)` runs once per entry when the last storage over its mappings is gone;
-    for entries the graph does not use, at once. `arguments` are the call's objects by path (see Note
-    [Argument replay]); `reuse` are storages of other entries this process holds unwritten
-    (`Packed.mapped`), taken instead of mapping their arenas again. Raises CorruptEntry, also when a
-    checkpoint file of a pending piece is no longer the one the entry was made from, and NoRoomHere where
-    this process ran short of what the rebuild takes."""
+    the keys of those entries are added to `held` as each is mapped, and the caller unpins the others,
+    however the rebuild ends (Note [Pins a Ctrl-C cannot leave] in loading.py). `arguments` are the
+    call's objects by path (see Note [Argument replay]); `reuse` are storages of other entries this
+    process holds unwritten (`Packed.mapped`), taken instead of mapping their arenas again. Raises
+    CorruptEntry, also when a checkpoint file of a pending piece is no longer the one the entry was made
+    from, and NoRoomHere where this process ran short of what the rebuild takes."""
     for ref in arenas.values():
         for src in ref.sources:
             if not src.intact():
                 raise CorruptEntry(f"checkpoint file {src.path} changed since it was cached, or cannot be read")
     state = _Rebuild(arenas, own_key, on_unmap, populate)
+    if held is not None:
+        state.held = held
     state.arguments = arguments or {}
     state.reuse = reuse or {}
-    try:
-        own = arenas.get(own_key)
-        if own is not None and own.nbytes and not own.pieces:
-            try:
-                state.own_mapping = state._map(own, None)
-            except (OSError, ValueError) as exc:  # an arena shorter than the entry says, unreadable, or no room
-                raise _failure(exc, f"cannot map the arena of entry {own_key[:16]}") from exc
-        obj = _unpickle(graph, state)
-    finally:  # entries mapped here are unpinned when their mappings die, the others now
-        for key in arenas:
-            if key not in state.pins:
-                on_unmap(key)
+    own = arenas.get(own_key)
+    if own is not None and own.nbytes and not own.pieces:
+        try:
+            state.own_mapping = state._map(own, None)
+        except (OSError, ValueError) as exc:  # an arena shorter than the entry says, unreadable, or no room
+            raise _failure(exc, f"cannot map the arena of entry {own_key[:16]}") from exc
+    obj = _unpickle(graph, state)
     if populate and state.maps:  # in the background (Note [Populate what a forward reads] in populating.py)
         spans, holes = state.spans()
         populating.populate_ahead(spans, obj, holes)

@@ -134,3 +134,87 @@ def test_a_ctrl_c_during_the_cleanup_waits_for_its_end_and_is_warned_of(tmp_path
         os.fstat(fd)
     assert ignored == [], "no exception left the finalizer"
     assert [(w.category, "Interrupt again" in str(w.message)) for w in warned] == [(OvermindWarning, True)]
+
+
+# A kernel's cell: a hit of a tiny model with a Ctrl-C landing as the hit maps the entry's arena (a real
+# SIGINT, made pending by an audit hook on the mmap's creation, and raised at Python's next check), then
+# the exception let go of. The last line is JSON.
+INTERRUPTED_AS_IT_MAPS = """
+    import _thread, gc, json, os, sys, time, traceback
+    from kernel_server.client import shared_client
+    from overmind_jupyter import loading, mappings
+    from tests.helpers import tiny_modules
+
+    client = shared_client()
+    def pinned():
+        return [e["key"] for e in client.request("status")["entries"]
+                if any(p["conn"] == client.conn_id for p in e["pinned_by"])]
+
+    model = loading.cached(tiny_modules.build, "mlp", width=64)  # warms up what a load opens
+    del model
+    gc.collect()
+    loading.flush_warnings()
+    fds = len(os.listdir("/proc/self/fd"))
+    armed = [True]
+    def interrupt_at_the_mapping(event, args):
+        if event == "mmap.__new__" and armed:
+            armed.clear()
+            _thread.interrupt_main()
+    sys.addaudithook(interrupt_at_the_mapping)
+    try:
+        loading.cached(tiny_modules.build, "mlp", width=64)
+        frames = []
+    except KeyboardInterrupt as exc:
+        frames = [f.name for f in traceback.extract_tb(exc.__traceback__)]
+        del exc
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while pinned() and time.monotonic() < deadline:  # the unpin goes by the unpinner thread
+        time.sleep(0.05)
+    print(json.dumps({"calls": loading.calls(), "frames": frames, "armed": armed, "pinned": pinned(),
+                      "registered": list(mappings._by_key), "fds": fds,
+                      "fds_after": len(os.listdir("/proc/self/fd"))}))
+"""
+
+
+def test_a_ctrl_c_as_a_hit_maps_its_entry_leaves_no_pin_and_no_descriptor(daemon: Path) -> None:
+    """A Ctrl-C that lands as a hit maps the entry's arena, before the mapping is registered with the pin
+    it holds, stops the call; once the exception is let go of, the entry is no longer pinned by the
+    process and the hit's descriptors are closed (Note [Pins a Ctrl-C cannot leave] in loading.py). It
+    stayed pinned, never evicted for the budget, for as long as the kernel lived."""
+    env = dict(os.environ, OVERMIND_POPULATE="0")
+    run_py("""
+        from overmind_jupyter import loading
+        from tests.helpers import tiny_modules
+        loading.cached(tiny_modules.build, "mlp", width=64)
+    """, env=env)
+    proc = run_py(INTERRUPTED_AS_IT_MAPS, env=env)
+    out = last_json(proc)
+    assert out["armed"] == [] and "_map" in out["frames"], (out, "the Ctrl-C landed as the hit mapped the arena")
+    assert out["calls"] == {"hit": 1}, (out, proc.stderr)
+    assert out["registered"] == [], out
+    assert out["pinned"] == [], (out, "the entry unpinned")
+    assert out["fds_after"] == out["fds"], (out, "the hit's descriptors closed")
+
+
+def test_uninterrupted_work_runs_whole_and_raises_the_ctrl_c_after(tmp_path: Path) -> None:
+    """A Ctrl-C that lands inside `mappings.uninterrupted`'s work (here: as an object the work lets go
+    of dies) is held until the work is done, then raised to the caller."""
+
+    class Kept:
+        pass
+
+    done: list[str] = []
+
+    def work(kept: list[Kept]) -> str:
+        kept.clear()  # the Ctrl-C is pending from here on
+        done.append("after the Ctrl-C")
+        return "returned"
+
+    kept = [Kept()]
+    interrupting = _Interrupting(kept[0], _thread.interrupt_main)
+    with pytest.raises(KeyboardInterrupt):
+        mappings.uninterrupted(work, kept)
+    assert interrupting() is None
+    assert done == ["after the Ctrl-C"]
+    assert mappings.uninterrupted(work, []) == "returned"
