@@ -89,9 +89,14 @@ def reads(code: types.CodeType) -> tuple[Read, ...]:
     return tuple(found)
 
 
+_KERNELS_FILES = ("/proc/", "/sys/", "/dev/")
+
+
 def path_constants(code: types.CodeType, cwd: str) -> dict[str, str]:
     """The string constants of `code` (nested code included) that name an existing file or folder, as
-    {constant: its real path}; never the working directory, its ancestors, or the home folder."""
+    {constant: its real path}; never the working directory, its ancestors, or the home folder, nor what
+    lies in the kernel's own file systems (/proc, /sys, /dev: a process's state, never a checkpoint; an
+    f-string's "/proc/" is a constant of its code)."""
     skip = {os.path.realpath(cwd), os.path.realpath(os.path.expanduser("~"))}
     parent = os.path.realpath(cwd)
     while parent != os.path.dirname(parent):
@@ -105,7 +110,7 @@ def path_constants(code: types.CodeType, cwd: str) -> dict[str, str]:
             path = os.path.join(cwd, os.path.expanduser(const))
             if os.path.exists(path):
                 real = os.path.realpath(path)
-                if real not in skip:
+                if real not in skip and not (real + "/").startswith(_KERNELS_FILES):
                     found[const] = real
     return found
 

@@ -716,6 +716,19 @@ def test_a_checkpoint_replaced_under_a_literal_path_is_a_miss(overmind_home: Pat
     assert second["sum"] == plain_sum(checkpoint, dtype=torch.float32) != first["sum"]
 
 
+def test_a_path_into_the_kernels_own_file_systems_is_no_checkpoint() -> None:
+    """A function whose code names /proc, /sys or /dev (an f-string's "/proc/" is a constant of its code) is
+    keyed: those hold a process's state, never a checkpoint; keyed as a folder, /proc made the call
+    uncacheable ("/proc holds more than 100000 files")."""
+    from overmind_jupyter import keys, reads
+
+    def load(pid: int) -> object:
+        return open(f"/proc/{pid}/stat").read(), open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+
+    assert reads.path_constants(load.__code__, os.getcwd()) == {}
+    assert keys.make_key(load, (os.getpid(),), {}).key
+
+
 # -- 4. random weights follow the caller's seed -------------------------------------------------------------
 
 RANDOM_HEAD = """
