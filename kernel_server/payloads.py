@@ -100,6 +100,7 @@ class ReserveRequest(TypedDict):
     bytes: Count
     descriptors: NotRequired[Annotated[int, Range(2, MAX_FDS)]]  # graph, arena, one per source (2 when absent)
     backing: NotRequired[Literal["memfd", "file"]]  # of its arena: a memfd takes no disk ("file" when absent)
+    evict: NotRequired[bool]  # False: only if it fits without evicting (Note [Reserving ahead] in store.py)
 
 
 class Source(TypedDict):

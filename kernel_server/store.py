@@ -311,14 +311,24 @@ class Store:
                         return True
         return False
 
-    def reserve(self, conn: ConnId, key: str, nbytes: int, nfds: int = 2, backing: str = "file") -> list[str]:
+    def reserve(self, conn: ConnId, key: str, nbytes: int, nfds: int = 2, backing: str = "file",
+                evict: bool = True) -> list[str]:
         """Reserve room for the load of `key` owned by `conn`: `nbytes` of the budget, of the disk too where
         its arena is a file (`backing`: Note [Disk room] in disk.py), and the `nfds` descriptors its entry will
-        hold (Note [Descriptor budget]); returns the keys evicted to make it."""
+        hold (Note [Descriptor budget]); returns the keys evicted to make it. `evict` False: only if it fits
+        without evicting an entry (Note [Reserving ahead])."""
         with self._locked():
-            return self._reserve(self._owned_load(conn, key), nbytes, nfds, nbytes if backing == "file" else 0)
+            return self._reserve(self._owned_load(conn, key), nbytes, nfds, nbytes if backing == "file" else 0,
+                                 evict=evict)
 
-    def _reserve(self, load: _Load, nbytes: int, nfds: int, on_disk: int) -> list[str]:
+    # Note [Reserving ahead]
+    # A load may reserve more than it needs now, to ask less often (a stage reserves a granule ahead:
+    # overmind_jupyter/staging.py). Room asked for ahead of need evicts nothing: such a reserve (`evict`
+    # False) is refused, quietly and uncounted, where it does not fit beside every entry cached now, and the
+    # loader then asks for what it needs, which evicts as any reserve does. Otherwise a small miss on a
+    # nearly full disk or budget would evict entries that fit beside it, for room it never uses.
+
+    def _reserve(self, load: _Load, nbytes: int, nfds: int, on_disk: int, evict: bool = True) -> list[str]:
         """`reserve` for `load`, with the lock held: `on_disk` of the `nbytes` go to the disk."""
         if nbytes > self.budget:
             raise BudgetExceeded(
@@ -328,6 +338,9 @@ class Store:
                 "with `overmind-daemon stop`",
             )
         need, need_fds, need_disk = nbytes - load.reserved, nfds - load.nfds, on_disk - load.on_disk
+        if not evict and not (self._fits_fds(need_fds) and self._fits_disk(need_disk) and self._fits_bytes(need)):
+            raise BudgetExceeded("budget_exceeded", f"no room for {byte_text(nbytes)} ahead of need without "
+                                 "evicting an entry")  # Note [Reserving ahead]: quietly, no refusal counted
         # what eviction cannot free: a load that would not fit with every unused entry gone evicts none of
         # them for nothing
         held = self._held_bytes()
@@ -335,7 +348,7 @@ class Store:
             raise self._refuse_for_descriptors(nfds)
         if held.nbytes + self.in_flight.nbytes + need > self.budget:
             raise self._refuse_for_budget(nbytes, held.nbytes, load)
-        evicted = self._make_room(need, need_fds, need_disk)
+        evicted = self._make_room(need, need_fds, need_disk) if evict else []
         if not self._fits_fds(need_fds):
             raise self._refuse_for_descriptors(nfds)
         if not self._fits_disk(need_disk):

@@ -82,9 +82,11 @@ class StoreService:
     def reserve(self, conn: Peer, req: Request[ReserveRequest]) -> Reply[EvictedReply]:
         """`bytes` of the budget for the load of `key`, of the disk too unless its arena is a memfd (`backing`:
         Note [Disk room] in disk.py), and the `descriptors` its publish will bring (graph, arena and one per
-        source: 2 unless said; Note [Descriptor budget] in descriptors.py)."""
+        source: 2 unless said; Note [Descriptor budget] in descriptors.py); `evict` false: only if that fits
+        without evicting an entry (Note [Reserving ahead] in store.py)."""
         p = req.payload
-        evicted = self.store.reserve(conn.id, p["key"], p["bytes"], p.get("descriptors", 2), p.get("backing", "file"))
+        evicted = self.store.reserve(conn.id, p["key"], p["bytes"], p.get("descriptors", 2), p.get("backing", "file"),
+                                     evict=p.get("evict", True))
         return Reply({"evicted": evicted})
 
     def publish(self, conn: Peer, req: Request[PublishRequest]) -> Reply[PublishReply]:

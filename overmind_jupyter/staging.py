@@ -241,14 +241,15 @@ class Stage:
             return at
 
     def _reserve(self, end: int) -> bool:
-        """Reserve the stage up to at least `end` bytes (lock held), a granule ahead where the budget
-        allows; False stops the staging."""
-        for want in dict.fromkeys((min(self.capacity, max(end, self._reserved + _GRANULE)), end)):
+        """Reserve the stage up to at least `end` bytes (lock held), a granule ahead where that fits without
+        evicting an entry (Note [Reserving ahead] in kernel_server/store.py); False stops the staging."""
+        ahead = min(self.capacity, max(end, self._reserved + _GRANULE))
+        for want, evict in ((ahead, False), (end, True)) if ahead > end else ((end, True),):
             if end > self.capacity:
                 break
             try:
                 self._client.request(Op.RESERVE, key=self._key, bytes=want, descriptors=1 + len(self._files),
-                                     backing=self.writer.backing, timeout=ANSWER_TIMEOUT)
+                                     backing=self.writer.backing, evict=evict, timeout=ANSWER_TIMEOUT)
                 if self.writer.backing == "file":  # one file: Note [Staged conversions]
                     os.posix_fallocate(self.writer.fd, self._reserved, want - self._reserved)
             except (DaemonError, OSError) as exc:

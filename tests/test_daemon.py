@@ -419,6 +419,17 @@ def test_a_load_that_cannot_fit_evicts_nothing_for_it(three_entries: Client) -> 
     assert "use now; free models" in str(refused.value) and "other loads" not in str(refused.value), refused.value
 
 
+def test_a_reservation_ahead_of_need_evicts_nothing(three_entries: Client) -> None:
+    """Note [Reserving ahead] in store.py: a reserve with `evict` false is refused where it would evict, and
+    evicts nothing; what fits beside the entries is granted; the same reserve that may evict does."""
+    client = three_entries
+    assert client.request("lookup", key="e", wait=False)["status"] == "load"
+    with pytest.raises(BudgetExceeded, match="without evicting"):
+        client.request("reserve", key="e", bytes=ENTRY, evict=False)
+    assert sorted(entry_keys(client)) == ["a", "b", "c"] and "evicted" not in client.request("status")["stats"]
+    assert client.request("reserve", key="e", bytes=ENTRY)["evicted"] == ["a"]
+    assert client.request("reserve", key="e", bytes=1, evict=False)["evicted"] == []  # less than it holds
+
 def test_a_publish_reserves_what_its_load_did_not(overmind_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Note [Reserved at publish] in store.py: a publish with no reservation before it is reserved then,
     evicting the least recently used entry as `reserve` would, and refused as `reserve` would when the

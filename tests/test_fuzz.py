@@ -53,7 +53,7 @@ OPS = ["abandon", "cancel", "evict", "fallback", "hello", "hits", "lookup", "ls"
        "units_state", "units_touch", "unpin"]
 FIELDS = ["key", "wait", "adopt", "bytes", "graph_bytes", "arena_bytes", "meta", "deps", "count", "all",
           "request", "protocol", "role", "label", "pid", "call", "kind", "reason", "units", "devices",
-          "timeout_s", "busy", "holding", "pong", "descriptors", "hits", "done", "total", "unit"]
+          "timeout_s", "busy", "holding", "pong", "descriptors", "hits", "done", "total", "unit", "evict"]
 # Replies that may come later than the next frame's (a lookup that waits for another load, an acquire that
 # waits for units), or never while the connection lives.
 DEFERRABLE = {"lookup", "units_acquire"}

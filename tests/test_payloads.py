@@ -20,7 +20,7 @@ VALID: dict[Op, dict[str, Any]] = {
     Op.HELLO: {"protocol": 2, "role": "test", "label": "x", "pid": 1},
     Op.LOOKUP: {"key": "k", "wait": False},
     Op.CANCEL: {"request": 1},
-    Op.RESERVE: {"key": "k", "bytes": 16, "descriptors": 2},
+    Op.RESERVE: {"key": "k", "bytes": 16, "descriptors": 2, "backing": "file", "evict": False},
     Op.PUBLISH: {"key": "k", "graph_bytes": 16, "arena_bytes": 4096, "meta": {}, "deps": [],
                  "sources": [{"path": "/x", "dev": 1, "ino": 2, "size": 3, "mtime_ns": 4, "ctime_ns": 5}],
                  "pieces": [[0, 1, 0, 0]], "pin": True, "marker": False,

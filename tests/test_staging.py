@@ -369,3 +369,28 @@ def test_the_daemon_refuses_parts_that_are_not_sealed_whole_pages_or_apart(daemo
     finally:
         other.close()
     assert daemon.request("ping")["pong"]
+
+
+def test_a_converting_miss_evicts_no_entry_that_fits_beside_it(
+        overmind_home: Path, bf16_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stage reserves a granule ahead only where that evicts nothing (Note [Reserving ahead] in
+    kernel_server/store.py): with a budget a little over the granule, an unused entry that fits beside a
+    converting miss stays cached."""
+    import gc
+
+    from transformers import AutoModelForCausalLM
+
+    from overmind_jupyter.staging import _GRANULE
+
+    checkpoint = sum(f.stat().st_size for f in bf16_llama.glob("*.safetensors"))
+    monkeypatch.setenv("OVERMIND_BUDGET", str(_GRANULE + checkpoint // 2))  # both fit; the granule beside it not
+    client = loading.shared_client()
+    loading.cached(AutoModelForCausalLM.from_pretrained, str(bf16_llama), dtype=torch.bfloat16)
+    gc.collect()
+    wait_until(lambda: all(not e["pinned_by"] for e in client.request("status")["entries"]), what="the unpin")
+    misses = loading.calls().get("miss", 0)
+    model = loading.cached(AutoModelForCausalLM.from_pretrained, str(bf16_llama), dtype=torch.float32)
+    assert loading.calls()["miss"] == misses + 1 and not loading.fallbacks(), (loading.calls(), loading.fallbacks())
+    status = client.request("status")
+    assert status["stats"].get("evicted", 0) == 0 and len(status["entries"]) == 2, status["stats"]
+    assert max(e["meta"]["made"]["staged"] for e in status["entries"]) >= converted_bytes(model) > 0  # staged
