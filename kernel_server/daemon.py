@@ -378,7 +378,9 @@ class Daemon:
         return Reply({"pong": time.time()})
 
     def status(self, conn: Peer, req: Request[StatusRequest]) -> Reply[StatusReply]:
-        snap = self.store.snapshot(self.kernel_of, req.payload.get("limit", STATUS_ENTRIES))
+        with self._lock:
+            pids = {c.pid for c in self._conns.values()}  # whose untimed hits may still come
+        snap = self.store.snapshot(self.kernel_of, req.payload.get("limit", STATUS_ENTRIES), pids)
         snap["descriptors"]["open"] = descriptors.open_descriptors()
         with self._lock:
             kernels = [c.describe() for c in self._conns.values() if c.greeted]

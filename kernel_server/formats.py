@@ -111,12 +111,16 @@ def saved_text(sums: TimeSaved) -> str:
     than the loads they replaced (a hit in a fresh process imports the model's code first), "none saved yet
     (the hits took longer than the loads they replaced): 1 hit took 3.3 s instead of 33 ms, plus 36 ms of
     caching in 2 misses". Before the first hit, only what is true then: "none saved yet: no hit yet, and the
-    caching cost 24 ms in 1 miss" ("none saved yet: no load through the cache yet" before the first miss)."""
+    caching cost 24 ms in 1 miss" ("none saved yet: no load through the cache yet" before the first miss).
+    Hits whose times never came are said beside the timed ones: "3 hits took 400 ms instead of 14 s (2 more,
+    of kernels that ended before telling their times), less ..." (`_untimed_text`)."""
     hits, misses, saved = sums["hits"], sums["misses"], saved_seconds(sums)
+    untimed = _untimed_text(sums, hits)
     if not hits:  # no "0 hits took 0 ms instead of 0 ms": nothing was compared yet
         if not misses:
             return "none saved yet: no load through the cache yet"
-        return (f"none saved yet: no hit yet, and the caching cost {seconds_text(sums['cache_s'])} in {misses} "
+        none = f"no hit timed yet{untimed}" if untimed else "no hit yet"
+        return (f"none saved yet: {none}, and the caching cost {seconds_text(sums['cache_s'])} in {misses} "
                 f"miss{'' if misses == 1 else 'es'}")
     slower = _lost(sums["plain_s"] - sums["hit_s"])  # then the caching adds to what the hits lost
     if slower:
@@ -126,8 +130,25 @@ def saved_text(sums: TimeSaved) -> str:
     else:
         head = f"{seconds_text(saved)} saved"
     return (f"{head}: {hits} hit{'' if hits == 1 else 's'} took "
-            f"{seconds_text(sums['hit_s'])} instead of {seconds_text(sums['plain_s'])}, {'plus' if slower else 'less'} "
+            f"{seconds_text(sums['hit_s'])} instead of {seconds_text(sums['plain_s'])}{untimed}, "
+            f"{'plus' if slower else 'less'} "
             f"{seconds_text(sums['cache_s'])} of caching in {misses} miss{'' if misses == 1 else 'es'}")
+
+
+def _untimed_text(sums: TimeSaved, timed: int) -> str:
+    """The hits that the sums of `sums` leave out, their times never reported (Note [Load time saved] in
+    store.py), as `saved_text` puts them beside the `timed` ones: " (130 more, of kernels that ended before
+    telling their times)", " (4 more, not timed yet)", " (134 more: 130 of kernels that ended before
+    telling their times, 4 not timed yet)" (" (2 hits, ...)" where none was timed); "" when every hit was."""
+    ended, waiting = sums.get("untimed_ended", 0), sums.get("untimed_waiting", 0)
+    if not ended and not waiting:
+        return ""
+    n = f"{ended + waiting} more" if timed else f"{ended + waiting} hit{'' if ended + waiting == 1 else 's'}"
+    if not waiting:
+        return f" ({n}, of kernels that ended before telling their times)"
+    if not ended:
+        return f" ({n}, not timed yet)"
+    return f" ({n}: {ended} of kernels that ended before telling their times, {waiting} not timed yet)"
 
 
 def ago_text(t: float | None, now: float | None = None) -> str:

@@ -310,6 +310,8 @@ class TimeSaved(TypedDict):
     hits: int  # the hits whose time their kernel reported
     plain_s: float  # the plain loads those hits replaced (their entries' load_s)
     hit_s: float  # those hits' waits
+    untimed_ended: NotRequired[int]  # the other hits: of kernels that ended before reporting their times
+    untimed_waiting: NotRequired[int]  # and of kernels that run and have not reported them yet
 
 
 class DiskStatus(TypedDict):

@@ -66,7 +66,7 @@ import os
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -173,7 +173,10 @@ class CompactionJob:
 # overmind_jupyter/progress.py), and every hit it reports counts (300 hits in a loop once counted 200,
 # the length of the log they were matched against). `_untimed` forgets its oldest hits past UNTIMED_HITS
 # only: those of kernels that ended without reporting them. `hits_log` shows the last HITS_LOG hits,
-# timed or not yet. What the cache saved, honestly:
+# timed or not yet. The hits never timed are not in the sums below, and status says how many there are
+# beside them (`untimed_ended`: of kernels that ended before reporting, killed say; `untimed_waiting`: of
+# kernels that run and have yet to), so that "510 hits took 23 s" beside 640 hits reads true. What the
+# cache saved, honestly:
 #     saved = sum over timed hits of (load_s of its entry - hit_s)  -  sum over misses of cache_s
 # each hit saves the plain load it replaced less its own wait, and every miss published since the daemon
 # started added its caching to what its user waited, whether or not its entry was ever hit. `time_saved`
@@ -240,9 +243,11 @@ class Store:
         return Usage(sum(load.reserved for load in self._loads.values()),
                      sum(load.nfds for load in self._loads.values()))
 
-    def snapshot(self, kernels: Callable[[ConnId], Connection], limit: int = STATUS_ENTRIES) -> StoreSnapshot:
+    def snapshot(self, kernels: Callable[[ConnId], Connection], limit: int = STATUS_ENTRIES,
+                 pids: Collection[int] = ()) -> StoreSnapshot:
         """The store for status: its totals, loads and counters, and at most `limit` of its entries, the
-        largest and the most recently used (Note [Status with many entries] in catalogue.py)."""
+        largest and the most recently used (Note [Status with many entries] in catalogue.py). `pids`: the
+        processes connected now, whose untimed hits may still be reported (Note [Load time saved])."""
         with self._locked():
             shown = [e.describe(kernels) for e in self._entries.shown(limit)]
             listed = self._entries.listed
@@ -251,7 +256,9 @@ class Store:
                                   waiters=len(load.waiters), progress=load.describe_progress())
                        for load in self._loads.values()]
             hits_log = [LoggedHit(**h) for h in self.hits_log]
-            time_saved = TimeSaved(**self.time_saved)
+            waiting = sum(len(hits) for (pid, _), hits in self._untimed.items() if pid in pids)
+            ended = self.stats["hits"] - self.time_saved["hits"] - waiting  # with those forgotten past UNTIMED_HITS
+            time_saved = TimeSaved(**self.time_saved, untimed_ended=ended, untimed_waiting=waiting)
             stats = dict(self.stats)
             fds = DescriptorsStatus(limit=self.descriptors.limit, cap=self.descriptors.cap, entries=held.nfds,
                                     reserved=in_flight.nfds, connections=self.descriptors.connections, open=None)

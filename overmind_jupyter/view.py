@@ -23,7 +23,8 @@ show this view, so that one event has one set of numbers (Note [Load time saved]
       "fallbacks": [{"time", "pid", "label", "name", "detail", "call", "kind", "reason"}],
       "hits_log":  [{"t", "key", "label", "pid", "waited_s", "load_s", "cache_s", "hit_s"}],  # recent hits,
                                                      # oldest first (hit_s: null until the kernel reported it)
-      "time_saved": {"misses", "cache_s", "hits", "plain_s", "hit_s", "saved_s"},  # since the daemon started
+      "time_saved": {"misses", "cache_s", "hits", "plain_s", "hit_s", "saved_s",  # since the daemon started
+                     "untimed_ended", "untimed_waiting"},  # hits not in the sums: their times never came
       "texts":     {"used", "budget", "reserved", "unit_bytes", "more_bytes", "disk",  # display strings of
                                                      # the sizes above
                     "plain", "hits", "caching", "saved", "saved_detail"},  # and of time_saved

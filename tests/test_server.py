@@ -212,7 +212,8 @@ def test_a_miss_and_a_hit_have_one_set_of_figures_in_the_cell_status_the_panel_a
     assert waited <= cell_s < waited + 1.0, "the whole wait of the call, as the cell timed it"
     assert line == f"overmind: cached tiny-llama in {seconds_text(waited)}: loading {seconds_text(load)} " \
                    f"+ caching {seconds_text(cache)}", line
-    assert raw["time_saved"] == {"misses": 1, "cache_s": cache, "hits": 0, "plain_s": 0.0, "hit_s": 0.0}
+    assert raw["time_saved"] == {"misses": 1, "cache_s": cache, "hits": 0, "plain_s": 0.0, "hit_s": 0.0,
+                                 "untimed_ended": 0, "untimed_waiting": 0}
 
     status, state = fetch("overmind", "state")
     assert status == 200, state

@@ -16,6 +16,7 @@ import pytest
 
 from kernel_server import Client, arena, formats, payloads
 from kernel_server.cli import main as cli_main
+from tests.helpers.faults_helpers import wait_until
 from tests.helpers.snippets import run_py
 
 
@@ -115,7 +116,8 @@ def test_the_status_reply_is_exactly_its_declared_type(overmind_home: Path, monk
     assert status["entries"] and status["loading"] and status["hits_log"] and status["fallbacks"]
     assert any(d["holders"] for d in status["units"]["devices"]) and status["entries"][0]["pinned_by"]
     assert status["loading"][0]["progress"] is not None
-    assert status["time_saved"] == {"misses": 1, "cache_s": 0.5, "hits": 1, "plain_s": 1.0, "hit_s": 0.25}
+    assert status["time_saved"] == {"misses": 1, "cache_s": 0.5, "hits": 1, "plain_s": 1.0, "hit_s": 0.25,
+                                    "untimed_ended": 0, "untimed_waiting": 0}
     assert formats.saved_seconds(status["time_saved"]) == 0.25  # 1.0 - 0.25 - 0.5
 
 
@@ -149,6 +151,48 @@ def test_a_publish_says_what_the_miss_cost_and_the_parts_add_up(daemon: Client,
     assert cli_main(["status"]) == 0 and f"time   {said}\n" in capsys.readouterr().out
     with pytest.raises(Exception, match="times"):
         miss_and_publish(daemon, "c" * 64, "o", times={"waited_s": -1.0, "load_s": 0.0, "cache_s": 0.0})
+
+
+def test_hits_whose_times_never_came_are_said_beside_the_timed_ones(daemon: Client, overmind_home: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """Note [Load time saved]: a kernel killed before it reported its hits' times leaves them untimed for
+    good, and a running kernel's are untimed until it reports; status counts both beside the timed hits, and
+    the CLI, the widgets and `%overmind status` (state_view's text) say so in the same words."""
+    from overmind_jupyter.view import state_view
+
+    key = "a" * 64
+    miss_and_publish(daemon, key, "m", times={"waited_s": 1.5, "load_s": 1.0, "cache_s": 0.5})
+    daemon.request("lookup", key=key, wait=False).close()
+    daemon.request("hits", hits=[{"key": key, "t": time.time(), "hit_s": 0.25}])
+    killed = run_py(f"""
+        import os, signal
+        from pathlib import Path
+        from kernel_server import Client
+        client = Client(Path({str(overmind_home)!r}), role="kernel")
+        for _ in range(2):
+            client.request("lookup", key={key!r}, wait=False).close()
+        os.kill(os.getpid(), signal.SIGKILL)  # before it reports the times of its hits
+    """, check=False)
+    assert killed.returncode == -9, killed.stderr
+    daemon.request("lookup", key=key, wait=False).close()  # this kernel's, not reported yet
+    def told() -> dict[str, Any]:  # once the daemon saw the killed kernel's connection end
+        status = daemon.request("status").payload
+        return status if status["time_saved"].get("untimed_ended") else {}
+
+    status = wait_until(told, what="the killed kernel's hits counted as never timed")
+    assert status["stats"]["hits"] == 4, status["stats"]
+    assert (status["time_saved"]["untimed_ended"], status["time_saved"]["untimed_waiting"]) == (2, 1)
+    said = ("250 ms saved: 1 hit took 250 ms instead of 1.0 s (3 more: 2 of kernels that ended before telling "
+            "their times, 1 not timed yet), less 500 ms of caching in 1 miss")
+    assert formats.saved_text(status["time_saved"]) == said
+    assert state_view(status)["texts"]["saved_detail"] == said
+    assert cli_main(["status"]) == 0 and f"time   {said}\n" in capsys.readouterr().out
+    sums = payloads.TimeSaved(misses=1, cache_s=0.5, hits=510, plain_s=1320.0, hit_s=23.0, untimed_ended=130)
+    assert formats.saved_text(sums) == ("22 min saved: 510 hits took 23 s instead of 22 min (130 more, of kernels "
+                                        "that ended before telling their times), less 500 ms of caching in 1 miss")
+    sums = payloads.TimeSaved(misses=1, cache_s=0.5, hits=0, plain_s=0.0, hit_s=0.0, untimed_waiting=1)
+    assert formats.saved_text(sums) == ("none saved yet: no hit timed yet (1 hit, not timed yet), and the caching "
+                                        "cost 500 ms in 1 miss")
 
 
 @pytest.mark.parametrize(("plain_s", "hit_s", "cache_s", "said"), [

@@ -75,6 +75,10 @@ export interface ITimeSaved {
   plain_s: number;
   hit_s: number;
   saved_s: number;
+  /** Hits left out of the sums, their times never reported: of kernels that ended before reporting them. */
+  untimed_ended?: number;
+  /** And of kernels that run and have yet to report them. */
+  untimed_waiting?: number;
 }
 
 /** What the daemon still copies of an entry from its checkpoint files (it is servable already). */
