@@ -78,6 +78,7 @@ _MAX_ITEMS = 10_000
 _MAX_VALUES = 100_000  # in all the arguments of one call: a list that holds one big list many times
 _MAX_DEPTH = 32
 _MAX_STRING = 64 * 1024
+_MAX_ARRAY = 64 * 1024 * 1024  # bytes of one array in a scheduler's state (Note [Schedulers given to a load])
 _MAX_FILES = 100_000
 _OPAQUE_STRINGS = ("cache_dir", "offload_folder", "local_dir")  # where to look, not what is read
 # Note [Hub arguments left at their default]
@@ -717,8 +718,10 @@ class _Canonical:
             state = vars(v) if hasattr(v, "__dict__") else {f.name: getattr(v, f.name) for f in dataclasses.fields(v)}
             return {"object": _qualname(v), "state": self.value(name, dict(state), depth + 1)}
         config = getattr(v, "config", None)
-        if _is_scheduler(v) and isinstance(config, dict):
-            return {"object": _qualname(v), "config": self.value(name, _as_set_sorted(dict(config)), depth + 1)}
+        if _is_scheduler(v) and isinstance(config, dict):  # Note [Schedulers given to a load]
+            state = {k: x for k, x in vars(v).items() if k != "_internal_dict"}
+            return {"object": _qualname(v), "config": self.value(name, _as_set_sorted(dict(config)), depth + 1),
+                    "state": self.state(name, state, depth + 1)}
         if callable(getattr(v, "named_modules", None)) or callable(getattr(v, "save_pretrained", None)):
             if _gated(v):
                 raise Uncacheable(f"argument {name} ({_qualname(v)}) has an adapter gate open on it, whose hooks "
@@ -731,6 +734,41 @@ class _Canonical:
                               "entry holds it as it is now; to cache this load, pass the model as it was loaded: "
                               "load adapters right after loading the base model, before changing it")
         raise Uncacheable(f"argument {name} of type {_qualname(v)} has no canonical form for a cache key")
+
+
+    def state(self, name: str, v: Any, depth: int) -> Any:
+        """A scheduler's attribute values: as `value` keys them, and its arrays (timesteps, sigmas, the
+        model outputs of a multistep solver) by their bytes."""
+        torch = _torch()
+        numpy = sys.modules.get("numpy")
+        array = None
+        if torch is not None and isinstance(v, torch.Tensor):
+            array = v.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+            kind = ["tensor", str(v.dtype).removeprefix("torch."), list(v.shape)]
+        elif numpy is not None and isinstance(v, numpy.ndarray) and v.dtype != object:
+            array, kind = numpy.ascontiguousarray(v), ["array", v.dtype.str, list(v.shape)]
+        elif numpy is not None and isinstance(v, numpy.generic) and not isinstance(v, numpy.object_):
+            return {"numpy": [v.dtype.str, repr(v.item())]}
+        if array is not None:
+            if array.nbytes > _MAX_ARRAY:
+                raise Uncacheable(f"argument {name} holds an array of {array.nbytes} bytes; at most {_MAX_ARRAY} "
+                                  "can be keyed")
+            return {kind[0]: [*kind[1:], hashlib.sha256(array.tobytes()).hexdigest()]}
+        if depth > _MAX_DEPTH:
+            raise Uncacheable(f"argument {name} nests deeper than {_MAX_DEPTH} levels")
+        if isinstance(v, (list, tuple)) and len(v) <= _MAX_ITEMS:
+            return {type(v).__name__: [self.state(f"{name}[{i}]", x, depth + 1) for i, x in enumerate(v)]}
+        if isinstance(v, dict) and len(v) <= _MAX_ITEMS and all(isinstance(k, str) for k in v):
+            return {"dict": [[k, self.state(f"{name}.{k}", v[k], depth + 1)] for k in sorted(v)]}
+        return self.value(name, v, depth)
+
+
+# Note [Schedulers given to a load]
+# A scheduler given to a load is keyed by its whole state: its config, and every attribute besides (the
+# timesteps `set_timesteps` made, an attribute of the user's), arrays by their bytes. A hit gives the
+# caller's scheduler the state the entry's scheduler had after the call (Note [Argument replay] in
+# rebuild.py), which is what the plain call leaves in it only where the two started alike: keyed by its
+# config alone, a fresh scheduler took another kernel's 7 timesteps and lost the attribute its user set.
 
 
 def _gated(model: Any) -> bool:

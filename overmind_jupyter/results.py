@@ -84,6 +84,21 @@ class _Result:
 _results: weakref.WeakKeyDictionary[Any, _Result] = weakref.WeakKeyDictionary()
 
 
+@dataclass
+class _Part:
+    """A component of an entry's result (a pipeline's vae), keyed as that entry's part while unchanged
+    (Note [References])."""
+
+    whole: _Result
+    name: str  # the result's attribute that holds it
+    expected: bytes | None = None  # what it packs to while unchanged, once computed
+    pickled_here: bool = False  # `expected` was packed from this very object (a miss of this process)
+
+
+# Components of results, by their own object: apart from `_results`, which `holds` (every `.to`) asks.
+_parts: weakref.WeakKeyDictionary[Any, _Part] = weakref.WeakKeyDictionary()
+
+
 def _reference(obj: Any, replay: Replay) -> Callable[[], Any]:
     """A weak reference to a call's result; a strong one to the small return value of a method that
     loads into its object (load_adapter), which nothing else would keep for the next reference check."""
@@ -111,11 +126,23 @@ def remember(obj: Any, key: str, graph: bytes, replay: Replay, *, pickled_here: 
     for member in [obj, *(o for o in replay.roots if id(o) not in left)]:
         if _weakable(member):
             _results[member] = info
+    arguments = {id(o) for o in replay.roots}
+    for name, component in _components(obj):
+        if id(component) not in arguments:  # an argument is its own entry's, or this one's as a root
+            part = _Part(info, name)
+            if pickled_here:  # as it is now, which is what the entry's graph was just pickled from
+                part.expected, part.pickled_here = _pack_part(component, info), True
+                if part.expected is None:
+                    continue
+            _parts[component] = part
     if not pickled_here:  # a hit, which gave the arguments it kept their state anew
         for given in kept:
             own = _results.get(given) if _weakable(given) else None
             if own is not None and own.pickled_here:  # its pickle's strings are no longer its own
                 own.pickled_here, own.expected = False, None
+            held = _parts.get(given) if _weakable(given) else None
+            if held is not None and held.pickled_here:
+                held.pickled_here, held.expected = False, None
 
 
 def spellings_of(obj: Any) -> dict[str, str]:
@@ -123,6 +150,9 @@ def spellings_of(obj: Any) -> dict[str, str]:
     (Note [Spellings] in spellings.py)."""
     try:
         info = _results.get(obj)
+        if info is None:
+            part = _parts.get(obj)
+            info = part.whole if part is not None else None
     except TypeError:
         return {}
     return info.spellings if info is not None else {}
@@ -146,10 +176,13 @@ def result_key(obj: Any, mapped: dict[tuple[str, int, int, str], Any] | None = N
 
     try:
         info = _results.get(obj)
+        if info is None:
+            part = _parts.get(obj)
+            return _part_key(obj, part, mapped) if part is not None else None
     except TypeError:
         return None
-    live = info.live() if info is not None else None
-    if info is None or live is None:
+    live = info.live()
+    if live is None:
         return None
     result, replay = live
     try:
@@ -180,6 +213,68 @@ def result_key(obj: Any, mapped: dict[tuple[str, int, int, str], Any] | None = N
     return info.key
 
 
+def _components(obj: Any) -> list[tuple[str, Any]]:
+    """The components a result holds as its attributes (a pipeline's vae, text encoder, scheduler; a
+    processor's tokenizer): the models and savable objects of its `__dict__`, by attribute name."""
+    state = getattr(obj, "__dict__", None)
+    if not isinstance(state, dict):
+        return []
+    found = []
+    for name, value in state.items():
+        if isinstance(name, str) and not isinstance(value, type) and \
+                (callable(getattr(value, "named_modules", None)) or callable(getattr(value, "save_pretrained", None))) \
+                and _weakable(value):
+            found.append((name, value))
+    return found
+
+
+def _substitutes(whole: _Result) -> dict[str, Any]:
+    # (an argument gone since is in no part: a part holds what it holds)
+    return {p: o for p, r in whole.paths.items() if (o := r()) is not None}
+
+
+def _pack_part(component: Any, whole: _Result) -> bytes | None:
+    """`component` of the result of `whole` packed as `result_key` packs it; None where it cannot be."""
+    from . import rebuild
+
+    try:
+        with rebuild.gc_paused():
+            packed = rebuild.pack(component, self_key=whole.key, substitutes=_substitutes(whole))
+    except (PackError, CorruptEntry):
+        return None
+    return None if packed.own else packed.graph
+
+
+def _part_key(obj: Any, part: _Part, mapped: dict[tuple[str, int, int, str], Any] | None) -> str | None:
+    """`result_key` of a component of an entry's result: "<entry key>/<attribute>" while it still is what
+    the entry's graph holds there (Note [References])."""
+    from . import rebuild, spellings
+
+    whole = part.whole
+    try:
+        with rebuild.gc_paused():
+            packed = rebuild.pack(obj, self_key=whole.key, substitutes=_substitutes(whole))
+            if packed.own:
+                return None  # a storage is not, or no longer, the entry's bytes
+            if part.expected is None:
+                as_stored, placeholders = rebuild.skeleton(whole.graph, whole.key)
+                if whole.respelled:
+                    spellings.respell(as_stored[0], as_stored[1], whole.respelled)
+                state = getattr(as_stored[0], "__dict__", None)
+                if not isinstance(state, dict) or part.name not in state:
+                    return None
+                part.expected = rebuild.pack(state[part.name], self_key=whole.key, trust_mappings=True,
+                                             substitutes=placeholders).graph
+                del as_stored, placeholders, state
+    except (PackError, CorruptEntry):
+        return None
+    if packed.graph != part.expected:
+        return None
+    if mapped is not None:
+        mapped.update(packed.mapped)
+    return f"{whole.key}/{part.name}"
+
+
 # Note [References]
 # A cached result passed into another load (a base model into PeftModel.from_pretrained, a vae into a
 # pipeline) enters that load's key as the key of its entry, but only while it is unchanged: a model
@@ -206,6 +301,16 @@ def result_key(obj: Any, mapped: dict[tuple[str, int, int, str], Any] | None = N
 # as it did before. A hit gives the arguments it replays onto their state anew, strings made by its own
 # graph's unpickling included, which share otherwise than those of the graph a miss of this process
 # pickled from the argument: a kept argument published here is compared with a skeleton from then on.
+# A component of a result (`_components`: a pipeline's vae, text encoder, tokenizer or scheduler, an
+# attribute of the result that is a model or savable) is registered apart (`_parts`, which `holds` never
+# reads) as that entry's part, unless the call was given it (it is then its own entry's, or the call's
+# root). It is keyed "<entry key>/<attribute>", the same in every process, while unchanged: its storages
+# still the entry's and its pickle equal to the part of the entry's graph it came from, that attribute of
+# a skeleton packed alone (the whole need not live). A miss of this process packs each component once
+# after its publish, since the live objects share strings otherwise than a skeleton; a hit that replays
+# onto a kept part makes it compared with a skeleton from then on, as above. Before, such a component was
+# no entry's: `vae=p1.vae`, the common way to share components between pipelines, fell back, told the
+# vae was changed.
 
 
 def _weakable(obj: Any) -> bool:

@@ -522,6 +522,67 @@ def test_a_vae_given_to_pipelines_stays_its_own_entrys(shell, checkpoints: dict[
     assert results.result_key(vae) == own
 
 
+def test_a_component_of_a_cached_pipeline_is_keyed_by_its_entry_while_unchanged(overmind_home: Path,
+                                                                               checkpoints: dict[str, str]) -> None:
+    """Note [References] in results.py: a cached pipeline's vae and text encoder, unchanged, given to another
+    pipeline's load are keyed as parts of its entry, by the same key after a restart (a hit there); they
+    fell back, told they were changed. A component written in place since is keyed by nothing."""
+    code = f"""
+        import json, warnings
+        import torch
+        import overmind_jupyter
+        from overmind_jupyter import loading, results
+        overmind_jupyter.enable()
+        from diffusers import DiffusionPipeline
+        first = DiffusionPipeline.from_pretrained({checkpoints["pipeline"]!r})
+        parts = [results.result_key(first.vae), results.result_key(first.text_encoder)]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            second = DiffusionPipeline.from_pretrained({checkpoints["pipeline"]!r}, vae=first.vae,
+                                                       text_encoder=first.text_encoder)
+            calls = dict(loading.calls())
+            with torch.no_grad():
+                first.unet.conv_in.weight.add_(1)
+            DiffusionPipeline.from_pretrained({checkpoints["pipeline"]!r}, unet=first.unet)
+        print(json.dumps({{"parts": parts, "calls": calls, "shared": second.vae is first.vae,
+                          "after": [results.result_key(first.vae), results.result_key(first.text_encoder)],
+                          "changed": results.result_key(first.unet), "told": [str(w.message) for w in caught]}}))
+    """
+    miss, hit = (last_json(run_py(code, timeout=300)) for _ in range(2))
+    assert miss["calls"] == {"miss": 2} and hit["calls"] == {"hit": 2}, (miss, hit)
+    for out in (miss, hit):
+        assert out["parts"][0].endswith("/vae") and out["parts"][1].endswith("/text_encoder"), out
+        assert out["parts"] == miss["parts"] and out["after"] == out["parts"] and out["shared"], out
+        assert out["changed"] is None, out
+        [told] = out["told"]
+        assert "argument unet" in told and "was changed since it was loaded or made" in told, told
+
+
+def test_a_scheduler_given_to_a_pipeline_is_keyed_by_its_whole_state(shell, checkpoints: dict[str, str]) -> None:
+    """Note [Schedulers given to a load] in keys.py: a fresh scheduler with an attribute of its user's, given
+    to the load another scheduler of the same config was given after `set_timesteps(7)`, is the plain load's
+    afterwards: no timesteps, its own attribute. Keyed by its config alone, it was a hit that gave it the
+    other's 7 timesteps and dropped the attribute. The same state again is a hit that keeps them."""
+    from diffusers import DDIMScheduler, DiffusionPipeline
+
+    from overmind_jupyter import loading
+
+    shell.run_line_magic("overmind", "on")
+    before = loading.calls()
+    config = DDIMScheduler.load_config(checkpoints["pipeline"], subfolder="scheduler")
+    used = DDIMScheduler.from_config(config)
+    used.set_timesteps(7)
+    assert DiffusionPipeline.from_pretrained(checkpoints["pipeline"], scheduler=used).scheduler is used
+    for again in (False, True):
+        mine = DDIMScheduler.from_config(config)
+        mine.my_tag = "mine"
+        pipe = DiffusionPipeline.from_pretrained(checkpoints["pipeline"], scheduler=mine)
+        assert pipe.scheduler is mine and mine.num_inference_steps is None and mine.my_tag == "mine", vars(mine)
+        calls = {k: c - before.get(k, 0) for k, c in loading.calls().items() if c != before.get(k, 0)}
+        assert calls == ({"miss": 2} if not again else {"miss": 2, "hit": 1}), calls
+    assert used.num_inference_steps == 7
+
+
 def test_evict_magic_names_what_it_evicted(shell, tiny_llama: Path, overmind_home: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     """`%overmind evict KEY` names the entry as `%overmind status` shows it: its key, label and size."""
