@@ -215,9 +215,11 @@ def result_key(obj: Any, mapped: dict[tuple[str, int, int, str], Any] | None = N
 
 def _components(obj: Any) -> list[tuple[str, Any]]:
     """The components a result holds as its attributes (a pipeline's vae, text encoder, scheduler; a
-    processor's tokenizer): the models and savable objects of its `__dict__`, by attribute name."""
+    processor's tokenizer): the models and savable objects of its `__dict__`, by attribute name. A model
+    has none: its modules are not attributes, and its config and generation config are keyed by value
+    (nor is a miss of one to pack them again)."""
     state = getattr(obj, "__dict__", None)
-    if not isinstance(state, dict):
+    if not isinstance(state, dict) or callable(getattr(obj, "named_modules", None)):
         return []
     found = []
     for name, value in state.items():
