@@ -7,10 +7,10 @@ A key is the SHA-256 of a JSON document holding (docs/design.md invariant 2):
   installed distribution provides: `class Pruned(LlamaForCausalLM)`) by what it does: its methods by their
   code, its class attributes, its bases; a plain function (a notebook's `load`) by what it does: its code
   (bytecode, constants, names, nested code), its defaults, the values of its closure and of the globals
-  it reads (the user's functions and classes among them by their own code: Note [The user's modules a
-  module imports]), the module attributes, environment variables and literal paths it reads (Note [What
-  a function reads] in reads.py), and the identity of its module's file; a `functools.partial` is keyed
-  as the call it makes; a callable object is uncacheable, since its state is not known;
+  it reads (functions among them by their own code), the module attributes, environment variables and
+  literal paths it reads (Note [What a function reads] in reads.py), and the identity of its module's
+  file; a `functools.partial` is keyed as the call it makes; a callable object is uncacheable, since its
+  state is not known;
 - the arguments bound to the callable's signature (so positional and keyword spellings agree), each in
   a canonical form; an argument without one makes the call uncacheable (`Uncacheable`), never guessed.
   Objects with a `to_dict` (configs) are keyed by their whole state, every attribute, private ones
@@ -42,7 +42,6 @@ import hashlib
 import importlib
 import inspect
 import json
-import logging
 import math
 import os
 import re
@@ -543,12 +542,7 @@ class _Canonical:
                 x = fn.__globals__[g]
                 if x is os.environ or x is os.getenv:
                     continue  # keyed by the variables read (Note [What a function reads])
-                try:
-                    read[g] = self._global(f"{fn.__qualname__}: global {g}", x, depth)
-                except Uncacheable:  # Note [What a module of the user's takes from a library]
-                    read[g] = _from_a_library(fn.__module__, g, x)
-                    if read[g] is None:
-                        raise
+                read[g] = self._global(f"{fn.__qualname__}: global {g}", x, depth)
             closure = [self._global(f"{fn.__qualname__}: closure {v}", _contents(c), depth)
                        for v, c in zip(code.co_freevars, fn.__closure__ or (), strict=True)]
             out = {
@@ -560,8 +554,8 @@ class _Canonical:
                 "globals": read,
                 **self._code_reads(fn, depth),
             }
-            # A library's function also by its file (its code is its version); the user's by its code, and, read
-            # as a global, by its module's file too (Note [The user's modules a module imports]).
+            # A library's function also by its file (its code is its version); the user's by its code alone,
+            # so that a module beside the notebook edited and edited back is a hit again.
             file = None if is_users_module(fn.__module__) else _module_file(fn.__module__)
             if file is not None:
                 out["file"] = _identity(os.stat(file))
@@ -570,37 +564,26 @@ class _Canonical:
             self._functions.discard(id(fn))
 
     def _global(self, name: str, x: Any, depth: int) -> Any:
-        """A global a function reads. Functions and classes of a library's module with a file are keyed by
-        name and that file's identity (a library's code is its version); the user's (the notebook's, or of
-        a module beside it) by their code as this process has it (Note [The user's modules a module
-        imports])."""
+        """A global a function reads. Functions and classes of a module with a file are keyed by name
+        and that file's identity (a library's code is its version); those of the notebook itself
+        (`__main__`, no file) by their code."""
         if isinstance(x, types.ModuleType):
             return {"module": x.__name__}
-        if isinstance(x, logging.Logger):  # where messages go, not what is built
-            return {"logger": x.name}
-        for sentinel in ("MISSING", "_HAS_DEFAULT_FACTORY"):  # what a dataclass's generated `__init__` reads
-            if x is getattr(dataclasses, sentinel, _MISSING):
-                return {"dataclasses": sentinel}
         if isinstance(x, (types.FunctionType, type)):
             if id(x) in self._functions:  # a method's `__class__` cell: the class being keyed
                 return {"recursive": x.__qualname__}
             file = _module_file(x.__module__)
-            users = is_users_module(x.__module__)
-            if file is not None and not users:
-                return {"name": f"{x.__module__}.{x.__qualname__}", "file": _identity(os.stat(file))}
+            if file is not None:
+                out: dict[str, Any] = {"name": f"{x.__module__}.{x.__qualname__}", "file": _identity(os.stat(file))}
+                if is_users_module(x.__module__):  # Note [The user's modules a module imports]
+                    found = self._imports.get(x.__module__)
+                    if found is None:
+                        found = self._imports[x.__module__] = _users_imports(x.__module__)
+                    out["imports"] = found
+                return out
             if isinstance(x, types.FunctionType):
-                out: dict[str, Any] = {"function": self.function(name, x, depth + 1)}
-            elif users:  # with the user's classes it derives from, as the class a loader is called on
-                out = {"classes": [self.cls(f"{name} ({c.__qualname__})", c, depth) for c in x.__mro__
-                                   if is_users_module(c.__module__)]}
-            else:
-                out = self.cls(name, x, depth)
-            if users and file is not None:  # Note [The user's modules a module imports]
-                found = self._imports.get(x.__module__)
-                if found is None:
-                    found = self._imports[x.__module__] = _users_imports(x.__module__)
-                out.update(file=_identity(os.stat(file)), imports=found)
-            return out
+                return {"function": self.function(name, x, depth + 1)}
+            return self.cls(name, x, depth)
         if callable(x) and hasattr(x, "__qualname__"):  # builtins, bound methods, functools wrappers
             owner = getattr(x, "__self__", None)
             where = _qualname(owner) if owner is not None and not isinstance(owner, types.ModuleType) else ""
@@ -624,11 +607,6 @@ class _Canonical:
                                   for f in (v.fget, v.fset, v.fdel)]
                 elif isinstance(v, types.FunctionType):
                     methods[k] = self.function(f"{name}.{k}", v, depth + 1)
-                elif k == "__dataclass_fields__" and isinstance(v, dict):  # a dataclass's (transformers' configs)
-                    attributes[k] = {f: [None if d is dataclasses.MISSING else
-                                         self._global(f"{name}.{f}", d, depth + 1)
-                                         for d in (spec.default, spec.default_factory)]
-                                     for f, spec in sorted(v.items())}
                 else:
                     attributes[k] = self._global(f"{name}.{k}", v, depth + 1)
         finally:
@@ -782,8 +760,7 @@ _MISSING = object()
 _CLASS_BOOKKEEPING = frozenset({
     "__module__", "__qualname__", "__doc__", "__dict__", "__weakref__", "__annotations__", "__orig_bases__",
     "__parameters__", "__static_attributes__", "__firstlineno__", "__slots__", "__abstractmethods__", "_abc_impl",
-    "__annotate__", "__annotate_func__", "__annotations_cache__", "__dataclass_params__",
-    "__slotnames__"})  # (copyreg caches this one on a class the first time one of its objects is pickled)
+    "__annotate__", "__annotate_func__", "__annotations_cache__"})
 
 
 def _qualname(v: Any) -> str:
@@ -920,7 +897,7 @@ def under_bindings(ck: CallKey, now: dict[str, str]) -> CallKey:
 # `AutoModelForCausalLM.register(LlamaConfig, MyLlama, exist_ok=True)` (or `AutoConfig.register("mine",
 # MyConfig)`) changes which class an Auto class's `from_pretrained` builds, for the same checkpoint and
 # arguments: the key of a call on an Auto class names every registration made in the process, each class
-# keyed as a global a function reads is (Note [The user's modules a module imports]). So a kernel that
+# as a global a function reads is named (Note [The user's modules a module imports]). So a kernel that
 # registers its own class, or an edited one, does not get the entry of the library's class, and the other
 # way round. The registrations are read from transformers' mappings (`_extra_content`, where `register`
 # puts them); none made, the key is as before. Those transformers makes itself, as a `trust_remote_code`
@@ -941,28 +918,16 @@ def _registered(cls: type) -> list[tuple[Any, Any]]:
 
 
 # Note [The user's modules a module imports]
-# A class or function of a library's module with a file is keyed by its name and that file's identity (its
-# code is its version). One of the user's (the notebook's, or of a module of the user's: Note [Installed
-# code] in reads.py), read by keyed code (a global, a closure, a module attribute, a class attribute, a
-# registered class) is keyed by what this process has in memory, as the class a loader is called on is: a
-# function by its code and what it reads, a class by each class of the user's in its MRO, their methods
-# and attributes. A file's identity says what a process importing it now would run, not what this one
-# runs: `blocks.py` edited and not reloaded (or not yet re-run by a restarted kernel) still builds its old
-# `Block`, and a key by the file's name and identity stored that model for the kernels that import the
-# edited file (a stale hit). Following the code also reaches the user's modules below it: `model.py`'s
-# class builds a `Block` of `blocks.py`, which builds an `Attention` of `attention.py` or reads a constant
-# there, and each is keyed by its code or value in turn.
-# A module of the user's with a file is keyed besides by that file's identity and that of every module of
-# the user's that it imports, and that those import in turn, for what its code's reads do not show (a
-# callable keyed by its name, such as a `functools.lru_cache` wrapper; an attribute read under a computed
-# name): the import statements that importing each file may run (parsed once per version of the file; not
-# those inside its functions, which run in some processes only, so that the key is the same in every
-# process, nor those under `if TYPE_CHECKING:`), resolved as Python resolves them; a module imported by a
-# call (`importlib.import_module`, an import inside a function) is not followed. So a key is the same only
-# where both the code in memory and the files agree; a module edited and edited back is a miss, as before.
-# The cost: such a global is keyed as deep as its code reads, and a load whose user's class reads, two
-# modules down, a global with no canonical form (an object keyed by nothing) is uncacheable where it was
-# keyed by a file, and runs plainly, the fallback naming the global.
+# A class or function of a module with a file is keyed by its name and that file's identity; for a module
+# of the user's (Note [Installed code] in reads.py) that is not enough: `model.py`'s class builds a
+# `Block` of `blocks.py`, which builds an `Attention` of `attention.py` or reads a constant there, so an
+# edit of `attention.py` alone changes what the load builds. So such a name is keyed with the identity
+# of every module of the user's that its module imports, and that those import in turn: the import
+# statements that importing each file may run (parsed once per version of the file; not those inside its
+# functions, which run in some processes only, so that the key is the same in every process, nor those
+# under `if TYPE_CHECKING:`), resolved as
+# Python resolves them. A library's module is keyed by its name and version alone, as before; a module
+# imported by a call (`importlib.import_module`, an import inside a function) is not followed.
 def _users_imports(module: str) -> dict[str, list[int]]:
     """The identity of the file of each module of the user's that `module` imports, directly or through
     another such module (Note [The user's modules a module imports])."""
@@ -1024,28 +989,6 @@ def _run_on_import(body: list[Any]) -> Iterator[Any]:
             yield from _run_on_import(node.body)
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             yield node
-
-
-# Note [What a module of the user's takes from a library]
-# A module of the user's that binds a library's object by name (`from transformers.activations import
-# ACT2FN`), read by its code, is keyed as a library's class is, by that name and the library module's file,
-# where the object has no canonical form of its own: its state is the library's, as its classes' code is.
-# Found in the import statements the module's file runs (Note [The user's modules a module imports]), and
-# only where the library's module binds that name to that very object now.
-def _from_a_library(module: str, name: str, x: Any) -> dict[str, Any] | None:
-    """{"name", "file"} of the library's object `x` that `module`, of the user's, imports as `name`, or None
-    (Note [What a module of the user's takes from a library])."""
-    file = _module_file(module)
-    if file is None or not is_users_module(module):
-        return None
-    for imported in _imports(module, file, tuple(_identity(os.stat(file)))):
-        owner, _, attr = imported.rpartition(".")
-        library = sys.modules.get(owner)
-        owner_file = _module_file(owner)
-        if attr == name and owner_file is not None and not is_users_module(owner) and \
-                getattr(library, attr, _MISSING) is x:
-            return {"name": imported, "file": _identity(os.stat(owner_file))}
-    return None
 
 
 def _module_file(module: str) -> str | None:

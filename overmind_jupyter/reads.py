@@ -15,9 +15,8 @@ in keys.py). Three more reads decide what it returns, and each is found in its b
 - a string constant naming a file or folder that exists: keyed by its files' identity, as a path argument
   is, so a checkpoint replaced under a literal path is a miss. Never the working directory, one of its
   ancestors or the home folder, whose files the notebook's own autosave changes.
-These are read in the function keyed by its code and in every function and class of the user's it calls
-(those are keyed by their code too, Note [The user's modules a module imports] in keys.py); a function of a
-library's module is keyed by its file's identity instead.
+These are read in the function keyed by its code and in every function of the notebook it calls (those are
+keyed by their code too); a function of a module with a file is keyed by that file's identity instead.
 """
 
 from __future__ import annotations
