@@ -690,6 +690,11 @@ def shared_client(*, spawn: bool = True, role: str = "kernel", label: str = "") 
     global _shared
     with _shared_lock:
         if _shared is None or _shared.closed or _shared.pid != os.getpid():
+            if _shared is not None and _shared.pid == os.getpid():
+                # Ended, not closed (a read cut inside a frame by a Ctrl-C leaves the stream out of step,
+                # and the next read fails): closed now, so that the daemon ends its lease too (its pins
+                # and units, docs/design.md invariant 5) and its socket is not left open here.
+                _shared.close()
             try:
                 _shared = Client(spawn=spawn, role=role, label=label or _kernel_label())
             except DaemonLost:  # reached a daemon that was exiting: its successor answers the next try

@@ -218,3 +218,38 @@ def test_uninterrupted_work_runs_whole_and_raises_the_ctrl_c_after(tmp_path: Pat
     assert interrupting() is None
     assert done == ["after the Ctrl-C"]
     assert mappings.uninterrupted(work, []) == "returned"
+
+
+def test_a_connection_that_ended_out_of_step_is_closed_and_its_lease_ends(daemon: Path) -> None:
+    """A Ctrl-C inside a read, between a frame's header and its body, leaves the stream out of step: the
+    next read fails and the connection ends. The next call opens another; the ended one is closed, so
+    that the daemon ends its lease too (its pins: docs/design.md invariant 5) and no socket is left open.
+    Before, the daemon listed the old connection, with the pins of the models it had mapped, as long as
+    the kernel lived (its entries never evicted for the budget)."""
+    proc = run_py("""
+        import json, time
+        from kernel_server import Client
+        from kernel_server.client import shared_client
+        from kernel_server.errors import DaemonLost
+        from overmind_jupyter import loading
+        from tests.helpers import tiny_modules
+
+        model = loading.cached(tiny_modules.build, "mlp", width=64)
+        old = shared_client()
+        old._end(DaemonLost("lost the daemon: bad magic"))  # where a read cut inside a frame leads
+        new = shared_client()
+        with Client(role="test") as probe:
+            def pinned_by_old():
+                return [e["key"] for e in probe.request("status")["entries"]
+                        if any(p["conn"] == old.conn_id for p in e["pinned_by"])]
+            deadline = time.monotonic() + 10
+            while pinned_by_old() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            print(json.dumps({"calls": loading.calls(), "replaced": new is not old,
+                              "old_socket": old._sock.fileno(), "pinned_by_old": pinned_by_old(),
+                              "model": model is not None}))
+    """)
+    out = last_json(proc)
+    assert out["calls"] == {"miss": 1} and out["replaced"] and out["model"], out
+    assert out["old_socket"] == -1, "the ended connection's socket is closed"
+    assert out["pinned_by_old"] == [], "the daemon ended the old connection's lease: no pin left"
