@@ -579,6 +579,8 @@ class _Canonical:
                     found = self._imports.get(x.__module__)
                     if found is None:
                         found = self._imports[x.__module__] = _users_imports(x.__module__)
+                        for module in [x.__module__, *found]:  # Note [A module that is not its file]
+                            _check_runs_its_file(module)
                     out["imports"] = found
                 return out
             if isinstance(x, types.FunctionType):
@@ -942,6 +944,90 @@ def _users_imports(module: str) -> dict[str, list[int]]:
         todo += [m for m in _imports(name, file, tuple(identity)) if m in sys.modules and m not in found]
     del found[module]  # its own file is keyed beside its name
     return dict(sorted(found.items()))
+
+
+# Note [A module that is not its file]
+# A module of the user's is keyed by its file's identity (Note [The user's modules a module imports]),
+# which says what a process importing the file now would run. A kernel that imported `blocks.py` and saw
+# it edited since, without a reload, runs the old code: its load built the old `Block`, stored under the
+# new file's identity, and a kernel restarted on the edited file got that model (a stale hit). So before
+# such a module is keyed, if its file was written since this process started, its functions and the
+# methods of its classes are compared with the code the file compiles to now (compiled once per version
+# of the file); where one differs, or is not in the file any more, the load is uncacheable and says to
+# reload the module or restart the kernel. A file older than the process is what it imported (and a
+# module an import hook rewrote, as pytest rewrites its asserts, never matches a plain compile of its
+# file: only its edits are compared). Its module-level values are not compared (a constant edited and
+# not reloaded is still keyed by the file); nor are functions made elsewhere (a library's wrapper).
+def _check_runs_its_file(module: str) -> None:
+    """Raise Uncacheable where `module`, of the user's, runs code its file no longer holds (Note [A module
+    that is not its file])."""
+    mod, file = sys.modules.get(module), _module_file(module)
+    if mod is None or file is None:
+        return
+    st = os.stat(file)
+    if st.st_mtime < _process_started():
+        return  # written before this process started: what it imported is what the file holds
+    identity = tuple(_identity(st))
+    codes = [(name, fn.__code__) for name, x in list(vars(mod).items()) if getattr(x, "__module__", None) == module
+             for fn in ([x] if isinstance(x, types.FunctionType) else _methods(x) if isinstance(x, type) else [])
+             if fn.__code__.co_filename == file]  # (a wrapper made elsewhere runs that code)
+    seen = (identity, tuple(code for _, code in codes))  # the code objects held: none reused meanwhile
+    if _runs_its_file.get(module) == seen:
+        return
+    compiled = _file_codes(file, identity)
+    if compiled is None:
+        return
+    for name, code in codes:
+        if _code_digest(code) not in compiled.get(code.co_qualname, ()):
+            raise Uncacheable(
+                f"{module}.{name} is not what {file} holds now: the file changed since the module was "
+                f"imported; reload it (importlib.reload({module})) or restart the kernel to cache this load")
+    _runs_its_file[module] = seen
+
+
+_runs_its_file: dict[str, tuple[Any, ...]] = {}  # module -> (file identity, its code) found to run its file
+
+
+@functools.cache
+def _process_started() -> float:
+    """When this process started, in seconds since the epoch (Linux: its start in clock ticks after the
+    boot, /proc/self/stat, and the boot's time, /proc/stat)."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK") - 1.0  # (the boot time is in whole seconds)
+    except (OSError, ValueError, IndexError, StopIteration):
+        return 0.0  # unknown: every file is compared
+
+
+def _methods(cls: type) -> list[types.FunctionType]:
+    out = []
+    for attr in vars(cls).values():
+        v = attr.__func__ if isinstance(attr, (staticmethod, classmethod)) else attr
+        fs = (v.fget, v.fset, v.fdel) if isinstance(v, property) else (v,)
+        out += [f for f in fs if isinstance(f, types.FunctionType) and f.__module__ == cls.__module__]
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def _file_codes(file: str, identity: tuple[int, ...]) -> dict[str, set[str]] | None:
+    """The digests of the code of every function `file` (at this `identity` of it) defines, by qualname;
+    None where it cannot be read or compiled."""
+    try:
+        with open(file, "rb") as f:
+            code = compile(f.read(), file, "exec", dont_inherit=True)
+    except (OSError, SyntaxError, ValueError):
+        return None
+    found: dict[str, set[str]] = {}
+    todo = [code]
+    while todo:
+        for const in todo.pop().co_consts:
+            if isinstance(const, types.CodeType):
+                found.setdefault(const.co_qualname, set()).add(_code_digest(const))
+                todo.append(const)
+    return found
 
 
 @functools.lru_cache(maxsize=1024)

@@ -581,6 +581,59 @@ def test_a_checkpoint_replaced_under_a_literal_path_is_a_miss(overmind_home: Pat
     assert second["sum"] == plain_sum(checkpoint, dtype=torch.float32) != first["sum"]
 
 
+BLOCKS = """
+import torch
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, {width})
+"""
+
+# A kernel whose `load` builds a `blocks.Block`: `edit` rewrites blocks.py after the import, not reloaded.
+EDITED_UNDER_IT = """
+    import json, sys, warnings
+    import torch
+    sys.path.insert(0, {folder!r})
+    import blocks
+    from overmind_jupyter import loading
+
+    def load():
+        return blocks.Block()
+
+    if {edit}:
+        with open({file!r}, "w") as f:
+            f.write({edited!r})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.manual_seed(0)  # its weights are drawn: seeded, one entry across restarts
+        model = loading.cached(load)
+    print(json.dumps({{"calls": loading.calls(), "width": model.proj.out_features,
+                      "said": [str(w.message) for w in caught]}}))
+"""
+
+
+def test_a_module_edited_and_not_reloaded_is_not_cached_as_its_file(overmind_home: Path, tmp_path: Path) -> None:
+    """A kernel that imported blocks.py, edited since and not reloaded, builds the old Block: its load runs
+    plainly and says to reload (Note [A module that is not its file]). Keyed by the file, it was cached
+    under the edited file's identity, and the kernel restarted on the edited file got the old model."""
+    file = tmp_path / "blocks.py"
+    file.write_text(BLOCKS.format(width=8))
+    edited = BLOCKS.format(width=16)
+
+    def kernel(edit: bool) -> dict:
+        return last_json(run_py(EDITED_UNDER_IT.format(folder=str(tmp_path), file=str(file), edit=edit,
+                                                       edited=edited)))
+
+    stale = kernel(edit=True)
+    assert (stale["calls"], stale["width"]) == ({"plain": 1}, 8), stale
+    (said,) = [w for w in stale["said"] if "blocks.Block is not what" in w]
+    assert "importlib.reload(blocks)" in said, said
+    restarted = [kernel(edit=False) for _ in range(2)]
+    assert [(r["calls"], r["width"]) for r in restarted] == [({"miss": 1}, 16), ({"hit": 1}, 16)], restarted
+
+
 def test_a_path_into_the_kernels_own_file_systems_is_no_checkpoint() -> None:
     """A function whose code names /proc, /sys or /dev (an f-string's "/proc/" is a constant of its code) is
     keyed: those hold a process's state, never a checkpoint; keyed as a folder, /proc made the call
