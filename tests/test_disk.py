@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +136,27 @@ def cache_entry(client: Client, key: str, nbytes: int, backing: str, directory: 
         data.close()
 
 
+def publish_from_checkpoint(client: Client, key: str, folder: Path, disk: Path, nbytes: int, *,
+                            before: Callable[[], object] = lambda: None, pin: bool = False) -> None:
+    """Make `key` an entry as a same-dtype miss makes it: a file arena on `disk` whose `nbytes` are all pieces
+    of a checkpoint file in `folder`, served from it until the compactor copies them. `before` runs between
+    the reservation and the publish."""
+    source_path = folder / "model.safetensors"
+    source_path.write_bytes(b"\1" * nbytes)
+    source = os.open(source_path, os.O_RDONLY)
+    graph, data = arena.ArenaWriter(16), arena.ArenaWriter(nbytes, backing="file", directory=disk)
+    try:
+        assert client.request("lookup", key=key, wait=False)["status"] == "load"
+        client.request("reserve", key=key, bytes=nbytes + 16, descriptors=3)
+        before()
+        client.request("publish", key=key, fds=[graph.seal(), data.seal(), source], graph_bytes=16,
+                       arena_bytes=nbytes, meta={"label": key}, pin=pin, pieces=[[0, nbytes, 0, 0]],
+                       sources=[{"path": str(source_path), **arena.file_identity(os.fstat(source))}])
+    finally:
+        for fd in (graph.fd, data.fd, source):
+            os.close(fd)
+
+
 def test_entries_in_memory_neither_count_against_the_reserve_nor_go_to_make_room_on_the_disk(
         disk_env: dict[str, str], small_disk: Path, overmind_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """memfd arenas take memory, not disk (Note [Disk room]): with the disk below its reserve, the daemon gives
@@ -187,31 +208,18 @@ def test_a_copy_that_would_take_the_reserve_waits_for_room(
     stays servable from its file and the log says why once; it is copied once the user's file is gone."""
     for name in ("OVERMIND_ARENA", "OVERMIND_ARENA_DIR", "OVERMIND_DISK_RESERVE"):
         monkeypatch.setenv(name, disk_env[name])
-    nbytes = 16 << 20
-    source_path = tmp_path / "model.safetensors"
-    source_path.write_bytes(b"\1" * nbytes)
-    source = os.open(source_path, os.O_RDONLY)
-    graph, data = arena.ArenaWriter(16), arena.ArenaWriter(nbytes, backing="file", directory=small_disk)
-    client = Client(overmind_home, role="test")
-    try:
-        assert client.request("lookup", key="k", wait=False)["status"] == "load"
-        client.request("reserve", key="k", bytes=nbytes + 16, descriptors=3)
-        (small_disk / "users-file").write_bytes(b"\0" * (30 << 20))  # 34 MiB free: 10 above the reserve
-        client.request("publish", key="k", fds=[graph.seal(), data.seal(), source], graph_bytes=16,
-                       arena_bytes=nbytes, meta={"label": "waiting"}, pin=True, pieces=[[0, nbytes, 0, 0]],
-                       sources=[{"path": str(source_path), **arena.file_identity(os.fstat(source))}])
+    user_file = small_disk / "users-file"  # 34 MiB free once written: 10 above the reserve
+    with Client(overmind_home, role="test") as client:
+        publish_from_checkpoint(client, "waiting", tmp_path, small_disk, 16 << 20, pin=True,
+                                before=lambda: user_file.write_bytes(b"\0" * (30 << 20)))
         wait_until(lambda: "no room on the disk to compact" in daemon_log(overmind_home), 10, "the copy was skipped")
         pending = client.request("status")["entries"][0]["pending"]
         assert pending is not None and free(small_disk) >= RESERVE
         assert pending_text(pending) == ("served from its checkpoint; copied once the disk has room "
                                          "(OVERMIND_DISK_RESERVE)"), pending
-        (small_disk / "users-file").unlink()
+        user_file.unlink()
         wait_until(lambda: client.request("status")["entries"][0]["pending"] is None, 20, "the copy ran")
         assert free(small_disk) >= RESERVE and daemon_log(overmind_home).count("no room on the disk to compact") == 1
-    finally:
-        client.close()
-        for fd in (graph.fd, data.fd, source):
-            os.close(fd)
 
 
 def test_an_entry_served_from_its_checkpoint_frees_only_what_its_arena_holds_when_evicted(
@@ -222,27 +230,15 @@ def test_an_entry_served_from_its_checkpoint_frees_only_what_its_arena_holds_whe
     reserve (Note [Disk room])."""
     for name in ("OVERMIND_ARENA", "OVERMIND_ARENA_DIR", "OVERMIND_DISK_RESERVE"):
         monkeypatch.setenv(name, disk_env[name])
-    nbytes = 16 << 20
-    source_path = tmp_path / "model.safetensors"
-    source_path.write_bytes(b"\1" * nbytes)
-    source = os.open(source_path, os.O_RDONLY)
-    graph, data = arena.ArenaWriter(16), arena.ArenaWriter(nbytes, backing="file", directory=small_disk)
-    try:
-        with Client(overmind_home, role="test") as client:
-            assert client.request("lookup", key="pending", wait=False)["status"] == "load"
-            client.request("reserve", key="pending", bytes=nbytes + 16, descriptors=3)
-            (small_disk / "users-file").write_bytes(b"\0" * (30 << 20))  # 34 MiB free: its copy would not fit
-            client.request("publish", key="pending", fds=[graph.seal(), data.seal(), source], graph_bytes=16,
-                           arena_bytes=nbytes, meta={"label": "pending"}, pieces=[[0, nbytes, 0, 0]],
-                           sources=[{"path": str(source_path), **arena.file_identity(os.fstat(source))}])
-            wait_until(lambda: "no room on the disk to compact" in daemon_log(overmind_home), 10, "the copy waits")
-            assert client.request("lookup", key="new", wait=False)["status"] == "load"
-            with pytest.raises(RemoteError, match="no room on the disk"):  # 10 MiB above the reserve, evicting or not
-                client.request("reserve", key="new", bytes=12 << 20, backing="file")
-        assert free(small_disk) >= RESERVE
-    finally:
-        for fd in (graph.fd, data.fd, source):
-            os.close(fd)
+    user_file = small_disk / "users-file"  # 34 MiB free once written: its copy would not fit
+    with Client(overmind_home, role="test") as client:
+        publish_from_checkpoint(client, "pending", tmp_path, small_disk, 16 << 20,
+                                before=lambda: user_file.write_bytes(b"\0" * (30 << 20)))
+        wait_until(lambda: "no room on the disk to compact" in daemon_log(overmind_home), 10, "the copy waits")
+        assert client.request("lookup", key="new", wait=False)["status"] == "load"
+        with pytest.raises(RemoteError, match="no room on the disk"):  # 10 MiB above the reserve, evicting or not
+            client.request("reserve", key="new", bytes=12 << 20, backing="file")
+    assert free(small_disk) >= RESERVE
 
 
 def test_evicting_an_entry_stops_its_copy_and_gives_its_room_back(
@@ -254,19 +250,11 @@ def test_evicting_an_entry_stops_its_copy_and_gives_its_room_back(
     so that the copy waits for an idle one (up to 2 s before each chunk) while the test evicts its entry."""
     for name in ("OVERMIND_ARENA", "OVERMIND_ARENA_DIR", "OVERMIND_DISK_RESERVE"):
         monkeypatch.setenv(name, disk_env[name])
-    nbytes = 36 << 20  # two chunks of the copy; the disk has 40 MiB above its reserve
-    source_path = tmp_path / "model.safetensors"
-    source_path.write_bytes(b"\1" * nbytes)
-    source = os.open(source_path, os.O_RDONLY)
-    graph, data = arena.ArenaWriter(16), arena.ArenaWriter(nbytes, backing="file", directory=small_disk)
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
     try:
         with Client(overmind_home, role="test") as client:
-            assert client.request("lookup", key="copied", wait=False)["status"] == "load"
-            client.request("reserve", key="copied", bytes=nbytes + 16, descriptors=3)
-            client.request("publish", key="copied", fds=[graph.seal(), data.seal(), source], graph_bytes=16,
-                           arena_bytes=nbytes, meta={"label": "copied"}, pieces=[[0, nbytes, 0, 0]],
-                           sources=[{"path": str(source_path), **arena.file_identity(os.fstat(source))}])
+            # two chunks of the copy; the disk has 40 MiB above its reserve
+            publish_from_checkpoint(client, "copied", tmp_path, small_disk, 36 << 20)
             def copying() -> dict[str, Any] | None:
                 pending = client.request("status")["entries"][0]["pending"]
                 return pending if pending["copying"] else None
@@ -285,5 +273,3 @@ def test_evicting_an_entry_stops_its_copy_and_gives_its_room_back(
         for p in busy:
             p.kill()
             p.wait()
-        for fd in (graph.fd, data.fd, source):
-            os.close(fd)

@@ -38,16 +38,13 @@ class _Interrupting(weakref.ref):  # type: ignore[type-arg]
         return int(signal.SIGINT)
 
 
-# A kernel's cell: a hit of a tiny model (the entry published by an earlier process), then the model let
-# go of with a Ctrl-C pending as its mapping's finalizer starts. Python prints the interrupt as ignored
-# in the finalizer; the next call (here `status`) finishes what it left. The last line is JSON.
-FREED_UNDER_CTRL_C = """
-    import _thread, gc, json, os, signal, sys, weakref
-    import overmind_jupyter
+# What the kernels below start with: a connection, who it pins, and its descriptors once a first hit warmed
+# up what a load opens (`fds`).
+KERNEL = """
+    import _thread, gc, json, os, sys
     from kernel_server.client import shared_client
     from overmind_jupyter import loading, mappings
     from tests.helpers import tiny_modules
-    from tests.test_interrupted_cleanup import _Interrupting
 
     client = shared_client()
     def pinned():
@@ -59,6 +56,15 @@ FREED_UNDER_CTRL_C = """
     gc.collect()
     loading.flush_warnings()
     fds = len(os.listdir("/proc/self/fd"))
+"""
+
+# A kernel's cell: a hit of a tiny model (the entry published by an earlier process), then the model let
+# go of with a Ctrl-C pending as its mapping's finalizer starts. Python prints the interrupt as ignored
+# in the finalizer; the next call (here `status`) finishes what it left. The last line is JSON.
+FREED_UNDER_CTRL_C = KERNEL + """
+    import signal, weakref
+    import overmind_jupyter
+    from tests.test_interrupted_cleanup import _Interrupting
     model = loading.cached(tiny_modules.build, "mlp", width=64)
     held = pinned()
     mapped = [ref() for records in mappings._by_key.values() for ref, *_ in records]
@@ -139,22 +145,8 @@ def test_a_ctrl_c_during_the_cleanup_waits_for_its_end_and_is_warned_of(tmp_path
 # A kernel's cell: a hit of a tiny model with a Ctrl-C landing as the hit maps the entry's arena (a real
 # SIGINT, made pending by an audit hook on the mmap's creation, and raised at Python's next check), then
 # the exception let go of. The last line is JSON.
-INTERRUPTED_AS_IT_MAPS = """
-    import _thread, gc, json, os, sys, time, traceback
-    from kernel_server.client import shared_client
-    from overmind_jupyter import loading, mappings
-    from tests.helpers import tiny_modules
-
-    client = shared_client()
-    def pinned():
-        return [e["key"] for e in client.request("status")["entries"]
-                if any(p["conn"] == client.conn_id for p in e["pinned_by"])]
-
-    model = loading.cached(tiny_modules.build, "mlp", width=64)  # warms up what a load opens
-    del model
-    gc.collect()
-    loading.flush_warnings()
-    fds = len(os.listdir("/proc/self/fd"))
+INTERRUPTED_AS_IT_MAPS = KERNEL + """
+    import time, traceback
     armed = [True]
     def interrupt_at_the_mapping(event, args):
         if event == "mmap.__new__" and armed:
