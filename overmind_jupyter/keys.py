@@ -579,8 +579,8 @@ class _Canonical:
                     found = self._imports.get(x.__module__)
                     if found is None:
                         found = self._imports[x.__module__] = _users_imports(x.__module__)
-                        for module in [x.__module__, *found]:  # Note [A module that is not its file]
-                            _check_runs_its_file(module)
+                        for module, identity in {x.__module__: out["file"], **found}.items():
+                            _check_runs_its_file(module, identity)  # Note [A module that is not its file]
                     out["imports"] = found
                 return out
             if isinstance(x, types.FunctionType):
@@ -958,23 +958,19 @@ def _users_imports(module: str) -> dict[str, list[int]]:
 # module an import hook rewrote, as pytest rewrites its asserts, never matches a plain compile of its
 # file: only its edits are compared). Its module-level values are not compared (a constant edited and
 # not reloaded is still keyed by the file); nor are functions made elsewhere (a library's wrapper).
-def _check_runs_its_file(module: str) -> None:
-    """Raise Uncacheable where `module`, of the user's, runs code its file no longer holds (Note [A module
-    that is not its file])."""
+def _check_runs_its_file(module: str, identity: list[int]) -> None:
+    """Raise Uncacheable where `module`, of the user's, whose file has `identity` (`_identity`), runs code
+    its file no longer holds (Note [A module that is not its file])."""
     mod, file = sys.modules.get(module), _module_file(module)
-    if mod is None or file is None:
-        return
-    st = os.stat(file)
-    if st.st_mtime < _process_started():
-        return  # written before this process started: what it imported is what the file holds
-    identity = tuple(_identity(st))
+    if mod is None or file is None or identity[3] < _process_started() * 1e9:
+        return  # (written before this process started: what it imported is what the file holds)
     codes = [(name, fn.__code__) for name, x in list(vars(mod).items()) if getattr(x, "__module__", None) == module
              for fn in ([x] if isinstance(x, types.FunctionType) else _methods(x) if isinstance(x, type) else [])
              if fn.__code__.co_filename == file]  # (a wrapper made elsewhere runs that code)
-    seen = (identity, tuple(code for _, code in codes))  # the code objects held: none reused meanwhile
+    seen = (tuple(identity), tuple(code for _, code in codes))  # the code objects held: none reused meanwhile
     if _runs_its_file.get(module) == seen:
         return
-    compiled = _file_codes(file, identity)
+    compiled = _file_codes(file, seen[0])
     if compiled is None:
         return
     for name, code in codes:

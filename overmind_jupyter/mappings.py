@@ -211,23 +211,20 @@ class _Dying(weakref.ref):  # type: ignore[type-arg]
     cleanup: _Cleanup
 
 
+@dataclass(slots=True, eq=False)
 class _Cleanup:
     """What a registered mapping's death leaves to do, done once (Note [Cleanup that Ctrl-C cannot cut
     short]): its spans and records out of the registry, `source` and `arena_file` closed, `keep` emptied,
     `pin` released."""
 
-    __slots__ = ("arena_file", "done", "keep", "key", "pin", "ref", "source", "spans")
-
-    def __init__(self, key: str, spans: list[Span], pin: Pin | None, source: SourceFile | None,
-                 arena_file: ArenaFile | None, keep: list[Any] | None) -> None:
-        self.key = key
-        self.spans = spans
-        self.pin = pin
-        self.source = source
-        self.arena_file = arena_file
-        self.keep = keep
-        self.ref: _Dying | None = None
-        self.done = False
+    key: str
+    spans: list[Span]
+    pin: Pin | None
+    source: SourceFile | None
+    arena_file: ArenaFile | None
+    keep: list[Any] | None
+    ref: _Dying | None = None
+    done: bool = False
 
     def finish(self) -> None:
         with _lock:

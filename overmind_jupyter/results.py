@@ -172,7 +172,7 @@ def result_key(obj: Any, mapped: dict[tuple[str, int, int, str], Any] | None = N
     """The entry `obj` belongs to (it was rebuilt from it, published as it, or changed by the call it
     holds), if it is unchanged since; else None. See Note [References]. `mapped` receives its storages
     that lie in the entry's mappings, for the rebuild of the call it is passed to, to reuse."""
-    from . import rebuild, spellings
+    from . import rebuild
 
     try:
         info = _results.get(obj)
@@ -185,32 +185,19 @@ def result_key(obj: Any, mapped: dict[tuple[str, int, int, str], Any] | None = N
     if live is None:
         return None
     result, replay = live
-    try:
-        # One pause for the whole check: the skeleton's objects die before any collection sees them.
-        # Collected between the steps, they were promoted and counted toward the next full collection
-        # of the whole heap (0.2 s in a kernel with torch and transformers imported), for garbage.
-        with rebuild.gc_paused():
-            packed = rebuild.pack((result, replay.roots, info.random_after), self_key=info.key,
-                                  substitutes=replay.paths)
-            if packed.own:
-                return None  # a storage is not, or no longer, the entry's bytes
-            if info.expected is None:
-                if info.pickled_here:
-                    info.expected = info.graph
-                else:
-                    as_stored, placeholders = rebuild.skeleton(info.graph, info.key)
-                    if info.respelled:  # as its hit was (Note [Spellings] in spellings.py)
-                        spellings.respell(as_stored[0], as_stored[1], info.respelled)
-                    info.expected = rebuild.pack(as_stored, self_key=info.key, trust_mappings=True,
-                                                 substitutes=placeholders).graph
-                    del as_stored, placeholders
-    except (PackError, CorruptEntry):
-        return None
-    if packed.graph != info.expected:
-        return None
-    if mapped is not None:
-        mapped.update(packed.mapped)
-    return info.key
+
+    def expected() -> bytes:
+        if info.expected is None:
+            if info.pickled_here:
+                info.expected = info.graph
+            else:
+                as_stored, placeholders = _skeleton(info)
+                info.expected = rebuild.pack(as_stored, self_key=info.key, trust_mappings=True,
+                                             substitutes=placeholders).graph
+        return info.expected
+
+    unchanged = _unchanged((result, replay.roots, info.random_after), info.key, replay.paths, expected, mapped)
+    return info.key if unchanged else None
 
 
 def _components(obj: Any) -> list[tuple[str, Any]]:
@@ -250,31 +237,57 @@ def _pack_part(component: Any, whole: _Result) -> bytes | None:
 def _part_key(obj: Any, part: _Part, mapped: dict[tuple[str, int, int, str], Any] | None) -> str | None:
     """`result_key` of a component of an entry's result: "<entry key>/<attribute>" while it still is what
     the entry's graph holds there (Note [References])."""
-    from . import rebuild, spellings
+    from . import rebuild
 
     whole = part.whole
+
+    def expected() -> bytes | None:
+        if part.expected is None:
+            as_stored, placeholders = _skeleton(whole)
+            state = getattr(as_stored[0], "__dict__", None)
+            if not isinstance(state, dict) or part.name not in state:
+                return None
+            part.expected = rebuild.pack(state[part.name], self_key=whole.key, trust_mappings=True,
+                                         substitutes=placeholders).graph
+        return part.expected
+
+    unchanged = _unchanged(obj, whole.key, _substitutes(whole), expected, mapped)
+    return f"{whole.key}/{part.name}" if unchanged else None
+
+
+def _skeleton(whole: _Result) -> tuple[Any, dict[str, Any]]:
+    """The entry's graph unpickled here as its hit was (respelled: Note [Spellings] in spellings.py), with
+    placeholders for the arguments it replayed onto."""
+    from . import rebuild, spellings
+
+    as_stored, placeholders = rebuild.skeleton(whole.graph, whole.key)
+    if whole.respelled:
+        spellings.respell(as_stored[0], as_stored[1], whole.respelled)
+    return as_stored, placeholders
+
+
+def _unchanged(obj: Any, key: str, substitutes: dict[str, Any], expected: Callable[[], bytes | None],
+               mapped: dict[tuple[str, int, int, str], Any] | None) -> bool:
+    """Whether `obj` is still what the entry `key` holds: every storage of it the entry's bytes, and its
+    pickle what `expected()` says (computed once, by the caller); its storages go to `mapped` if so."""
+    from . import rebuild
+
     try:
+        # One pause for the whole check: the skeleton's objects die before any collection sees them.
+        # Collected between the steps, they were promoted and counted toward the next full collection
+        # of the whole heap (0.2 s in a kernel with torch and transformers imported), for garbage.
         with rebuild.gc_paused():
-            packed = rebuild.pack(obj, self_key=whole.key, substitutes=_substitutes(whole))
+            packed = rebuild.pack(obj, self_key=key, substitutes=substitutes)
             if packed.own:
-                return None  # a storage is not, or no longer, the entry's bytes
-            if part.expected is None:
-                as_stored, placeholders = rebuild.skeleton(whole.graph, whole.key)
-                if whole.respelled:
-                    spellings.respell(as_stored[0], as_stored[1], whole.respelled)
-                state = getattr(as_stored[0], "__dict__", None)
-                if not isinstance(state, dict) or part.name not in state:
-                    return None
-                part.expected = rebuild.pack(state[part.name], self_key=whole.key, trust_mappings=True,
-                                             substitutes=placeholders).graph
-                del as_stored, placeholders, state
+                return False  # a storage is not, or no longer, the entry's bytes
+            want = expected()
     except (PackError, CorruptEntry):
-        return None
-    if packed.graph != part.expected:
-        return None
+        return False
+    if want is None or packed.graph != want:
+        return False
     if mapped is not None:
         mapped.update(packed.mapped)
-    return f"{whole.key}/{part.name}"
+    return True
 
 
 # Note [References]
