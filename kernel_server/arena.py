@@ -60,6 +60,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import fcntl
+import functools
 import mmap
 import os
 import re
@@ -99,15 +100,26 @@ _MEMORY_FILESYSTEMS = {"tmpfs", "ramfs", "hugetlbfs"}
 
 
 def _filesystem_of(path: Path) -> str:
-    """The type of the filesystem `path` is on, from /proc/self/mountinfo (longest mount point)."""
+    """The type of the filesystem `path` is on, from /proc/self/mountinfo (longest mount point); read once
+    per path and device (a filesystem mounted over `path` since gives it another device)."""
+    try:
+        device = os.stat(path).st_dev
+    except OSError:
+        device = -1
+    return _filesystem_at(str(path), device)
+
+
+@functools.lru_cache(maxsize=64)
+def _filesystem_at(path: str, device: int) -> str:
     best, kind = "", ""
     try:
         with open("/proc/self/mountinfo") as f:
             for line in f:
                 fields = line.split()
                 point, fstype = fields[4], fields[fields.index("-") + 1]
-                point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), point)  # "\040" is a space
-                inside = str(path) == point or str(path).startswith(point.rstrip("/") + "/")
+                if "\\" in point:  # "\040" is a space
+                    point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), point)
+                inside = path == point or path.startswith(point.rstrip("/") + "/")
                 if inside and len(point) >= len(best):
                     best, kind = point, fstype
     except (OSError, ValueError, IndexError):

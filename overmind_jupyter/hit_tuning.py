@@ -129,8 +129,9 @@ def _warm_rebuild() -> None:
 def _warm_miss() -> None:
     """Ask the kernel once what a same-dtype miss asks of its checkpoint's mapping (Note [Warm
     rebuild]): which file it maps (PROCMAP_QUERY) and whether this process wrote a page of it
-    (PAGEMAP_SCAN), of a page of this file; ctypes' first calls cost a miss 0.15 ms."""
-    from kernel_server import arena
+    (PAGEMAP_SCAN), of a page of this file; ctypes' first calls cost a miss 0.15 ms. And which filesystem
+    its arena would go on (read once per directory: `arena._filesystem_of`), 0.1-0.2 ms."""
+    from kernel_server import arena, lifecycle
 
     from . import mappings
 
@@ -140,6 +141,8 @@ def _warm_miss() -> None:
         mappings.file_mapping_of(mappings.ProcessMaps(), mappings.WrittenPages(), mappings.address_of(page), 1)
     finally:
         page.close()
+    directory = arena.arena_directory(lifecycle.state_dir(create=False))
+    arena.choose_backing("auto", directory)
 
 
 # A 1.1B Llama has about 290 modules, and its hit makes more than their objects (the parameters, the
