@@ -12,7 +12,8 @@ took 22.6 s, and a kernel whose hit waited 3 s meanwhile declared the daemon hun
 or sorts all entries per operation; the catalogue keeps, as entries come and go:
 - the entries by key in the order of their last use (an OrderedDict: a use moves one to the end in O(1)),
   which eviction walks from the front;
-- the bytes and descriptors all entries hold, summed (`nbytes`, `nfds`);
+- the bytes and descriptors all entries hold, summed (`nbytes`, `nfds`), and what their file arenas take
+  of the disk (`disk_bytes`);
 - each key's dependents, the entries whose `deps` name it, so that dropping an entry finds what builds on
   it without looking at the others;
 - the keys each connection pins, so that a connection's end and eviction's set of held entries cost what
@@ -118,6 +119,12 @@ class Entry:
         return sum(p[1] for p in self.pieces)
 
     @property
+    def disk_bytes(self) -> int:
+        """What its arena takes of the disk, given back when it goes (Note [Disk room] in disk.py): a file
+        arena's bytes but the pieces still in their checkpoint (holes in it); nothing for a memfd."""
+        return self.arena_bytes - self.pending_bytes if self.backing == "file" else 0
+
+    @property
     def nfds(self) -> int:
         """The descriptors this entry holds: graph, arena, parts, source files (Note [Descriptor budget] in
         descriptors.py)."""
@@ -189,6 +196,7 @@ class Catalogue:
         self.nbytes = 0  # what all entries hold
         self.nfds = 0
         self.file_bytes = 0  # what the entries in file arenas hold on disk (Note [Disk room] in disk.py)
+        self.disk_bytes = 0  # what their arenas take of it: Entry.disk_bytes, summed
 
     # -- membership ------------------------------------------------------------------------------
 
@@ -220,6 +228,7 @@ class Catalogue:
         self.nbytes += entry.nbytes
         self.nfds += entry.nfds
         self.file_bytes += entry.nbytes if entry.backing == "file" else 0
+        self.disk_bytes += entry.disk_bytes
         for dep in set(entry.deps):
             self._dependents.setdefault(dep, set()).add(entry.key)
         for conn in entry.pins:
@@ -238,6 +247,7 @@ class Catalogue:
         self.nbytes -= entry.nbytes
         self.nfds -= entry.nfds
         self.file_bytes -= entry.nbytes if entry.backing == "file" else 0
+        self.disk_bytes -= entry.disk_bytes
         for dep in set(entry.deps):
             dependents = self._dependents.get(dep)
             if dependents is not None:
@@ -261,9 +271,11 @@ class Catalogue:
         if not entry.marker:
             self._sizes.add(_size(entry))
 
-    def recount(self, entry: Entry, nfds_before: int) -> None:
-        """`entry` holds another number of descriptors than `nfds_before` (its sources were let go)."""
+    def recount(self, entry: Entry, nfds_before: int, disk_before: int) -> None:
+        """`entry` holds another number of descriptors than `nfds_before`, and takes another part of the disk
+        than `disk_before` (its pieces were copied and its sources let go)."""
         self.nfds += entry.nfds - nfds_before
+        self.disk_bytes += entry.disk_bytes - disk_before
 
     def dependents(self, key: str) -> list[str]:
         """The keys of the entries that build on `key`, directly or through others."""

@@ -14,10 +14,20 @@ few seconds, so that a disk filled by something else makes the cache give its un
 before the user runs out. An entry still mapped by a kernel frees its blocks when that kernel lets go of
 it; an entry evicted under the store's lock counts as given back at once, as its descriptors close when
 the lock is released (Note [Closing after the lock] in store.py), for what its arena holds: not the pieces
-still served from its checkpoint (Note [Pending pieces] in store.py), which are holes in its file. memfd
-arenas take memory, not disk: the budget bounds them. So each reservation says which its arena is
-("backing", a file when it does not say), a memfd's is never refused for want of disk, and no entry in a
-memfd is evicted to make room on the disk, which its eviction would not give.
+still served from its checkpoint (Note [Pending pieces] in store.py), which are holes in its file
+(`Entry.disk_bytes`). memfd arenas take memory, not disk: the budget bounds them. So each reservation says
+which its arena is ("backing", a file when it does not say), a memfd's is never refused for want of disk,
+and no entry in a memfd is evicted to make room on the disk, which its eviction would not give.
+
+A load evicts nothing for room it cannot get: one that would fall short even with every unpinned entry in
+a file arena gone (what their arenas take, and the rest of a copy of one in flight, which then stops:
+`Store._evictable_on_disk`, which costs what the pins hold, not what the store holds) is refused before
+any is evicted, as one too large for the budget or the descriptors is (`Store._reserve`), after those two
+refusals. Where entries that kernels hold took most of the disk, such a load once evicted every other
+cached model there and then ran plainly all the same. A publish that reserves what its load did not (Note
+[Reserved at publish] in store.py) goes through the same check. The periodic look is not a load: it
+evicts what it can even where the free space stays below the reserve, since each byte it gives back is
+the user's.
 
 The compactor's copy of an entry (Note [Pending pieces] in store.py) is a new arena too, written after the
 publish that passed the check above. A same-dtype miss writes almost nothing to its arena before it

@@ -345,17 +345,21 @@ class Store:
                 "with `overmind-daemon stop`",
             )
         need, need_fds, need_disk = nbytes - load.reserved, nfds - load.nfds, on_disk - load.on_disk
-        if not evict and not (self._fits_fds(need_fds) and self._fits_disk(need_disk) and self._fits_bytes(need)):
+        disk_short = not self._fits_disk(need_disk)  # as things stand
+        if not evict and not (self._fits_fds(need_fds) and not disk_short and self._fits_bytes(need)):
             raise BudgetExceeded("budget_exceeded", f"no room for {byte_text(nbytes)} ahead of need without "
                                  "evicting an entry")  # Note [Reserving ahead]: quietly, no refusal counted
         # what eviction cannot free: a load that would not fit with every unused entry gone evicts none of
-        # them for nothing
+        # them for nothing; on the disk, with every unused entry in a file arena gone (Note [Disk room])
         held = self._held_bytes()
         if held.nfds + self.in_flight.nfds + need_fds > self.descriptors.cap:
             raise self._refuse_for_descriptors(nfds)
         if held.nbytes + self.in_flight.nbytes + need > self.budget:
             raise self._refuse_for_budget(nbytes, held.nbytes, load)
-        evicted = self._make_room(need, need_fds, need_disk) if evict else []
+        if disk_short and not self._fits_disk(need_disk, evicting=True):
+            raise BudgetExceeded("budget_exceeded", self._disk_refusal(on_disk))
+        # where the disk fits as things stand, evicting for the budget only gives more of it back
+        evicted = self._make_room(need, need_fds, need_disk if disk_short else 0) if evict else []
         if not self._fits_fds(need_fds):
             raise self._refuse_for_descriptors(nfds)
         if not self._fits_disk(need_disk):
@@ -509,9 +513,9 @@ class Store:
             if not current or entry is None:
                 self._dropped.append(arena_fd)  # closed after the lock (Note [Closing after the lock])
                 return False
-            old, nfds = entry.byte_fds(), entry.nfds
+            old, nfds, on_disk = entry.byte_fds(), entry.nfds, entry.disk_bytes
             entry.arena_fd, entry.parts, entry.sources, entry.pieces = arena_fd, [], [], []
-            self._entries.recount(entry, nfds)
+            self._entries.recount(entry, nfds, on_disk)
             self.stats["compacted"] += 1
         for fd in old:
             os.close(fd)
@@ -691,12 +695,26 @@ class Store:
         """What loads in flight reserved on the disk and the compaction in flight has yet to write there."""
         return sum(load.on_disk for load in self._loads.values()) + self._compaction_unwritten
 
-    def _fits_disk(self, need: int) -> bool:
+    def _fits_disk(self, need: int, *, evicting: bool = False) -> bool:
         """Whether `need` more bytes of file arenas leave the disk's free space above its reserve, counting
-        what is reserved there and not written yet as taken (Note [Disk room] in disk.py). Taking nothing
-        more of the disk (a memfd arena) always fits."""
-        return self.disk is None or need <= 0 or (need + self._unwritten_on_disk()
-                                                  <= self.disk.room() + self._dropped_disk)
+        what is reserved there and not written yet as taken (Note [Disk room] in disk.py); `evicting`: once
+        every entry that room there may evict is gone too (`_evictable_on_disk`). Taking nothing more of the
+        disk (a memfd arena) always fits."""
+        if self.disk is None or need <= 0:
+            return True
+        given_back = self._dropped_disk + (self._evictable_on_disk() if evicting else 0)
+        return need + self._unwritten_on_disk() <= self.disk.room() + given_back
+
+    def _evictable_on_disk(self) -> int:
+        """What making room on the disk could give back there at most (Note [Disk room] in disk.py): what the
+        file arenas of the entries no pin holds take of it (each counted once, whether it goes on its own or
+        with what it builds on; a memfd's nothing), and what the compaction in flight has yet to write if its
+        entry is one of them (its copy stops). In what the pins hold, not what the store holds."""
+        held = self._entries.held_by_pins()
+        kept = sum(e.disk_bytes for key in held if (e := self._entries.get(key)) is not None)
+        job = self._compaction
+        copy = self._compaction_unwritten if job is not None and not job.dropped.is_set() and job.key not in held else 0
+        return self._entries.disk_bytes - kept + copy
 
     def _disk_refusal(self, nbytes: int) -> str:
         """Why `nbytes` more do not fit on the disk, and what to do."""
@@ -780,8 +798,7 @@ class Store:
             if entry is None:
                 continue
             self._dropped += [entry.graph_fd, *entry.byte_fds()]
-            # what its arena's blocks take: not the pieces still in their checkpoint (Note [Disk room] in disk.py)
-            self._dropped_disk += entry.arena_bytes - entry.pending_bytes if entry.backing == "file" else 0
+            self._dropped_disk += entry.disk_bytes  # what its arena's blocks take (Note [Disk room] in disk.py)
             self._short_of_disk.pop(k, None)
             job = self._compaction
             if job is not None and job.entry is entry and not job.dropped.is_set():

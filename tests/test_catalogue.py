@@ -13,9 +13,11 @@ from kernel_server import catalogue
 from kernel_server.catalogue import Catalogue, Entry
 
 
-def entry(key: str, nbytes: int, deps: list[str], now: float, *, marker: bool = False) -> Entry:
-    return Entry(key, graph_fd=-1, arena_fd=-1, graph_bytes=16, arena_bytes=nbytes, backing="memfd", meta={},
-                 deps=deps, created=now, last_used=now, marker=marker)
+def entry(key: str, nbytes: int, deps: list[str], now: float, *, marker: bool = False, backing: str = "memfd",
+          pending: int = 0) -> Entry:
+    """`pending` of its `nbytes` still in a checkpoint (one piece), for an entry in a file arena."""
+    return Entry(key, graph_fd=-1, arena_fd=-1, graph_bytes=16, arena_bytes=nbytes, backing=backing, meta={},
+                 deps=deps, created=now, last_used=now, marker=marker, pieces=[[0, pending, 0, 0]] if pending else [])
 
 
 def check(cat: Catalogue, entries: dict[str, Entry]) -> None:
@@ -24,6 +26,8 @@ def check(cat: Catalogue, entries: dict[str, Entry]) -> None:
     listed = [e for e in entries.values() if not e.marker]
     assert len(cat) == len(entries) and cat.listed == len(listed)
     assert (cat.nbytes, cat.nfds) == (sum(e.nbytes for e in entries.values()), sum(e.nfds for e in entries.values()))
+    on_disk = [e.arena_bytes - sum(p[1] for p in e.pieces) for e in entries.values() if e.backing == "file"]
+    assert cat.disk_bytes == sum(on_disk)
     assert cat.by_use() == list(entries)
     for key in entries:
         closure, stack = set(), [key]
@@ -68,8 +72,9 @@ def test_the_catalogue_agrees_with_its_entries_after_every_step(
         if op < 0.35 or not present:  # publish, maybe building on others
             key = f"{rng.choice('km')}{next(names)}"
             deps = rng.sample(present, min(len(present), rng.choice((0, 0, 1, 2))))
-            new = entry(key, rng.choice((4096, 8192, 4096 * rng.randrange(1, 9))), deps, next(clock),
-                        marker=rng.random() < 0.1)
+            nbytes, backing = rng.choice((4096, 8192, 4096 * rng.randrange(1, 9))), rng.choice(("memfd", "file"))
+            new = entry(key, nbytes, deps, next(clock), marker=rng.random() < 0.1, backing=backing,
+                        pending=rng.choice((0, nbytes // 2)))
             if rng.random() < 0.3:
                 new.pins[rng.randrange(3)] += 1  # published pinned by its loader
             cat.add(new)
@@ -95,11 +100,11 @@ def test_the_catalogue_agrees_with_its_entries_after_every_step(
                 cat.unpin(e, conn, rng.choice((1, 1, 2)))
         elif op < 0.8:  # a connection ends
             cat.release(rng.randrange(3))
-        elif op < 0.9:  # a compaction lets an entry's sources go
+        elif op < 0.9:  # a compaction copies an entry's pieces and lets its sources go
             e = entries[rng.choice(present)]
-            before = e.nfds
-            e.sources = []
-            cat.recount(e, before)
+            before, disk_before = e.nfds, e.disk_bytes
+            e.sources, e.pieces = [], []
+            cat.recount(e, before, disk_before)
         else:  # an eviction: the entry and what builds on it
             key = rng.choice(present)
             for k in [*cat.dependents(key), key]:

@@ -122,15 +122,17 @@ def test_a_disk_filled_by_something_else_makes_the_cache_give_back_its_unpinned_
     assert free(small_disk) >= RESERVE
 
 
-def cache_entry(client: Client, key: str, nbytes: int, backing: str, directory: Path | None = None) -> None:
-    """An unpinned entry of `nbytes` in a memfd or a file arena in `directory`, made as a kernel's miss makes it."""
+def cache_entry(client: Client, key: str, nbytes: int, backing: str, directory: Path | None = None, *,
+                pin: bool = False, deps: tuple[str, ...] = ()) -> None:
+    """An entry of `nbytes` in a memfd or a file arena in `directory`, made as a kernel's miss makes it; `pin`:
+    pinned by `client`, as a kernel pins the model it keeps; `deps`: the entries it builds on."""
     assert client.request("lookup", key=key, wait=False)["status"] == "load"
     client.request("reserve", key=key, bytes=nbytes + 16, backing=backing)
     graph, data = arena.ArenaWriter(16), arena.ArenaWriter(nbytes, backing=backing, directory=directory)
     try:
         os.posix_fallocate(data.fd, 0, nbytes)  # the blocks (or pages) its bytes take
         client.request("publish", key=key, fds=[graph.seal(), data.seal()], graph_bytes=16, arena_bytes=nbytes,
-                       meta={"label": key})
+                       meta={"label": key}, pin=pin, deps=list(deps))
     finally:
         graph.close()
         data.close()
@@ -179,6 +181,52 @@ def test_entries_in_memory_neither_count_against_the_reserve_nor_go_to_make_room
         with pytest.raises(RemoteError, match="no room on the disk"):
             client.request("reserve", key="new", bytes=nbytes, backing="file")
         assert cached() == ["in-memory"]
+
+
+def test_a_load_that_cannot_fit_beside_the_entries_in_use_evicts_none_for_it(
+        disk_env: dict[str, str], small_disk: Path, overmind_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Entries a kernel holds take most of the disk: a load that would not fit there even with every unpinned
+    entry gone loads plainly and says why, and the unpinned entries stay cached (Note [Disk room]). Before,
+    all of them were evicted, and the load ran plainly anyway."""
+    for name in ("OVERMIND_ARENA", "OVERMIND_ARENA_DIR", "OVERMIND_DISK_RESERVE"):
+        monkeypatch.setenv(name, disk_env[name])
+    with Client(overmind_home, role="test") as kernel:  # holds the model it pins, as a kernel does
+        cache_entry(kernel, "unused-1", 4 << 20, "file", small_disk)
+        cache_entry(kernel, "unused-2", 4 << 20, "file", small_disk)
+        cache_entry(kernel, "in-use", 28 << 20, "file", small_disk, pin=True)
+        # 4 MiB above the reserve, 12 with both unused entries gone: less than the model's 16
+        out = last_json(run_py(LOADS.format(seeds=[1], disk=str(small_disk)), env=disk_env))
+        assert out["calls"] == {"plain": 1}, out
+        (warning,) = [w for w in out["warnings"] if "no room on the disk" in w]
+        assert str(small_disk) in warning, warning
+        listed = sorted(e["key"] for e in kernel.request("ls")["entries"])
+        assert listed == ["in-use", "unused-1", "unused-2"], "an entry was evicted for a load that ran plainly"
+        assert "evicted" not in kernel.request("status")["stats"]
+
+
+def test_a_publish_that_cannot_fit_beside_the_entries_in_use_evicts_none_for_it(
+        disk_env: dict[str, str], small_disk: Path, overmind_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A publish reserves what its load did not (Note [Reserved at publish] in kernel_server/store.py): where
+    the file arena it brings would not fit even with every unpinned entry gone, it is refused and evicts none.
+    The entry that holds the disk here is not pinned itself but built on by one that is: eviction passes it
+    over, so it counts as held (Note [Budget accounting] in kernel_server/store.py)."""
+    for name in ("OVERMIND_ARENA", "OVERMIND_ARENA_DIR", "OVERMIND_DISK_RESERVE"):
+        monkeypatch.setenv(name, disk_env[name])
+    with Client(overmind_home, role="test") as client:
+        cache_entry(client, "unused", 8 << 20, "file", small_disk)
+        cache_entry(client, "weights", 28 << 20, "file", small_disk)
+        cache_entry(client, "in-use", 1 << 20, "memfd", deps=("weights",), pin=True)
+        assert client.request("lookup", key="late", wait=False)["status"] == "load"
+        client.request("reserve", key="late", bytes=1 << 20, backing="memfd")  # none of the disk
+        graph, data = arena.ArenaWriter(16), arena.ArenaWriter(16 << 20, backing="file", directory=small_disk)
+        try:
+            with pytest.raises(RemoteError, match="no room on the disk"):  # 4 MiB above the reserve, 12 evicting
+                client.request("publish", key="late", fds=[graph.seal(), data.seal()], graph_bytes=16,
+                               arena_bytes=16 << 20, meta={"label": "late"})
+        finally:
+            graph.close()
+            data.close()
+        assert sorted(e["key"] for e in client.request("ls")["entries"]) == ["in-use", "unused", "weights"]
 
 
 def test_status_says_where_the_bytes_live(disk_env: dict[str, str], small_disk: Path, overmind_home: Path) -> None:
@@ -241,12 +289,14 @@ def test_an_entry_served_from_its_checkpoint_frees_only_what_its_arena_holds_whe
     assert free(small_disk) >= RESERVE
 
 
+@pytest.mark.parametrize("by", ["the user", "the load"])
 def test_evicting_an_entry_stops_its_copy_and_gives_its_room_back(
         disk_env: dict[str, str], small_disk: Path, overmind_home: Path, tmp_path: Path,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, by: str) -> None:
     """An entry evicted while the compactor copies it gives back at once the room its copy had yet to write,
     and the copy stops (Note [A dropped entry's copy stops] in kernel_server/compaction.py): a load that
-    needs that room is let in with no entry left, not refused until the copy ends. Every core is kept busy
+    needs that room is let in with no entry left, not refused until the copy ends; evicted by the load itself
+    too, which counts that room as what eviction can give back (Note [Disk room]). Every core is kept busy
     so that the copy waits for an idle one (up to 2 s before each chunk) while the test evicts its entry."""
     for name in ("OVERMIND_ARENA", "OVERMIND_ARENA_DIR", "OVERMIND_DISK_RESERVE"):
         monkeypatch.setenv(name, disk_env[name])
@@ -261,9 +311,12 @@ def test_evicting_an_entry_stops_its_copy_and_gives_its_room_back(
 
             pending = wait_until(copying, 10, "the copy started")
             assert pending["done"] == 0, pending  # waiting for an idle core
-            client.request("evict", all=True)
+            if by == "the user":
+                client.request("evict", all=True)
             assert client.request("lookup", key="new", wait=False)["status"] == "load"
-            client.request("reserve", key="new", bytes=30 << 20, backing="file")  # the copy's 36 MiB are free again
+            # the copy's 36 MiB are free again
+            evicted = client.request("reserve", key="new", bytes=30 << 20, backing="file")["evicted"]
+            assert evicted == ([] if by == "the user" else ["copied"])
             for p in busy:
                 p.kill()
             wait_until(lambda: "stopped compacting" in daemon_log(overmind_home), 5, "the copy stopped")
