@@ -133,7 +133,9 @@ _BRIEF = 0.05  # see Note [Requests from finalizers]
 # meanwhile once the frame is routed: in a wait, inside the wait's protection, which finds the reply and
 # gives it back. The wait for a frame stays outside the hold: it is the poll, which a Ctrl-C cuts short as
 # before (a wait with no deadline too, a units wait's); a frame whose first byte has come is read at once
-# (the daemon writes a frame whole). What it costs: two `_signal.signal` calls a frame read by the main
+# (the daemon writes a frame whole), and one whose rest does not come within ANSWER_TIMEOUT ends the
+# connection as a daemon that does not answer would (`recv_frame`'s `stall`): the hold never keeps a Ctrl-C
+# from the user longer than that. What it costs: two `_signal.signal` calls a frame read by the main
 # thread (2 us in all; a hit reads one), less than `interrupts_held` saved by calling them too (21.8 ->
 # 5.6 us, once a hit).
 
@@ -606,7 +608,7 @@ class Client:
         """Read one frame and route it; False once the stream ended. The caller holds `_read_lock`."""
         try:
             try:
-                frame = recv_frame(self._sock)
+                frame = recv_frame(self._sock, stall=ANSWER_TIMEOUT)  # read with SIGINT held: never for long
             except DescriptorsLost as exc:  # this process's table was full: that request fails alone
                 self._descriptors_lost(exc)
                 return True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import select
 import socket
 import struct
 from collections.abc import Sequence
@@ -42,12 +43,15 @@ def send_frame(sock: socket.socket, kind: FrameKind, payload: dict[str, Any], fd
         sock.sendall(data)
 
 
-def _recv_exact(sock: socket.socket, n: int, fds: list[int], *, first: bool) -> tuple[bytes | None, bool]:
+def _recv_exact(sock: socket.socket, n: int, fds: list[int], *, first: bool,
+                stall: float | None = None) -> tuple[bytes | None, bool]:
     """`n` bytes (None at a clean end of stream), and whether descriptors attached to them were cut
-    off (MSG_CTRUNC)."""
+    off (MSG_CTRUNC). `stall`: how long the rest of a frame begun may keep the reader waiting."""
     buf = bytearray()
     truncated = False
     while len(buf) < n:
+        if stall is not None and (buf or not first) and not select.select([sock], [], [], stall)[0]:
+            raise ProtocolError(f"the peer sent part of a frame and nothing more for {stall:g} s", fatal=True)
         if first and not buf:
             # The sender attaches descriptors to the header's first byte, so they arrive here.
             chunk, got, flags, _ = socket.recv_fds(sock, n, MAX_FDS)
@@ -63,8 +67,9 @@ def _recv_exact(sock: socket.socket, n: int, fds: list[int], *, first: bool) -> 
     return bytes(buf), truncated
 
 
-def recv_frame(sock: socket.socket) -> Frame | None:
-    """Read one frame; None at a clean end of stream.
+def recv_frame(sock: socket.socket, *, stall: float | None = None) -> Frame | None:
+    """Read one frame; None at a clean end of stream. `stall`: how long the rest of a frame, once its
+    first bytes came, may take to come (a fatal ProtocolError past it; None: as long as it takes).
 
     Raises ProtocolError for a frame that cannot be accepted; descriptors that came with it are closed
     first. When the error is not fatal, the stream is positioned at the next frame. DescriptorsLost is
@@ -73,7 +78,7 @@ def recv_frame(sock: socket.socket) -> Frame | None:
     """
     fds: list[int] = []
     try:
-        raw, truncated = _recv_exact(sock, HEADER.size, fds, first=True)
+        raw, truncated = _recv_exact(sock, HEADER.size, fds, first=True, stall=stall)
         if raw is None:
             return None
         version, kind, nfds, length = decode_header(raw)
@@ -81,7 +86,7 @@ def recv_frame(sock: socket.socket) -> Frame | None:
         # Cut off short of MAX_FDS: the kernel had no descriptor to give us, and the bytes are all there.
         if truncated and (nfds > MAX_FDS or len(fds) >= MAX_FDS):
             raise ProtocolError(f"more than {MAX_FDS} descriptors attached to one frame", fatal=True)
-        body, _ = _recv_exact(sock, length, fds, first=False) if length else (b"", False)
+        body, _ = _recv_exact(sock, length, fds, first=False, stall=stall) if length else (b"", False)
         if body is None:
             raise ProtocolError("connection closed inside a frame", fatal=True)
         checked_kind = frame_kind(kind)

@@ -374,6 +374,29 @@ def test_a_payload_nested_past_the_parser_gets_an_error_reply(daemon: Client, ov
         decode_payload(body)
 
 
+def test_a_frame_cut_short_by_a_peer_that_stops_ends_the_read_within_its_stall_limit() -> None:
+    """A kernel reads each reply with SIGINT held (Note [Replies read whole] in kernel_server/client.py): a
+    daemon that stops in the middle of a frame must not hold the kernel's Ctrl-C for good. The rest of a
+    frame begun comes within `stall` seconds, or the read ends as a fatal ProtocolError (the connection's
+    end: a daemon that does not answer); without a limit it waits as long as the peer takes."""
+    kernel, daemon = socket.socketpair()
+    try:
+        body = json.dumps({"id": 1, "ok": True, "pad": "x" * 100}).encode()
+        frame = HEADER.pack(MAGIC, PROTOCOL_VERSION, FrameKind.REPLY, 0, len(body)) + body
+        daemon.sendall(frame[: HEADER.size + 10])  # the header and a few bytes: then the peer stops
+        started = time.monotonic()
+        with pytest.raises(ProtocolError, match=r"part of a frame and nothing more for 0\.2 s") as raised:
+            recv_frame(kernel, stall=0.2)
+        assert raised.value.fatal and time.monotonic() - started < 2.0
+        whole_reader, whole_writer = socket.socketpair()  # a frame sent whole is read as before
+        with whole_reader, whole_writer:
+            whole_writer.sendall(frame)
+            assert recv_frame(whole_reader, stall=0.2).payload["pad"] == "x" * 100
+    finally:
+        kernel.close()
+        daemon.close()
+
+
 # -- hostile arguments to the cached call -------------------------------------------------------------------
 
 class RaisingEq:
