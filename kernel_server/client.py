@@ -590,11 +590,11 @@ class Client:
     def _read_to_end(self, timeout: float) -> None:
         """After a failed send: read up to the stream's end, for `timeout` seconds at most."""
         deadline = time.monotonic() + timeout
+        if self._reading == threading.get_ident():
+            return  # (this thread reads: a late reply's give-back that failed to send, the reader's own)
         reader = self._reader
         if reader is not None:
             reader.join(timeout)
-            return
-        if self._reading == threading.get_ident():
             return
         if self._read_lock.acquire(timeout=timeout):
             try:
