@@ -364,6 +364,126 @@ def test_a_class_swapped_into_a_library_gets_an_entry_of_its_own(overmind_home: 
                    ("LlamaMLP", None, "hit")]
 
 
+# A kernel that may patch a library's method before the load (Note [Methods patched into a library's
+# classes] in keys.py): what the cached load gives, and what the plain load gives in the same process.
+PATCHING_KERNEL = """
+    import functools, json, torch
+    from transformers import LlamaForCausalLM, LlamaForSequenceClassification
+    from transformers.models.llama import modeling_llama
+    from overmind_jupyter import loading
+{patch}
+    def seen(m):
+        return {{"sum": float(sum(t.double().sum() for t in m.state_dict().values())),
+                 "eps": m.model.norm.variance_epsilon,
+                 "tags": sorted({{str(getattr(x, "tag", None)) for x in m.modules()}})}}
+
+    torch.manual_seed(0)
+    cached = seen(loading.cached({load}))
+    torch.manual_seed(0)
+    plain = seen(_plain({load}))
+    print(json.dumps({{"calls": loading.calls(), "cached": cached, "plain": plain}}))
+"""
+
+PATCHES = {
+    # an `__init__` that sets another eps on every RMSNorm (the hunt's first case)
+    "RMSNorm.__init__": ("LlamaForCausalLM.from_pretrained, {path!r}", """
+        _init = modeling_llama.LlamaRMSNorm.__init__
+        modeling_llama.LlamaRMSNorm.__init__ = lambda self, *a, **k: (_init(self, *a, **k),
+                                                                      setattr(self, "variance_epsilon", 0.5))[0]
+    """),
+    # `_init_weights` filling the head the checkpoint lacks otherwise (the hunt's second case)
+    "_init_weights": ("LlamaForSequenceClassification.from_pretrained, {path!r}, num_labels=3", """
+        _init_weights = modeling_llama.LlamaPreTrainedModel._init_weights
+        def init_weights(self, module):
+            _init_weights(self, module)
+            if isinstance(module, torch.nn.Linear) and module.out_features == 3:
+                with torch.no_grad():
+                    module.weight.fill_(0.5)
+        modeling_llama.LlamaPreTrainedModel._init_weights = init_weights
+    """),
+    # torch.nn's own class, patched with `functools.wraps` (which copies the name and module of the original)
+    "wraps nn.Linear.__init__": ("LlamaForCausalLM.from_pretrained, {path!r}", """
+        _linear = torch.nn.Linear.__init__
+        @functools.wraps(_linear)
+        def linear_init(self, *args, **kwargs):
+            _linear(self, *args, **kwargs)
+            self.tag = "patched"
+        torch.nn.Linear.__init__ = linear_init
+    """),
+}
+
+
+@pytest.mark.parametrize("patched", list(PATCHES))
+def test_a_method_patched_into_a_library_gets_an_entry_of_its_own(overmind_home: Path, tiny_llama: Path,
+                                                                  tmp_path: Path, patched: str) -> None:
+    """Note [Methods patched into a library's classes] in keys.py: a kernel that replaces a method of a
+    library's class before the load gets its plain load's model (a miss), and a kernel without the patch
+    then gets its own plain load's model, not the patched one: a miss, then a hit of its own entry; the
+    patched kernel hits the entry it made."""
+    load, patch = PATCHES[patched]
+    load = load.format(path=str(tiny_llama))
+
+    def run(with_patch: bool) -> dict:
+        # the plain load in the same process: the call itself (no `%overmind on`, nothing else patched)
+        prelude = textwrap.dedent(patch if with_patch else "") + "_plain = lambda f, *a, **k: f(*a, **k)\n"
+        code = PATCHING_KERNEL.format(patch=textwrap.indent(prelude, "    "), load=load)
+        return last_json(run_py(code, cwd=tmp_path))
+
+    got = [run(with_patch) for with_patch in (True, False, False, True)]
+    assert [g["cached"] for g in got] == [g["plain"] for g in got], "a cached load differs from its plain load"
+    assert got[0]["plain"] != got[1]["plain"], "the patch changes nothing the test sees"
+    assert [g["calls"] for g in got] == [{"miss": 1}, {"miss": 1}, {"hit": 1}, {"hit": 1}]
+
+
+def test_without_patched_methods_a_module_keeps_the_digest_entries_were_made_with(
+        tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Note [Methods patched into a library's classes] in keys.py: where no method is patched (the library's
+    own decorators, dataclasses' generated methods, `smart_apply` that transformers puts on nn.Module, the
+    hub kernels' wrappers are not patches), a module's digest is that of its names alone, as entries made
+    before methods were read recorded it, so those still hit; a patch, an edit of it, and its undoing are
+    each seen at the next call."""
+    import functools
+    import hashlib
+
+    from transformers import LlamaForCausalLM
+    from transformers.models.llama import modeling_llama
+
+    from overmind_jupyter import keys, rebuild
+
+    model = LlamaForCausalLM.from_pretrained(tiny_llama)  # (its weights' initialisation sets smart_apply)
+    modules = sorted(rebuild.pack(model).modules)
+
+    def names_alone(name: str) -> str:  # what entries made before methods were read recorded
+        top = name.partition(".")[0]
+        bound = [(k, v.__module__, v.__qualname__) for k, v in vars(sys.modules[name]).items()
+                 if isinstance(v, type) and str(v.__module__).partition(".")[0] != top]
+        return hashlib.blake2b(repr(bound).encode(), digest_size=8).hexdigest()
+
+    before = keys.bindings(modules)
+    assert "transformers.models.llama.modeling_llama" in before and "torch.nn.modules.linear" in before
+    assert before == {name: names_alone(name) for name in before}
+
+    def patch(eps: float) -> None:  # the same patch, its constant edited
+        space = {"init": modeling_llama.LlamaRMSNorm.__init__, "functools": functools}
+        exec(textwrap.dedent(f"""
+            @functools.wraps(init)
+            def patched(self, *args, **kwargs):
+                init(self, *args, **kwargs)
+                self.variance_epsilon = {eps}
+        """), space)
+        monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "__init__", space["patched"])
+
+    name = "transformers.models.llama.modeling_llama"
+    patch(0.5)
+    one = keys.bindings(modules)
+    monkeypatch.undo()
+    patch(0.25)
+    other = keys.bindings(modules)
+    monkeypatch.undo()
+    assert one[name] != before[name] and other[name] not in (one[name], before[name])
+    assert keys.bindings(modules) == before
+
+
 REGISTERED = """
 from transformers import LlamaConfig, LlamaForCausalLM
 
