@@ -9,8 +9,10 @@ A key is the SHA-256 of a JSON document holding (docs/design.md invariant 2):
   (bytecode, constants, names, nested code), its defaults, the values of its closure and of the globals
   it reads (functions among them by their own code), the module attributes, environment variables and
   literal paths it reads (Note [What a function reads] in reads.py), and the identity of its module's
-  file; a `functools.partial` is keyed as the call it makes; a callable object is uncacheable, since its
-  state is not known;
+  file; a function or class of a module of the user's that it reaches, by that file's identity and what
+  the module holds that the file does not bind (a value set at run time, a function replaced: Note [What a
+  module holds that its file does not bind]); a `functools.partial` is keyed as the call it makes; a
+  callable object is uncacheable, since its state is not known;
 - the arguments bound to the callable's signature (so positional and keyword spellings agree), each in
   a canonical form; an argument without one makes the call uncacheable (`Uncacheable`), never guessed.
   Objects with a `to_dict` (configs) are keyed by their whole state, every attribute, private ones
@@ -53,7 +55,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path, PurePath
-from typing import Any
+from typing import Any, NamedTuple
 
 from .dynamic_modules import elsewhere
 from .errors import Uncacheable
@@ -418,6 +420,7 @@ class _Canonical:
         self.code_refs: list[str] = []
         self.spellings: dict[str, str] = {}  # real path -> as the call wrote it (Note [Spellings])
         self._imports: dict[str, dict[str, list[int]]] = {}  # module -> `_users_imports`, once per call
+        self._differs: dict[str, dict[str, Any]] = {}  # module -> its `_differences`, once per call
         self._active: set[int] = set()
         self._functions: set[int] = set()
         self._values = 0
@@ -582,6 +585,9 @@ class _Canonical:
                         for module, identity in {x.__module__: out["file"], **found}.items():
                             _check_runs_its_file(module, identity)  # Note [A module that is not its file]
                     out["imports"] = found
+                    differs = self._module_differences({x.__module__: out["file"], **found}, depth)
+                    if differs:  # Note [What a module holds that its file does not bind]
+                        out["differs"] = differs
                 return out
             if isinstance(x, types.FunctionType):
                 return {"function": self.function(name, x, depth + 1)}
@@ -591,6 +597,56 @@ class _Canonical:
             where = _qualname(owner) if owner is not None and not isinstance(owner, types.ModuleType) else ""
             return {"callable": f"{where}{getattr(x, '__module__', '')}.{x.__qualname__}"}
         return self.value(name, x, depth + 1)
+
+    def _module_differences(self, modules: dict[str, list[int]], depth: int) -> dict[str, Any]:
+        """What each of `modules` (of the user's, by their files' identity) holds now that its file does not
+        bind, by module; those that hold what their files bind are left out (Note [What a module holds that
+        its file does not bind])."""
+        out = {}
+        for module, identity in modules.items():
+            differs = self._differs.get(module)
+            if differs is None:
+                # while its values are keyed, a function of it that one of them reaches is keyed without them:
+                # they are in this key once, where it first reaches the module
+                self._differs[module] = {}
+                differs = self._differs[module] = self._differences(module, identity, depth + 1)
+            if differs:
+                out[module] = differs
+        return out
+
+    def _differences(self, module: str, identity: list[int], depth: int) -> dict[str, Any]:
+        """The names of `module` whose value is not what its file (at `identity`) binds them to, each keyed
+        by the value it has now; Uncacheable for one that cannot be keyed."""
+        mod = sys.modules.get(module)
+        file = getattr(mod, "__file__", None)  # (found by `_module_file` where its identity was taken)
+        bound = _file_bindings(file, tuple(identity)) if isinstance(file, str) else None
+        if bound is None or not isinstance(file, str):
+            return {}
+        held = vars(mod)
+        changed: dict[str, Any] = {}
+        for name, form, its_state in bound.literals:
+            now = held.get(name, _MISSING)
+            now_form = None if now is _MISSING else _literal_form(now)
+            if now_form != form and not (its_state and now_form is None):
+                changed[name] = {"missing": True} if now is _MISSING else self._global(f"{module}.{name}", now, depth)
+        for name, decorated in bound.definitions:
+            now = held.get(name, _MISSING)
+            if ((type(now) is types.FunctionType and now.__code__.co_filename == file) or isinstance(now, type)) and \
+                    now.__module__ == module and now.__qualname__ == name:
+                continue  # (the common case, without a call)
+            if now is _MISSING or not _defined_in(now, module, name, file, decorated):
+                changed[name] = {"missing": True} if now is _MISSING else self._global(f"{module}.{name}", now, depth)
+        for name, attributes in bound.attributes:
+            cls = held.get(name)
+            if not (isinstance(cls, type) and cls.__module__ == module and cls.__qualname__ == name):
+                continue  # the class itself replaced: keyed above
+            own = vars(cls)
+            for attr, form in attributes:
+                now = own.get(attr, _MISSING)
+                now_form = None if now is _MISSING else _literal_form(now)
+                if now_form is not None and now_form != form:
+                    changed[f"{name}.{attr}"] = self._global(f"{module}.{name}.{attr}", now, depth)
+        return changed
 
     def cls(self, name: str, x: type, depth: int) -> Any:
         """A class of the user's by what it does: its methods by their code, its class attributes, its bases
@@ -1108,8 +1164,10 @@ def _users_imports(module: str) -> dict[str, list[int]]:
 # of the file); where one differs, or is not in the file any more, the load is uncacheable and says to
 # reload the module or restart the kernel. A file older than the process is what it imported (and a
 # module an import hook rewrote, as pytest rewrites its asserts, never matches a plain compile of its
-# file: only its edits are compared). Its module-level values are not compared (a constant edited and
-# not reloaded is still keyed by the file); nor are functions made elsewhere (a library's wrapper).
+# file: only its edits are compared). Functions made elsewhere (a library's wrapper) are not compared. Its
+# module-level values are compared with what the file binds now as the values of any module of the user's
+# are (Note [What a module holds that its file does not bind]): a literal edited and not reloaded is keyed
+# by the value the module still holds, a value computed at import is not compared.
 def _check_runs_its_file(module: str, identity: list[int]) -> None:
     """Raise Uncacheable where `module`, of the user's, whose file has `identity` (`_identity`), runs code
     its file no longer holds (Note [A module that is not its file])."""
@@ -1176,6 +1234,248 @@ def _file_codes(file: str, identity: tuple[int, ...]) -> dict[str, set[str]] | N
                 found.setdefault(const.co_qualname, set()).add(_code_digest(const))
                 todo.append(const)
     return found
+
+
+# Note [What a module holds that its file does not bind]
+# A module of the user's is keyed by its file's identity (Note [The user's modules a module imports]), which
+# says what the file binds, not what the module holds: a kernel that set `mymodels.WIDTH = 16`, or
+# `blocks.Block.WIDTH = 16`, or put a function of its own in `mymodels.build`, runs other code than a fresh
+# import of the file (the module's functions read those names when they run), and its load was stored under
+# the file's identity, where a kernel on the file's values then got it (a stale hit). So the top level of the
+# file is read (parsed once per version of it) for what it binds that can be compared with the module now:
+# - a name bound to a literal (`ast.literal_eval`'s: numbers, strings, bytes, bools, None, tuples, lists,
+#   dicts and sets of those; `X = ...` or `X: T = ...`, one name as the target), compared by type and value
+#   (1, 1.0 and True differ; a list is not a tuple);
+# - a name bound by `def` or `class`: the module must still hold a function (or class) of this module of
+#   that name, defined in this file; a decorated one, found through the wrappers' `__wrapped__` or their
+#   closures (a decorator's object that is no function or class, a jit's, is not compared);
+# - a literal attribute of such a class's body (`class Block: WIDTH = 8`), where the class holds a literal
+#   now (what a decorator or a metaclass made of it, an enum member, a dataclass's slot, is not compared).
+# A name bound twice at the top level (or in the class body), or bound or changed in place by anything
+# else there too (an import, a loop, `del`, an `if`'s branches, `X[k] = v`, `X.append(v)`), is not
+# compared, nor is one bound before a `from x import *`; nor a value computed at import (`DEVICE = "cuda"
+# if ... else "cpu"`, `STARTED = time.time()`), nor a name the file does not bind, nor a literal of more
+# than _MAX_ITEMS values. A name that the file's functions rebind (`global X`) or change in place
+# (`MODELS[name] = cls` in a decorator) is the module's own state (a client made once, a registry of
+# classes): it is compared only where it holds a literal now (`configure(16)` setting `WIDTH`), as what
+# it holds otherwise may have no key, and was put there by the file's own code. Where the module holds
+# something else, or has lost the name, the module's part of the key gets a field `differs`, {module:
+# {name: the value it holds now, keyed as a global is}}, so a value that cannot be keyed makes the load
+# run plainly; where nothing differs the key is what it was, so two kernels that imported the file agree,
+# and two that set the same value share an entry. Each module a keyed function reaches is compared once per
+# key, the modules it imports (Note [The user's modules a module imports]) too; a transformers class
+# reaches none. It runs on every key of such a call, the hit's included (about 1 us for a small module,
+# 13-20 us for one of 30 names, four of them decorated); the file is parsed once per version of it.
+class _Bindings(NamedTuple):
+    literals: tuple[tuple[str, Any, bool], ...]  # (name, `_literal_form` of its value, the file's code changes it)
+    definitions: tuple[tuple[str, bool], ...]  # (name of a def or class, decorated)
+    attributes: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]  # (class, its literal attributes)
+
+
+@functools.lru_cache(maxsize=256)
+def _file_bindings(file: str, identity: tuple[int, ...]) -> _Bindings | None:
+    """What the top level of `file` (at this `identity` of it) binds that a module can be compared with
+    (Note [What a module holds that its file does not bind]); None where it is no Python source."""
+    import ast
+
+    if not file.endswith(".py"):
+        return None
+    try:
+        with open(file, "rb") as f:
+            source = f.read()
+        tree = ast.parse(source, file)
+    except (OSError, SyntaxError, ValueError):
+        return None
+    counts: dict[str, int] = {}
+    start = 0
+    for i, node in enumerate(tree.body):
+        for name, n in _bound_names([node]).items():
+            counts[name] = counts.get(name, 0) + n
+        if "*" in counts:  # (a `*` import may bind any name bound before it)
+            start, counts = i + 1, {}
+    body = tree.body[start:]
+    definitions, attributes = [], []
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and counts[node.name] == 1:
+            definitions.append((node.name, bool(node.decorator_list)))
+            if isinstance(node, ast.ClassDef):
+                own = _literals(node.body, _bound_names(node.body), node.name)
+                if own:
+                    attributes.append((node.name, own))
+    found = _literals(body, counts, None)
+    # (only a `global` statement rebinds, and only a list, dict or set changes in place: most files need no walk)
+    walk = b"global" in source or any(_mutable(form) for _, form in found)
+    state = _changed_by_code(tree) if walk else set()
+    return _Bindings(tuple((name, form, name in state) for name, form in found), tuple(definitions), tuple(attributes))
+
+
+def _mutable(form: Any) -> bool:
+    """Whether the value whose `_literal_form` is `form` holds a list, a dict or a set."""
+    kind, value = form
+    return kind in ("list", "dict", "set") or (kind == "tuple" and any(_mutable(f) for f in value))
+
+
+def _literals(body: list[Any], counts: dict[str, int], cls: str | None) -> tuple[tuple[str, Any], ...]:
+    """The names `body` (a module's, or class `cls`'s) binds once, to a literal: (name, its literal form)."""
+    import ast
+
+    out = []
+    for node in body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target, value = node.targets[0], node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            target, value = node.target, node.value
+        else:
+            continue
+        if not isinstance(target, ast.Name) or counts.get(target.id) != 1:
+            continue
+        try:
+            form = _literal_form(ast.literal_eval(value))
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            continue  # computed when the file runs: not compared
+        name = target.id
+        if cls is not None and name.startswith("__") and not name.endswith("__") and cls.strip("_"):
+            name = f"_{cls.lstrip('_')}{name}"  # as Python stores a private name of the class
+        if form is not None and name not in _CLASS_BOOKKEEPING:
+            out.append((name, form))
+    return tuple(out)
+
+
+def _bound_names(body: list[Any]) -> dict[str, int]:
+    """How many times the statements `body` bind each name in their own scope: assignments, imports,
+    `def`, `class`, loops, `with`, `except`, `match`, `del`; not the names bound inside the functions and
+    classes they define."""
+    import ast
+
+    counts: dict[str, int] = {}
+    todo: list[Any] = list(body)
+    while todo:
+        node = todo.pop()
+        names: list[str] = []
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.append(node.name)
+            todo += node.decorator_list  # (what runs here: a `:=` there binds in this scope)
+            todo += [*node.bases, *(k.value for k in node.keywords)] if isinstance(node, ast.ClassDef) else \
+                [*node.args.defaults, *(d for d in node.args.kw_defaults if d is not None)]
+        elif isinstance(node, ast.Lambda):
+            todo += [*node.args.defaults, *(d for d in node.args.kw_defaults if d is not None)]
+        elif isinstance(node, ast.AnnAssign) and node.value is None:
+            pass  # an annotation alone binds nothing
+        else:
+            if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+                names.append(node.id)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names += [a.asname or a.name.split(".")[0] for a in node.names]  # ("*" for a `*` import)
+            elif isinstance(node, (ast.ExceptHandler, ast.MatchAs, ast.MatchStar)) and node.name:
+                names.append(node.name)
+            elif isinstance(node, ast.MatchMapping) and node.rest:
+                names.append(node.rest)
+            else:  # changed in place here: `X[k] = v`, `X.attr = v`, `X.append(v)`
+                names += _changed_in_place(node)
+            todo.extend(ast.iter_child_nodes(node))
+        for name in names:
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def _changed_by_code(tree: Any) -> set[str]:
+    """The names the code of a module's functions changes: rebinds (`global X`) or changes in place (Note
+    [What a module holds that its file does not bind])."""
+    import ast
+
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Global):
+            out.update(node.names)
+        else:
+            out.update(_changed_in_place(node))
+    return out
+
+
+# The methods of the literals' types that change them in place
+_MUTATORS = frozenset({"append", "extend", "insert", "pop", "remove", "clear", "update", "setdefault", "popitem", "add",
+                       "discard", "sort", "reverse", "difference_update", "intersection_update",
+                       "symmetric_difference_update", "__setitem__", "__delitem__", "__iadd__", "__ior__"})
+
+
+def _changed_in_place(node: Any) -> list[str]:
+    """The name `node` changes in place, as `X[k] = v`, `del X[k]`, `X.a = v` or `X.append(v)` do (through
+    any chain of items and attributes: `X[k].append(v)`), if it does."""
+    import ast
+
+    if isinstance(node, (ast.Subscript, ast.Attribute)) and not isinstance(node.ctx, ast.Load):
+        base = node.value
+    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _MUTATORS:
+        base = node.func.value
+    else:
+        return []
+    while isinstance(base, (ast.Subscript, ast.Attribute)):
+        base = base.value
+    return [base.id] if isinstance(base, ast.Name) else []
+
+
+class _NotLiteral(Exception):
+    pass
+
+
+_SCALAR_LITERALS = frozenset({type(None), bool, int, str, bytes, type(...)})
+
+
+def _literal_form(v: Any) -> Any:
+    """`v` as a value to compare with a literal of a file, its types included (1, 1.0 and True differ, a
+    list is not a tuple; a float by its repr, so nan is itself); None where `v` is no literal, holds more
+    than _MAX_ITEMS values or nests deeper than _MAX_DEPTH levels (itself, say)."""
+    t = type(v)
+    if t in _SCALAR_LITERALS:  # (the common case, without the walk)
+        return (t.__name__, v)
+    try:
+        return _form(v, 0, [0])
+    except _NotLiteral:
+        return None
+
+
+def _form(x: Any, depth: int, count: list[int]) -> Any:
+    count[0] += 1
+    if count[0] > _MAX_ITEMS or depth > _MAX_DEPTH:
+        raise _NotLiteral
+    t = type(x)
+    if t in _SCALAR_LITERALS:
+        return (t.__name__, x)
+    if t is float or t is complex:
+        return (t.__name__, repr(x))
+    if t is list or t is tuple:
+        return (t.__name__, tuple(_form(y, depth + 1, count) for y in x))
+    if t is dict:
+        return ("dict", tuple((_form(k, depth + 1, count), _form(y, depth + 1, count)) for k, y in x.items()))
+    if t is set or t is frozenset:
+        return (t.__name__, frozenset(_form(y, depth + 1, count) for y in x))
+    raise _NotLiteral
+
+
+def _defined_in(x: Any, module: str, name: str, file: str, decorated: bool) -> bool:
+    """Whether `x` is the function or class `name` that `module`'s `file` defines at its top level, or, for
+    a decorated one, wraps it (through `__wrapped__`, or a closure), or is a decorator's object that is no
+    function or class (not compared: Note [What a module holds that its file does not bind])."""
+    todo, looked = [x], 0
+    while todo and looked < 16:
+        y = todo.pop()
+        looked += 1
+        if isinstance(y, type) and y.__module__ == module and y.__qualname__ == name:
+            return True
+        if isinstance(y, types.FunctionType) and y.__module__ == module and y.__qualname__ == name and \
+                y.__code__.co_filename == file:
+            return True
+        if not decorated:
+            return False
+        try:
+            wrapped = vars(y).get("__wrapped__")
+        except TypeError:  # (no __dict__)
+            wrapped = None
+        if wrapped is not None:
+            todo.append(wrapped)
+        if isinstance(y, types.FunctionType):
+            todo += [_contents(c) for c in y.__closure__ or ()]
+    return decorated and not isinstance(x, (types.FunctionType, type))
 
 
 @functools.lru_cache(maxsize=1024)

@@ -16,7 +16,9 @@ in keys.py). Three more reads decide what it returns, and each is found in its b
   is, so a checkpoint replaced under a literal path is a miss. Never the working directory, one of its
   ancestors or the home folder, whose files the notebook's own autosave changes.
 These are read in the function keyed by its code and in every function of the notebook it calls (those are
-keyed by their code too); a function of a module with a file is keyed by that file's identity instead.
+keyed by their code too); a function of a module with a file is keyed by that file's identity instead,
+and, in a module of the user's, by what the module holds that its file does not bind (Note [What a module
+holds that its file does not bind] in keys.py).
 """
 
 from __future__ import annotations

@@ -754,6 +754,184 @@ def test_a_module_edited_and_not_reloaded_is_not_cached_as_its_file(overmind_hom
     assert [(r["calls"], r["width"]) for r in restarted] == [({"miss": 1}, 16), ({"hit": 1}, 16)], restarted
 
 
+MYMODELS = """
+import torch
+
+WIDTH = {width}
+
+
+class Block:
+    WIDTH = 8
+
+
+def build():
+    return {{"w": torch.ones(WIDTH)}}
+
+
+def build_block():
+    return {{"w": torch.ones(Block.WIDTH)}}
+
+
+def make():
+    return build()
+"""
+
+# A kernel that imports mymodels.py, runs `change` (a cell), then caches a `load` that calls `mymodels.<call>()`.
+CHANGED_UNDER_IT = """
+    import json, sys
+    import torch
+    sys.dont_write_bytecode = True  # (the file's edit is read again by the next kernel, whatever its size and time)
+    sys.path.insert(0, {folder!r})
+    import mymodels
+    from overmind_jupyter import loading
+{change}
+
+    def load():
+        return mymodels.{call}()
+
+    result = loading.cached(load)
+    print(json.dumps({{"calls": loading.calls(), "width": result["w"].shape[0]}}))
+"""
+EDIT_WIDTH = "with open(mymodels.__file__, 'w') as f:\n    f.write({text!r})"
+MY_BUILD = "def my_build():\n    return {'w': torch.ones(16)}\nmymodels.build = my_build"
+
+
+@pytest.mark.parametrize(("change", "call", "stale", "twin"), [
+    ("mymodels.WIDTH = 16", "build", 16, None),
+    (EDIT_WIDTH.format(text=MYMODELS.format(width=16)), "build", 8, "mymodels.WIDTH = 8"),
+    ("mymodels.Block.WIDTH = 16", "build_block", 16, None),
+    (MY_BUILD, "make", 16, None),
+], ids=["a module value set at run time", "a module value edited in the file, not reloaded",
+        "a class attribute set at run time", "a module function replaced by a notebook function"])
+def test_a_module_that_holds_what_its_file_does_not_bind_is_keyed_by_what_it_holds(
+        overmind_home: Path, tmp_path: Path, change: str, call: str, stale: int, twin: str | None) -> None:
+    """A kernel whose module beside the notebook holds another value than its file binds (set in a cell, or
+    the file edited since and not reloaded), or another function, builds another result than a kernel on
+    the file: its entry has a key of its own (Note [What a module holds that its file does not bind]). Keyed
+    by the file alone, the next kernel on the file got the first kernel's width (a stale hit). A kernel that
+    makes the same change shares the entry."""
+    (tmp_path / "mymodels.py").write_text(MYMODELS.format(width=8))
+
+    def kernel(change: str) -> tuple[dict, int]:
+        got = last_json(run_py(CHANGED_UNDER_IT.format(folder=str(tmp_path), change=textwrap.indent(change, "    "),
+                                                       call=call)))
+        return got["calls"], got["width"]
+
+    assert kernel(change) == ({"miss": 1}, stale), "its own entry, with what its module holds"
+    on_the_file = 16 if twin else 8  # (the edited file binds 16)
+    assert [kernel(""), kernel("")] == [({"miss": 1}, on_the_file), ({"hit": 1}, on_the_file)], "not the first's"
+    assert kernel(twin or change) == ({"hit": 1}, stale), "the same change: the same entry"
+
+
+ZOO = """
+import dataclasses, enum, functools, os, time
+from typing import NamedTuple
+
+WIDTH = 8
+SIZES: tuple = (1, 2.0, "x", None, [True], {"k": {3}})
+DEVICE = "cuda" if os.environ.get("ZOO_DEVICE") else "cpu"
+STARTED = time.time()
+COUNT = 1
+COUNT += 1
+MODELS = {}
+_client = None
+SCALE = 1
+
+
+def register(cls):
+    MODELS[cls.__name__] = cls
+    return cls
+
+
+def client():
+    global _client
+    _client = _client or object()
+    return _client
+
+
+def configure(scale):
+    global SCALE
+    SCALE = scale
+
+
+@register
+class Color(enum.Enum):
+    RED = 1
+
+
+@dataclasses.dataclass(slots=True)
+class Slotted:
+    x: int = 3
+
+
+class Pair(NamedTuple):
+    x: int = 1
+
+
+class Block:
+    WIDTH = 8
+
+
+@functools.cache
+def cached_width():
+    return WIDTH
+
+
+def build():
+    return (WIDTH * SCALE, SIZES, DEVICE, STARTED, COUNT, Color.RED, Slotted(), Pair(), Block.WIDTH, cached_width(),
+            MODELS, client())
+"""
+
+
+def test_a_module_is_compared_with_the_literals_its_file_binds_by_type_and_value(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What each change of a module of the user's does to the key of a function that reaches it (Note [What a
+    module holds that its file does not bind]): a literal is compared by type and value, a value computed
+    at import is not compared, nor is one bound twice; an enum, a slotted dataclass, a named tuple and a
+    cached function, as their file makes them, are no change: the key is what it was before the comparison.
+    Nor is what the module's own functions put in a name it binds to a literal (a registry filled, a client
+    made), but for a literal (`configure(2)`)."""
+    from overmind_jupyter import keys
+
+    (tmp_path / "zoo_of_bindings.py").write_text(ZOO)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "zoo_of_bindings", raising=False)
+    import zoo_of_bindings as zoo  # type: ignore[import-not-found]
+
+    namespace: dict[str, object] = {"__name__": "__main__", "zoo": zoo}  # a notebook's cell, which imported zoo
+    exec(compile("def load():\n    return zoo.build()\ndef my_width():\n    return 16\n", "<cell>", "exec"), namespace)
+
+    def key() -> str:
+        return keys.make_key(namespace["load"], (), {}).key  # type: ignore[arg-type]
+
+    zoo.client()  # the module's own state, made by its own function
+    as_imported = key()
+    changes = [("WIDTH", 16, True), ("WIDTH", 8.0, True), ("WIDTH", True, True), ("WIDTH", 8, False),
+               ("SIZES", (1, 2.0, "x", None, [True], {"k": {3}}), False),
+               ("SIZES", (1, 2, "x", None, [True], {"k": {3}}), True), ("SIZES", [1, 2.0, "x", None, [True]], True),
+               ("DEVICE", "cuda", False), ("STARTED", 0.0, False), ("COUNT", 7, False),
+               ("cached_width", namespace["my_width"], True)]
+    seen = []
+    for name, value, differs in changes:
+        with monkeypatch.context() as m:
+            m.setattr(zoo, name, value)
+            seen.append(key())
+        assert (seen[-1] != as_imported) == differs, (name, value)
+    assert len(set(seen[:3])) == 3, "16, 8.0 and True: three keys"
+    zoo.SIZES[4].append(False)  # a literal changed in place
+    assert key() != as_imported
+    zoo.SIZES[4].pop()
+    with monkeypatch.context() as m:
+        m.setattr(zoo.Block, "WIDTH", 16)
+        assert key() != as_imported
+    zoo.configure(2)
+    assert key() != as_imported, "a literal the module's own function set"
+    zoo.configure(1)
+    assert key() == as_imported
+    assert keys._Canonical(os.getcwd(), None)._differences("zoo_of_bindings", keys._identity(
+        os.stat(zoo.__file__)), 0) == {}, "the file's own values: nothing differs, the key is as before"
+
+
 def test_a_path_into_the_kernels_own_file_systems_is_no_checkpoint() -> None:
     """A function whose code names /proc, /sys or /dev (an f-string's "/proc/" is a constant of its code) is
     keyed: those hold a process's state, never a checkpoint; keyed as a folder, /proc made the call
