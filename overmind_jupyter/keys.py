@@ -8,11 +8,12 @@ A key is the SHA-256 of a JSON document holding (docs/design.md invariant 2):
   code, its class attributes, its bases; a plain function (a notebook's `load`) by what it does: its code
   (bytecode, constants, names, nested code), its defaults, the values of its closure and of the globals
   it reads (functions among them by their own code), the module attributes, environment variables and
-  literal paths it reads (Note [What a function reads] in reads.py), and the identity of its module's
-  file; a function or class of a module of the user's that it reaches, by that file's identity and what
-  the module holds that the file does not bind (a value set at run time, a function replaced: Note [What a
-  module holds that its file does not bind]); a `functools.partial` is keyed as the call it makes; a
-  callable object is uncacheable, since its state is not known;
+  literal paths it reads (Note [What a function reads] in reads.py), the files of the user's modules it
+  imports in its body, imported yet or not (Note [Modules found by their file] in module_files.py), and the
+  identity of its module's file; a function or class of a module of the user's that it reaches, by that
+  file's identity and what the module holds that the file does not bind (a value set at run time, a
+  function replaced: Note [What a module holds that its file does not bind]); a `functools.partial` is
+  keyed as the call it makes; a callable object is uncacheable, since its state is not known;
 - the arguments bound to the callable's signature (so positional and keyword spellings agree), each in
   a canonical form; an argument without one makes the call uncacheable (`Uncacheable`), never guessed.
   Objects with a `to_dict` (configs) are keyed by their whole state, every attribute, private ones
@@ -59,12 +60,13 @@ from typing import Any, NamedTuple
 
 from .dynamic_modules import elsewhere
 from .errors import Uncacheable
-from .reads import is_users_module, path_constants, reads
+from .module_files import Finder, named
+from .reads import import_statements, is_users_module, maybe_users, path_constants, reads
 
 __all__ = ["GRAPH_FORMAT", "SOURCE_PARAMS", "CallKey", "Resolve", "bindings", "changed_since", "files_named",
            "fingerprint", "make_key", "owner_name", "signature", "under_bindings"]
 
-_KEY_FORMAT = 3  # bump on any change to what a key holds: old entries then simply miss
+_KEY_FORMAT = 4  # bump on any change to what a key holds: old entries then simply miss
 # The format of the graphs rebuild.py packs, named by every key: an entry packed in another format is a miss
 # (a daemon that outlived an upgrade keeps such entries), not a corrupt entry with a fallback warning.
 # Bump when the storage or tensor references, or what a graph holds, change.
@@ -419,8 +421,9 @@ class _Canonical:
         self.roots: dict[str, str] = {}
         self.code_refs: list[str] = []
         self.spellings: dict[str, str] = {}  # real path -> as the call wrote it (Note [Spellings])
-        self._imports: dict[str, dict[str, list[int]]] = {}  # module -> `_users_imports`, once per call
+        self._imports: dict[str, dict[str, Any]] = {}  # module -> `_users_imports`, once per call
         self._differs: dict[str, dict[str, Any]] = {}  # module -> its `_differences`, once per call
+        self._finder = Finder()  # (Note [Modules found by their file])
         self._active: set[int] = set()
         self._functions: set[int] = set()
         self._values = 0
@@ -537,7 +540,8 @@ class _Canonical:
         self._functions.add(id(fn))
         try:
             code = fn.__code__
-            names = sorted(_global_names(code))
+            # (not the names only its imports use: `from mymodels import build` reads no global `mymodels`)
+            names = sorted(_global_names(code) - import_statements(code)[1])
             read = {}
             for g in names:
                 if g not in fn.__globals__:
@@ -579,15 +583,7 @@ class _Canonical:
             if file is not None:
                 out: dict[str, Any] = {"name": f"{x.__module__}.{x.__qualname__}", "file": _identity(os.stat(file))}
                 if is_users_module(x.__module__):  # Note [The user's modules a module imports]
-                    found = self._imports.get(x.__module__)
-                    if found is None:
-                        found = self._imports[x.__module__] = _users_imports(x.__module__)
-                        for module, identity in {x.__module__: out["file"], **found}.items():
-                            _check_runs_its_file(module, identity)  # Note [A module that is not its file]
-                    out["imports"] = found
-                    differs = self._module_differences({x.__module__: out["file"], **found}, depth)
-                    if differs:  # Note [What a module holds that its file does not bind]
-                        out["differs"] = differs
+                    out.update(self._users_part(x.__module__, out["file"], depth))
                 return out
             if isinstance(x, types.FunctionType):
                 return {"function": self.function(name, x, depth + 1)}
@@ -678,8 +674,12 @@ class _Canonical:
         where = fn.__qualname__
         attributes: dict[str, Any] = {}
         environment: dict[str, str | None] = {}
+        modules = self._imported_by(fn, depth)
         for r in reads(fn.__code__):
-            # A module the function imports itself and is not imported yet is imported by the call.
+            if r.imported and (r.root in modules or any(m.startswith(f"{r.root}.") for m in modules)):
+                continue  # a module of the user's the function imports itself: keyed by its file, in `modules`
+            # Another module the function imports itself (the standard library's, a library's, one made in
+            # memory) that is not imported yet is imported by the call: its attributes are no user's values.
             obj: Any = sys.modules.get(r.root) if r.imported else fn.__globals__.get(r.root)
             name, rest = r.root, list(r.attrs)
             while obj is not None:
@@ -704,7 +704,54 @@ class _Canonical:
                 obj = None if nxt is _MISSING else nxt
         paths = {text: self._path(f"{where}: {text!r}", real)
                  for text, real in sorted(path_constants(fn.__code__, self.cwd).items())}
-        return {"attributes": attributes, "environment": environment, "paths": paths}
+        out = {"attributes": attributes, "environment": environment, "paths": paths}
+        if modules:
+            out["modules"] = modules
+        return out
+
+    def _imported_by(self, fn: types.FunctionType, depth: int) -> dict[str, Any]:
+        """The modules of the user's that `fn`'s code imports itself (relative imports against its package),
+        each by its file whether imported yet or not, or as missing (Note [Modules found by their file] in
+        module_files.py)."""
+        statements, _ = import_statements(fn.__code__)
+        if not statements:
+            return {}
+        scope = fn.__globals__
+        package = scope.get("__package__") or getattr(scope.get("__spec__"), "parent", None) or ""
+        out: dict[str, Any] = {}
+        for module, level, names in statements:
+            for name in named(package if isinstance(package, str) else "", module, level, names):
+                if name not in out:
+                    part = self._users_module(name, depth)
+                    if part is not None:
+                        out[name] = part
+        return out
+
+    def _users_module(self, name: str, depth: int) -> Any:
+        """A module an import names, where it is the user's: its file's identity and the user's modules it
+        imports (Note [The user's modules a module imports]), as a name of it reached as a global is keyed
+        beside its own name; {"missing": True}, or None where it is not the user's."""
+        part = _users_file(name, self._finder)
+        if not isinstance(part, tuple):
+            return part
+        return {"file": part[1], **self._users_part(name, part[1], depth)}
+
+    def _users_part(self, module: str, identity: list[int], depth: int) -> dict[str, Any]:
+        """What a module of the user's is keyed by beside its file's `identity`: the user's modules it imports
+        (Note [The user's modules a module imports]), checked to run their files (Note [A module that is not
+        its file]), and what they hold that their files do not bind (Note [What a module holds that its file
+        does not bind])."""
+        found = self._imports.get(module)
+        if found is None:
+            found = self._imports[module] = _users_imports(module, self._finder)
+            for name, seen in {module: identity, **found}.items():
+                if isinstance(seen, list):
+                    _check_runs_its_file(name, seen)
+        out: dict[str, Any] = {"imports": found}
+        differs = self._module_differences({module: identity, **found}, depth)
+        if differs:
+            out["differs"] = differs
+        return out
 
     def _container(self, name: str, v: Any, depth: int) -> Any:  # noqa: C901 (one case per kind of value, in order)
         if isinstance(v, (list, tuple)):
@@ -1133,25 +1180,72 @@ def _registered(cls: type) -> list[tuple[Any, Any]]:
 # `Block` of `blocks.py`, which builds an `Attention` of `attention.py` or reads a constant there, so an
 # edit of `attention.py` alone changes what the load builds. So such a name is keyed with the identity
 # of every module of the user's that its module imports, and that those import in turn: the import
-# statements that importing each file may run (parsed once per version of the file; not those inside its
-# functions, which run in some processes only, so that the key is the same in every process, nor those
-# under `if TYPE_CHECKING:`), resolved as
-# Python resolves them. A library's module is keyed by its name and version alone, as before; a module
-# imported by a call (`importlib.import_module`, an import inside a function) is not followed.
-def _users_imports(module: str) -> dict[str, list[int]]:
+# statements of each file (parsed once per version of the file), at its top level and inside its functions
+# and classes too (`Block.__init__` doing `from attention import Attention`), not those under `if
+# TYPE_CHECKING:` (never run), resolved as Python resolves them, and found by their files whether this
+# process imported them yet or not (Note [Modules found by their file] in module_files.py): so the key is the
+# same in every process, in one whose `Block` was built already and in one that has not run that import. A
+# name no module answers to (an optional part behind `try: import ...`) is keyed as missing. A library's
+# module is keyed by its name and version alone, as before; a module imported by a name computed when it
+# runs (`importlib.import_module(name)`) is not followed. A function of the notebook that imports a module of
+# the user's in its body has that module keyed the same way (`_imported_by`).
+def _users_imports(module: str, finder: Finder | None = None) -> dict[str, Any]:
     """The identity of the file of each module of the user's that `module` imports, directly or through
-    another such module (Note [The user's modules a module imports])."""
-    found: dict[str, list[int]] = {}
+    another such module, or {"missing": True} for a name none answers to (Note [The user's modules a module
+    imports])."""
+    finder = finder or Finder()
+    found: dict[str, Any] = {}
+    seen = set()
     todo = [module]
     while todo:
         name = todo.pop()
-        file = _module_file(name)
-        if name in found or file is None or (name != module and not is_users_module(name)):
+        if name in seen:
             continue
-        found[name] = identity = _identity(os.stat(file))
-        todo += [m for m in _imports(name, file, tuple(identity)) if m in sys.modules and m not in found]
-    del found[module]  # its own file is keyed beside its name
+        seen.add(name)
+        part = _users_file(name, finder)
+        if isinstance(part, tuple):
+            file, found[name] = part
+            todo += [m for m in _imports(name, file, tuple(part[1])) if m not in seen]
+        elif part is not None:
+            found[name] = part
+    found.pop(module, None)  # its own file is keyed beside its name
     return dict(sorted(found.items()))
+
+
+def _users_file(name: str, finder: Finder) -> tuple[str, list[int]] | dict[str, bool] | None:
+    """(file, its identity) of the module an import of `name` would run, where it is the user's (Note
+    [Installed code] in reads.py); {"missing": True} where no module answers to the name though one could;
+    None for a module that is not the user's or has no file (a namespace package, one made in memory), and
+    for a name that can be no module (what `from a import b` takes from a module that is no package).
+    Found once a key (`finder.memo`)."""
+    if name not in finder.memo:
+        finder.memo[name] = _find_users_file(name, finder)
+    return finder.memo[name]  # type: ignore[no-any-return]
+
+
+def _find_users_file(name: str, finder: Finder) -> tuple[str, list[int]] | dict[str, bool] | None:
+    top = name.partition(".")[0]
+    if top == "__main__" or not maybe_users(top):
+        return None
+    where = finder.find(top)
+    if where is None:
+        return {"missing": True} if name == top else None
+    users = finder.memo.get((top, "users"))
+    if users is None:  # (its package's, asked once a key: it reads where each of the places really lies)
+        users = finder.memo[top, "users"] = is_users_module(top, None if top in sys.modules else where.places)
+    if not users:
+        return None
+    if name != top:
+        where = finder.find(name)
+        if where is None:
+            above = finder.find(name.rpartition(".")[0])
+            return {"missing": True} if above is not None and above.search is not None else None
+    if where.file is None:
+        return None
+    try:
+        return where.file, _identity(os.stat(where.file))
+    except OSError:  # (removed since it was found)
+        return {"missing": True}
 
 
 # Note [A module that is not its file]
@@ -1481,7 +1575,7 @@ def _defined_in(x: Any, module: str, name: str, file: str, decorated: bool) -> b
 @functools.lru_cache(maxsize=1024)
 def _imports(module: str, file: str, identity: tuple[int, ...]) -> tuple[str, ...]:
     """The modules the import statements of `module`'s `file` name (at this `identity` of it), resolved
-    against its package: `from . import x` names the package and `package.x`."""
+    against its package (`module_files.named`): `from . import x` names the package and `package.x`."""
     import ast
 
     try:
@@ -1491,38 +1585,30 @@ def _imports(module: str, file: str, identity: tuple[int, ...]) -> tuple[str, ..
         return ()
     package = module if file.endswith("__init__.py") else module.rpartition(".")[0]
     names: list[str] = []
-    for node in _run_on_import(tree.body):
+    for node in _import_statements(tree.body):
         if isinstance(node, ast.Import):
-            names += [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".") if package else []
-                if node.level - 1 > len(parts):
-                    continue
-                base = ".".join([*parts[:len(parts) - node.level + 1], *([base] if base else [])])
-            if base:
-                names.append(base)
-            names += [f"{base}.{alias.name}" if base else alias.name for alias in node.names]
+            for alias in node.names:
+                names += named(package, alias.name, 0, ())
+        else:
+            names += named(package, node.module or "", node.level, tuple(alias.name for alias in node.names))
     return tuple(dict.fromkeys(names))
 
 
-def _run_on_import(body: list[Any]) -> Iterator[Any]:
-    """The import statements of a module's `body` that importing it may run: in a `try`, `with` or `if`
-    too (either branch: one decided the same way in every process of an environment), not those of its
-    functions and classes (run when called, in some processes only) nor of an `if TYPE_CHECKING:`."""
+def _import_statements(body: list[Any]) -> Iterator[Any]:
+    """The import statements of a module's `body` that importing it or calling its functions may run: at
+    any depth (in a `try`, `with`, either branch of an `if`, a function, a class), not those an `if
+    TYPE_CHECKING:` holds (never run; its `else` runs)."""
     import ast
 
     for node in body:
-        if isinstance(node, ast.Try):
-            yield from _run_on_import([*node.body, *node.orelse, *node.finalbody,
-                                       *(n for h in node.handlers for n in h.body)])
-        elif isinstance(node, ast.If) and "TYPE_CHECKING" not in ast.unparse(node.test):
-            yield from _run_on_import([*node.body, *node.orelse])
-        elif isinstance(node, ast.With):
-            yield from _run_on_import(node.body)
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
             yield node
+        elif isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            negated = isinstance(node.test, ast.UnaryOp) and isinstance(node.test.op, ast.Not)
+            yield from _import_statements(node.body if negated else node.orelse)
+        else:
+            yield from _import_statements([c for c in ast.iter_child_nodes(node)
+                                           if isinstance(c, (ast.stmt, ast.excepthandler, ast.match_case))])
 
 
 def _module_file(module: str) -> str | None:

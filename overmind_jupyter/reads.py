@@ -6,7 +6,10 @@ paths written in it. keys.py keys each read (Note [What a function reads]).
 in keys.py). Three more reads decide what it returns, and each is found in its bytecode:
 - an attribute reached through a module of the user's own (`helpers.SCALE`, `helpers.sub.PATH`, a module
   beside the notebook, not installed: Note [Installed code]): keyed by the value it has now, so an
-  edited module, reloaded, or an attribute set in a cell, is another key. A library's or the standard
+  edited module, reloaded, or an attribute set in a cell, is another key. A module of the user's that the
+  function imports in its own body (`from mymodels import build`) is keyed by its file instead, whether
+  the process imported it yet or not (Note [Modules found by their file] in module_files.py), so that a
+  kernel's first call, before the import, has the key of its later calls. A library's or the standard
   library's module stays keyed by its name: its version is in the key;
 - the environment: `os.environ[NAME]`, `os.environ.get(NAME)`, `os.getenv(NAME)`, `NAME in os.environ`,
   with `os` imported at the top or in the function, keyed by the variable's value or its absence. A name
@@ -29,10 +32,10 @@ import os
 import site
 import sys
 import types
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Read", "is_users_module", "path_constants", "reads"]
+__all__ = ["Read", "import_statements", "is_users_module", "maybe_users", "path_constants", "reads"]
 
 _ROOTS = {"LOAD_GLOBAL", "LOAD_NAME", "LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_BORROW"}
 _ATTRS = {"LOAD_ATTR", "LOAD_METHOD"}
@@ -116,17 +119,25 @@ def path_constants(code: types.CodeType, cwd: str) -> dict[str, str]:
     return found
 
 
-def is_users_module(module: str) -> bool:
+def is_users_module(module: str, places: Sequence[str] | None = None) -> bool:
     """Whether `module` is the user's own code: the notebook (`__main__`), or a module that is neither the
     standard library's nor installed (a module beside the notebook, a package of the user's installed in
-    place); see Note [Installed code]."""
+    place); see Note [Installed code]. `places`: where its top-level package lies (its file, or a namespace
+    package's folders), for one not imported yet (module_files.py); else the imported package's."""
     top = module.split(".")[0]
     if top == "__main__":
         return True
-    if top in _LIBRARIES or top in sys.stdlib_module_names or top in sys.builtin_module_names:
+    if not maybe_users(top):
         return False
     installed = _installed_folders(tuple(sys.path))
-    return not any(os.path.realpath(place).startswith(installed) for place in _places(sys.modules.get(top)))
+    where = _places(sys.modules.get(top)) if places is None else places
+    return not any(os.path.realpath(place).startswith(installed) for place in where)
+
+
+def maybe_users(top: str) -> bool:
+    """Whether the top-level package `top` may be the user's: it is named neither as one of the libraries
+    nor as the standard library's (Note [Installed code] then asks where its files lie)."""
+    return not (top in _LIBRARIES or top in sys.stdlib_module_names or top in sys.builtin_module_names)
 
 
 # Note [Installed code]
@@ -158,6 +169,31 @@ def _installed_folders(path: tuple[str, ...]) -> tuple[str, ...]:
     folders = {*site.getsitepackages(), site.getusersitepackages()}
     folders.update(p for p in path if os.path.basename(os.path.normpath(p)) in ("site-packages", "dist-packages"))
     return tuple(os.path.join(os.path.realpath(folder), "") for folder in folders if folder)
+
+
+@functools.lru_cache(maxsize=1024)
+def import_statements(code: types.CodeType) -> tuple[tuple[tuple[str, int, tuple[str, ...]], ...], frozenset[str]]:
+    """The import statements of `code` and the code nested in it, as (module, level, names taken from it):
+    `from ..a import b` is ("a", 2, ("b",)), `import a.b as c` is ("a.b", 0, ()); and the names of the code
+    that only those statements use (`from mymodels import build` names `mymodels` and `build`): a module or
+    what is taken from it, never a global the code reads. Kept per code object, as `reads`."""
+    statements, imported, loaded = [], set(), set()
+    for c in _codes(code):
+        ops = list(dis.get_instructions(c))
+        for i, op in enumerate(ops):
+            if op.opname in _GLOBAL_LOADS:
+                loaded.add(str(op.argval))
+            elif op.opname == "IMPORT_FROM":
+                imported.add(str(op.argval))
+            elif op.opname == "IMPORT_NAME":
+                level, names = (ops[i - 2].argval, ops[i - 1].argval) if i >= 2 else (0, None)
+                statements.append((str(op.argval), level if isinstance(level, int) else 0,
+                                   tuple(str(n) for n in names) if isinstance(names, tuple) else ()))
+                imported.add(str(op.argval))
+    return tuple(dict.fromkeys(statements)), frozenset(imported - loaded)
+
+
+_GLOBAL_LOADS = {"LOAD_GLOBAL", "LOAD_NAME", "LOAD_FROM_DICT_OR_GLOBALS"}
 
 
 def _codes(code: types.CodeType) -> Iterator[types.CodeType]:

@@ -533,8 +533,8 @@ def test_a_class_registered_with_an_auto_class_is_in_the_key(overmind_home: Path
 
 def test_the_imports_a_modules_import_may_run_are_followed(tmp_path: Path) -> None:
     """Note [The user's modules a module imports] in keys.py: imports under a module-level `try`, `with` or
-    `if` are followed; those of its functions (run in some processes only) and under `if TYPE_CHECKING:`
-    are not."""
+    `if` are followed, and those of its functions and classes (run when called: the key is the same in a
+    process that ran them and in one that did not); those under `if TYPE_CHECKING:` (never run) are not."""
     from overmind_jupyter import keys
 
     file = tmp_path / "blocks.py"
@@ -554,13 +554,24 @@ def test_the_imports_a_modules_import_may_run_are_followed(tmp_path: Path) -> No
             import in_else
         if TYPE_CHECKING:
             import only_for_types
+        else:
+            import in_the_else_of_type_checking
+        if not TYPE_CHECKING:
+            import when_not_type_checking
 
         def later():
             import in_a_function
+
+        class Block:
+            def __init__(self):
+                from .attention import Attention
+                import deep.er.module
     """))
     got = keys._imports("pkg.blocks", str(file), (1,))
     assert set(got) == {"warnings", "typing", "typing.TYPE_CHECKING", "pkg", "pkg.sibling", "in_try", "in_except",
-                        "in_with", "in_with.Attention", "in_if", "in_else"}, got
+                        "in_with", "in_with.Attention", "in_if", "in_else", "in_the_else_of_type_checking",
+                        "when_not_type_checking", "in_a_function", "pkg.attention", "pkg.attention.Attention",
+                        "deep", "deep.er", "deep.er.module"}, got
 
 
 # A kernel that loads through the cache and says what it got. {prelude}: the notebook's own code.
@@ -943,6 +954,129 @@ def test_a_path_into_the_kernels_own_file_systems_is_no_checkpoint() -> None:
 
     assert reads.path_constants(load.__code__, os.getcwd()) == {}
     assert keys.make_key(load, (os.getpid(),), {}).key
+
+
+MYMODELS = "import torch\n\n\ndef build():\n    return {{'w': torch.ones(WIDTH)}}\n\n\nWIDTH = {width}\n"
+
+# A kernel whose `load` imports a module of the user's in its body (the common notebook pattern); {before}: the
+# notebook's own imports, run before the call; the call made {times} times.
+LAZY = """
+    import json, os, sys
+    sys.path.insert(0, os.getcwd())
+    from overmind_jupyter import loading
+    {before}
+
+    def load():
+        from mymodels import build
+        return build()
+
+    imported = "mymodels" in sys.modules
+    widths = [loading.cached(load)["w"].shape[0] for _ in range({times})]
+    print(json.dumps({{"calls": loading.calls(), "widths": widths, "imported": imported}}))
+"""
+
+
+def lazy_kernel(folder: Path, before: str = "", times: int = 1) -> dict:
+    return last_json(run_py(LAZY.format(before=before, times=times), cwd=folder))
+
+
+def test_a_module_the_function_imports_in_its_body_is_keyed_by_its_file(overmind_home: Path, tmp_path: Path) -> None:
+    """`def load(): from mymodels import build`: each kernel's first call finds mymodels not imported yet, and
+    the key holds mymodels.py's file all the same (Note [Modules found by their file] in module_files.py): an
+    edit of it is a miss, with the edited width. Keyed without it, the edited file got the old entry."""
+    mymodels = tmp_path / "mymodels.py"
+    got = []
+    for width in (8, None, 16, None):
+        if width is not None:
+            mymodels.write_text(MYMODELS.format(width=width))
+        got.append(lazy_kernel(tmp_path))
+    assert not any(g["imported"] for g in got)
+    assert [(g["calls"], g["widths"]) for g in got] == [({"miss": 1}, [8]), ({"hit": 1}, [8]), ({"miss": 1}, [16]),
+                                                         ({"hit": 1}, [16])], got
+
+
+def test_a_module_imported_before_the_call_or_by_it_is_one_key(overmind_home: Path, tmp_path: Path) -> None:
+    """The module a function imports in its body is keyed alike whether the process imported it already (the
+    kernel's second call, a notebook that imports it at the top too) or not: one entry for all."""
+    (tmp_path / "mymodels.py").write_text(MYMODELS.format(width=8))
+    first = lazy_kernel(tmp_path, times=2)  # the first call imports it, the second finds it imported
+    other = lazy_kernel(tmp_path, before="import mymodels\n    from mymodels import build")
+    assert (first["imported"], other["imported"]) == (False, True)
+    assert (first["calls"], first["widths"]) == ({"miss": 1, "hit": 1}, [8, 8]), first
+    assert (other["calls"], other["widths"]) == ({"hit": 1}, [8]), other
+
+
+LAZY_BLOCK = """
+import torch
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        from attention import Attention
+        self.attention = Attention()
+"""
+ATTENTION = """
+import torch
+
+
+class Attention(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, {width})
+"""
+# A kernel whose `load` builds a `blocks.Block`, which imports attention.py in its `__init__`.
+BLOCK_KERNEL = """
+    import json, os, sys
+    import torch
+    sys.path.insert(0, os.getcwd())
+    import blocks
+    from overmind_jupyter import loading
+
+    def load():
+        return blocks.Block()
+
+    torch.manual_seed(0)  # its weights are drawn: seeded, one entry across restarts
+    model = loading.cached(load)
+    print(json.dumps({"calls": loading.calls(), "width": model.attention.proj.out_features}))
+"""
+
+
+def test_a_module_a_method_of_the_users_module_imports_is_keyed_by_its_file(overmind_home: Path,
+                                                                           tmp_path: Path) -> None:
+    """Note [The user's modules a module imports] in keys.py: blocks.py's `Block.__init__` imports
+    attention.py when it runs; an edit of attention.py alone is a miss that builds the edited Attention."""
+    (tmp_path / "blocks.py").write_text(LAZY_BLOCK)
+    got = []
+    for width in (8, 16, None):
+        if width is not None:
+            (tmp_path / "attention.py").write_text(ATTENTION.format(width=width))
+        got.append(last_json(run_py(BLOCK_KERNEL, cwd=tmp_path)))
+    assert [(g["calls"], g["width"]) for g in got] == [({"miss": 1}, 8), ({"miss": 1}, 16), ({"hit": 1}, 16)], got
+
+
+def test_a_module_the_function_imports_that_is_not_there_yet_is_keyed_as_missing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A module the function would import that no file provides (an optional part, `try: import ...`) is keyed
+    as missing: creating its file later, in the same process too, is another key, and removing it again the
+    first one."""
+    from overmind_jupyter import keys
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def load() -> object:
+        try:
+            import optional_part_of_the_notebook  # type: ignore[import-not-found]
+        except ImportError:
+            return None
+        return optional_part_of_the_notebook
+
+    missing = keys.make_key(load, (), {}).key
+    assert keys.make_key(load, (), {}).key == missing
+    (tmp_path / "optional_part_of_the_notebook.py").write_text("SCALE = 2\n")
+    there = keys.make_key(load, (), {}).key
+    (tmp_path / "optional_part_of_the_notebook.py").unlink()
+    assert there != missing and keys.make_key(load, (), {}).key == missing
 
 
 # -- 4. random weights follow the caller's seed -------------------------------------------------------------
