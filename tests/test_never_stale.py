@@ -995,6 +995,18 @@ def test_a_module_the_function_imports_in_its_body_is_keyed_by_its_file(overmind
                                                          ({"hit": 1}, [16])], got
 
 
+def test_a_value_set_on_a_module_the_function_imports_in_its_body_is_keyed(overmind_home: Path,
+                                                                            tmp_path: Path) -> None:
+    """A notebook that imported mymodels and set `mymodels.WIDTH = 16` in a cell, then calls a `load` that
+    imports mymodels in its body: the value it holds is keyed as for a module reached as a global (Note [What
+    a module holds that its file does not bind]), so a kernel on the file's value is not served its entry."""
+    (tmp_path / "mymodels.py").write_text(MYMODELS.format(width=8))
+    got = [lazy_kernel(tmp_path, before=before) for before in
+           ("import mymodels\n    mymodels.WIDTH = 16", "", "", "import mymodels\n    mymodels.WIDTH = 16")]
+    assert [(g["calls"], g["widths"]) for g in got] == [({"miss": 1}, [16]), ({"miss": 1}, [8]), ({"hit": 1}, [8]),
+                                                         ({"hit": 1}, [16])], got
+
+
 def test_a_module_imported_before_the_call_or_by_it_is_one_key(overmind_home: Path, tmp_path: Path) -> None:
     """The module a function imports in its body is keyed alike whether the process imported it already (the
     kernel's second call, a notebook that imports it at the top too) or not: one entry for all."""
