@@ -26,9 +26,12 @@ A key is the SHA-256 of a JSON document holding (docs/design.md invariant 2):
   files (links to blobs) the same way;
 - for diffusers' `from_single_file`, its `config` and `original_config` (a folder, or a hub id) as a
   checkpoint argument: by their files or their commit, never by their name;
-- for a call with `trust_remote_code`, the code that its checkpoint's configs name in another folder or hub
-  repo (auto_map's "<folder>--modeling_x.Class"), keyed as a checkpoint is (Note [Code in another folder]
-  in dynamic_modules.py);
+- for a load of a PEFT adapter folder that loads the base model its adapter_config.json names
+  (transformers' model loaders, peft's AutoPeftModel*), that base, as the loader resolves it, keyed as a
+  checkpoint is (Note [An adapter's base model] in adapter_bases.py);
+- for a call with `trust_remote_code`, the code that its checkpoint's configs (the base's among them) name
+  in another folder or hub repo (auto_map's "<folder>--modeling_x.Class"), keyed as a checkpoint is
+  (Note [Code in another folder] in dynamic_modules.py);
 - for an argument that is itself a cached result, the key of its entry (see `references`);
 - the versions of torch, of the library that owns the callable, and of the pack format.
 Anything that changes what the call would return changes the key, so a rewritten checkpoint is a miss.
@@ -58,6 +61,7 @@ from importlib import metadata
 from pathlib import Path, PurePath
 from typing import Any, NamedTuple
 
+from . import adapter_bases
 from .dynamic_modules import elsewhere
 from .errors import Uncacheable
 from .module_files import Finder, named
@@ -189,6 +193,8 @@ def make_key(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
             doc_args[name] = canon.value(name, arguments[name], 0)
     if isinstance(fn, types.FunctionType) and getattr(fn, "__self__", None) is None:
         doc_args["<function>"] = canon.function("the function", fn, 0)  # by its code, not its name
+    rule = adapter_bases.follows(fn)
+    bases = canon.bases(rule, arguments, canon.checkpoint) if rule is not None and canon.checkpoint else {}
     code = canon.code(arguments) if arguments.get("trust_remote_code") else {}
     document = {
         "format": [_KEY_FORMAT, GRAPH_FORMAT],
@@ -200,6 +206,8 @@ def make_key(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
     default_dtype = _default_dtype()
     if default_dtype != "torch.float32":  # Note [Torch's default dtype]
         document["default_dtype"] = default_dtype
+    if bases:
+        document["bases"] = bases  # Note [An adapter's base model] in adapter_bases.py
     if code:
         document["code"] = code  # Note [Code in another folder] in dynamic_modules.py
     text = json.dumps(document, sort_keys=True, separators=(",", ":"))
@@ -417,6 +425,8 @@ class _Canonical:
         self.resolve = resolve
         self.references: dict[str, Any] = {}
         self.source_label: str | None = None
+        # the checkpoint argument's source: (its label in `sources` and `roots`, whether a local path)
+        self.checkpoint: tuple[str, bool] | None = None
         self.sources: list[tuple[str, Callable[[], Any], Any]] = []
         self.roots: dict[str, str] = {}
         self.code_refs: list[str] = []
@@ -436,15 +446,52 @@ class _Canonical:
             path = os.path.join(self.cwd, text)
             if os.path.exists(path):
                 self.source_label = self.source_label or repr(text)
-                return self._path(name, path, text)
+                keyed = self._path(name, path, text)
+                self.checkpoint = self.checkpoint or (keyed["path"], True)
+                return keyed
             if isinstance(value, str) and _HUB_ID.match(value):
                 self.source_label = self.source_label or repr(value)
-                commit = _hub_commit(value, arguments)
-                self.sources.append((value, functools.partial(_hub_commit, value, arguments), commit))
-                self.roots[value] = str(_hub_folder(value, arguments) / "snapshots" / commit["commit"])
-                return {"hub": value, **commit}
+                self.checkpoint = self.checkpoint or (value, False)
+                return self._hub(value, arguments)
             raise Uncacheable(f"argument {name}={text!r} is neither a local path nor a hub id")
         return self.value(name, value, 0)
+
+    def _hub(self, repo_id: str, arguments: dict[str, Any]) -> dict[str, Any]:
+        """Hub id `repo_id` at the commit the local HF cache resolves `arguments`' revision to, with its
+        snapshot's files."""
+        commit = _hub_commit(repo_id, arguments)
+        self.sources.append((repo_id, functools.partial(_hub_commit, repo_id, arguments), commit))
+        self.roots[repo_id] = str(_hub_folder(repo_id, arguments) / "snapshots" / commit["commit"])
+        return {"hub": repo_id, **commit}
+
+    def bases(self, rule: str, arguments: dict[str, Any], checkpoint: tuple[str, bool]) -> dict[str, Any]:
+        """The base models the adapter configs of `checkpoint` (its source's label, whether a local path)
+        name, where a load by `rule` reads them, keyed as checkpoints: {adapter config: the base's
+        fingerprint} (Note [An adapter's base model] in adapter_bases.py). Raises Uncacheable for a base
+        that is neither a local path nor a hub id."""
+        keyed: dict[str, Any] = {}
+        todo = [(rule, arguments, checkpoint)]
+        while todo:
+            rule, arguments, checkpoint = todo.pop()
+            label, local = checkpoint
+            root = self.roots[label]
+            seen = next(seen for source, _, seen in reversed(self.sources) if source == label)
+            rows: list[list[Any]] = seen["files"] if isinstance(seen, dict) else seen
+            for base in adapter_bases.named(rule, arguments, root, rows, local):
+                named = f"{label}/{base.rel}"  # the folder or hub id, not where a hub's snapshot lies
+                path = os.path.join(self.cwd, base.name)  # as the loaders open it: from the working directory
+                if os.path.exists(path):
+                    keyed[named] = self._path(f"the base model {base.name!r} that {base.config} names", path)
+                    checkpoint = (keyed[named]["path"], True)
+                elif _HUB_ID.match(base.name):
+                    keyed[named] = self._hub(base.name, base.arguments)
+                    checkpoint = (base.name, False)
+                else:
+                    raise Uncacheable(f"the base model {base.name!r} that {base.config} names is neither a local "
+                                      f"path here ({self.cwd}) nor a hub id")
+                if base.then is not None:
+                    todo.append((base.then, base.arguments, checkpoint))
+        return keyed
 
     def code(self, arguments: dict[str, Any]) -> dict[str, Any]:
         """The code the configs of the folders read so far name in another folder or hub repo, keyed as

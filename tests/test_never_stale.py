@@ -1137,6 +1137,136 @@ def test_a_head_the_checkpoint_lacks_follows_each_kernels_seed(overmind_home: Pa
     assert (again["head"], again["rand"]) == (plain[1]["head"], plain[1]["rand"]), "and the generator advanced as plain"
 
 
+# -- 5. an adapter folder's base model (Note [An adapter's base model] in adapter_bases.py) ----------------
+
+ADAPTER_KERNEL = """
+    import json, torch
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoModelForCausalLM
+    from overmind_jupyter import loading
+    out = {{}}
+    for loader in (AutoModelForCausalLM, AutoPeftModelForCausalLM):
+        before = loading.calls()
+        torch.manual_seed(0)
+        m = loading.cached(loader.from_pretrained, {adapter!r})
+        calls = {{k: n - before.get(k, 0) for k, n in loading.calls().items() if n != before.get(k, 0)}}
+        out[loader.__name__] = {{"sum": float(sum(p.double().sum() for p in m.parameters())), "calls": calls}}
+    out["fallbacks"] = [f["reason"] for f in loading.fallbacks()]
+    print(json.dumps(out))
+"""
+LOADERS = ("AutoModelForCausalLM", "AutoPeftModelForCausalLM")
+MISSED = {"AutoModelForCausalLM": {"miss": 1}, "AutoPeftModelForCausalLM": {"miss": 1}}
+
+
+def save_adapter(base: str, path: Path) -> Path:
+    """A LoRA adapter with random (non-zero) weights over the causal LM at `base`, as spelled (its
+    adapter_config.json names the base so), for AutoPeftModelForCausalLM too (its task type)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False, task_type="CAUSAL_LM")
+    get_peft_model(LlamaForCausalLM.from_pretrained(base), config).save_pretrained(str(path))
+    return path
+
+
+def test_an_adapter_folders_base_rebuilt_under_it_is_a_miss(overmind_home: Path, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A folder with only an adapter, loaded by the loaders that load the base its adapter_config.json
+    names (transformers' PEFT integration, peft's AutoPeftModel): the base deleted and rebuilt with other
+    weights between two kernels, the adapter untouched. The second kernel misses with each and gets its
+    plain load, of the base now; a third hits. The base is named relative to the kernels' working
+    directory, where the loaders look for it (not beside the adapter)."""
+    import peft
+    import transformers
+
+    monkeypatch.chdir(tmp_path)
+    demo_models.build_llama(tmp_path / "base", "tiny", seed=1, dtype="float32")
+    adapter = save_adapter("base", tmp_path / "adapters" / "fr")
+    assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == "base"
+
+    def run() -> dict:
+        return last_json(run_py(ADAPTER_KERNEL.format(adapter=str(adapter)), cwd=tmp_path))
+
+    def plain(loader: str) -> float:
+        torch.manual_seed(0)
+        model = getattr(transformers if loader.startswith("AutoModel") else peft, loader).from_pretrained(str(adapter))
+        with torch.no_grad():
+            return float(sum(p.double().sum() for p in model.parameters()))
+
+    first = run()
+    assert {n: first[n]["calls"] for n in LOADERS} == MISSED, first
+    assert not first["fallbacks"], first
+    settled(overmind_home)  # the entries no longer read the old base's files: only the keys can tell
+    shutil.rmtree(tmp_path / "base")
+    demo_models.build_llama(tmp_path / "base", "tiny", seed=2, dtype="float32")
+    second, third = run(), run()
+    assert {n: second[n]["calls"] for n in LOADERS} == MISSED, \
+        "the base was rebuilt: the entries hold the old base's weights"
+    for n in LOADERS:
+        assert second[n]["sum"] == plain(n) != first[n]["sum"], n
+        assert third[n] == {"sum": second[n]["sum"], "calls": {"hit": 1}}, (n, third)
+
+
+def hub_cache(cache: Path, repo_id: str, commits: dict[str, Path]) -> None:
+    """Lay `commits` (revision name -> a checkpoint folder) out as the local Hugging Face cache at `cache`
+    holds repo `repo_id`: refs/REVISION naming a commit, snapshots/COMMIT/FILE linked to blobs/."""
+    import hashlib
+
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    for revision, folder in commits.items():
+        commit = hashlib.sha1(f"{repo_id}@{revision}@{folder}".encode()).hexdigest()
+        (repo / "refs").mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / revision).write_text(commit)
+        for file in folder.iterdir():
+            blob = repo / "blobs" / hashlib.sha256(file.read_bytes()).hexdigest()
+            blob.parent.mkdir(parents=True, exist_ok=True)
+            if not blob.exists():  # a blob another commit shares stays as it is, as the hub's client leaves it
+                shutil.copyfile(file, blob)
+            (repo / "snapshots" / commit).mkdir(parents=True, exist_ok=True)
+            (repo / "snapshots" / commit / file.name).symlink_to(os.path.relpath(blob, repo / "snapshots" / commit))
+
+
+def test_an_adapter_folders_hub_base_is_keyed_by_the_commit_its_loader_reads(tmp_path: Path) -> None:
+    """A hub id as the base, in the local HF cache: transformers reads it at the call's revision, peft's
+    AutoPeftModel at the adapter config's `revision`. A ref moved to another commit is another key; a base
+    the cache cannot resolve offline leaves the call uncacheable (it loads plainly), never keyed by its name.
+    A folder with a config.json of its own is loaded by transformers from itself, with no base."""
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    from overmind_jupyter import keys
+    from overmind_jupyter.errors import Uncacheable
+
+    one = demo_models.build_llama(tmp_path / "one", "tiny", seed=1, dtype="float32")
+    two = demo_models.build_llama(tmp_path / "two", "tiny", seed=2, dtype="float32")
+    adapter = save_adapter(str(one), tmp_path / "adapter")
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps(config | {"base_model_name_or_path": "org/base",
+                                                                      "revision": "v2"}))
+    cache = tmp_path / "hub"
+    hub_cache(cache, "org/base", {"main": one, "v2": one})
+
+    def key(loader: object) -> str:
+        return keys.make_key(loader.from_pretrained, (str(adapter),), {"cache_dir": str(cache)}).key  # type: ignore[attr-defined]
+
+    before = {loader: key(loader) for loader in (AutoModelForCausalLM, AutoPeftModelForCausalLM)}
+    hub_cache(cache, "org/base", {"v2": two})  # the adapter config's revision moves: only peft reads it
+    assert key(AutoModelForCausalLM) == before[AutoModelForCausalLM]
+    assert key(AutoPeftModelForCausalLM) != before[AutoPeftModelForCausalLM]
+    hub_cache(cache, "org/base", {"main": two})  # and the default branch: transformers reads that one
+    assert key(AutoModelForCausalLM) != before[AutoModelForCausalLM]
+    shutil.rmtree(cache)
+    for loader in (AutoModelForCausalLM, AutoPeftModelForCausalLM):
+        with pytest.raises(Uncacheable, match="org/base"):
+            key(loader)
+    # a full model that carries an adapter: transformers loads it from itself, peft still the base
+    shutil.copy(one / "config.json", adapter / "config.json")
+    assert key(AutoModelForCausalLM)
+    with pytest.raises(Uncacheable, match="org/base"):
+        key(AutoPeftModelForCausalLM)
+
+
 # -- a property: whatever happens to the directory, a cached load is a plain load of it now -----------------
 
 MUTATIONS = st.lists(st.sampled_from(["rewrite", "replace", "config", "link", "touch", "nothing"]), min_size=1,
