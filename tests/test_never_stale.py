@@ -956,7 +956,7 @@ def test_a_path_into_the_kernels_own_file_systems_is_no_checkpoint() -> None:
     assert keys.make_key(load, (os.getpid(),), {}).key
 
 
-MYMODELS = "import torch\n\n\ndef build():\n    return {{'w': torch.ones(WIDTH)}}\n\n\nWIDTH = {width}\n"
+LAZY_MYMODELS = "import torch\n\n\ndef build():\n    return {{'w': torch.ones(WIDTH)}}\n\n\nWIDTH = {width}\n"
 
 # A kernel whose `load` imports a module of the user's in its body (the common notebook pattern); {before}: the
 # notebook's own imports, run before the call; the call made {times} times.
@@ -988,7 +988,7 @@ def test_a_module_the_function_imports_in_its_body_is_keyed_by_its_file(overmind
     got = []
     for width in (8, None, 16, None):
         if width is not None:
-            mymodels.write_text(MYMODELS.format(width=width))
+            mymodels.write_text(LAZY_MYMODELS.format(width=width))
         got.append(lazy_kernel(tmp_path))
     assert not any(g["imported"] for g in got)
     assert [(g["calls"], g["widths"]) for g in got] == [({"miss": 1}, [8]), ({"hit": 1}, [8]), ({"miss": 1}, [16]),
@@ -1000,7 +1000,7 @@ def test_a_value_set_on_a_module_the_function_imports_in_its_body_is_keyed(overm
     """A notebook that imported mymodels and set `mymodels.WIDTH = 16` in a cell, then calls a `load` that
     imports mymodels in its body: the value it holds is keyed as for a module reached as a global (Note [What
     a module holds that its file does not bind]), so a kernel on the file's value is not served its entry."""
-    (tmp_path / "mymodels.py").write_text(MYMODELS.format(width=8))
+    (tmp_path / "mymodels.py").write_text(LAZY_MYMODELS.format(width=8))
     got = [lazy_kernel(tmp_path, before=before) for before in
            ("import mymodels\n    mymodels.WIDTH = 16", "", "", "import mymodels\n    mymodels.WIDTH = 16")]
     assert [(g["calls"], g["widths"]) for g in got] == [({"miss": 1}, [16]), ({"miss": 1}, [8]), ({"hit": 1}, [8]),
@@ -1010,7 +1010,7 @@ def test_a_value_set_on_a_module_the_function_imports_in_its_body_is_keyed(overm
 def test_a_module_imported_before_the_call_or_by_it_is_one_key(overmind_home: Path, tmp_path: Path) -> None:
     """The module a function imports in its body is keyed alike whether the process imported it already (the
     kernel's second call, a notebook that imports it at the top too) or not: one entry for all."""
-    (tmp_path / "mymodels.py").write_text(MYMODELS.format(width=8))
+    (tmp_path / "mymodels.py").write_text(LAZY_MYMODELS.format(width=8))
     first = lazy_kernel(tmp_path, times=2)  # the first call imports it, the second finds it imported
     other = lazy_kernel(tmp_path, before="import mymodels\n    from mymodels import build")
     assert (first["imported"], other["imported"]) == (False, True)
