@@ -17,7 +17,9 @@ A key is the SHA-256 of a JSON document holding (docs/design.md invariant 2):
 - the arguments bound to the callable's signature (so positional and keyword spellings agree), each in
   a canonical form; an argument without one makes the call uncacheable (`Uncacheable`), never guessed.
   Objects with a `to_dict` (configs) are keyed by their whole state, every attribute, private ones
-  included (`to_dict` drops some, such as the attention implementation asked for);
+  included (`to_dict` drops some, such as the attention implementation asked for); an Enum, an object, a
+  wrapper, a bound method or a module of the user's by what it does (Note [The user's values by what they
+  do]);
 - for every argument naming a local path (any spelling: relative in the caller's cwd, with or without a
   slash, `~`, `os.PathLike`), the identity of every file under it: device, inode, size, mtime_ns and
   ctime_ns, taken through symlinks, with each link's own target; so a file rewritten in any way (its
@@ -191,8 +193,9 @@ def make_key(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
             doc_args[name] = os.fspath(arguments[name])
         else:
             doc_args[name] = canon.value(name, arguments[name], 0)
-    if isinstance(fn, types.FunctionType) and getattr(fn, "__self__", None) is None:
-        doc_args["<function>"] = canon.function("the function", fn, 0)  # by its code, not its name
+    called = _called(canon, fn)
+    if called is not None:
+        doc_args["<function>"] = called
     rule = adapter_bases.follows(fn)
     bases = canon.bases(rule, arguments, canon.checkpoint) if rule is not None and canon.checkpoint else {}
     code = canon.code(arguments) if arguments.get("trust_remote_code") else {}
@@ -228,6 +231,15 @@ def make_key(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
     }
     return CallKey(key, str(meta["label"]), meta, canon.references, canon.sources, canon.roots, code=canon.code_refs,
                    spellings=canon.spellings)
+
+
+def _called(canon: _Canonical, fn: Callable[..., Any]) -> Any:
+    """What the key holds of the callable itself beyond its name: a function by its code; a wrapper, a class,
+    a callable object of the user's by what it does (Note [The user's values by what they do]); nothing for a
+    method, whose class is keyed (None)."""
+    if getattr(fn, "__self__", None) is not None:
+        return None
+    return canon.function("the function", fn, 0) if isinstance(fn, types.FunctionType) else canon.called(fn)
 
 
 # Note [Torch's default dtype]
@@ -419,6 +431,34 @@ def _model_short(model: Any) -> str:
     return f"{name} {str(dtype).removeprefix('torch.')}" if dtype is not None else name
 
 
+# Note [The user's values by what they do]
+# A value of the user's is keyed by what it does, as a function of the notebook is: keyed by its name or its
+# state alone, an edit of what it does between two kernels (a kernel restarted on an edited notebook or
+# file) left its key as it was, and the second kernel got the first one's result (a stale hit). So:
+# - an Enum member of the user's Enum class: by its value too, and its class (below);
+# - an object of the user's class keyed by its state (a dataclass, an object with `to_dict`, a scheduler):
+#   its class too, as a global class is (`_global`: the notebook's by what it does, `cls`; one of a module
+#   beside the notebook by its file's identity and the user's modules it imports). `cls` keys an Enum class
+#   by its members' values and its own methods, and a dataclass by its parameters and fields (defaults and
+#   factories) and the code of the methods `dataclass` wrote, leaving out what `enum` and `dataclass` put in
+#   the namespace (`_made_by_enum_or_dataclass`); a slot of a class is an object's state, not the class's;
+# - a wrapper (`functools.cache`, `lru_cache`, anything with `__wrapped__`) of the user's function or class,
+#   a global or the cached callable itself: by the function it wraps, followed through `__wrapped__` (a chain
+#   that loops is uncacheable); the user's class as the cached callable by what it does; the user's callable
+#   object by its class and state, as a value (uncacheable where that has no canonical form);
+# - a bound method (`scale = Scaler(2).apply`): by its function and its object, keyed as a global (a value
+#   without a canonical form makes the call uncacheable); a classmethod of the user's class by its function
+#   and its class. A method of a module (`math.sin`), of a library's class (`AutoModel.from_pretrained`)
+#   and of the global generators of `random` and numpy (whose state is keyed where a load draws: Note
+#   [Random loads] in randomness.py) keeps its name: those have no state a key misses. A string's
+#   (`", ".join`) is keyed by the string's text;
+# - a module of the user's with a file (`import helpers`) that a function uses whole (`getattr(helpers,
+#   name)`, `vars(helpers)`, handed to a call): by that file's identity and the user's modules it imports
+#   (Note [The user's modules a module imports]). One the function reads through its attributes alone stays
+#   keyed by its name, those attributes by their values (Note [What a function reads] in reads.py), so a
+#   file edited and edited back is a hit again.
+# What a library's values key to is unchanged (a config, a dtype, a library's Enum, wrapper or method), and so
+# are the keys of calls that reach no such value of the user's.
 class _Canonical:
     def __init__(self, cwd: str, resolve: Resolve | None) -> None:
         self.cwd = cwd
@@ -562,7 +602,10 @@ class _Canonical:
             spelled = os.fspath(v)
             return self._path(name, os.path.join(self.cwd, os.path.expanduser(spelled)), str(spelled))
         if isinstance(v, enum.Enum):
-            return {"enum": f"{type(v).__qualname__}.{v.name}"}
+            form = {"enum": f"{type(v).__qualname__}.{v.name}"}
+            if is_users_module(type(v).__module__):  # Note [The user's values by what they do]
+                form |= {"value": self.value(name, v.value, depth + 1), **self._class_of(name, v, depth)}
+            return form
         torch = _torch()
         if torch is not None:
             if isinstance(v, torch.dtype):
@@ -596,6 +639,9 @@ class _Canonical:
                 x = fn.__globals__[g]
                 if x is os.environ or x is os.getenv:
                     continue  # keyed by the variables read (Note [What a function reads])
+                if isinstance(x, types.ModuleType) and g not in _used_whole(code):
+                    read[g] = {"module": x.__name__}  # what it reads of it is keyed by `_code_reads`, by value
+                    continue
                 read[g] = self._global(f"{fn.__qualname__}: global {g}", x, depth)
             closure = [self._global(f"{fn.__qualname__}: closure {v}", _contents(c), depth)
                        for v, c in zip(code.co_freevars, fn.__closure__ or (), strict=True)]
@@ -620,9 +666,15 @@ class _Canonical:
     def _global(self, name: str, x: Any, depth: int) -> Any:
         """A global a function reads. Functions and classes of a module with a file are keyed by name
         and that file's identity (a library's code is its version); those of the notebook itself
-        (`__main__`, no file) by their code."""
-        if isinstance(x, types.ModuleType):
-            return {"module": x.__name__}
+        (`__main__`, no file) by their code; a module of the user's by its file, other callables and the
+        rest as Note [The user's values by what they do] says."""
+        if isinstance(x, types.ModuleType):  # a user's by its file (Note [The user's values by what they do])
+            users = sys.modules.get(x.__name__) is x and is_users_module(x.__name__)
+            file = _module_file(x.__name__) if users else None
+            if file is None:
+                return {"module": x.__name__}
+            identity = _identity(os.stat(file))
+            return {"module": x.__name__, "file": identity, **self._users_part(x.__name__, identity, depth)}
         if isinstance(x, (types.FunctionType, type)):
             if id(x) in self._functions:  # a method's `__class__` cell: the class being keyed
                 return {"recursive": x.__qualname__}
@@ -636,9 +688,7 @@ class _Canonical:
                 return {"function": self.function(name, x, depth + 1)}
             return self.cls(name, x, depth)
         if callable(x) and hasattr(x, "__qualname__"):  # builtins, bound methods, functools wrappers
-            owner = getattr(x, "__self__", None)
-            where = _qualname(owner) if owner is not None and not isinstance(owner, types.ModuleType) else ""
-            return {"callable": f"{where}{getattr(x, '__module__', '')}.{x.__qualname__}"}
+            return self._callable(name, x, depth)
         return self.value(name, x, depth + 1)
 
     def _module_differences(self, modules: dict[str, list[int]], depth: int) -> dict[str, Any]:
@@ -698,10 +748,10 @@ class _Canonical:
             return {"recursive": x.__qualname__}
         self._functions.add(id(x))
         try:
-            methods, attributes = {}, {}
+            methods, attributes, made = {}, {}, _made_by_enum_or_dataclass(x)
             for k, attr in sorted(vars(x).items()):
-                if k in _CLASS_BOOKKEEPING:
-                    continue
+                if k in _CLASS_BOOKKEEPING or k in made or isinstance(attr, types.MemberDescriptorType):
+                    continue  # (a slot's value is an object's state)
                 v = attr.__func__ if isinstance(attr, (staticmethod, classmethod)) else attr
                 if isinstance(v, property):
                     methods[k] = [None if f is None else self._global(f"{name}.{k}", f, depth + 1)
@@ -710,10 +760,33 @@ class _Canonical:
                     methods[k] = self.function(f"{name}.{k}", v, depth + 1)
                 else:
                     attributes[k] = self._global(f"{name}.{k}", v, depth + 1)
+            out: dict[str, Any] = {"class": f"{x.__module__}.{x.__qualname__}", "methods": methods,
+                                   "bases": [_qualname_of(b) for b in x.__mro__[1:]], "attributes": attributes}
+            if issubclass(x, enum.Enum):  # Note [The user's values by what they do]
+                out["members"] = [[k, self.value(f"{name}.{k}", m.value, depth + 1)] for k, m in x.__members__.items()]
+            if "__dataclass_fields__" in vars(x):  # (made a dataclass here, not only derived from one)
+                out["dataclass"] = self._dataclass(name, x, made, depth)
         finally:
             self._functions.discard(id(x))
-        return {"class": f"{x.__module__}.{x.__qualname__}", "bases": [_qualname_of(b) for b in x.__mro__[1:]],
-                "methods": methods, "attributes": attributes}
+        return out
+
+    def _dataclass(self, name: str, x: type, made: dict[str, Any], depth: int) -> Any:
+        """What the methods `dataclass` wrote in `x` are made of: its parameters, its fields (with their
+        defaults and factories), and the code of those methods (their closures hold the defaults)."""
+        def default(field: str, v: Any) -> Any:
+            if v is dataclasses.MISSING:
+                return None
+            if isinstance(v, type) and v.__module__ == "builtins":  # a factory: list, dict
+                return {"builtin": v.__qualname__}
+            return self._global(f"{name}.{field}", v, depth + 1)
+
+        fields = [[f.name, str(getattr(f, "_field_type", None)), default(f.name, f.default),
+                   default(f.name, f.default_factory),
+                   *(None if y is dataclasses.MISSING else y for y in (f.init, f.repr, f.compare, f.hash, f.kw_only))]
+                  for f in getattr(x, "__dataclass_fields__", {}).values()]
+        written = {k: _code_digest(inspect.unwrap(f).__code__) for k, f in sorted(made.items())
+                   if isinstance(f, types.FunctionType)}
+        return {"params": repr(getattr(x, "__dataclass_params__", None)), "fields": fields, "written": written}
 
     def _code_reads(self, fn: types.FunctionType, depth: int) -> dict[str, Any]:
         """The module attributes, environment variables and literal paths `fn`'s code reads (Note [What a
@@ -738,7 +811,12 @@ class _Canonical:
                             "os.environ['NAME'], os.environ.get('NAME') or os.getenv('NAME')")
                     environment[r.constant] = os.environ.get(r.constant)
                     break
-                if not rest or not isinstance(obj, types.ModuleType):
+                if not isinstance(obj, types.ModuleType):
+                    break
+                if not rest:  # the module itself is used (`getattr(helpers, name)`, `vars(helpers)`); a global
+                    # one is keyed as a global (Note [The user's values by what they do])
+                    if (r.imported or r.attrs) and is_users_module(obj.__name__):
+                        attributes[name] = self._global(f"{where}: {name}", obj, depth)
                     break
                 attr = rest.pop(0)
                 nxt = getattr(obj, attr, _MISSING)
@@ -800,6 +878,58 @@ class _Canonical:
             out["differs"] = differs
         return out
 
+    def _callable(self, name: str, x: Any, depth: int) -> Any:
+        """A callable global that is no function, class or module (Note [The user's values by what they do]):
+        a wrapper of the user's function or class by what it wraps, a bound method by its function and its
+        object, the user's callable object by its class and state; any other (a builtin, a library's
+        function or wrapper) by its name, its library's version being in the key."""
+        owner = getattr(x, "__self__", None)
+        where = _qualname(owner) if owner is not None and not isinstance(owner, types.ModuleType) else ""
+        named = {"callable": f"{where}{getattr(x, '__module__', '')}.{x.__qualname__}"}
+        if owner is None or isinstance(owner, types.ModuleType):
+            called = self.called(x, name, depth)
+            return named if called is None else called
+        if isinstance(owner, type) and not is_users_module(owner.__module__):
+            return named  # a classmethod of a library's class: its version says what it does
+        if owner is getattr(sys.modules.get("random"), "_inst", None) or \
+                owner is getattr(sys.modules.get("numpy.random.mtrand"), "_rand", None):
+            return named  # the global generators: their state is keyed where a load draws (Note [Random loads])
+        func = getattr(x, "__func__", None)  # (a builtin's method has none: its name says what it does)
+        method = named if func is None else self._global(name, func, depth)
+        if isinstance(owner, type):  # a classmethod of the user's class
+            return {"method": method, "class": self._global(f"{name}.__self__", owner, depth)}
+        if type(owner) in (str, bytes):  # `", ".join`: the string's text, not the file it may name
+            if len(owner) > _MAX_STRING:
+                raise Uncacheable(f"{name} is a method of a string of {len(owner)} characters")
+            return {"method": method, "self": repr(owner)}
+        return {"method": method, "self": self._global(f"{name}.__self__", owner, depth)}
+
+    def called(self, fn: Any, name: str = "the function", depth: int = 0) -> Any:
+        """A callable that is no function nor bound method, by what it does where it is the user's (Note [The
+        user's values by what they do]): a wrapper (`functools.cache`, anything with `__wrapped__`) of the
+        user's function or class by that function or class, the user's class by what it does, the user's
+        callable object by its class and state; None for any other."""
+        try:
+            inner = inspect.unwrap(fn)
+        except ValueError as exc:  # a `__wrapped__` chain that comes back to itself
+            raise Uncacheable(f"{name}: {exc}; cache the function it wraps") from exc
+        kind = type(fn).__module__
+        if is_users_module(kind) and (kind == "__main__" or _module_file(kind) is not None):  # (not compiled code)
+            if not (dataclasses.is_dataclass(fn) or callable(getattr(fn, "to_dict", None))):
+                raise Uncacheable(f"{name} is a callable object of {_qualname(fn)}, whose state is not part of a "
+                                  "cache key; cache a function or a method instead")
+            return self.value(name, fn, depth + 1)  # an object of the user's class, by its class and state
+        if not (isinstance(inner, (types.FunctionType, type)) and is_users_module(inner.__module__)):
+            return None
+        return self._global(name, fn, depth) if inner is fn else \
+            {"wrapper": _qualname(fn), "of": self._global(name, inner, depth)}
+
+    def _class_of(self, name: str, v: Any, depth: int) -> dict[str, Any]:
+        """{"class": ...} for an object of the user's class, keyed as a global class is; {} for a library's
+        (Note [The user's values by what they do])."""
+        cls = type(v)
+        return {"class": self._global(f"{name}.__class__", cls, depth)} if is_users_module(cls.__module__) else {}
+
     def _container(self, name: str, v: Any, depth: int) -> Any:  # noqa: C901 (one case per kind of value, in order)
         if isinstance(v, (list, tuple)):
             if len(v) > _MAX_ITEMS:
@@ -834,7 +964,7 @@ class _Canonical:
                 data = to_dict()
             except Exception as exc:
                 raise Uncacheable(f"argument {name}: {type(v).__name__}.to_dict() failed: {exc}") from exc
-            out = {"object": _qualname(v), "dict": self.value(name, data, depth + 1)}
+            out = {"object": _qualname(v), "dict": self.value(name, data, depth + 1), **self._class_of(name, v, depth)}
             if hasattr(v, "__dict__"):
                 state = dict(vars(v))
                 if "_original_object_hash" in state:  # a GenerationConfig's hash as loaded is this process's:
@@ -846,12 +976,13 @@ class _Canonical:
         if dataclasses.is_dataclass(v) and not isinstance(v, type):
             # A value object (PEFT's LoraRuntimeConfig inside a LoraConfig): its class and its whole state.
             state = vars(v) if hasattr(v, "__dict__") else {f.name: getattr(v, f.name) for f in dataclasses.fields(v)}
-            return {"object": _qualname(v), "state": self.value(name, dict(state), depth + 1)}
+            return {"object": _qualname(v), "state": self.value(name, dict(state), depth + 1),
+                    **self._class_of(name, v, depth)}
         config = getattr(v, "config", None)
         if _is_scheduler(v) and isinstance(config, dict):  # Note [Schedulers given to a load]
             state = {k: x for k, x in vars(v).items() if k != "_internal_dict"}
             return {"object": _qualname(v), "config": self.value(name, _as_set_sorted(dict(config)), depth + 1),
-                    "state": self.state(name, state, depth + 1)}
+                    "state": self.state(name, state, depth + 1), **self._class_of(name, v, depth)}
         if callable(getattr(v, "named_modules", None)) or callable(getattr(v, "save_pretrained", None)):
             if _gated(v):
                 raise Uncacheable(f"argument {name} ({_qualname(v)}) has an adapter gate open on it, whose hooks "
@@ -899,6 +1030,38 @@ class _Canonical:
 # caller's scheduler the state the entry's scheduler had after the call (Note [Argument replay] in
 # rebuild.py), which is what the plain call leaves in it only where the two started alike: keyed by its
 # config alone, a fresh scheduler took another kernel's 7 timesteps and lost the attribute its user set.
+
+
+@functools.lru_cache(maxsize=1024)
+def _used_whole(code: types.CodeType) -> frozenset[str]:
+    """The globals `code` uses otherwise than through their attributes: handed on (`getattr(helpers, name)`,
+    `vars(helpers)`), stored, returned (Note [The user's values by what they do])."""
+    return frozenset(r.root for r in reads(code) if not r.imported and not r.attrs)
+
+
+_DATACLASS_MADE = ("__dataclass_fields__", "__dataclass_params__", "__match_args__")
+
+
+def _made_by_enum_or_dataclass(cls: type) -> dict[str, Any]:
+    """What `enum` or `dataclass` put in `cls`'s namespace, by name (Note [The user's values by what they do]):
+    an Enum's members and its machinery (any _sunder_ or __dunder__ name but the functions of `cls`'s own
+    module), a dataclass's fields and the methods it wrote from them (their code is `__create_fn__`'s, or
+    `dataclasses`')."""
+    made: dict[str, Any] = {}
+    if issubclass(cls, enum.Enum):
+        for k, v in vars(cls).items():
+            f = v.__func__ if isinstance(v, (staticmethod, classmethod)) else v
+            if k in cls.__members__ or (k[:1] == "_" and k[-1:] == "_" and not (
+                    isinstance(f, types.FunctionType) and f.__module__ == cls.__module__)):
+                made[k] = v
+    if "__dataclass_fields__" in vars(cls):
+        for k, v in vars(cls).items():
+            inner = inspect.unwrap(v) if isinstance(v, types.FunctionType) else None  # (`__repr__` is wrapped)
+            code = getattr(inner, "__code__", None)
+            if k in _DATACLASS_MADE or (code is not None and (code.co_qualname.startswith("__create_fn__.") or
+                                                              getattr(inner, "__module__", None) == "dataclasses")):
+                made[k] = v
+    return made
 
 
 def _gated(model: Any) -> bool:

@@ -9,8 +9,9 @@ in keys.py). Three more reads decide what it returns, and each is found in its b
   edited module, reloaded, or an attribute set in a cell, is another key. A module of the user's that the
   function imports in its own body (`from mymodels import build`) is keyed by its file instead, whether
   the process imported it yet or not (Note [Modules found by their file] in module_files.py), so that a
-  kernel's first call, before the import, has the key of its later calls. A library's or the standard
-  library's module stays keyed by its name: its version is in the key;
+  kernel's first call, before the import, has the key of its later calls; and so is one used whole
+  (`getattr(helpers, name)`, `vars(helpers)`: Note [The user's values by what they do] in keys.py). A
+  library's or the standard library's module stays keyed by its name: its version is in the key;
 - the environment: `os.environ[NAME]`, `os.environ.get(NAME)`, `os.getenv(NAME)`, `NAME in os.environ`,
   with `os` imported at the top or in the function, keyed by the variable's value or its absence. A name
   computed at run time, or the whole environment handed on, cannot be keyed: the call runs plainly, and

@@ -956,6 +956,141 @@ def test_a_path_into_the_kernels_own_file_systems_is_no_checkpoint() -> None:
     assert keys.make_key(load, (os.getpid(),), {}).key
 
 
+# -- 3c. the user's values keyed by what they do: Enums, objects, wrappers, bound methods, modules ----------
+
+# A kernel: `make` of its notebook ({prelude}), through the cache and plainly, and what each gave.
+VALUES = """
+    import dataclasses, enum, functools, json, os, sys
+    import torch
+    sys.path.insert(0, os.getcwd())  # a module beside the notebook, as a kernel's cwd is on its path
+    from overmind_jupyter import loading
+{prelude}
+    def digest(x):
+        return x.tolist() if isinstance(x, torch.Tensor) else [p.tolist() for p in x.parameters()]
+    cached = digest(loading.cached({cached}))
+    plain = digest({plain})
+    print(json.dumps({{"cached": cached, "plain": plain, "calls": loading.calls(),
+                       "fallbacks": [f["reason"] for f in loading.fallbacks()]}}))
+"""
+
+# name: (the notebook's code, the files beside it, the call's arguments), each with {v}: its first, then its
+# second version, which the first kernel's entry must not answer
+USERS_VALUES = {
+    "an Enum member's value": ("""
+        class Size(enum.Enum):
+            SMALL = {v}
+
+        def make(s):
+            return torch.ones(s.value)
+        """, {}, "Size.SMALL"),
+    "an Enum of a module beside the notebook": ("""
+        from sizes import Size
+
+        def make(s):
+            return torch.ones(s.value)
+        """, {"sizes.py": "import enum\n\n\nclass Size(enum.Enum):\n    SMALL = {v}\n"}, "Size.SMALL"),
+    "a dataclass's method": ("""
+        @dataclasses.dataclass
+        class Spec:
+            n: int
+
+            def dim(self):
+                return self.n * {v}
+
+        def make(s):
+            return torch.ones(s.dim())
+        """, {}, "Spec(2)"),
+    "a dataclass's method in a module beside the notebook": ("""
+        from specs import Spec
+
+        def make(s):
+            return torch.ones(s.dim())
+        """, {"specs.py": "import dataclasses\n\n\n@dataclasses.dataclass\nclass Spec:\n    n: int\n\n"
+                          "    def dim(self):\n        return self.n * {v}\n"}, "Spec(2)"),
+    "a method of an object keyed by its to_dict": ("""
+        class Options:
+            def __init__(self, n):
+                self.n = n
+
+            def to_dict(self):
+                return {{"n": self.n}}
+
+            def dim(self):
+                return self.n * {v}
+
+        def make(o):
+            return torch.ones(o.dim())
+        """, {}, "Options(2)"),
+    "a functools.lru_cache helper": ("""
+        @functools.lru_cache
+        def width():
+            return {v}
+
+        def make():
+            return torch.ones(width())
+        """, {}, ""),
+    "the cached function itself a functools.cache": ("""
+        @functools.cache
+        def make():
+            return torch.ones({v})
+        """, {}, ""),
+    "a class as the cached callable": ("""
+        class make(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.w = torch.nn.Parameter(torch.ones({v}))
+        """, {}, ""),
+    "the object of a bound method": ("""
+        @dataclasses.dataclass
+        class Scaler:
+            k: int
+
+            def apply(self, x):
+                return x * self.k
+
+        scale = Scaler({v}).apply
+
+        def make():
+            return scale(torch.ones(3))
+        """, {}, ""),
+    "a module beside the notebook read with getattr": ("""
+        import helpers
+
+        def make():
+            return torch.ones(getattr(helpers, "SCALE"))
+        """, {"helpers.py": "SCALE = {v}\n"}, ""),
+    "a module beside the notebook read with vars": ("""
+        import helpers
+
+        def make():
+            return torch.ones(vars(helpers)["SCALE"])
+        """, {"helpers.py": "SCALE = {v}\n"}, ""),
+}
+
+
+@pytest.mark.parametrize("case", list(USERS_VALUES))
+def test_a_users_value_is_keyed_by_what_it_does(overmind_home: Path, tmp_path: Path, case: str) -> None:
+    """Note [The user's values by what they do] in keys.py: a kernel caches `make`, then what it is given or
+    reads is edited (its notebook's code, a file beside it); the next kernel gets what its plain call makes,
+    not the first kernel's entry, and a third kernel, unchanged, gets the second's entry."""
+    code, files, arguments = USERS_VALUES[case]
+
+    def kernel(v: int) -> dict:
+        for name, template in files.items():
+            file, text = tmp_path / name, template.format(v=v)
+            if not file.exists() or file.read_text() != text:  # (rewritten only where it changes)
+                file.write_text(text)
+        prelude = textwrap.indent(textwrap.dedent(code).format(v=v), "    ")
+        cached = f"make, {arguments}" if arguments else "make"
+        return last_json(run_py(VALUES.format(prelude=prelude, cached=cached, plain=f"make({arguments})"),
+                                cwd=tmp_path))
+
+    got = [kernel(v) for v in (2, 3, 3)]
+    assert [(g["calls"], g["fallbacks"]) for g in got] == [({"miss": 1}, []), ({"miss": 1}, []),
+                                                          ({"hit": 1}, [])], got
+    assert all(g["cached"] == g["plain"] for g in got) and got[0]["plain"] != got[1]["plain"], got
+
+
 LAZY_MYMODELS = "import torch\n\n\ndef build():\n    return {{'w': torch.ones(WIDTH)}}\n\n\nWIDTH = {width}\n"
 
 # A kernel whose `load` imports a module of the user's in its body (the common notebook pattern); {before}: the
