@@ -41,6 +41,7 @@ from . import (
     dynamic_modules,
     hit_tuning,
     keys,
+    library_classes,
     load_maps,
     notices,
     progress,
@@ -181,7 +182,7 @@ def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
             if _draws_on_device(label, drawn, device):
                 return _AS_CALLED
             ck, client, reply = _random_lookup(ck, drawn)
-        if reply["status"] == "hit":  # Note [Classes swapped in a library] in keys.py
+        if reply["status"] == "hit":  # Note [Classes swapped in a library] in library_classes.py
             ck, client, reply = _bound_lookup(ck, client, reply)
     except DaemonError as exc:
         full = isinstance(exc, RemoteError) and exc.code == "descriptors_exhausted"  # Note [Descriptor budget]
@@ -407,15 +408,15 @@ def _bound_lookup(ck: keys.CallKey, client: Client,
                   reply: Response[LookupReply]) -> tuple[keys.CallKey, Client, Response[LookupReply]]:
     """The hit `reply` of `ck` where the library modules of its graph bind the classes they bound when it
     was cached; else the key of `ck` for the classes bound here, with its lookup's answer (Note [Classes
-    swapped in a library] in keys.py)."""
+    swapped in a library] in library_classes.py)."""
     bound = reply["entries"][0]["meta"].get("bindings")
     if not isinstance(bound, dict):
         return ck, client, reply
-    now = keys.bindings(bound)
+    now = library_classes.bindings(bound)
     if now == bound:
         return ck, client, reply
     _release_hit(client, reply)
-    ck = keys.under_bindings(ck, now)
+    ck = library_classes.under_bindings(ck, now)
     client, reply = _lookup(ck.key)
     return ck, client, reply
 
@@ -650,7 +651,7 @@ def _publish(client: Client, ck: keys.CallKey, obj: Any, replay: Replay, random_
             fall_back(ck.label, "unpicklable", f"{exc}; it was loaded normally and will not be cached")
             return
         meta = ck.meta | dynamic_modules.describe(packed.graph, ck.sources[0][0] if ck.sources else None, ck.code)
-        bound = keys.bindings(packed.modules)  # Note [Classes swapped in a library] in keys.py
+        bound = library_classes.bindings(packed.modules)  # Note [Classes swapped in a library] in library_classes.py
         if bound:
             meta["bindings"] = bound
         if devices:

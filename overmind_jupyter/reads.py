@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dis
 import functools
+import hashlib
 import os
 import site
 import sys
@@ -36,7 +37,7 @@ import types
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Read", "import_statements", "is_users_module", "maybe_users", "path_constants", "reads"]
+__all__ = ["Read", "code_digest", "import_statements", "is_users_module", "maybe_users", "path_constants", "reads"]
 
 _ROOTS = {"LOAD_GLOBAL", "LOAD_NAME", "LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_BORROW"}
 _ATTRS = {"LOAD_ATTR", "LOAD_METHOD"}
@@ -221,3 +222,16 @@ def _imports(ops: list[dis.Instruction]) -> dict[str, tuple[str, tuple[str, ...]
                 bound[str(ops[j + 1].argval)] = (module, (str(ops[j].argval),))
             j += 2 if ops[j + 1].opname in _STORES else 1
     return bound
+
+
+def code_digest(code: types.CodeType) -> str:
+    """What a code object does, without where it was compiled: bytecode, constants (nested code by
+    its own digest), names, argument layout."""
+    h = hashlib.sha256()
+    for part in (code.co_code, code.co_names, code.co_varnames, code.co_freevars, code.co_cellvars,
+                 (code.co_argcount, code.co_posonlyargcount, code.co_kwonlyargcount, code.co_flags)):
+        h.update(repr(part).encode())
+    for const in code.co_consts:
+        text = code_digest(const) if isinstance(const, types.CodeType) else repr((type(const), const))
+        h.update(text.encode())
+    return h.hexdigest()

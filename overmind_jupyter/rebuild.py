@@ -288,7 +288,7 @@ class _Dispatch(dict):  # type: ignore[type-arg]
         self.reduce_module = functools.partial(_reduce_module, itertools.chain(
             _HOOK_MARKERS, itertools.starmap(_EmptyHooks, itertools.repeat(()))))
         self.asked: set[type] = set()  # classes `get` found no reduction of its own for
-        self.modules: set[str] = set()  # of the classes met (Note [Classes swapped in a library] in keys.py)
+        self.modules: set[str] = set()  # of the classes met (Note [Classes swapped in a library] in library_classes.py)
 
     def __missing__(self, cls: type) -> Callable[[Any], Any]:
         if issubclass(cls, type):

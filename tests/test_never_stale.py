@@ -339,9 +339,9 @@ def mlp_of(model: torch.nn.Module) -> tuple[str, object]:
 
 def test_a_class_swapped_into_a_library_gets_an_entry_of_its_own(overmind_home: Path, tiny_llama: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """Note [Classes swapped in a library] in keys.py: a kernel that puts its own class in a library's module
-    before the load (liger-kernel's way) gets the model its plain load builds, not the entry made without
-    the swap, nor the other way round."""
+    """Note [Classes swapped in a library] in library_classes.py: a kernel that puts its own class in a
+    library's module before the load (liger-kernel's way) gets the model its plain load builds, not the entry
+    made without the swap, nor the other way round."""
     from transformers import LlamaForCausalLM
     from transformers.models.llama import modeling_llama
 
@@ -416,7 +416,7 @@ PATCHES = {
 @pytest.mark.parametrize("patched", list(PATCHES))
 def test_a_method_patched_into_a_library_gets_an_entry_of_its_own(overmind_home: Path, tiny_llama: Path,
                                                                   tmp_path: Path, patched: str) -> None:
-    """Note [Methods patched into a library's classes] in keys.py: a kernel that replaces a method of a
+    """Note [Methods patched into a library's classes] in library_classes.py: a kernel that replaces a method of a
     library's class before the load gets its plain load's model (a miss), and a kernel without the patch
     then gets its own plain load's model, not the patched one: a miss, then a hit of its own entry; the
     patched kernel hits the entry it made."""
@@ -437,7 +437,7 @@ def test_a_method_patched_into_a_library_gets_an_entry_of_its_own(overmind_home:
 
 def test_without_patched_methods_a_module_keeps_the_digest_entries_were_made_with(
         tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Note [Methods patched into a library's classes] in keys.py: where no method is patched (the library's
+    """Note [Methods patched into a library's classes] in library_classes.py: where no method is patched (the library's
     own decorators, dataclasses' generated methods, `smart_apply` that transformers puts on nn.Module, the
     hub kernels' wrappers are not patches), a module's digest is that of its names alone, as entries made
     before methods were read recorded it, so those still hit; a patch, an edit of it, and its undoing are
@@ -448,7 +448,7 @@ def test_without_patched_methods_a_module_keeps_the_digest_entries_were_made_wit
     from transformers import LlamaForCausalLM
     from transformers.models.llama import modeling_llama
 
-    from overmind_jupyter import keys, rebuild
+    from overmind_jupyter import library_classes, rebuild
 
     model = LlamaForCausalLM.from_pretrained(tiny_llama)  # (its weights' initialisation sets smart_apply)
     modules = sorted(rebuild.pack(model).modules)
@@ -459,7 +459,7 @@ def test_without_patched_methods_a_module_keeps_the_digest_entries_were_made_wit
                  if isinstance(v, type) and str(v.__module__).partition(".")[0] != top]
         return hashlib.blake2b(repr(bound).encode(), digest_size=8).hexdigest()
 
-    before = keys.bindings(modules)
+    before = library_classes.bindings(modules)
     assert "transformers.models.llama.modeling_llama" in before and "torch.nn.modules.linear" in before
     assert before == {name: names_alone(name) for name in before}
 
@@ -475,13 +475,13 @@ def test_without_patched_methods_a_module_keeps_the_digest_entries_were_made_wit
 
     name = "transformers.models.llama.modeling_llama"
     patch(0.5)
-    one = keys.bindings(modules)
+    one = library_classes.bindings(modules)
     monkeypatch.undo()
     patch(0.25)
-    other = keys.bindings(modules)
+    other = library_classes.bindings(modules)
     monkeypatch.undo()
     assert one[name] != before[name] and other[name] not in (one[name], before[name])
-    assert keys.bindings(modules) == before
+    assert library_classes.bindings(modules) == before
 
 
 REGISTERED = """
