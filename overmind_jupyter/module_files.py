@@ -5,7 +5,7 @@ its file whether or not the process imported it yet (Note [Modules found by thei
 A function of the notebook often imports a module of the user's in its body (`def load(): from mymodels
 import build`), and a module's function may too (`Block.__init__` doing `from attention import Attention`).
 Such a module is keyed by the file an import of it would run now (Note [The user's modules a module imports]
-in keys.py), found as the import finds it: a module the process imported is the one in `sys.modules`; one it
+in user_modules.py), found as the import finds it: a module the process imported is the one in `sys.modules`; one it
 did not is looked for as `importlib.util.find_spec` does (sys.path, the finders of packages installed in
 place), and a submodule of a package not imported yet in that package's folders, so that nothing is
 imported: a package's `__init__` runs no code of the user's at key time. The same module, imported or not, so

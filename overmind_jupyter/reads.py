@@ -22,7 +22,7 @@ in keys.py). Three more reads decide what it returns, and each is found in its b
 These are read in the function keyed by its code and in every function of the notebook it calls (those are
 keyed by their code too); a function of a module with a file is keyed by that file's identity instead,
 and, in a module of the user's, by what the module holds that its file does not bind (Note [What a module
-holds that its file does not bind] in keys.py).
+holds that its file does not bind] in user_modules.py).
 """
 
 from __future__ import annotations

@@ -532,10 +532,10 @@ def test_a_class_registered_with_an_auto_class_is_in_the_key(overmind_home: Path
 
 
 def test_the_imports_a_modules_import_may_run_are_followed(tmp_path: Path) -> None:
-    """Note [The user's modules a module imports] in keys.py: imports under a module-level `try`, `with` or
+    """Note [The user's modules a module imports] in user_modules.py: imports under a module-level `try`, `with` or
     `if` are followed, and those of its functions and classes (run when called: the key is the same in a
     process that ran them and in one that did not); those under `if TYPE_CHECKING:` (never run) are not."""
-    from overmind_jupyter import keys
+    from overmind_jupyter import user_modules
 
     file = tmp_path / "blocks.py"
     file.write_text(textwrap.dedent("""
@@ -567,7 +567,7 @@ def test_the_imports_a_modules_import_may_run_are_followed(tmp_path: Path) -> No
                 from .attention import Attention
                 import deep.er.module
     """))
-    got = keys._imports("pkg.blocks", str(file), (1,))
+    got = user_modules._imports("pkg.blocks", str(file), (1,))
     assert set(got) == {"warnings", "typing", "typing.TYPE_CHECKING", "pkg", "pkg.sibling", "in_try", "in_except",
                         "in_with", "in_with.Attention", "in_if", "in_else", "in_the_else_of_type_checking",
                         "when_not_type_checking", "in_a_function", "pkg.attention", "pkg.attention.Attention",
@@ -587,7 +587,7 @@ LAYERS = """
 
 def test_a_module_edited_two_imports_below_the_models_class_is_a_miss(overmind_home: Path, tiny_llama: Path,
                                                                       tmp_path: Path) -> None:
-    """Note [The user's modules a module imports] in keys.py: `Deep` (deep_model.py) asks `layers()` of
+    """Note [The user's modules a module imports] in user_modules.py: `Deep` (deep_model.py) asks `layers()` of
     deep_layers.py, which reads a constant of deep_constants.py; an edit of that last file alone changes
     the model the load builds."""
     (tmp_path / "deep_model.py").write_text(textwrap.dedent("""
@@ -902,7 +902,7 @@ def test_a_module_is_compared_with_the_literals_its_file_binds_by_type_and_value
     cached function, as their file makes them, are no change: the key is what it was before the comparison.
     Nor is what the module's own functions put in a name it binds to a literal (a registry filled, a client
     made), but for a literal (`configure(2)`)."""
-    from overmind_jupyter import keys
+    from overmind_jupyter import keys, user_modules
 
     (tmp_path / "zoo_of_bindings.py").write_text(ZOO)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -939,7 +939,7 @@ def test_a_module_is_compared_with_the_literals_its_file_binds_by_type_and_value
     assert key() != as_imported, "a literal the module's own function set"
     zoo.configure(1)
     assert key() == as_imported
-    assert keys._Canonical(os.getcwd(), None)._differences("zoo_of_bindings", keys._identity(
+    assert keys._Canonical(os.getcwd(), None)._differences("zoo_of_bindings", user_modules.stat_identity(
         os.stat(zoo.__file__)), 0) == {}, "the file's own values: nothing differs, the key is as before"
 
 
@@ -1191,7 +1191,7 @@ BLOCK_KERNEL = """
 
 def test_a_module_a_method_of_the_users_module_imports_is_keyed_by_its_file(overmind_home: Path,
                                                                            tmp_path: Path) -> None:
-    """Note [The user's modules a module imports] in keys.py: blocks.py's `Block.__init__` imports
+    """Note [The user's modules a module imports] in user_modules.py: blocks.py's `Block.__init__` imports
     attention.py when it runs; an edit of attention.py alone is a miss that builds the edited Attention."""
     (tmp_path / "blocks.py").write_text(LAZY_BLOCK)
     got = []
