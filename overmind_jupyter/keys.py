@@ -69,11 +69,11 @@ from .module_files import Finder, named
 from .reads import code_digest, import_statements, is_users_module, path_constants, reads
 from .user_modules import (
     CLASS_BOOKKEEPING,
+    GONE,
     cell_contents,
     check_runs_its_file,
-    defined_in,
     file_bindings,
-    literal_form,
+    held_otherwise,
     module_file,
     stat_identity,
     users_file,
@@ -721,32 +721,23 @@ class _Canonical:
         mod = sys.modules.get(module)
         file = getattr(mod, "__file__", None)  # (found by `module_file` where its identity was taken)
         bound = file_bindings(file, tuple(identity)) if isinstance(file, str) else None
-        if bound is None or not isinstance(file, str):
+        if mod is None or bound is None or not isinstance(file, str):
             return {}
-        held = vars(mod)
         changed: dict[str, Any] = {}
-        for name, form, its_state in bound.literals:
-            now = held.get(name, _MISSING)
-            now_form = None if now is _MISSING else literal_form(now)
-            if now_form != form and not (its_state and now_form is None):
-                changed[name] = {"missing": True} if now is _MISSING else self._global(f"{module}.{name}", now, depth)
-        for name, decorated in bound.definitions:
-            now = held.get(name, _MISSING)
-            if ((type(now) is types.FunctionType and now.__code__.co_filename == file) or isinstance(now, type)) and \
-                    now.__module__ == module and now.__qualname__ == name:
-                continue  # (the common case, without a call)
-            if now is _MISSING or not defined_in(now, module, name, file, decorated):
-                changed[name] = {"missing": True} if now is _MISSING else self._global(f"{module}.{name}", now, depth)
-        for name, attributes in bound.attributes:
-            cls = held.get(name)
-            if not (isinstance(cls, type) and cls.__module__ == module and cls.__qualname__ == name):
-                continue  # the class itself replaced: keyed above
-            own = vars(cls)
-            for attr, form in attributes:
-                now = own.get(attr, _MISSING)
-                now_form = None if now is _MISSING else literal_form(now)
-                if now_form is not None and now_form != form:
-                    changed[f"{name}.{attr}"] = self._global(f"{module}.{name}.{attr}", now, depth)
+        for name, now in held_otherwise(mod, file, bound):
+            if now is GONE:
+                changed[name] = {"missing": True}
+                continue
+            try:
+                changed[name] = self._global(f"{module}.{name}", now, depth)
+            except Uncacheable as exc:
+                if name.partition(".")[0] not in bound.read:
+                    continue  # no code of the module reads it: it changes nothing the module does
+                raise Uncacheable(
+                    f"{module}.{name} holds {type(now).__module__}.{type(now).__qualname__}, put there since the "
+                    f"module was imported (its file binds it otherwise), and a cache key cannot hold that "
+                    f"({exc}); to cache this load, leave it as {os.path.basename(file)} binds it, or change "
+                    "that file") from None
         return changed
 
     def cls(self, name: str, x: type, depth: int) -> Any:

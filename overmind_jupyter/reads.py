@@ -176,7 +176,8 @@ def _installed_folders(path: tuple[str, ...]) -> tuple[str, ...]:
 @functools.lru_cache(maxsize=1024)
 def import_statements(code: types.CodeType) -> tuple[tuple[tuple[str, int, tuple[str, ...]], ...], frozenset[str]]:
     """The import statements of `code` and the code nested in it, as (module, level, names taken from it):
-    `from ..a import b` is ("a", 2, ("b",)), `import a.b as c` is ("a.b", 0, ()); and the names of the code
+    `from ..a import b` is ("a", 2, ("b",)), `import a.b as c` is ("a.b", 0, ()), and a call of
+    `importlib.import_module` or `__import__` with the name written out is one too; and the names of the code
     that only those statements use (`from mymodels import build` names `mymodels` and `build`): a module or
     what is taken from it, never a global the code reads. Kept per code object, as `reads`."""
     statements, imported, loaded = [], set(), set()
@@ -192,10 +193,17 @@ def import_statements(code: types.CodeType) -> tuple[tuple[tuple[str, int, tuple
                 statements.append((str(op.argval), level if isinstance(level, int) else 0,
                                    tuple(str(n) for n in names) if isinstance(names, tuple) else ()))
                 imported.add(str(op.argval))
+            if op.argval in _IMPORTERS and op.opname in _IMPORTER_LOADS and i + 1 < len(ops):
+                # `importlib.import_module("mymodels")`, `__import__("mymodels")`: a name written out is an import
+                name = ops[i + 1].argval
+                if ops[i + 1].opname == "LOAD_CONST" and isinstance(name, str) and name and not name.startswith("."):
+                    statements.append((name, 0, ()))
     return tuple(dict.fromkeys(statements)), frozenset(imported - loaded)
 
 
 _GLOBAL_LOADS = {"LOAD_GLOBAL", "LOAD_NAME", "LOAD_FROM_DICT_OR_GLOBALS"}
+_IMPORTERS = {"import_module", "__import__"}  # importlib's, and the builtin
+_IMPORTER_LOADS = {*_GLOBAL_LOADS, "LOAD_ATTR", "LOAD_METHOD"}
 
 
 def _codes(code: types.CodeType) -> Iterator[types.CodeType]:

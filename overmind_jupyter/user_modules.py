@@ -16,8 +16,20 @@ from .errors import Uncacheable
 from .module_files import Finder, named
 from .reads import code_digest, is_users_module, maybe_users
 
-__all__ = ["CLASS_BOOKKEEPING", "cell_contents", "check_runs_its_file", "defined_in", "file_bindings", "literal_form",
-           "module_file", "stat_identity", "users_file", "users_imports"]
+__all__ = [
+    "CLASS_BOOKKEEPING",
+    "GONE",
+    "cell_contents",
+    "check_runs_its_file",
+    "defined_in",
+    "file_bindings",
+    "held_otherwise",
+    "literal_form",
+    "module_file",
+    "stat_identity",
+    "users_file",
+    "users_imports",
+]
 
 _LITERAL_ITEMS = 10_000  # values a compared literal may hold (a key's own limit on a container's items)
 _LITERAL_DEPTH = 32  # and how deep it may nest (a key's own limit)
@@ -55,7 +67,9 @@ def cell_contents(cell: types.CellType) -> Any:
 # name no module answers to (an optional part behind `try: import ...`) is keyed as missing. A library's
 # module is keyed by its name and version alone, as before; a module imported by a name computed when it
 # runs (`importlib.import_module(name)`) is not followed. A function of the notebook that imports a module of
-# the user's in its body has that module keyed the same way (`_imported_by`).
+# the user's in its body has that module keyed the same way (`_imported_by`), and so has one whose body calls
+# `importlib.import_module` or `__import__` with the name written out (`reads.import_statements`; in a
+# module's file, only its import statements are read).
 def users_imports(module: str, finder: Finder | None = None) -> dict[str, Any]:
     """The identity of the file of each module of the user's that `module` imports, directly or through
     another such module, or {"missing": True} for a name none answers to (Note [The user's modules a module
@@ -205,11 +219,14 @@ def _file_codes(file: str, identity: tuple[int, ...]) -> dict[str, set[str]] | N
 # the file's identity, where a kernel on the file's values then got it (a stale hit). So the top level of the
 # file is read (parsed once per version of it) for what it binds that can be compared with the module now:
 # - a name bound to a literal (`ast.literal_eval`'s: numbers, strings, bytes, bools, None, tuples, lists,
-#   dicts and sets of those; `X = ...` or `X: T = ...`, one name as the target), compared by type and value
-#   (1, 1.0 and True differ; a list is not a tuple);
+#   dicts and sets of those; or a builtin container made of them, `CFG = dict(width=8)`; `X = ...` or
+#   `X: T = ...`, one name as the target), compared by type and value (1, 1.0 and True differ; a list is
+#   not a tuple), so a dict changed in a cell (`mymodels.CFG["width"] = 16`) differs;
 # - a name bound by `def` or `class`: the module must still hold a function (or class) of this module of
 #   that name, defined in this file; a decorated one, found through the wrappers' `__wrapped__` or their
-#   closures (a decorator's object that is no function or class, a jit's, is not compared);
+#   closures (a decorator's object that is no function or class, a jit's, is not compared); and such a
+#   class's methods must still run code of this file (`replaced_methods`: a cell's `Block.width = lambda
+#   self: 16` differs, a method `dataclass` wrote or one the file took from another module does not);
 # - a literal attribute of such a class's body (`class Block: WIDTH = 8`), where the class holds a literal
 #   now (what a decorator or a metaclass made of it, an enum member, a dataclass's slot, is not compared).
 # A name bound twice at the top level (or in the class body), or bound or changed in place by anything
@@ -222,7 +239,10 @@ def _file_codes(file: str, identity: tuple[int, ...]) -> dict[str, set[str]] | N
 # it holds otherwise may have no key, and was put there by the file's own code. Where the module holds
 # something else, or has lost the name, the module's part of the key gets a field `differs`, {module:
 # {name: the value it holds now, keyed as a global is}}, so a value that cannot be keyed makes the load
-# run plainly; where nothing differs the key is what it was, so two kernels that imported the file agree,
+# run plainly, saying so, unless no code of the file reads the name (a logger or a run a cell put under
+# `logger = None` in a module that never reads `logger`: it changes nothing the module does; the code of
+# another module that reads it is keyed by its own reads, where the key holds that code by what it does);
+# where nothing differs the key is what it was, so two kernels that imported the file agree,
 # and two that set the same value share an entry. Each module a keyed function reaches is compared once per
 # key, the modules it imports (Note [The user's modules a module imports]) too; a transformers class
 # reaches none. It runs on every key of such a call, the hit's included (about 1 us for a small module,
@@ -231,6 +251,7 @@ class _Bindings(NamedTuple):
     literals: tuple[tuple[str, Any, bool], ...]  # (name, `literal_form` of its value, the file's code changes it)
     definitions: tuple[tuple[str, bool], ...]  # (name of a def or class, decorated)
     attributes: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]  # (class, its literal attributes)
+    read: frozenset[str]  # the names its code reads (loads), anywhere in the file
 
 
 @functools.lru_cache(maxsize=256)
@@ -267,7 +288,9 @@ def file_bindings(file: str, identity: tuple[int, ...]) -> _Bindings | None:
     # (only a `global` statement rebinds, and only a list, dict or set changes in place: most files need no walk)
     walk = b"global" in source or any(_mutable(form) for _, form in found)
     state = _changed_by_code(tree) if walk else set()
-    return _Bindings(tuple((name, form, name in state) for name, form in found), tuple(definitions), tuple(attributes))
+    read = frozenset(n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load))
+    return _Bindings(tuple((name, form, name in state) for name, form in found), tuple(definitions), tuple(attributes),
+                     read)
 
 
 def _mutable(form: Any) -> bool:
@@ -291,7 +314,7 @@ def _literals(body: list[Any], counts: dict[str, int], cls: str | None) -> tuple
         if not isinstance(target, ast.Name) or counts.get(target.id) != 1:
             continue
         try:
-            form = literal_form(ast.literal_eval(value))
+            form = literal_form(_literal_value(value, counts))
         except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
             continue  # computed when the file runs: not compared
         name = target.id
@@ -300,6 +323,24 @@ def _literals(body: list[Any], counts: dict[str, int], cls: str | None) -> tuple
         if form is not None and name not in CLASS_BOOKKEEPING:
             out.append((name, form))
     return tuple(out)
+
+
+_CONTAINERS: dict[str, Any] = {"dict": dict, "list": list, "tuple": tuple, "set": set, "frozenset": frozenset}
+
+
+def _literal_value(node: Any, counts: dict[str, int]) -> Any:
+    """What the expression `node` evaluates to, where it is a literal (`ast.literal_eval`'s) or a builtin
+    container made of literals (`dict(width=8)`, `list((1, 2))`) whose name the file does not bind; raises
+    ValueError for any other."""
+    import ast
+
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _CONTAINERS \
+            and node.func.id not in counts and len(node.args) <= 1 and not any(k.arg is None for k in node.keywords):
+        made = _CONTAINERS[node.func.id]
+        args = [ast.literal_eval(a) for a in node.args]
+        keywords = {str(k.arg): ast.literal_eval(k.value) for k in node.keywords}
+        return made(*args, **keywords)
+    return ast.literal_eval(node)
 
 
 def _bound_names(body: list[Any]) -> dict[str, int]:
@@ -437,6 +478,81 @@ def defined_in(x: Any, module: str, name: str, file: str, decorated: bool) -> bo
         if isinstance(y, types.FunctionType):
             todo += [cell_contents(c) for c in y.__closure__ or ()]
     return decorated and not isinstance(x, (types.FunctionType, type))
+
+
+GONE = object()  # what `held_otherwise` says a module holds for a name it lost
+
+
+def held_otherwise(mod: types.ModuleType, file: str, bound: _Bindings) -> list[tuple[str, Any]]:
+    """(name, what `mod` holds under it now, or GONE) for each name `mod` holds otherwise than its `file`
+    binds it (`bound`: `file_bindings`), "Class.attr" for a class's (Note [What a module holds that its
+    file does not bind])."""
+    module, held = mod.__name__, vars(mod)
+    out: list[tuple[str, Any]] = []
+    for name, form, its_state in bound.literals:
+        now = held.get(name, GONE)
+        now_form = None if now is GONE else literal_form(now)
+        if now_form != form and not (its_state and now_form is None):
+            out.append((name, now))
+    classes = []
+    for name, decorated in bound.definitions:
+        now = held.get(name, GONE)
+        if isinstance(now, type) and now.__module__ == module and now.__qualname__ == name:
+            classes.append((name, now))
+        elif not (type(now) is types.FunctionType and now.__code__.co_filename == file and now.__module__ == module
+                  and now.__qualname__ == name) and (now is GONE or not defined_in(now, module, name, file, decorated)):
+            out.append((name, now))
+    for name, made in classes:  # methods a cell put on the file's classes
+        out += [(f"{name}.{attr}", now) for attr, now in replaced_methods(made, file)]
+    for name, attributes in bound.attributes:
+        cls = held.get(name)
+        if not (isinstance(cls, type) and cls.__module__ == module and cls.__qualname__ == name):
+            continue  # the class itself replaced: said above
+        own = vars(cls)
+        for attr, form in attributes:
+            now = own.get(attr, GONE)
+            now_form = None if now is GONE else literal_form(now)
+            if now_form is not None and now_form != form:
+                out.append((f"{name}.{attr}", now))
+    return out
+
+
+def replaced_methods(cls: type, file: str) -> list[tuple[str, Any]]:
+    """The attributes of `cls` (a class `file` defines) that run a function written elsewhere than `file`
+    (a method a cell put there: `Block.width = lambda self: 16`), with what they hold now (Note [What a
+    module holds that its file does not bind]). A staticmethod's, classmethod's or property's function, and
+    a wrapper's (`__wrapped__`, a decorator's closure), are looked through; code `dataclass` wrote and what
+    the file binds from another module are not the cell's."""
+    out = []
+    for attr, value in list(vars(cls).items()):
+        inner = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
+        functions = [f for f in (inner.fget, inner.fset, inner.fdel) if f is not None] \
+            if isinstance(inner, property) else [inner]
+        for fn in functions:
+            found = _innermost(fn)
+            if isinstance(found, types.FunctionType) and found.__code__.co_filename != file and \
+                    found.__module__ in ("__main__", cls.__module__) and not _made_by_dataclass(cls, attr, found):
+                out.append((attr, value))
+                break
+    return out
+
+
+def _made_by_dataclass(cls: type, attr: str, fn: types.FunctionType) -> bool:
+    """Whether `fn`, `cls.attr`, is a method `dataclass` wrote for it (compiled from a string)."""
+    return "__dataclass_fields__" in vars(cls) and fn.__code__.co_filename == "<string>" and fn.__name__ == attr
+
+
+def _innermost(fn: Any) -> Any:
+    """The function a wrapper wraps, through `__wrapped__` (at most 8 deep); `fn` where it wraps none."""
+    for _ in range(8):
+        try:
+            wrapped = vars(fn).get("__wrapped__")
+        except TypeError:  # (no __dict__)
+            return fn
+        if wrapped is None:
+            return fn
+        fn = wrapped
+    return fn
 
 
 @functools.lru_cache(maxsize=1024)

@@ -894,6 +894,55 @@ def build():
 """
 
 
+HELD = """
+import torch
+
+CFG = dict(w=8)
+logger = None
+
+
+class Block:
+    def width(self):
+        return 8
+
+
+def build_cfg():
+    return {{"w": torch.ones(CFG["w"])}}
+
+
+def build_block():
+    return {{"w": torch.ones(Block().width())}}
+"""
+
+
+@pytest.mark.parametrize(("change", "call", "stale"), [
+    ("mymodels.CFG['w'] = 16", "build_cfg", 16),
+    ("mymodels.Block.width = lambda self: 16", "build_block", 16),
+    ("import logging\nmymodels.logger = logging.getLogger('notebook')", "build_cfg", 8),
+], ids=["a dict the file makes, changed in a cell", "a method a cell put on the file's class",
+        "an object a cell put under a name no code of the module reads"])
+def test_what_a_cell_changes_in_a_module_is_keyed_where_the_module_reads_it(
+        overmind_home: Path, tmp_path: Path, change: str, call: str, stale: int) -> None:
+    """Found by an attack on Note [What a module holds that its file does not bind]: `CFG = dict(w=8)` (a
+    builtin container of literals) changed in a cell, and a method a cell put on the file's class, were
+    keyed by the file alone (the next kernel on the file got the changed width); a logger a cell put under a
+    name the file binds to None, which none of its code reads, made every load of the module uncacheable
+    ("no canonical form"). Now the first two are keyed by what the module holds, and the third changes
+    nothing the module does: one entry for both kernels."""
+    (tmp_path / "mymodels.py").write_text(HELD.format())
+
+    def kernel(change: str) -> tuple[dict, int]:
+        got = last_json(run_py(CHANGED_UNDER_IT.format(folder=str(tmp_path), change=textwrap.indent(change, "    "),
+                                                       call=call)))
+        return got["calls"], got["width"]
+
+    if stale == 8:  # the change is none the module sees: cached, and the same entry as without it
+        assert [kernel(change), kernel("")] == [({"miss": 1}, 8), ({"hit": 1}, 8)]
+        return
+    assert [kernel(change), kernel(""), kernel(change)] == [({"miss": 1}, stale), ({"miss": 1}, 8),
+                                                            ({"hit": 1}, stale)]
+
+
 def test_a_module_is_compared_with_the_literals_its_file_binds_by_type_and_value(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """What each change of a module of the user's does to the key of a function that reaches it (Note [What a
@@ -1140,6 +1189,21 @@ def test_a_value_set_on_a_module_the_function_imports_in_its_body_is_keyed(overm
            ("import mymodels\n    mymodels.WIDTH = 16", "", "", "import mymodels\n    mymodels.WIDTH = 16")]
     assert [(g["calls"], g["widths"]) for g in got] == [({"miss": 1}, [16]), ({"miss": 1}, [8]), ({"hit": 1}, [8]),
                                                          ({"hit": 1}, [16])], got
+
+
+def test_a_module_the_function_imports_by_a_name_written_out_is_keyed_by_its_file(overmind_home: Path,
+                                                                                tmp_path: Path) -> None:
+    """`importlib.import_module("mymodels")` (and `__import__`) with the name written out is an import as
+    `from mymodels import build` is (found by an attack: keyed without mymodels.py, an edit of it was a stale
+    hit)."""
+    code = LAZY.replace("from mymodels import build\n        return build()",
+                        "import importlib\n        return importlib.import_module('mymodels').build()")
+    mymodels = tmp_path / "mymodels.py"
+    got = []
+    for width in (8, 16):
+        mymodels.write_text(LAZY_MYMODELS.format(width=width))
+        got.append(last_json(run_py(code.format(before="", times=1), cwd=tmp_path)))
+    assert [(g["calls"], g["widths"]) for g in got] == [({"miss": 1}, [8]), ({"miss": 1}, [16])], got
 
 
 def test_a_module_imported_before_the_call_or_by_it_is_one_key(overmind_home: Path, tmp_path: Path) -> None:
