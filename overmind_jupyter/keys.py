@@ -990,9 +990,10 @@ class _Canonical:
             raise Uncacheable(f"argument {name} ({_qualname(v)}) was changed since it was loaded or made "
                               "(its weights written in place: training, .data or numpy writes; set_adapter, "
                               "requires_grad_, train() or eval(), an edit of its config or generation_config, "
-                              "get_peft_model), or was loaded without the cache, so no cache "
-                              "entry holds it as it is now; to cache this load, pass the model as it was loaded: "
-                              "load adapters right after loading the base model, before changing it")
+                              "get_peft_model), or was built in the notebook or loaded without the "
+                              "cache, so no cache entry holds it as it is now; to cache this load, pass a model as "
+                              "the cache loaded it: load adapters right after loading the base model, before "
+                              "changing it")
         raise Uncacheable(f"argument {name} of type {_qualname(v)} has no canonical form for a cache key")
 
 
