@@ -177,10 +177,11 @@ def plain_only() -> str | None:
 
 @functools.cache
 def _module_file() -> str:
-    """Where torch's own `nn.Module` methods are compiled from."""
+    """Where torch's own `nn.Module` methods are compiled from: told by a function of that file no one
+    replaces (torch.compile's dynamo replaces `nn.Module.__init__` itself: every load then ran plainly)."""
     import torch.nn.modules.module
 
-    return torch.nn.modules.module.Module.__init__.__code__.co_filename
+    return torch.nn.modules.module.register_module_forward_hook.__code__.co_filename
 
 
 # Note [Quantized loads]

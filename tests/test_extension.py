@@ -715,6 +715,24 @@ def test_a_load_under_a_meta_device_runs_plainly(shell, tiny_llama: Path, overmi
                                                                                        "hit": 1}
 
 
+def test_a_load_after_torch_compile_is_cached(tiny_llama: Path, overmind_home: Path) -> None:
+    """torch.compile's dynamo replaces `nn.Module.__init__`, where the check of Note [Meta loads] learned
+    which file torch's own methods come from: after any compile in the process, every load ran plainly
+    with a wrong reason ("register_parameter is replaced ... init_empty_weights")."""
+    got = last_json(run_py(f"""
+        import json, torch
+        torch.compile(torch.nn.Linear(4, 4), backend="eager")(torch.ones(1, 4))
+        import overmind_jupyter
+        from overmind_jupyter import loading
+        from transformers import AutoModelForCausalLM
+        overmind_jupyter.enable()
+        for _ in range(2):
+            AutoModelForCausalLM.from_pretrained({str(tiny_llama)!r})
+        print(json.dumps({{"calls": loading.calls(), "fallbacks": [f["reason"] for f in loading.fallbacks()]}}))
+    """))
+    assert got == {"calls": {"miss": 1, "hit": 1}, "fallbacks": []}, got
+
+
 @pytest.mark.gpu
 def test_a_cuda_device_map_lands_on_the_gpu(gpu_copier, shell, tiny_llama: Path, overmind_home: Path) -> None:
     """The miss and then the hit, each filled on the device through the copier (`gpu_copier`)."""
