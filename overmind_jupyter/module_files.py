@@ -135,6 +135,11 @@ def _spec(name: str, parent: str, folders: tuple[str, ...]) -> Found | None:
             spec = importlib.util.find_spec(name)
         else:
             spec = importlib.machinery.PathFinder.find_spec(name, list(folders))
+    except KeyError:  # a folder without __init__.py in a package not imported: a namespace portion, whose
+        # spec asks sys.modules for its parent; its places are the folders of that name
+        last = name.rpartition(".")[2]
+        portions = tuple(path for folder in folders if os.path.isdir(path := os.path.join(folder, last)))
+        return Found(None, portions, portions) if portions else None
     except (ImportError, ValueError, AttributeError):  # a package without __path__, a name no finder takes
         return None
     if spec is None:

@@ -1206,6 +1206,22 @@ def test_a_module_the_function_imports_by_a_name_written_out_is_keyed_by_its_fil
     assert [(g["calls"], g["widths"]) for g in got] == [({"miss": 1}, [8]), ({"miss": 1}, [16])], got
 
 
+def test_a_module_in_a_folder_without_init_inside_a_package_is_keyed_by_its_file(overmind_home: Path,
+                                                                                 tmp_path: Path) -> None:
+    """`from mypkg.sub.tiny import build` in the body, `sub` a folder without __init__.py in a package not
+    imported yet (found by an attack): finding it raised KeyError from the finders (a namespace portion asks
+    sys.modules for its parent), and each kernel's first call ran plainly. Now it is found by its file."""
+    tiny = tmp_path / "mypkg" / "sub" / "tiny.py"
+    tiny.parent.mkdir(parents=True)
+    (tmp_path / "mypkg" / "__init__.py").write_text("")
+    code = LAZY.replace("from mymodels import build", "from mypkg.sub.tiny import build")
+    got = []
+    for width in (8, 16):
+        tiny.write_text(LAZY_MYMODELS.format(width=width))
+        got.append(last_json(run_py(code.format(before="", times=1), cwd=tmp_path)))
+    assert [(g["calls"], g["widths"]) for g in got] == [({"miss": 1}, [8]), ({"miss": 1}, [16])], got
+
+
 def test_a_module_imported_before_the_call_or_by_it_is_one_key(overmind_home: Path, tmp_path: Path) -> None:
     """The module a function imports in its body is keyed alike whether the process imported it already (the
     kernel's second call, a notebook that imports it at the top too) or not: one entry for all."""
