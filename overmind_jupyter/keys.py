@@ -458,7 +458,9 @@ def _model_short(model: Any) -> str:
 #   without a canonical form makes the call uncacheable); a classmethod of the user's class by its function
 #   and its class. A method of a module (`math.sin`), of a library's class (`AutoModel.from_pretrained`)
 #   and of the global generators of `random` and numpy (whose state is keyed where a load draws: Note
-#   [Random loads] in randomness.py) keeps its name: those have no state a key misses. A string's
+#   [Random loads] in randomness.py) keeps its name: those have no state a key misses; so does one of a
+#   library's object whose state has no canonical form (`torch.no_grad()`'s `clone`, which a function
+#   decorated with `@torch.no_grad()` closes over), which made such a function uncacheable. A string's
 #   (`", ".join`) is keyed by the string's text;
 # - a module of the user's with a file (`import helpers`) that a function uses whole (`getattr(helpers,
 #   name)`, `vars(helpers)`, handed to a call): by that file's identity and the user's modules it imports
@@ -880,8 +882,9 @@ class _Canonical:
     def _callable(self, name: str, x: Any, depth: int) -> Any:
         """A callable global that is no function, class or module (Note [The user's values by what they do]):
         a wrapper of the user's function or class by what it wraps, a bound method by its function and its
-        object, the user's callable object by its class and state; any other (a builtin, a library's
-        function or wrapper) by its name, its library's version being in the key."""
+        object (a library's object whose state has no key by its name), the user's callable object by its
+        class and state; any other (a builtin, a library's function or wrapper) by its name, its library's
+        version being in the key."""
         owner = getattr(x, "__self__", None)
         where = _qualname(owner) if owner is not None and not isinstance(owner, types.ModuleType) else ""
         named = {"callable": f"{where}{getattr(x, '__module__', '')}.{x.__qualname__}"}
@@ -901,7 +904,13 @@ class _Canonical:
             if len(owner) > _MAX_STRING:
                 raise Uncacheable(f"{name} is a method of a string of {len(owner)} characters")
             return {"method": method, "self": repr(owner)}
-        return {"method": method, "self": self._global(f"{name}.__self__", owner, depth)}
+        try:
+            return {"method": method, "self": self._global(f"{name}.__self__", owner, depth)}
+        except Uncacheable:
+            if is_users_module(type(owner).__module__):
+                raise
+            return named  # a library's object whose state has no key (`torch.no_grad()`'s `clone`, in the
+            # closure of a function it decorates): by its name, as before
 
     def called(self, fn: Any, name: str = "the function", depth: int = 0) -> Any:
         """A callable that is no function nor bound method, by what it does where it is the user's (Note [The

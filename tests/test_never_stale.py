@@ -1160,6 +1160,25 @@ LAZY = """
 """
 
 
+def test_a_helper_decorated_with_no_grad_is_keyed_by_its_code() -> None:
+    """`@torch.no_grad()` wraps a helper in a function whose closure holds `no_grad().clone`, a library
+    object's bound method with no canonical form: the rule that keys a bound method by its object made
+    every load through such a helper uncacheable (found by an attack). It is keyed by its name again, and
+    the helper by its code: an edit of the helper is another key."""
+    from overmind_jupyter import keys
+
+    def cell(scale: float) -> object:
+        namespace: dict[str, object] = {"__name__": "__main__", "torch": torch}
+        source = (f"@torch.no_grad()\ndef shrink(t):\n    return t * {scale!r}\n\n"
+                  "def load(width):\n    return shrink(torch.ones(width))\n")
+        exec(compile(source, "<cell>", "exec"), namespace)
+        return namespace["load"]
+
+    one, again, other = (keys.make_key(cell(scale), (4,), {}).key for scale in (0.5, 0.5, 0.25))
+    assert one == again != other
+
+
+
 def lazy_kernel(folder: Path, before: str = "", times: int = 1) -> dict:
     return last_json(run_py(LAZY.format(before=before, times=times), cwd=folder))
 
