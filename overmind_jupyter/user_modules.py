@@ -236,7 +236,10 @@ def _file_codes(file: str, identity: tuple[int, ...]) -> dict[str, set[str]] | N
 # than _LITERAL_ITEMS values. A name that the file's functions rebind (`global X`) or change in place
 # (`MODELS[name] = cls` in a decorator) is the module's own state (a client made once, a registry of
 # classes): it is compared only where it holds a literal now (`configure(16)` setting `WIDTH`), as what
-# it holds otherwise may have no key, and was put there by the file's own code. Where the module holds
+# it holds otherwise may have no key, and was put there by the file's own code; one its functions change
+# only by `X += ...` (`global calls; calls += 1`) is a counter of the module's, not compared at all:
+# compared, each call of a loader that counts its calls was a miss and another entry (a load that reads
+# the count to build its result would be keyed without it). Where the module holds
 # something else, or has lost the name, the module's part of the key gets a field `differs`, {module:
 # {name: the value it holds now, keyed as a global is}}, so a value that cannot be keyed makes the load
 # run plainly, saying so, unless no code of the file reads the name (a logger or a run a cell put under
@@ -252,6 +255,7 @@ class _Bindings(NamedTuple):
     definitions: tuple[tuple[str, bool], ...]  # (name of a def or class, decorated)
     attributes: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]  # (class, its literal attributes)
     read: frozenset[str]  # the names its code reads (loads), anywhere in the file
+    counters: frozenset[str]  # the names its functions change only by `X += ...` under `global X`
 
 
 @functools.lru_cache(maxsize=256)
@@ -290,7 +294,25 @@ def file_bindings(file: str, identity: tuple[int, ...]) -> _Bindings | None:
     state = _changed_by_code(tree) if walk else set()
     read = frozenset(n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load))
     return _Bindings(tuple((name, form, name in state) for name, form in found), tuple(definitions), tuple(attributes),
-                     read)
+                     read, _counters(tree) if b"global" in source else frozenset())
+
+
+def _counters(tree: Any) -> frozenset[str]:
+    """The names the file's functions declare `global` and change only by augmented assignment (`calls +=
+    1`): counters of the module's own, not compared (Note [What a module holds that its file does not
+    bind])."""
+    import ast
+
+    counted, bound = set(), set()
+    for function in ast.walk(tree):
+        if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        names = {n for node in ast.walk(function) if isinstance(node, ast.Global) for n in node.names}
+        augmented = {id(node.target) for node in ast.walk(function) if isinstance(node, ast.AugAssign)}
+        for node in ast.walk(function):
+            if isinstance(node, ast.Name) and node.id in names and isinstance(node.ctx, (ast.Store, ast.Del)):
+                (counted if id(node) in augmented else bound).add(node.id)
+    return frozenset(counted - bound)
 
 
 def _mutable(form: Any) -> bool:
@@ -490,6 +512,8 @@ def held_otherwise(mod: types.ModuleType, file: str, bound: _Bindings) -> list[t
     module, held = mod.__name__, vars(mod)
     out: list[tuple[str, Any]] = []
     for name, form, its_state in bound.literals:
+        if name in bound.counters:
+            continue
         now = held.get(name, GONE)
         now_form = None if now is GONE else literal_form(now)
         if now_form != form and not (its_state and now_form is None):

@@ -943,6 +943,27 @@ def test_what_a_cell_changes_in_a_module_is_keyed_where_the_module_reads_it(
                                                             ({"hit": 1}, stale)]
 
 
+def test_a_counter_of_the_module_keeps_its_loads_one_entry(overmind_home: Path, tmp_path: Path) -> None:
+    """A module beside the notebook that counts its loads (`global calls; calls += 1`): the count is its own,
+    not what the load builds from (found by an attack: compared as a value set since the import, each call
+    of the cell was a miss, and another copy of the model)."""
+    (tmp_path / "counting.py").write_text("import torch\n\ncalls = 0\n\n\ndef build():\n    global calls\n"
+                                          "    calls += 1\n    return {'w': torch.ones(8)}\n")
+    got = last_json(run_py(f"""
+        import json, sys
+        sys.path.insert(0, {str(tmp_path)!r})
+        import counting
+        from overmind_jupyter import loading
+
+        def load():
+            return counting.build()
+
+        widths = [loading.cached(load)["w"].shape[0] for _ in range(3)]
+        print(json.dumps({{"calls": loading.calls(), "widths": widths, "counted": counting.calls}}))
+    """))
+    assert got == {"calls": {"miss": 1, "hit": 2}, "widths": [8, 8, 8], "counted": 1}, got
+
+
 def test_a_module_is_compared_with_the_literals_its_file_binds_by_type_and_value(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """What each change of a module of the user's does to the key of a function that reaches it (Note [What a
