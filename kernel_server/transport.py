@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import select
 import socket
@@ -50,7 +51,7 @@ def _recv_exact(sock: socket.socket, n: int, fds: list[int], *, first: bool,
     buf = bytearray()
     truncated = False
     while len(buf) < n:
-        if stall is not None and (buf or not first) and not select.select([sock], [], [], stall)[0]:
+        if stall is not None and (buf or not first) and not _readable(sock, stall):
             raise ProtocolError(f"the peer sent part of a frame and nothing more for {stall:g} s", fatal=True)
         if first and not buf:
             # The sender attaches descriptors to the header's first byte, so they arrive here.
@@ -65,6 +66,14 @@ def _recv_exact(sock: socket.socket, n: int, fds: list[int], *, first: bool,
             return None, truncated
         buf += chunk
     return bytes(buf), truncated
+
+
+def _readable(sock: socket.socket, seconds: float) -> bool:
+    """Whether `sock` has bytes to read within `seconds` (poll: a process's descriptors may number past
+    select's 1024)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(math.ceil(seconds * 1000)))
 
 
 def recv_frame(sock: socket.socket, *, stall: float | None = None) -> Frame | None:

@@ -303,7 +303,8 @@ def _counters(tree: Any) -> frozenset[str]:
     bind])."""
     import ast
 
-    counted, bound = set(), set()
+    counted: set[str] = set()
+    bound: set[str] = set()
     for function in ast.walk(tree):
         if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
             continue

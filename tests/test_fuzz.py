@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import resource
 import shutil
 import socket
 import stat
@@ -388,10 +389,18 @@ def test_a_frame_cut_short_by_a_peer_that_stops_ends_the_read_within_its_stall_l
         with pytest.raises(ProtocolError, match=r"part of a frame and nothing more for 0\.2 s") as raised:
             recv_frame(kernel, stall=0.2)
         assert raised.value.fatal and time.monotonic() - started < 2.0
-        whole_reader, whole_writer = socket.socketpair()  # a frame sent whole is read as before
-        with whole_reader, whole_writer:
-            whole_writer.sendall(frame)
-            assert recv_frame(whole_reader, stall=0.2).payload["pad"] == "x" * 100
+        whole_reader, whole_writer = socket.socketpair()  # a frame sent whole is read as before, on a
+        with whole_reader, whole_writer:  # descriptor past select's 1024 too (a kernel may hold thousands)
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            high = 2000 if hard == resource.RLIM_INFINITY or hard > 2000 else hard - 1
+            resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, high + 1), hard))
+            try:
+                os.dup2(whole_reader.fileno(), high)
+                with socket.socket(fileno=high) as far:
+                    whole_writer.sendall(frame)
+                    assert recv_frame(far, stall=0.2).payload["pad"] == "x" * 100
+            finally:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     finally:
         kernel.close()
         daemon.close()
