@@ -52,6 +52,7 @@ def prepare() -> None:
     """Import what a hit imports, once torch is imported (Note [Imports ahead of the hit]), and make a
     rebuild's first calls (Note [Warm rebuild]). Runs once a process; before torch is imported, not at all."""
     global _prepared
+    _warm_library_classes()
     if _prepared or "torch" not in sys.modules:
         return
     _prepared = True
@@ -72,6 +73,28 @@ def prepare() -> None:
     except Exception:  # noqa: BLE001 (the hit imports it again, and falls back there: Note [Never worse] in loading.py)
         pass
     gc.collect(1)
+
+
+# The modules whose classes most models derive from: the digest of a graph's library modules (Note [Methods
+# patched into a library's classes] in library_classes.py) reads each class's namespace once a process, 1.5-2
+# ms of a 1.1B Llama's first miss or hit in a fresh process, most of it these. Read ahead, once transformers is
+# imported (at enable(), or after the cell that imported it: `prepare` runs after each cell).
+_BASES = ("torch.nn.modules.module", "torch.nn.modules.linear", "torch.nn.modules.container", "torch.nn.modules.sparse",
+          "transformers.modeling_utils", "transformers.generation.utils", "transformers.configuration_utils")
+_bases_read = False
+
+
+def _warm_library_classes() -> None:
+    global _bases_read
+    if _bases_read or "transformers.modeling_utils" not in sys.modules:
+        return
+    _bases_read = True
+    try:
+        from . import library_classes
+
+        library_classes.bindings([name for name in _BASES if name in sys.modules])
+    except Exception:  # noqa: BLE001 (the miss or the hit reads them again)
+        pass
 
 
 class _Warm:

@@ -145,14 +145,26 @@ def _patched_methods(cls: type, namespace: dict[str, Any]) -> tuple[tuple[str, .
     if held is not None and _same(namespace, held[0]):
         return held[1]
     owner = f"{cls.__module__}.{cls.__qualname__}"
+    dataclass_ = "__dataclass_fields__" in namespace
     found = tuple((owner, attr, str(fn.__module__), str(fn.__qualname__), code_digest(fn.__code__))
-                  for attr, value in namespace.items() for fn in _functions(value)
-                  if not _library_function(fn, attr, "__dataclass_fields__" in namespace))
+                  for attr, value in namespace.items() if _runs_code(value) and not _plain_library_function(value)
+                  for fn in _functions(value) if not _library_function(fn, attr, dataclass_))
     _class_methods[cls] = (namespace, found)
     return found
 
 
 _class_methods: dict[type, tuple[dict[str, Any], tuple[tuple[str, ...], ...]]] = {}
+
+
+def _runs_code(value: Any) -> bool:
+    """Whether a class attribute may run a function: not a constant, a string, a dict (most of the rest)."""
+    return callable(value) or isinstance(value, (staticmethod, classmethod, property))
+
+
+def _plain_library_function(value: Any) -> bool:
+    """Whether `value` is a function of library code that wraps nothing: most of a class's attributes, told
+    without a generator's frame (`_functions`)."""
+    return type(value) is types.FunctionType and not value.__dict__ and _library_file(value.__code__.co_filename)
 
 
 def _functions(value: Any) -> Iterator[types.FunctionType]:
@@ -185,13 +197,15 @@ def _library_file(filename: str) -> bool:
     if filename.startswith("<frozen "):
         return True
     places, stdlib = _library_places()
-    for file in {filename, os.path.realpath(filename)}:
-        if any(file == place or (place.endswith(os.sep) and file.startswith(place)) for place in places):
-            return True
-        rest = next((file[len(folder):] for folder in stdlib if file.startswith(folder)), None)
-        if rest is not None and not {"site-packages", "dist-packages"} & set(rest.split(os.sep)):
-            return True  # (the standard library's folder, not the site-packages inside it)
-    return False
+    return _in_places(filename, places, stdlib) or _in_places(os.path.realpath(filename), places, stdlib)
+
+
+def _in_places(file: str, places: tuple[str, ...], stdlib: tuple[str, ...]) -> bool:
+    if any(file == place or (place.endswith(os.sep) and file.startswith(place)) for place in places):
+        return True
+    rest = next((file[len(folder):] for folder in stdlib if file.startswith(folder)), None)
+    # (the standard library's folder, not the site-packages inside it)
+    return rest is not None and not {"site-packages", "dist-packages"} & set(rest.split(os.sep))
 
 
 @functools.cache
