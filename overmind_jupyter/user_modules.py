@@ -258,20 +258,30 @@ class _Bindings(NamedTuple):
     counters: frozenset[str]  # the names its functions change only by `X += ...` under `global X`
 
 
+@functools.lru_cache(maxsize=64)
+def _parsed(file: str, identity: tuple[int, ...]) -> tuple[bytes, Any] | None:
+    """The source of `file` (at this `identity` of it) and its syntax tree, read and parsed once for what
+    it binds (`file_bindings`) and what it imports (`_imports`); None where it cannot be read or parsed."""
+    import ast
+
+    try:
+        with open(file, "rb") as f:
+            source = f.read()
+        return source, ast.parse(source, file)
+    except (OSError, SyntaxError, ValueError):
+        return None
+
+
 @functools.lru_cache(maxsize=256)
 def file_bindings(file: str, identity: tuple[int, ...]) -> _Bindings | None:
     """What the top level of `file` (at this `identity` of it) binds that a module can be compared with
     (Note [What a module holds that its file does not bind]); None where it is no Python source."""
     import ast
 
-    if not file.endswith(".py"):
+    parsed = _parsed(file, identity) if file.endswith(".py") else None
+    if parsed is None:
         return None
-    try:
-        with open(file, "rb") as f:
-            source = f.read()
-        tree = ast.parse(source, file)
-    except (OSError, SyntaxError, ValueError):
-        return None
+    source, tree = parsed
     counts: dict[str, int] = {}
     start = 0
     for i, node in enumerate(tree.body):
@@ -586,11 +596,10 @@ def _imports(module: str, file: str, identity: tuple[int, ...]) -> tuple[str, ..
     against its package (`module_files.named`): `from . import x` names the package and `package.x`."""
     import ast
 
-    try:
-        with open(file, "rb") as f:
-            tree = ast.parse(f.read(), file)
-    except (OSError, SyntaxError, ValueError):
+    parsed = _parsed(file, identity)
+    if parsed is None:
         return ()
+    tree = parsed[1]
     package = module if file.endswith("__init__.py") else module.rpartition(".")[0]
     names: list[str] = []
     for node in _import_statements(tree.body):
