@@ -154,7 +154,7 @@ def test_libraries_imported_after_on_are_patched(overmind_home: Path) -> None:
             "moves": [patching.is_patched(torch.nn.Module, "to"), patching.is_patched(torch.nn.Module, "cuda"),
                       patching.is_patched(diffusers.DiffusionPipeline, "to")],
         }))
-    """))
+    """, fresh=True))  # (what the process imported before is what it is about)
     assert out == {"peft": True, "pipeline": True, "moves": [True, True, True]}
 
 
@@ -164,7 +164,7 @@ def test_import_is_light() -> None:
         import overmind_jupyter, kernel_server
         heavy = [m for m in ("torch", "transformers", "diffusers", "peft", "IPython") if m in sys.modules]
         print(json.dumps(heavy))
-    """))
+    """, fresh=True))
     assert out == []
 
 

@@ -788,7 +788,7 @@ def test_enable_leaves_the_first_hit_no_first_torch_call_and_no_collection_of_th
         os.close(w)
         print(os.read(r, 4096).decode())
         os.waitpid(pid, 0)
-    """))
+    """, fresh=True))
     assert out["threads"] == 0
     assert out["mapped"] == [], "the warm-up's rebuild left its arena mapped"
     assert out["generation1"] == 0, "the imports' young objects are left for the first hit to collect"

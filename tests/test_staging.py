@@ -257,7 +257,7 @@ def test_a_tokenizers_miss_imports_no_module_of_model_loading(overmind_home: Pat
         from overmind_jupyter import loading
         AutoTokenizer.from_pretrained({str(tokenizer)!r})
         print(json.dumps({{"calls": loading.calls(), "imported": "transformers.core_model_loading" in sys.modules}}))
-    """))
+    """, fresh=True))
     assert out == {"calls": {"miss": 1}, "imported": False}, out
 
 

@@ -720,7 +720,7 @@ def test_importing_units_imports_no_torch(fake_gpus: Callable[..., Client]) -> N
         state = units.state()
         print(units.format_state(state).splitlines()[0])
         print("torch" in sys.modules)
-    """).stdout.splitlines()
+    """, fresh=True).stdout.splitlines()
     header = ("GPU units (1 unit = 1 GiB; 1 GiB of each device reserved) - simulated devices "
               "(OVERMIND_FAKE_GPUS=2x16)")
     assert out == [header, "False"]

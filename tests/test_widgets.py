@@ -87,7 +87,7 @@ def test_importing_widgets_is_light() -> None:
         heavy = ("ipywidgets", "anywidget", "torch", "transformers", "IPython")
         heavy = [m for m in heavy if m in sys.modules]
         print(heavy)
-    """)
+    """, fresh=True)
     assert proc.stdout.strip().splitlines()[-1] == "[]"
 
 
