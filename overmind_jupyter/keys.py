@@ -75,6 +75,7 @@ from .user_modules import (
     file_bindings,
     held_otherwise,
     module_file,
+    read_at_import,
     stat_identity,
     users_file,
     users_imports,
@@ -740,6 +741,15 @@ class _Canonical:
                     f"module was imported (its file binds it otherwise), and a cache key cannot hold that "
                     f"({exc}); to cache this load, leave it as {os.path.basename(file)} binds it, or change "
                     "that file") from None
+        for name, now in read_at_import(mod, bound):  # Note [What a module reads when it is imported]
+            try:
+                changed[name] = {"missing": True} if now is GONE else self._global(f"{module}.{name}", now, depth)
+            except Uncacheable as exc:
+                raise Uncacheable(
+                    f"{module}.{name} holds {type(now).__module__}.{type(now).__qualname__}, which "
+                    f"{os.path.basename(file)} read from the environment or a file when it was imported, and a "
+                    f"cache key cannot hold that ({exc}); to cache this load, bind it to values a key can hold "
+                    "(numbers, strings, lists, dicts)") from None
         return changed
 
     def cls(self, name: str, x: type, depth: int) -> Any:

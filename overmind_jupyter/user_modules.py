@@ -26,6 +26,7 @@ __all__ = [
     "held_otherwise",
     "literal_form",
     "module_file",
+    "read_at_import",
     "stat_identity",
     "users_file",
     "users_imports",
@@ -232,7 +233,8 @@ def _file_codes(file: str, identity: tuple[int, ...]) -> dict[str, set[str]] | N
 # A name bound twice at the top level (or in the class body), or bound or changed in place by anything
 # else there too (an import, a loop, `del`, an `if`'s branches, `X[k] = v`, `X.append(v)`), is not
 # compared, nor is one bound before a `from x import *`; nor a value computed at import (`DEVICE = "cuda"
-# if ... else "cpu"`, `STARTED = time.time()`), nor a name the file does not bind, nor a literal of more
+# if ... else "cpu"`, `STARTED = time.time()`; one read from the environment or a file is keyed by what it
+# holds: Note [What a module reads when it is imported]), nor a name the file does not bind, nor a literal of more
 # than _LITERAL_ITEMS values. A name that the file's functions rebind (`global X`) or change in place
 # (`MODELS[name] = cls` in a decorator) is the module's own state (a client made once, a registry of
 # classes): it is compared only where it holds a literal now (`configure(16)` setting `WIDTH`), as what
@@ -256,6 +258,7 @@ class _Bindings(NamedTuple):
     attributes: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]  # (class, its literal attributes)
     read: frozenset[str]  # the names its code reads (loads), anywhere in the file
     counters: frozenset[str]  # the names its functions change only by `X += ...` under `global X`
+    outside: tuple[str, ...]  # the names it binds to what it reads from the environment or a file
 
 
 @functools.lru_cache(maxsize=64)
@@ -303,8 +306,87 @@ def file_bindings(file: str, identity: tuple[int, ...]) -> _Bindings | None:
     walk = b"global" in source or any(_mutable(form) for _, form in found)
     state = _changed_by_code(tree) if walk else set()
     read = frozenset(n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load))
+    outside = tuple(name for name in _read_outside(tree.body) if name in _read_later(tree))
     return _Bindings(tuple((name, form, name in state) for name, form in found), tuple(definitions), tuple(attributes),
-                     read, _counters(tree) if b"global" in source else frozenset())
+                     read, _counters(tree) if b"global" in source else frozenset(), outside)
+
+
+# Note [What a module reads when it is imported]
+# A module of the user's may bind a name to what it reads from outside its file when it runs: `WIDTH =
+# int(os.environ.get("WIDTH", 8))`, `CFG = json.load(open("config.json"))`, `with open(...) as f: CFG =
+# yaml.safe_load(f)`, `if os.getenv("BIG"): LAYERS = 24`. Its file's identity does not say what the name
+# holds: a kernel started with WIDTH=16, or after the config was edited, imports the same file, and its load
+# got the entry of the kernel before (a stale hit). So a name the top level of the file binds by a statement
+# that reads the environment (`environ`, `getenv`) or a file (`open`, `read_text`, `read_bytes`, a `load`,
+# `safe_load`, `loadtxt`, `read_csv`, ...), or reads a name bound so before it, is keyed by what the module
+# holds under it now (`read_at_import`), where the file's functions or classes read the name (not a `with`'s
+# file, read at the top level alone); the names of an `if`, `with`,
+# `try`, `for` or `while` at the top level whose header reads so are all keyed so. A value that cannot be
+# keyed makes the load run plainly and say which name holds what. Not seen: a value computed at import from
+# anything else (`STARTED = time.time()`, `DEVICE = "cuda" if torch.cuda.is_available() else "cpu"`: a
+# kernel of another run is not to be told apart by them), and what a function of the module reads when it
+# runs (its own reads are the file's: keyed by the key's fingerprint of what the load reads, or not at all).
+_READS_OUTSIDE = frozenset({
+    "getenv", "open", "read_text", "read_bytes", "load", "loads", "safe_load", "full_load", "load_all",
+    "loadtxt", "genfromtxt", "read_csv", "read_json", "read_parquet", "from_file", "from_json_file"})
+
+
+def _read_outside(body: list[Any]) -> list[str]:
+    """The names the statements `body` (a module's top level) bind to what they read from the environment or
+    a file, or from a name bound so before (Note [What a module reads when it is imported])."""
+    import ast
+
+    found: list[str] = []
+    for node in body:
+        header: list[Any]
+        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            header = [node.value] if node.value is not None else []
+        elif isinstance(node, (ast.If, ast.While)):
+            header = [node.test]
+        elif isinstance(node, (ast.With, ast.AsyncWith)):
+            header = [item.context_expr for item in node.items]
+        elif isinstance(node, (ast.For, ast.AsyncFor)):
+            header = [node.iter]
+        elif isinstance(node, ast.Try):
+            header = node.body  # (what it tries runs before its handlers bind anything)
+        else:
+            continue
+        if any(_reads_outside(expr, found) for expr in header):
+            found += [name for name in _bound_names([node]) if name not in found and name != "*"]
+    return found
+
+
+def _read_later(tree: Any) -> frozenset[str]:
+    """The names the file's functions and classes read: what runs after the module's top level (a class's
+    body runs with it, and keeps what it read)."""
+    import ast
+
+    return frozenset(n.id for d in ast.walk(tree)
+                     if isinstance(d, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef))
+                     for n in ast.walk(d) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load))
+
+
+def _reads_outside(node: Any, found: list[str]) -> bool:
+    import ast
+
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Name) and (sub.id == "environ" or sub.id in found):
+            return True
+        if isinstance(sub, ast.Attribute) and sub.attr == "environ":
+            return True
+        if isinstance(sub, ast.Call):
+            called = sub.func.attr if isinstance(sub.func, ast.Attribute) else getattr(sub.func, "id", None)
+            if called in _READS_OUTSIDE:
+                return True
+    return False
+
+
+def read_at_import(mod: types.ModuleType, bound: _Bindings) -> list[tuple[str, Any]]:
+    """(name, what `mod` holds under it now, or GONE) for each name its file binds to what it read from the
+    environment or a file when it ran (`bound`: `file_bindings`; Note [What a module reads when it is
+    imported])."""
+    held = vars(mod)
+    return [(name, held.get(name, GONE)) for name in bound.outside]
 
 
 def _counters(tree: Any) -> frozenset[str]:

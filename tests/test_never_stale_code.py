@@ -272,7 +272,8 @@ def test_a_module_is_compared_with_the_literals_its_file_binds_by_type_and_value
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """What each change of a module of the user's does to the key of a function that reaches it (Note [What a
     module holds that its file does not bind]): a literal is compared by type and value, a value computed
-    at import is not compared, nor is one bound twice; an enum, a slotted dataclass, a named tuple and a
+    at import is not compared (one read from the environment is keyed by what it holds: Note [What a module
+    reads when it is imported]), nor is one bound twice; an enum, a slotted dataclass, a named tuple and a
     cached function, as their file makes them, are no change: the key is what it was before the comparison.
     Nor is what the module's own functions put in a name it binds to a literal (a registry filled, a client
     made), but for a literal (`configure(2)`)."""
@@ -294,7 +295,7 @@ def test_a_module_is_compared_with_the_literals_its_file_binds_by_type_and_value
     changes = [("WIDTH", 16, True), ("WIDTH", 8.0, True), ("WIDTH", True, True), ("WIDTH", 8, False),
                ("SIZES", (1, 2.0, "x", None, [True], {"k": {3}}), False),
                ("SIZES", (1, 2, "x", None, [True], {"k": {3}}), True), ("SIZES", [1, 2.0, "x", None, [True]], True),
-               ("DEVICE", "cuda", False), ("STARTED", 0.0, False), ("COUNT", 7, False),
+               ("DEVICE", "cuda", True), ("STARTED", 0.0, False), ("COUNT", 7, False),
                ("cached_width", namespace["my_width"], True)]
     seen = []
     for name, value, differs in changes:
@@ -314,7 +315,8 @@ def test_a_module_is_compared_with_the_literals_its_file_binds_by_type_and_value
     zoo.configure(1)
     assert key() == as_imported
     assert keys._Canonical(os.getcwd(), None)._differences("zoo_of_bindings", user_modules.stat_identity(
-        os.stat(zoo.__file__)), 0) == {}, "the file's own values: nothing differs, the key is as before"
+        os.stat(zoo.__file__)), 0) == {"DEVICE": "cpu"}, "the file's own values: nothing differs, the key holds " \
+        "what the module read from the environment"
 
 
 def test_a_path_into_the_kernels_own_file_systems_is_no_checkpoint() -> None:
@@ -648,3 +650,61 @@ def test_a_module_the_function_imports_that_is_not_there_yet_is_keyed_as_missing
     there = keys.make_key(load, (), {}).key
     (tmp_path / "optional_part_of_the_notebook.py").unlink()
     assert there != missing and keys.make_key(load, (), {}).key == missing
+
+
+# name: mymodels.py, which reads {v} at import from the environment (WIDTH) or config.json, and whose
+# `build` makes ones of that width (Note [What a module reads when it is imported])
+READ_AT_IMPORT = {
+    "a constant from the environment": (
+        "import os\nimport torch\n\nWIDTH = int(os.environ.get('WIDTH', '2'))\n\n\n"
+        "def build():\n    return torch.ones(WIDTH)\n"),
+    "a config file read in a with block, and a name made from it": (
+        "import json\nimport os\nimport torch\n\n"
+        "with open(os.path.join(os.path.dirname(__file__), 'config.json')) as f:\n    CFG = json.load(f)\n"
+        "WIDTH = CFG['width'] + 1\n\n\ndef build():\n    return torch.ones(WIDTH)\n"),
+    "a branch on the environment": (
+        "import os\nimport torch\n\nif os.getenv('WIDTH') == '3':\n    WIDTH = 3\nelse:\n    WIDTH = 2\n\n\n"
+        "def build():\n    return torch.ones(WIDTH)\n"),
+}
+# The notebook's loader calls the module's `build`: a function of a module with a file is keyed by its name
+# and the file's identity (Note [The user's modules a module imports] in overmind_jupyter/user_modules.py).
+READ_AT_IMPORT_NOTEBOOK = """
+    import mymodels
+
+    def make():
+        return mymodels.build()
+"""
+
+
+@pytest.mark.parametrize("case", list(READ_AT_IMPORT))
+def test_what_a_module_read_at_import_is_keyed_by_what_it_holds(overmind_home: Path, tmp_path: Path,
+                                                                case: str) -> None:
+    """A module beside the notebook binds a name to what it read from the environment or a file when it
+    was imported; the next kernel, started with another value there, gets what its plain call makes, not
+    the first kernel's entry, and a third kernel with the same value gets the second's entry."""
+    (tmp_path / "mymodels.py").write_text(READ_AT_IMPORT[case])
+
+    def kernel(v: int) -> dict:
+        (tmp_path / "config.json").write_text(f'{{"width": {v - 1}}}')
+        return last_json(run_py(VALUES.format(prelude=READ_AT_IMPORT_NOTEBOOK, cached="make", plain="make()"),
+                                cwd=tmp_path, env=dict(os.environ, WIDTH=str(v))))
+
+    got = [kernel(v) for v in (2, 3, 3)]
+    assert [(g["calls"], g["fallbacks"]) for g in got] == [({"miss": 1}, []), ({"miss": 1}, []),
+                                                          ({"hit": 1}, [])], got
+    assert [g["cached"] for g in got] == [g["plain"] for g in got] == [[1.0] * 2, [1.0] * 3, [1.0] * 3], got
+
+
+def test_what_a_module_read_at_import_that_no_key_holds_loads_plainly_and_says_which(
+        overmind_home: Path, tmp_path: Path) -> None:
+    """A name bound at import to an object read from a file that a key cannot hold (an open file), read by
+    the module's code: the load runs plainly, and says which name holds what and what to do."""
+    (tmp_path / "widths.txt").write_text("3\n")
+    (tmp_path / "mymodels.py").write_text(
+        "import os\nimport torch\n\nSOURCE = open(os.path.join(os.path.dirname(__file__), 'widths.txt'))\n\n\n"
+        "def build():\n    SOURCE.seek(0)\n    return torch.ones(int(SOURCE.read()))\n")
+    got = last_json(run_py(VALUES.format(prelude=READ_AT_IMPORT_NOTEBOOK, cached="make", plain="make()"),
+                           cwd=tmp_path))
+    assert got["cached"] == got["plain"] == [1.0] * 3 and "miss" not in got["calls"], got
+    assert len(got["fallbacks"]) == 1 and "mymodels.SOURCE holds _io.TextIOWrapper" in got["fallbacks"][0] \
+        and "read from the environment or a file when it was imported" in got["fallbacks"][0], got
