@@ -741,10 +741,12 @@ class _Canonical:
                     f"module was imported (its file binds it otherwise), and a cache key cannot hold that "
                     f"({exc}); to cache this load, leave it as {os.path.basename(file)} binds it, or change "
                     "that file") from None
-        for name, now in read_at_import(mod, bound):  # Note [What a module reads when it is imported]
+        for name, now, read_later in read_at_import(mod, bound):  # Note [What a module reads when it is imported]
             try:
                 changed[name] = {"missing": True} if now is GONE else self._global(f"{module}.{name}", now, depth)
             except Uncacheable as exc:
+                if not read_later:
+                    continue  # (read at the top level alone: the file a `with` opened)
                 raise Uncacheable(
                     f"{module}.{name} holds {type(now).__module__}.{type(now).__qualname__}, which "
                     f"{os.path.basename(file)} read from the environment or a file when it was imported, and a "

@@ -233,9 +233,9 @@ def _file_codes(file: str, identity: tuple[int, ...]) -> dict[str, set[str]] | N
 # A name bound twice at the top level (or in the class body), or bound or changed in place by anything
 # else there too (an import, a loop, `del`, an `if`'s branches, `X[k] = v`, `X.append(v)`), is not
 # compared, nor is one bound before a `from x import *`; nor a value computed at import (`DEVICE = "cuda"
-# if ... else "cpu"`, `STARTED = time.time()`; one read from the environment or a file is keyed by what it
-# holds: Note [What a module reads when it is imported]), nor a name the file does not bind, nor a literal of more
-# than _LITERAL_ITEMS values. A name that the file's functions rebind (`global X`) or change in place
+# if ... else "cpu"`, `STARTED = time.time()`; one read from the environment or a file is keyed by what
+# it holds: Note [What a module reads when it is imported]), nor a name the file does not bind, nor a
+# literal of more than _LITERAL_ITEMS values. A name that the file's functions rebind (`global X`) or change in place
 # (`MODELS[name] = cls` in a decorator) is the module's own state (a client made once, a registry of
 # classes): it is compared only where it holds a literal now (`configure(16)` setting `WIDTH`), as what
 # it holds otherwise may have no key, and was put there by the file's own code; one its functions change
@@ -258,7 +258,8 @@ class _Bindings(NamedTuple):
     attributes: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]  # (class, its literal attributes)
     read: frozenset[str]  # the names its code reads (loads), anywhere in the file
     counters: frozenset[str]  # the names its functions change only by `X += ...` under `global X`
-    outside: tuple[str, ...]  # the names it binds to what it reads from the environment or a file
+    outside: tuple[tuple[str, bool], ...]  # (a name it binds to what it read from the environment or a file,
+    #                                       whether its functions or classes read the name)
 
 
 @functools.lru_cache(maxsize=64)
@@ -306,7 +307,9 @@ def file_bindings(file: str, identity: tuple[int, ...]) -> _Bindings | None:
     walk = b"global" in source or any(_mutable(form) for _, form in found)
     state = _changed_by_code(tree) if walk else set()
     read = frozenset(n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load))
-    outside = tuple(name for name in _read_outside(tree.body) if name in _read_later(tree))
+    outside_names = _read_outside(tree.body)
+    later = _read_later(tree) if outside_names else frozenset()
+    outside = tuple((name, name in later) for name in outside_names)
     return _Bindings(tuple((name, form, name in state) for name, form in found), tuple(definitions), tuple(attributes),
                      read, _counters(tree) if b"global" in source else frozenset(), outside)
 
@@ -319,11 +322,12 @@ def file_bindings(file: str, identity: tuple[int, ...]) -> _Bindings | None:
 # got the entry of the kernel before (a stale hit). So a name the top level of the file binds by a statement
 # that reads the environment (`environ`, `getenv`) or a file (`open`, `read_text`, `read_bytes`, a `load`,
 # `safe_load`, `loadtxt`, `read_csv`, ...), or reads a name bound so before it, is keyed by what the module
-# holds under it now (`read_at_import`), where the file's functions or classes read the name (not a `with`'s
-# file, read at the top level alone); the names of an `if`, `with`,
-# `try`, `for` or `while` at the top level whose header reads so are all keyed so. A value that cannot be
-# keyed makes the load run plainly and say which name holds what. Not seen: a value computed at import from
-# anything else (`STARTED = time.time()`, `DEVICE = "cuda" if torch.cuda.is_available() else "cpu"`: a
+# holds under it now (`read_at_import`), whoever reads it (the file's functions, or another module's that
+# imported it: `from settings import WIDTH`); the names of an `if`, `with`, `try`, `for` or `while` at the
+# top level whose header reads so are all keyed so. A value that cannot be keyed makes the load run plainly
+# and say which name holds what, where the file's functions or classes read the name; one they do not read
+# (the file a `with` opened, read at the top level alone) is left out. Not seen: a value computed at import
+# from anything else (`STARTED = time.time()`, `DEVICE = "cuda" if torch.cuda.is_available() else "cpu"`: a
 # kernel of another run is not to be told apart by them), and what a function of the module reads when it
 # runs (its own reads are the file's: keyed by the key's fingerprint of what the load reads, or not at all).
 _READS_OUTSIDE = frozenset({
@@ -381,12 +385,12 @@ def _reads_outside(node: Any, found: list[str]) -> bool:
     return False
 
 
-def read_at_import(mod: types.ModuleType, bound: _Bindings) -> list[tuple[str, Any]]:
-    """(name, what `mod` holds under it now, or GONE) for each name its file binds to what it read from the
-    environment or a file when it ran (`bound`: `file_bindings`; Note [What a module reads when it is
-    imported])."""
+def read_at_import(mod: types.ModuleType, bound: _Bindings) -> list[tuple[str, Any, bool]]:
+    """(name, what `mod` holds under it now or GONE, whether the file's functions or classes read it) for
+    each name its file binds to what it read from the environment or a file when it ran (`bound`:
+    `file_bindings`; Note [What a module reads when it is imported])."""
     held = vars(mod)
-    return [(name, held.get(name, GONE)) for name in bound.outside]
+    return [(name, held.get(name, GONE), later) for name, later in bound.outside]
 
 
 def _counters(tree: Any) -> frozenset[str]:

@@ -665,7 +665,10 @@ READ_AT_IMPORT = {
     "a branch on the environment": (
         "import os\nimport torch\n\nif os.getenv('WIDTH') == '3':\n    WIDTH = 3\nelse:\n    WIDTH = 2\n\n\n"
         "def build():\n    return torch.ones(WIDTH)\n"),
+    "a settings module the model's module imports from": (
+        "import torch\nfrom settings import WIDTH\n\n\ndef build():\n    return torch.ones(WIDTH)\n"),
 }
+SETTINGS = "import os\n\nWIDTH = int(os.environ['WIDTH'])\n"  # (read by no function of its own)
 # The notebook's loader calls the module's `build`: a function of a module with a file is keyed by its name
 # and the file's identity (Note [The user's modules a module imports] in overmind_jupyter/user_modules.py).
 READ_AT_IMPORT_NOTEBOOK = """
@@ -683,6 +686,7 @@ def test_what_a_module_read_at_import_is_keyed_by_what_it_holds(overmind_home: P
     was imported; the next kernel, started with another value there, gets what its plain call makes, not
     the first kernel's entry, and a third kernel with the same value gets the second's entry."""
     (tmp_path / "mymodels.py").write_text(READ_AT_IMPORT[case])
+    (tmp_path / "settings.py").write_text(SETTINGS)
 
     def kernel(v: int) -> dict:
         (tmp_path / "config.json").write_text(f'{{"width": {v - 1}}}')
