@@ -43,7 +43,7 @@ IMPORT_TIME_ENV = ("PYTHON", "TRANSFORMERS", "HF_", "HUGGINGFACE", "TORCH", "PYT
                    "XDG_", "HOME", "LD_", "USE_", "JUPYTER", "IPYTHON", "NUMPY", "LC_", "LANG", "TMP", "PATH")
 _SERVER_PAIRS = 4
 # The imports of a snippet that runs in a server's child
-_IMPORTS_TRANSFORMERS = re.compile(r"^\s*(from|import)\s+(torch|transformers|diffusers|peft|overmind_jupyter)\b",
+_SERVED_IMPORTS = re.compile(r"^\s*(from|import)\s+(torch|transformers|diffusers|peft|overmind_jupyter)\b",
                                    re.MULTILINE)
 
 
@@ -51,7 +51,7 @@ def run_py(code: str, *, env: dict[str, str] | None = None, timeout: float = 120
            cwd: str | os.PathLike[str] | None = None, fresh: bool = False) -> subprocess.CompletedProcess[str]:
     """Run a Python snippet in an interpreter of its own (this venv's), with this test's environment."""
     code, env = textwrap.dedent(code), env or dict(os.environ)
-    servers = _servers(env) if not fresh and _IMPORTS_TRANSFORMERS.search(code) else None
+    servers = _servers(env) if not fresh and _SERVED_IMPORTS.search(code) else None
     if servers is not None:
         proc = _forked(servers, code, env, os.fspath(cwd) if cwd is not None else os.getcwd(), timeout)
     else:

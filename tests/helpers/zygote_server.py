@@ -8,9 +8,9 @@ where that cell left off, with the rest of a fresh interpreter's state: the snip
 it (a `__main__` of its own, `sys.argv == ["-c"]`, the cwd and environment it was given, the descriptors 0-2
 it was given and no other of this server's), and exits as an interpreter exits (atexit handlers run).
 
-Requests come over a unix socket: a 4-byte length and a JSON body (code, cwd, env), with three
-descriptors for the child's stdin, stdout and stderr. The server says it is ready with a line, the JSON of
-its pid and of what its imports set in the environment; the reply to a request is the child's pid as a line, then, when
+Requests come over a unix socket: a 4-byte length and a JSON body (code, cwd, env), with three descriptors
+for the child's stdin, stdout and stderr. The server says it is ready with a line, the JSON of its pid and
+of what its imports set in the environment; the reply to a request is the child's pid as a line, then, when
 the child has ended, its wait status as a line. This file imports nothing of the suite or of the package.
 """
 
@@ -80,9 +80,11 @@ def serve(path: str, owner: int) -> dict:
         except InterruptedError:
             readable = []
         if not readable and not _alive(owner):
-            for leftover in (path, path.removesuffix(".sock") + ".log", os.path.dirname(path)):
-                with contextlib.suppress(OSError):  # (the other server's files may still be there)
-                    os.rmdir(leftover) if leftover == os.path.dirname(path) else os.unlink(leftover)
+            for leftover in (path, path.removesuffix(".sock") + ".log"):
+                with contextlib.suppress(OSError):
+                    os.unlink(leftover)
+            with contextlib.suppress(OSError):  # (the other server's files may still be there)
+                os.rmdir(os.path.dirname(path))
             os._exit(0)
         if wake_r in readable:
             os.read(wake_r, 4096)
