@@ -48,6 +48,7 @@ import enum
 import functools
 import hashlib
 import inspect
+import io
 import json
 import math
 import os
@@ -743,6 +744,11 @@ class _Canonical:
                     "that file") from None
         for name, now, read_later in read_at_import(mod, bound):  # Note [What a module reads when it is imported]
             try:
+                if isinstance(now, io.IOBase):
+                    handle = _file_handle(now)
+                    if handle is not None:
+                        changed[name] = handle
+                    continue
                 changed[name] = {"missing": True} if now is GONE else self._global(f"{module}.{name}", now, depth)
             except Uncacheable as exc:
                 if not read_later:
@@ -1196,6 +1202,26 @@ def _registered(cls: type) -> list[tuple[Any, Any]]:
     configs = getattr(sys.modules.get("transformers.models.auto.configuration_auto"), "CONFIG_MAPPING", None)
     pairs = [*extra.items(), *((getattr(configs, "_extra_content", None) or {}).items())]
     return [pair for pair in pairs if not str(getattr(pair[1], "__module__", "")).startswith("transformers_modules.")]
+
+
+def _file_handle(handle: io.IOBase) -> dict[str, Any] | None:
+    """A file a module opened at import (Note [What a module reads when it is imported]) as a key holds it:
+    one it can read from, by its file's identity and its position; None for one it cannot read from (a log
+    it writes, a closed file), which changes nothing a load reads. Raises Uncacheable for one that is no
+    file of a path (a pipe, a socket, a buffer in memory)."""
+    try:
+        readable = not handle.closed and handle.readable()
+    except (OSError, ValueError):
+        return None
+    if not readable:
+        return None
+    path = getattr(handle, "name", None)
+    try:
+        if not isinstance(path, str) or not stat.S_ISREG(os.stat(path).st_mode):
+            raise Uncacheable("a handle of no file")
+        return {"file": stat_identity(os.stat(path)), "at": handle.tell()}
+    except OSError as exc:
+        raise Uncacheable(f"a handle of {path!r}, which cannot be read ({exc})") from None
 
 
 def _qualname_of(cls: type) -> str:

@@ -324,9 +324,11 @@ def file_bindings(file: str, identity: tuple[int, ...]) -> _Bindings | None:
 # `safe_load`, `loadtxt`, `read_csv`, ...), or reads a name bound so before it, is keyed by what the module
 # holds under it now (`read_at_import`), whoever reads it (the file's functions, or another module's that
 # imported it: `from settings import WIDTH`); the names of an `if`, `with`, `try`, `for` or `while` at the
-# top level whose header reads so are all keyed so. A value that cannot be keyed makes the load run plainly
-# and say which name holds what, where the file's functions or classes read the name; one they do not read
-# (the file a `with` opened, read at the top level alone) is left out. Not seen: a value computed at import
+# top level whose header reads so are all keyed so. A file it opened and keeps open (`VOCAB =
+# open("vocab.txt")`) is keyed by that file's identity and its position where it can be read from, and left
+# out where it cannot (a log it writes). A value that cannot be keyed makes the load run plainly and say
+# which name holds what, where the file's functions or classes read the name; one they do not read (the
+# file a `with` opened, read at the top level alone) is left out. Not seen: a value computed at import
 # from anything else (`STARTED = time.time()`, `DEVICE = "cuda" if torch.cuda.is_available() else "cpu"`: a
 # kernel of another run is not to be told apart by them), and what a function of the module reads when it
 # runs (its own reads are the file's: keyed by the key's fingerprint of what the load reads, or not at all).

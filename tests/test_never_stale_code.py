@@ -699,16 +699,39 @@ def test_what_a_module_read_at_import_is_keyed_by_what_it_holds(overmind_home: P
     assert [g["cached"] for g in got] == [g["plain"] for g in got] == [[1.0] * 2, [1.0] * 3, [1.0] * 3], got
 
 
+def test_a_file_a_module_keeps_open_from_its_import_is_keyed_by_that_file(overmind_home: Path,
+                                                                         tmp_path: Path) -> None:
+    """A module opened a file at import and its loader reads it (`SOURCE = open("widths.txt")`): the next
+    kernel, after the file was edited, gets what its plain call makes; a file it only writes to (a log) is
+    no part of the key, so a third kernel, the file as the second left it, hits the second's entry."""
+    (tmp_path / "mymodels.py").write_text(
+        "import os\nimport torch\n\nHERE = os.path.dirname(__file__)\n"
+        "SOURCE = open(os.path.join(HERE, 'widths.txt'))\nLOG = open(os.path.join(HERE, 'train.log'), 'a')\n\n\n"
+        "def build():\n    SOURCE.seek(0)\n    LOG.write('built\\n')\n    return torch.ones(int(SOURCE.read()))\n")
+
+    def kernel(v: int) -> dict:
+        if not (tmp_path / "widths.txt").exists() or (tmp_path / "widths.txt").read_text() != f"{v}\n":
+            (tmp_path / "widths.txt").write_text(f"{v}\n")
+        return last_json(run_py(VALUES.format(prelude=READ_AT_IMPORT_NOTEBOOK, cached="make", plain="make()"),
+                                cwd=tmp_path))
+
+    got = [kernel(v) for v in (2, 3, 3)]
+    assert [(g["calls"], g["fallbacks"]) for g in got] == [({"miss": 1}, []), ({"miss": 1}, []),
+                                                          ({"hit": 1}, [])], got
+    assert [g["cached"] for g in got] == [g["plain"] for g in got] == [[1.0] * 2, [1.0] * 3, [1.0] * 3], got
+
+
 def test_what_a_module_read_at_import_that_no_key_holds_loads_plainly_and_says_which(
         overmind_home: Path, tmp_path: Path) -> None:
-    """A name bound at import to an object read from a file that a key cannot hold (an open file), read by
-    the module's code: the load runs plainly, and says which name holds what and what to do."""
+    """A name bound at import to what a key cannot hold (a buffer in memory made from a file), read by the
+    module's code: the load runs plainly, and says which name holds what and what to do."""
     (tmp_path / "widths.txt").write_text("3\n")
     (tmp_path / "mymodels.py").write_text(
-        "import os\nimport torch\n\nSOURCE = open(os.path.join(os.path.dirname(__file__), 'widths.txt'))\n\n\n"
+        "import io\nimport os\nimport torch\n\n"
+        "SOURCE = io.StringIO(open(os.path.join(os.path.dirname(__file__), 'widths.txt')).read())\n\n\n"
         "def build():\n    SOURCE.seek(0)\n    return torch.ones(int(SOURCE.read()))\n")
     got = last_json(run_py(VALUES.format(prelude=READ_AT_IMPORT_NOTEBOOK, cached="make", plain="make()"),
                            cwd=tmp_path))
     assert got["cached"] == got["plain"] == [1.0] * 3 and "miss" not in got["calls"], got
-    assert len(got["fallbacks"]) == 1 and "mymodels.SOURCE holds _io.TextIOWrapper" in got["fallbacks"][0] \
+    assert len(got["fallbacks"]) == 1 and "mymodels.SOURCE holds _io.StringIO" in got["fallbacks"][0] \
         and "read from the environment or a file when it was imported" in got["fallbacks"][0], got
