@@ -1216,10 +1216,13 @@ def _file_handle(handle: io.IOBase) -> dict[str, Any] | None:
     if not readable:
         return None
     path = getattr(handle, "name", None)
+    if not isinstance(path, str):
+        raise Uncacheable("a handle of no file")
     try:
-        if not isinstance(path, str) or not stat.S_ISREG(os.stat(path).st_mode):
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
             raise Uncacheable("a handle of no file")
-        return {"file": stat_identity(os.stat(path)), "at": handle.tell()}
+        return {"file": stat_identity(st), "at": handle.tell()}
     except OSError as exc:
         raise Uncacheable(f"a handle of {path!r}, which cannot be read ({exc})") from None
 
