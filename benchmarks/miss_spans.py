@@ -92,14 +92,18 @@ def instrument() -> None:
             spans["loading._miss"].append(time.perf_counter() - start)
 
     loading._miss = timed_miss
+    time_collections(lambda: "in the load" if loading_now else "ours")
+
+
+def time_collections(where: Callable[[], str]) -> None:
+    """Add the collector's own time to `spans`, by `where()` it ran and generation."""
     started: list[float] = []
 
-    def collections(phase: str, info: dict[str, Any]) -> None:  # the collector's own time, by generation
+    def collections(phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
             started.append(time.perf_counter())
         elif started:
-            where = "in the load" if loading_now else "ours"
-            spans[f"gc {where}: generation {info['generation']}"].append(time.perf_counter() - started.pop())
+            spans[f"gc {where()}: generation {info['generation']}"].append(time.perf_counter() - started.pop())
 
     gc.callbacks.append(collections)
 
@@ -115,10 +119,14 @@ def child(case: str, path: str, dtype_name: str) -> None:
 
         overmind_jupyter.enable()  # a kernel after `%overmind on`: the loader patched
         instrument()
+    else:
+        time_collections(lambda: "in plain")
     dtype = getattr(torch, dtype_name)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     model = LlamaForCausalLM.from_pretrained(path, dtype=dtype)
     call = time.perf_counter() - start  # (the model still held: its end is not the call's)
+    spans[f"{case}: CPU"] = [time.process_time() - cpu]
+    spans[f"the collector, in the {case}'s call"] = [sum(sum(v) for k, v in spans.items() if k.startswith("gc "))]
     print(json.dumps({"call": call, "spans": {k: sum(v) for k, v in spans.items()}}))
     del model
 

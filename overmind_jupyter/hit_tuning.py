@@ -5,8 +5,9 @@ returns, and each part takes from 0.15 ms to a few ms off a hit, most of them of
 `prepare` runs once a process, as soon as torch is imported: it imports what a hit imports (Note [Imports
 ahead of the hit]) and makes a rebuild's first calls and allocations (Note [Warm rebuild]). Every hit
 then collects the young generations while the daemon answers (`collect_young`) and moves what it rebuilt
-to the oldest generation (`born_old`, `promote`: Note [Old at birth]). `loading` calls these; `rebuild`
-knows nothing of them.
+to the oldest generation (`born_old`, `promote`: Note [Old at birth]). A miss's load is
+born old too, where that is safe (`LoadCollections`: Note [A miss's load born old]). `loading` calls
+these; `rebuild` knows nothing of them.
 
 This module imports nothing heavy: `loading` imports it before torch is imported, and it imports
 `rebuild` (and torch) only in `prepare`, once torch is (docs/design.md, invariant 8).
@@ -19,11 +20,12 @@ import gc
 import mmap
 import os
 import sys
+import threading
 from typing import Any
 
 from . import keys, randomness
 
-__all__ = ["born_old", "collect_young", "heap_frozen", "prepare", "promote"]
+__all__ = ["LoadCollections", "born_old", "collect_young", "heap_frozen", "prepare", "promote"]
 
 
 # Note [Imports ahead of the hit]
@@ -48,11 +50,14 @@ __all__ = ["born_old", "collect_young", "heap_frozen", "prepare", "promote"]
 _prepared = False
 
 
-def prepare() -> None:
+def prepare(ahead: bool = True) -> None:
     """Import what a hit imports, once torch is imported (Note [Imports ahead of the hit]), and make a
-    rebuild's first calls (Note [Warm rebuild]). Runs once a process; before torch is imported, not at all."""
+    rebuild's first calls (Note [Warm rebuild]). Runs once a process; before torch is imported, not at all.
+    `ahead`: also read the library modules imported since (off a load's clock: at `enable()` and after
+    a cell, not at a call)."""
     global _prepared
-    _warm_library_classes()
+    if ahead:
+        _warm_library_classes()
     if _prepared or "torch" not in sys.modules:
         return
     _prepared = True
@@ -78,23 +83,35 @@ def prepare() -> None:
 # The modules whose classes most models derive from: the digest of a graph's library modules (Note [Methods
 # patched into a library's classes] in library_classes.py) reads each class's namespace once a process, 1.5-2
 # ms of a 1.1B Llama's first miss or hit in a fresh process, most of it these. Read ahead, once transformers is
-# imported (at enable(), or after the cell that imported it: `prepare` runs after each cell).
+# imported, at `enable()` and after each cell (not at a call: that is the load's clock), with the model and
+# configuration modules of transformers and diffusers imported by then (a cell's `from transformers import
+# LlamaForCausalLM`: 0.5 ms more of the first hit of a Llama), looked for only where the process imported
+# something since. A module is read again only where its namespace changed since (`enable()` patches
+# loaders into some that `import overmind_jupyter` read), and the miss or the hit compares it anyway.
 _BASES = ("torch.nn.modules.module", "torch.nn.modules.linear", "torch.nn.modules.container", "torch.nn.modules.sparse",
-          "transformers.modeling_utils", "transformers.generation.utils", "transformers.configuration_utils")
-_bases_read = False
+          "transformers.modeling_utils", "transformers.generation.utils", "transformers.configuration_utils",
+          "transformers.generation.configuration_utils", "transformers.activations")
+_modules_seen = 0  # len(sys.modules) at the last look
 
 
 def _warm_library_classes() -> None:
-    global _bases_read
-    if _bases_read or "transformers.modeling_utils" not in sys.modules:
+    global _modules_seen
+    if len(sys.modules) == _modules_seen or "transformers.modeling_utils" not in sys.modules:
         return
-    _bases_read = True
+    _modules_seen = len(sys.modules)
+    names = [name for name in list(sys.modules) if name in _BASES or _a_model_module(name)]
     try:
         from . import library_classes
 
-        library_classes.bindings([name for name in _BASES if name in sys.modules])
+        library_classes.bindings(names)
     except Exception:  # noqa: BLE001 (the miss or the hit reads them again)
         pass
+
+
+def _a_model_module(name: str) -> bool:
+    if name.startswith("transformers.models."):
+        return name.rpartition(".")[2].startswith(("modeling_", "configuration_"))
+    return name.startswith("diffusers.models.")
 
 
 class _Warm:
@@ -260,3 +277,87 @@ def promote() -> None:
     a hit right after its rebuild, with the collector still paused, where `born_old()` was True."""
     gc.freeze()
     gc.unfreeze()
+
+
+# Note [A miss's load born old]
+# The plain load of a 1.1B Llama spends 4-6 ms of its call in the collector (33 young collections over
+# the 14,000 objects it builds: modules, their hook dicts, parameters), which all outlive it, each
+# visited in generation 0 and again in generation 1. Those visits find nothing: the load's cyclic garbage
+# is a few hundred small objects (a JSON encoder's closures, cells; none holding a tensor, in every
+# loader of the suite's checkpoints: a Llama in safetensors, sharded and .bin, a tokenizer, an image
+# processor, ViT, BERT, a diffusers pipeline, a VAE from one file). So a miss's load runs with the young
+# threshold raised to `_LOAD_YOUNG` objects (a load that makes fewer runs no collection), and once the
+# entry is published its objects go to the oldest generation without a visit (`promote`), as a hit's do
+# (Note [Old at birth]): the miss then spends less of the call in the collector than the plain load, not
+# more. (Stops 57 and 59 paused the collector through the load and then collected all of it at once, or
+# raised the threshold alone: one large collection cost more than the load's small ones.) The young
+# generations are empty as the load starts (the lookup collected them while the daemon answered), so
+# what is promoted is what was made since: the load's objects, what the pack and publish keep, and what
+# another thread made meanwhile. Its garbage then waits for a full collection. Where that could hold
+# memory it is collected instead: when the process's anonymous memory (RssAnon: not the checkpoint's
+# mapped pages, nor the memfd a conversion is staged in) grew by more than `_KEPT_BYTES` during the load,
+# the young generations are collected while the daemon answers the publish, as a plain load's
+# collections would have freed a tensor held in a cycle. Not bounded that way: a tensor in a cycle made
+# early in a load waits for the load's end, where a plain load's next young collection would free it
+# (none of the loaders above makes one). The threshold bounds what a long load leaves uncollected (a young
+# collection runs at `_LOAD_YOUNG` objects, about 10 MB of them). Nothing changes where the collector is
+# off, where something is frozen (`born_old`: a warm kernel), for a load that raises, or for a second load
+# while one is in flight. Figures: benchmarks/RESULTS.md, "Stop 68: a miss's load born old".
+_LOAD_YOUNG = 50_000
+_KEPT_BYTES = 64 << 20
+_tuning = threading.Lock()  # held by the load being tuned
+
+
+def _anonymous_bytes() -> int:
+    """The process's resident anonymous memory (RssAnon), or -1 where it cannot be read."""
+    try:
+        with open("/proc/self/status", "rb") as status:
+            for line in status:
+                if line.startswith(b"RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return -1
+
+
+class LoadCollections:
+    """The collector around a miss's load and its publish (Note [A miss's load born old]): entered around
+    the load; `promoting` is then whether the young generations are left uncollected (the collector
+    paused until `end`), which `end`, called once the entry is published or given up, promotes."""
+
+    def __init__(self) -> None:
+        self.found: tuple[int, ...] | None = None  # the threshold found, where this load raised it
+        self.anonymous = -1
+        self.promoting = False
+
+    def __enter__(self) -> LoadCollections:
+        found = gc.get_threshold()
+        if found[0] and born_old() and _tuning.acquire(blocking=False):
+            self.found, self.anonymous = found, _anonymous_bytes()
+            gc.set_threshold(max(found[0], _LOAD_YOUNG), *found[1:])
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_: Any) -> None:
+        found, self.found = self.found, None
+        if found is None:
+            return
+        after = _anonymous_bytes()
+        if kind is None and gc.isenabled() and min(self.anonymous, after) >= 0 and \
+                after - self.anonymous <= _KEPT_BYTES:
+            gc.disable()  # until `end`: what the load made stays young, unvisited
+            self.promoting = True
+        if gc.get_threshold()[0] == max(found[0], _LOAD_YOUNG):  # (not set again meanwhile by the user)
+            gc.set_threshold(*found)
+        if not self.promoting:
+            _tuning.release()
+
+    def end(self) -> None:
+        """Promote what the load made, if it is left young (`promoting`); called whatever the miss became."""
+        if not self.promoting:
+            return
+        self.promoting = False
+        try:
+            promote()
+        finally:
+            gc.enable()
+            _tuning.release()

@@ -62,28 +62,37 @@ def bindings(modules: Any) -> dict[str, str]:
                 out[name] = ""
                 continue
         held = _module_views.get(name)
-        if held is None or held[0] is not module or not _same((vars(module), held[2]), (held[1], held[3])):
+        if held is None or held[0] is not module or not _same(vars(module), held[1]):
             held = _module_views[name] = _module_view(name, module)
+        elif not _same(held[2], held[3]):  # a class's namespace changed (a patch; a load's first caches)
+            held = _module_views[name] = _module_view(name, module, held)
         out[name] = held[4]
     return out
 
 
-def _module_view(name: str, module: types.ModuleType) -> tuple[Any, ...]:
+def _module_view(name: str, module: types.ModuleType, before: tuple[Any, ...] | None = None) -> tuple[Any, ...]:
     """`module`, a copy of its namespace, the namespaces of the classes whose methods its digest covers
     (those it defines and the classes of the cached libraries and torch.nn they derive from: Note
-    [Methods patched into a library's classes]) and copies of them, and its digest."""
-    snapshot = dict(vars(module))
-    top = name.partition(".")[0]
-    bound = [(k, v.__module__, v.__qualname__) for k, v in snapshot.items()
-             if isinstance(v, type) and str(v.__module__).partition(".")[0] != top]
-    classes = dict.fromkeys(base for v in snapshot.values()
-                            if isinstance(v, type) and getattr(v, "__module__", None) == name
-                            for base in v.__mro__ if _methods_read(base))
+    [Methods patched into a library's classes]) and copies of them, its digest, and the names it binds from
+    outside its library and those classes; `before`: its view when its namespace was the same, whose
+    names and classes stay (only the classes' methods are read again, where they changed)."""
+    if before is not None:
+        snapshot, bound, classes = before[1], before[5], before[6]
+    else:
+        snapshot = dict(vars(module))
+        top = name.partition(".")[0]
+        bound = [(k, v.__module__, v.__qualname__) for k, v in snapshot.items()
+                 if isinstance(v, type) and str(v.__module__).partition(".")[0] != top]
+        classes = tuple(dict.fromkeys(base for v in snapshot.values()
+                                      if isinstance(v, type) and getattr(v, "__module__", None) == name
+                                      for base in v.__mro__ if _methods_read(base)))
     namespaces = tuple(vars(cls) for cls in classes)  # (live views: compared with their copies at each call)
-    copies = tuple(dict(namespace) for namespace in namespaces)
-    patched = sorted(found for cls, copy in zip(classes, copies, strict=True) for found in _patched_methods(cls, copy))
+    patched = sorted(found for cls, namespace in zip(classes, namespaces, strict=True)
+                     for found in _patched_methods(cls, namespace))
+    copies = tuple(_class_methods[cls][0] for cls in classes)  # (one copy of a class's for every module)
     text = repr((bound, patched)) if patched else repr(bound)  # (none: as entries made before methods were read)
-    return module, snapshot, namespaces, copies, hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+    digest = hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+    return module, snapshot, namespaces, copies, digest, bound, classes
 
 
 def _methods_read(cls: type) -> bool:
@@ -131,19 +140,25 @@ _module_views: dict[str, tuple[Any, ...]] = {}
 # of other packages a class derives from. Another installed package's patches (liger-kernel's `forward`)
 # are seen. A class's methods are read again only where its `__dict__` changed since (a compare with a
 # copy, in C): a Llama's hit compares 7 modules' and 65 classes' namespaces in 40-70 us (2 shared cores),
-# less than reading its 4 modules' names in Python took before (65-85 us there).
+# less than reading its 4 modules' names in Python took before (65-85 us there). A module's names and
+# classes are read again only where its own namespace changed: transformers' first load of a process
+# changes three classes' (`smart_apply` on nn.Module, a model class's and a config class's caches), and
+# a first miss then read all 7 modules of a Llama's graph again (0.55-0.97 ms); now those three classes
+# (0.36-0.6 ms), each class's copy held once for every module that reads it.
 _LIBRARY_CODE = (*_BOUND, "torch", "huggingface_hub", "kernels", "accelerate", "typing_extensions",
                  "overmind_jupyter", "kernel_server")
 _GENERATED = frozenset(("__init__", "__repr__", "__eq__", "__hash__", "__setattr__", "__delattr__", "__lt__",
                         "__le__", "__gt__", "__ge__", "__getstate__", "__setstate__", "__replace__"))
 
 
-def _patched_methods(cls: type, namespace: dict[str, Any]) -> tuple[tuple[str, ...], ...]:
+def _patched_methods(cls: type, namespace: Any) -> tuple[tuple[str, ...], ...]:
     """(class, attribute, module, qualname, code digest) of each function in `namespace`, `cls`'s, whose
-    code is not library code (Note [Methods patched into a library's classes])."""
+    code is not library code (Note [Methods patched into a library's classes]). Holds a copy of the
+    namespace read, in `_class_methods`."""
     held = _class_methods.get(cls)
     if held is not None and _same(namespace, held[0]):
         return held[1]
+    namespace = dict(namespace)
     owner = f"{cls.__module__}.{cls.__qualname__}"
     dataclass_ = "__dataclass_fields__" in namespace
     found = tuple((owner, attr, str(fn.__module__), str(fn.__qualname__), code_digest(fn.__code__))

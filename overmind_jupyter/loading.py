@@ -97,15 +97,15 @@ class LoadOptions:
 options = LoadOptions()
 
 
-def flush_warnings() -> None:
+def flush_warnings(at_call: bool = False) -> None:
     """Emit the warnings of loads in other threads, and import what a hit imports once torch is imported
-    (called at each load and after each cell)."""
+    (called at each load, `at_call`, and after each cell)."""
     notices.emit_deferred()
     unmapped = sys.modules.get(f"{__package__}.mappings")  # (imported by the first hit or miss)
     if unmapped is not None:
         unmapped.finish_unmapped()  # Note [Cleanup that Ctrl-C cannot cut short] in mappings.py
     results.send_unpins()  # those waiting for no helper thread (Note [Helper threads] in threads.py)
-    hit_tuning.prepare()  # Note [Imports ahead of the hit] in hit_tuning.py
+    hit_tuning.prepare(ahead=not at_call)  # Note [Imports ahead of the hit] in hit_tuning.py
 
 
 # -- the cached call -------------------------------------------------------------------------------------
@@ -149,7 +149,7 @@ def _cached_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
     on the CPU); or `_AS_CALLED`, or `_PLAIN`."""
     __tracebackhide__ = True  # Note [Our frames hidden]
     started = time.perf_counter()  # a hit's or a miss's wait starts here (Note [Miss times] in progress.py)
-    flush_warnings()
+    flush_warnings(at_call=True)
     label = _label(fn, args, kwargs)
     # storages of the references found unchanged (Note [References] in results.py)
     reuse: dict[tuple[str, int, int, str], Any] = {}
@@ -450,6 +450,19 @@ def _miss(client: Client, ck: keys.CallKey, fn: Callable[..., Any], args: tuple[
     `called`: the call's own key (`ck` itself, or `ck` is the key of its result without the draws) where
     the load is followed (Note [Replayed draws] in draws.py)."""
     __tracebackhide__ = True  # Note [Our frames hidden]
+    young = hit_tuning.LoadCollections()  # Note [A miss's load born old] in hit_tuning.py
+    try:
+        return _load_and_publish(client, ck, fn, args, kwargs, replay, device, stage, clock, called, young)
+    finally:
+        young.end()
+
+
+def _load_and_publish(client: Client, ck: keys.CallKey, fn: Callable[..., Any], args: tuple[Any, ...],
+                      kwargs: dict[str, Any], replay: Replay, device: Any, stage: Stage | None,
+                      clock: progress.MissClock, called: keys.CallKey | None,
+                      young: hit_tuning.LoadCollections) -> Any:
+    """`_miss`'s work, with the collector's tuning `young` entered around the load."""
+    __tracebackhide__ = True  # Note [Our frames hidden]
     label = ck.label
     following: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     if called is not None:
@@ -464,7 +477,7 @@ def _miss(client: Client, ck: keys.CallKey, fn: Callable[..., Any], args: tuple[
         loaded = time.perf_counter()
         with (load_log() as said, progress.loading(client, ck.key, ck.label),  # Note [Load progress]
               load_maps.files_mapped() as maps,  # Note [Files the load maps] in load_maps.py
-              following as drew):
+              following as drew, young):
             obj = fn(*args, **kwargs)
         clock.load_s += time.perf_counter() - loaded  # Note [Miss times] in progress.py
     except BaseException:

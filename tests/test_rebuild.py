@@ -873,6 +873,105 @@ def test_a_hit_leaves_its_objects_old_and_young_garbage_collected(env: dict[str,
     assert frozen["counted"] == 0, frozen
 
 
+def test_the_model_modules_a_cell_imported_are_read_before_the_first_hit(env: dict[str, str],
+                                                                          tiny_llama: Path) -> None:
+    """hit_tuning._warm_library_classes: after the cell that imported a transformers model class (the
+    extension's post_run_cell runs `loading.flush_warnings`), the digest of its modules (Note [Classes
+    swapped in a library] in library_classes.py) is read already: the first hit of a process reads no
+    module's namespace on its clock. A miss reads again the classes its load changed (transformers' first
+    load of a process puts `smart_apply` on nn.Module), and not the names of the modules that read them."""
+    code = f"""
+        import json, torch
+        import overmind_jupyter
+        from overmind_jupyter import library_classes, loading
+        overmind_jupyter.enable()  # a cell: %overmind on
+        from transformers import LlamaForCausalLM  # the next cell
+        loading.flush_warnings()  # what its post_run_cell runs
+        views = dict(library_classes._module_views)
+        LlamaForCausalLM.from_pretrained({str(tiny_llama)!r}, dtype=torch.float32)
+        read = sorted(name for name, view in library_classes._module_views.items() if views.get(name) is not view)
+        names = sorted(name for name in read if name in views and library_classes._module_views[name][5] is not
+                       views[name][5])  # (a module's names and classes, read again)
+        print(json.dumps({{"calls": loading.calls(), "read": read, "names": names}}))
+    """
+    first = last_json(run_py(code, env=env))
+    assert first["calls"] == {"miss": 1}, first
+    assert "torch.nn.modules.linear" in first["read"] and first["names"] == [], first
+    again = last_json(run_py(code, env=env))
+    assert again["calls"] == {"hit": 1}, again
+    assert again["read"] == [], f"the first hit read {again['read']} on its clock"
+
+
+def test_a_miss_leaves_its_load_old_unless_the_load_kept_memory(env: dict[str, str], tiny_llama: Path,
+                                                                  tmp_path: Path) -> None:
+    """Note [A miss's load born old] in hit_tuning.py: a miss's load runs no collection (its objects are
+    all alive after it) and they go to the oldest generation once it is published, the collector's
+    threshold and state as they were; the load's small garbage waits there for a full collection. A load
+    whose garbage holds more memory than the limit (a tensor of 80 MiB in a cycle) is collected as a plain
+    load's would be: its tensor is gone when the call returns. A load that raises, or one with the
+    collector off, leaves the collector as it found it."""
+    (tmp_path / "junk_loads.py").write_text(textwrap.dedent("""
+        import torch
+        from tests.helpers import tiny_modules
+
+        def build(numel, fail=False):
+            junk = [torch.ones(numel)]  # touched: resident memory
+            junk.append(junk)  # a cycle, garbage once this returns
+            if fail:
+                raise ValueError("no such checkpoint")
+            return tiny_modules.build("mlp")
+    """))
+    code = f"""
+        import gc, json, sys, torch
+        from transformers import AutoModelForCausalLM
+        from overmind_jupyter import loading
+        import junk_loads
+
+        def generations(objects):
+            where = {{id(o): g for g in range(3) for o in gc.get_objects(generation=g)}}
+            return sorted({{where.get(id(o)) for o in objects}}, key=str)
+
+        def left(numel):  # the junk tensors of that size still alive
+            return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.numel() == numel)
+
+        threshold = gc.get_threshold()
+        collections = []
+        gc.callbacks.append(lambda phase, info: phase == "start" and collections.append(info["generation"]))
+        model = loading.cached(AutoModelForCausalLM.from_pretrained, {str(tiny_llama)!r}, dtype=torch.float32)
+        gc.callbacks.clear()
+        out = {{"calls": dict(loading.calls()), "collections": collections,
+               "model": generations([model, *model.modules(), *model.parameters(), model.generation_config]),
+               "threshold": gc.get_threshold() == threshold, "enabled": gc.isenabled()}}
+        small = loading.cached(junk_loads.build, 12345)
+        out["small_left"] = left(12345)
+        big = loading.cached(junk_loads.build, 21_000_000)  # 84 MB
+        out["big_left"] = left(21_000_000)
+        out["big"] = generations(list(big.modules()))
+        try:
+            loading.cached(junk_loads.build, 777, fail=True)
+        except ValueError:
+            out["raised"] = [gc.get_threshold() == threshold, gc.isenabled()]
+        gc.disable()
+        loading.cached(junk_loads.build, 999)
+        out["off"] = [gc.get_threshold() == threshold, gc.isenabled()]
+        gc.enable()
+        out["calls_after"] = dict(loading.calls())
+        print(json.dumps(out))
+    """
+    out = last_json(run_py(code, env=env, cwd=tmp_path))
+    assert out["calls"] == {"miss": 1}, out
+    # the one collection: the lookup's of the young generations, while the daemon answers (Note [Old at birth])
+    assert out["collections"] == [1], f"the miss ran collections of generations {out['collections']}"
+    assert out["model"] == [2], f"the miss's objects are in generations {out['model']}, not all in the oldest"
+    assert out["threshold"] and out["enabled"], out
+    assert out["small_left"] == 1, "the small garbage of a load promoted with it is collected by a full collection"
+    assert out["big_left"] == 0, "a load's garbage holding 84 MB was promoted rather than collected"
+    assert 2 not in out["big"], "a load that kept memory had its objects promoted"
+    assert out["raised"] == [True, True], out
+    assert out["off"] == [True, False], out
+    assert out["calls_after"] == {"miss": 4}, out
+
+
 def test_the_graphs_globals_come_from_their_modules_and_pickle_imports_the_others(tmp_path: Path) -> None:
     """Note [Globals]: a rebuild takes the graph's classes and functions from the modules already
     imported, without pickle's import machinery (`__import__` for each of them), still raising the
