@@ -154,12 +154,13 @@ def _stop(args: argparse.Namespace) -> int:
 def _read(op: str) -> Callable[[argparse.Namespace], int]:
     def command(args: argparse.Namespace) -> int:
         home = lifecycle.state_dir()
-        if not lifecycle.running(home):
+        if not lifecycle.running(home):  # nothing cached: a listing of nothing, as `evict` evicts nothing
             if args.json:
-                print(json.dumps({"running": False, "home": str(home)}))
+                nothing = {"running": False, "home": str(home)} if op == "status" else {"entries": [], "total": 0}
+                print(json.dumps(nothing))
             else:
-                print(f"no daemon runs at {home}")
-            return 0 if op == "status" else 1
+                print(f"no daemon runs at {home}" + ("" if op == "status" else ": nothing cached"))
+            return 0
         with Client(home, spawn=False, role="cli") as client:
             if op == "status":
                 status = client.request(Op.STATUS).payload

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import shlex
@@ -189,7 +190,6 @@ def test_cli_status_ls_evict_json(daemon: Client, overmind_home: Path) -> None:
     publish(daemon, "k" * 64, 2 * PAGE)
     env = dict(os.environ)
     status = run_py("from kernel_server.cli import main; main(['status', '--json'])", env=env)
-    import json
 
     doc = json.loads(status.stdout)
     assert doc["running"] and doc["used"] == 2 * PAGE + 16 and doc["daemon"]["pid"] == daemon.daemon_pid
@@ -228,6 +228,21 @@ def test_cli_status_ls_evict_json(daemon: Client, overmind_home: Path) -> None:
     while not lifecycle.process_gone(pid):
         assert time.monotonic() < deadline, "the daemon asked to stop did not exit"
         time.sleep(0.02)
+
+
+def test_the_commands_without_a_daemon_say_so_and_succeed(overmind_home: Path) -> None:
+    """Without a daemon nothing is cached: `ls` lists nothing (its JSON has the listing's shape) and exits
+    0, as `status` and `evict` do; none of them starts one. (`ls` exited 1, and its JSON was the status's.)"""
+    def run(*command: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "kernel_server", *command], capture_output=True, text=True,
+                              check=False, timeout=60)
+
+    listed, as_json, status, evicted = run("ls"), run("ls", "--json"), run("status"), run("evict", "--all")
+    assert [p.returncode for p in (listed, as_json, status, evicted)] == [0, 0, 0, 0], (listed, as_json)
+    assert listed.stdout == f"no daemon runs at {overmind_home}: nothing cached\n", listed.stdout
+    assert json.loads(as_json.stdout) == {"entries": [], "total": 0}, as_json.stdout
+    assert status.stdout == f"no daemon runs at {overmind_home}\n"
+    assert not lifecycle.running(overmind_home)
 
 
 def test_state_dir_refuses_symlink_and_open_modes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
