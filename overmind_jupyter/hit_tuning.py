@@ -327,14 +327,15 @@ class LoadCollections:
 
     def __init__(self) -> None:
         self.found: tuple[int, ...] | None = None  # the threshold found, where this load raised it
+        self.raised = 0
         self.anonymous = -1
         self.promoting = False
 
     def __enter__(self) -> LoadCollections:
         found = gc.get_threshold()
         if found[0] and born_old() and _tuning.acquire(blocking=False):
-            self.found, self.anonymous = found, _anonymous_bytes()
-            gc.set_threshold(max(found[0], _LOAD_YOUNG), *found[1:])
+            self.found, self.raised, self.anonymous = found, max(found[0], _LOAD_YOUNG), _anonymous_bytes()
+            gc.set_threshold(self.raised, *found[1:])
         return self
 
     def __exit__(self, kind: type[BaseException] | None, *_: Any) -> None:
@@ -346,7 +347,7 @@ class LoadCollections:
                 after - self.anonymous <= _KEPT_BYTES:
             gc.disable()  # until `end`: what the load made stays young, unvisited
             self.promoting = True
-        if gc.get_threshold()[0] == max(found[0], _LOAD_YOUNG):  # (not set again meanwhile by the user)
+        if gc.get_threshold()[0] == self.raised:  # (not set again meanwhile by the user)
             gc.set_threshold(*found)
         if not self.promoting:
             _tuning.release()

@@ -15,7 +15,7 @@ import os
 import sys
 import types
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 from .keys import CallKey
 from .reads import code_digest
@@ -62,22 +62,34 @@ def bindings(modules: Any) -> dict[str, str]:
                 out[name] = ""
                 continue
         held = _module_views.get(name)
-        if held is None or held[0] is not module or not _same(vars(module), held[1]):
+        if held is None or held.module is not module or not _same(vars(module), held.snapshot):
             held = _module_views[name] = _module_view(name, module)
-        elif not _same(held[2], held[3]):  # a class's namespace changed (a patch; a load's first caches)
+        elif not _same(held.namespaces, held.copies):  # a class's namespace changed (a patch; a load's first caches)
             held = _module_views[name] = _module_view(name, module, held)
-        out[name] = held[4]
+        out[name] = held.digest
     return out
 
 
-def _module_view(name: str, module: types.ModuleType, before: tuple[Any, ...] | None = None) -> tuple[Any, ...]:
-    """`module`, a copy of its namespace, the namespaces of the classes whose methods its digest covers
-    (those it defines and the classes of the cached libraries and torch.nn they derive from: Note
-    [Methods patched into a library's classes]) and copies of them, its digest, and the names it binds from
-    outside its library and those classes; `before`: its view when its namespace was the same, whose
-    names and classes stay (only the classes' methods are read again, where they changed)."""
+class _View(NamedTuple):
+    """What `bindings` read of a module: the module, a copy of its namespace, the namespaces of the classes
+    whose methods its digest covers (those it defines and the classes of the cached libraries and torch.nn
+    they derive from: Note [Methods patched into a library's classes]) and copies of them, its digest, the
+    names it binds from outside its library, and those classes."""
+
+    module: types.ModuleType
+    snapshot: dict[str, Any]
+    namespaces: tuple[Any, ...]  # (live views: compared with their copies at each call)
+    copies: tuple[dict[str, Any], ...]
+    digest: str
+    bound: list[tuple[str, Any, Any]]
+    classes: tuple[type, ...]
+
+
+def _module_view(name: str, module: types.ModuleType, before: _View | None = None) -> _View:
+    """`module`'s view; `before`: its view when its namespace was the same, whose names and classes stay
+    (only the classes' methods are read again, where they changed)."""
     if before is not None:
-        snapshot, bound, classes = before[1], before[5], before[6]
+        snapshot, bound, classes = before.snapshot, before.bound, before.classes
     else:
         snapshot = dict(vars(module))
         top = name.partition(".")[0]
@@ -86,13 +98,13 @@ def _module_view(name: str, module: types.ModuleType, before: tuple[Any, ...] | 
         classes = tuple(dict.fromkeys(base for v in snapshot.values()
                                       if isinstance(v, type) and getattr(v, "__module__", None) == name
                                       for base in v.__mro__ if _methods_read(base)))
-    namespaces = tuple(vars(cls) for cls in classes)  # (live views: compared with their copies at each call)
+    namespaces = tuple(vars(cls) for cls in classes)
     patched = sorted(found for cls, namespace in zip(classes, namespaces, strict=True)
                      for found in _patched_methods(cls, namespace))
     copies = tuple(_class_methods[cls][0] for cls in classes)  # (one copy of a class's for every module)
     text = repr((bound, patched)) if patched else repr(bound)  # (none: as entries made before methods were read)
     digest = hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
-    return module, snapshot, namespaces, copies, digest, bound, classes
+    return _View(module, snapshot, namespaces, copies, digest, bound, classes)
 
 
 def _methods_read(cls: type) -> bool:
@@ -108,7 +120,7 @@ def _same(now: Any, copy: Any) -> bool:
         return False
 
 
-_module_views: dict[str, tuple[Any, ...]] = {}
+_module_views: dict[str, _View] = {}
 
 
 # Note [Methods patched into a library's classes]

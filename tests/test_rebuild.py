@@ -890,8 +890,8 @@ def test_the_model_modules_a_cell_imported_are_read_before_the_first_hit(env: di
         views = dict(library_classes._module_views)
         LlamaForCausalLM.from_pretrained({str(tiny_llama)!r}, dtype=torch.float32)
         read = sorted(name for name, view in library_classes._module_views.items() if views.get(name) is not view)
-        names = sorted(name for name in read if name in views and library_classes._module_views[name][5] is not
-                       views[name][5])  # (a module's names and classes, read again)
+        names = sorted(name for name in read if name in views and library_classes._module_views[name].bound is not
+                       views[name].bound)  # (a module's names and classes, read again)
         print(json.dumps({{"calls": loading.calls(), "read": read, "names": names}}))
     """
     first = last_json(run_py(code, env=env))
