@@ -37,6 +37,10 @@ STANDINS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "trl-internal-testing/tiny-random-LlamaForCausalLM": ("LlamaConfig", "LlamaForCausalLM", {
         **_TEXT, "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "intermediate_size": 32, "max_position_embeddings": 128}),
+    # PEFT 0.22's tests load their Llama from here
+    "peft-internal-testing/tiny-random-LlamaForCausalLM": ("LlamaConfig", "LlamaForCausalLM", {
+        **_TEXT, "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "intermediate_size": 32, "max_position_embeddings": 128}),
     "peft-internal-testing/tiny-dummy-qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {
         **_TEXT, "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "intermediate_size": 32, "max_position_embeddings": 128}),
