@@ -40,7 +40,10 @@ chromium:
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
 	else echo "chromium is missing and this is not root: the browser tests will be skipped"; fi
 
-setup: $(VENV)/.installed chromium
+# On a fresh machine apt's download and unpacking of chromium mostly waits, as pip's install does: they run
+# side by side (make -j2 of the two), each failing the setup if it fails.
+setup:
+	$(MAKE) --no-print-directory -j2 $(VENV)/.installed chromium
 
 # ruff's rules and mypy --strict are set in pyproject.toml; a finding fails the test command.
 RUFF := $(PY) -m ruff check kernel_server overmind_jupyter tests benchmarks notebooks scripts
