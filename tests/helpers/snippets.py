@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -37,7 +38,8 @@ __all__ = ["last_json", "run_py", "start_py"]
 
 # Variables an interpreter or a library reads when it starts or is imported (prefixes): a snippet runs in a
 # child of servers started with the same values of these as its environment has (a pair for each set of
-# values, at most _SERVER_PAIRS pairs in a test process, then fresh interpreters).
+# values, at most _SERVER_PAIRS pairs in a test process: the pair used least recently and running no snippet
+# is stopped for a new one).
 IMPORT_TIME_ENV = ("PYTHON", "TRANSFORMERS", "HF_", "HUGGINGFACE", "TORCH", "PYTORCH", "OMP_", "MKL", "KMP_",
                    "OPENBLAS", "CUDA", "TQDM", "TOKENIZERS", "SAFETENSORS", "DIFFUSERS", "PEFT", "ACCELERATE",
                    "XDG_", "HOME", "LD_", "USE_", "JUPYTER", "IPYTHON", "NUMPY", "LC_", "LANG", "TMP", "PATH")
@@ -51,9 +53,16 @@ def run_py(code: str, *, env: dict[str, str] | None = None, timeout: float = 120
            cwd: str | os.PathLike[str] | None = None, fresh: bool = False) -> subprocess.CompletedProcess[str]:
     """Run a Python snippet in an interpreter of its own (this venv's), with this test's environment."""
     code, env = textwrap.dedent(code), env or dict(os.environ)
-    servers = _servers(env) if not fresh and _SERVED_IMPORTS.search(code) else None
+    with _POOL.lock:
+        servers = _servers(env) if not fresh and _SERVED_IMPORTS.search(code) else None
+        if servers is not None:
+            servers.running += 1
     if servers is not None:
-        proc = _forked(servers, code, env, os.fspath(cwd) if cwd is not None else os.getcwd(), timeout)
+        try:
+            proc = _forked(servers, code, env, os.fspath(cwd) if cwd is not None else os.getcwd(), timeout)
+        finally:
+            with _POOL.lock:
+                servers.running -= 1
     else:
         proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                               timeout=timeout, cwd=cwd, check=False)
@@ -79,6 +88,7 @@ class _Servers:
     def __init__(self, env: dict[str, str]) -> None:
         self.folder = Path(tempfile.mkdtemp(prefix="zyg-", dir="/tmp"))
         self.pids: list[int] = []
+        self.running = 0  # snippets in its children now (run_py may be called from several threads)
         server = str(Path(__file__).parent / "zygote_server.py")
         run = "import sys; exec(compile(open(sys.argv[1]).read(), sys.argv[1], 'exec'))"  # (as `python -c` runs)
         starts = []
@@ -112,9 +122,11 @@ class _Pool:
     literals: the suite's keys reach this module, and a literal its functions change would be keyed)."""
 
     def __init__(self) -> None:
+        # by signature, the pair used last at the end (a pair may be there under two signatures)
         self.started: dict[tuple[tuple[str, str], ...], _Servers] = {}
         self.asked: set[tuple[tuple[str, str], ...]] = set()  # the environments snippets asked for
         self.set_by_imports: dict[str, str] = {}  # what the servers' imports set (TORCHINDUCTOR_CACHE_DIR)
+        self.lock = threading.Lock()  # run_py may be called from several threads
 
 
 _SUITE_CWD = os.getcwd()
@@ -131,16 +143,27 @@ def _signature(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
 def _servers(env: dict[str, str]) -> _Servers | None:
     """The servers whose children start as a fresh interpreter with `env` would; None for an environment
     other than the first one seen for the first time (a pair of servers costs what two fresh interpreters
-    cost), for one that sets the hash seed (forked children share their server's), and past _SERVER_PAIRS."""
+    cost), for one that sets the hash seed (forked children share their server's), and where _SERVER_PAIRS
+    pairs run snippets already (else the one used least recently is stopped for this one)."""
     signature = _signature(env)
     if signature not in _POOL.started:
-        seen, pairs = signature in _POOL.asked, len(set(map(id, _POOL.started.values())))
+        seen, pairs = signature in _POOL.asked, {id(s): s for s in _POOL.started.values()}
         _POOL.asked.add(signature)
-        if "PYTHONHASHSEED" in env or pairs >= _SERVER_PAIRS or (pairs and not seen):
+        if "PYTHONHASHSEED" in env or (pairs and not seen):
             return None
+        if len(pairs) >= _SERVER_PAIRS:
+            idle = [s for s in _POOL.started.values() if not s.running]
+            if not idle:
+                return None
+            idle[0].stop()
+            for name in [name for name, s in _POOL.started.items() if s is idle[0]]:
+                del _POOL.started[name]
         servers = _Servers(env)
         _POOL.started[signature] = _POOL.started[_signature(env)] = servers  # (as it reads after the first start)
-    return _POOL.started[signature]
+    servers = _POOL.started[signature]
+    for name in [name for name, s in _POOL.started.items() if s is servers]:
+        _POOL.started[name] = _POOL.started.pop(name)  # the last used
+    return servers
 
 
 def _forked(servers: _Servers, code: str, env: dict[str, str], cwd: str,
