@@ -59,7 +59,7 @@ def instrument() -> None:
     for owner, name in ((rebuild, "pack"), (publishing, "publish"), (publishing, "_plan"),
                         (publishing, "_remap"), (publishing, "_fill"), (keys, "make_key"),
                         (loading, "_lookup"), (loading, "_publish"), (randomness, "random_state"),
-                        (keys, "changed_since"), (progress, "tell_miss"),
+                        (keys, "changed_since"), (progress, "tell_miss"), (publishing, "_described"),
                         (staging.Stage, "__init__"), (staging.Stage, "close"), (loading, "_cached_call")):
         timed(owner, name, f"{owner.__name__.rsplit('.', 1)[-1]}.{name}")
     request = ClientClass.request

@@ -663,22 +663,28 @@ def _publish(client: Client, ck: keys.CallKey, obj: Any, replay: Replay, random_
             _abandon(client, ck.key)
             fall_back(ck.label, "unpicklable", f"{exc}; it was loaded normally and will not be cached")
             return
-        meta = ck.meta | dynamic_modules.describe(packed.graph, ck.sources[0][0] if ck.sources else None, ck.code)
-        bound = library_classes.bindings(packed.modules)  # Note [Classes swapped in a library] in library_classes.py
-        if bound:
-            meta["bindings"] = bound
-        if devices:
-            meta["devices"] = devices
-        if packed.next_hook_id:
-            meta["hook_ids"] = packed.next_hook_id  # Note [Hook ids] in rebuild.py
         spelled = _spellings(ck)
-        if spelled:
-            meta["spellings"] = spelled  # Note [Spellings] in spellings.py
-        if kept:
-            meta["kept"] = kept  # Note [References] in results.py
+
+        def describe() -> dict[str, Any]:  # the entry's meta, made while the daemon reserves its arena
+            meta = ck.meta | dynamic_modules.describe(packed.graph, ck.sources[0][0] if ck.sources else None,
+                                                      ck.code)
+            # Note [Classes swapped in a library] in library_classes.py
+            bound = library_classes.bindings(packed.modules)
+            if bound:
+                meta["bindings"] = bound
+            if devices:
+                meta["devices"] = devices
+            if packed.next_hook_id:
+                meta["hook_ids"] = packed.next_hook_id  # Note [Hook ids] in rebuild.py
+            if spelled:
+                meta["spellings"] = spelled  # Note [Spellings] in spellings.py
+            if kept:
+                meta["kept"] = kept  # Note [References] in results.py
+            return meta
+
         try:
             with progress.loading(client, ck.key, ck.label):  # the copy reports too (Note [Load progress])
-                times = publishing.publish(client, ck.key, ck.label, meta, packed, backing=options.backing,
+                times = publishing.publish(client, ck.key, ck.label, describe, packed, backing=options.backing,
                                            watch=[path for path, _, _ in ck.sources if os.path.isabs(path)],
                                            unpin=lambda key: results.unpin(client, key), stage=stage,
                                            load_maps=maps, clock=clock,

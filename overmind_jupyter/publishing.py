@@ -87,13 +87,15 @@ class _Plan:
                 "pieces": sum(own.nbytes for s in self.sources for own, _ in s.pieces)}
 
 
-def publish(client: Client, key: str, label: str, meta: dict[str, Any], packed: rebuild.Packed, *,
-            backing: str, unpin: Callable[[str], None], clock: progress.MissClock, watch: Sequence[str] = (),
+def publish(client: Client, key: str, label: str, describe: Callable[[], dict[str, Any]], packed: rebuild.Packed,
+            *, backing: str, unpin: Callable[[str], None], clock: progress.MissClock, watch: Sequence[str] = (),
             stage: staging.Stage | None = None, load_maps: Sequence[LoadMap] = (),
             meanwhile: Callable[[], None] | None = None) -> MissTimes:
     """Make `packed` (the graph of a result just loaded) the entry `key`, moving the result's tensors
-    onto private mappings of it (Note [Atomic miss]). `watch`: the checkpoint paths the load read, for
-    the daemon to drop the entry once they are gone (Note [Orphaned entries] in kernel_server/store.py).
+    onto private mappings of it (Note [Atomic miss]). `describe()` gives the entry's meta; it runs while
+    the daemon answers the arena's reservation (Note [Reserved while described]). `watch`: the checkpoint
+    paths the load read, for the daemon to drop the entry once they are gone (Note [Orphaned entries] in
+    kernel_server/store.py).
     `stage`: the arena the load's conversions were written into, if `packed` was packed with it (Note
     [Staged conversions] in staging.py). `load_maps`: the files the load mapped through us (Note [Files
     the load maps] in load_maps.py). `clock`: the miss's, whose times the publish carries and
@@ -102,7 +104,7 @@ def publish(client: Client, key: str, label: str, meta: dict[str, Any], packed: 
     (with a `kind` for fallbacks): the result is then still correct, only not cached."""
     plan = _plan(packed, load_maps)
     by_storage = _tensors_by_storage(packed)
-    meta = meta | {"made": plan.made()}
+    made = plan.made()
     pin = mappings.Pin(key, unpin)
     pin.hold()  # until the end of this call: released with no mapping made, it unpins at once
     forget: list[Callable[[], None]] = []
@@ -122,13 +124,15 @@ def publish(client: Client, key: str, label: str, meta: dict[str, Any], packed: 
                 on_disk = data.backing == "file"
                 for writer, _ in staged_parts:
                     stack.enter_context(contextlib.closing(writer))
-                if on_disk or meta["made"]["copied"] + len(packed.graph) > _UNRESERVED:
+                reserved = None
+                if on_disk or made["copied"] + len(packed.graph) > _UNRESERVED:
                     # Else the publish reserves it all, a few MiB written into memory first (Note [Reserved at
                     # publish] in kernel_server/store.py). The descriptors the entry will hold: graph, arena,
                     # one per part and per source (Note [Descriptor budget] in kernel_server/descriptors.py).
-                    client.request(Op.RESERVE, key=key, bytes=packed.arena_bytes + len(packed.graph),
-                                   descriptors=2 + len(staged_parts) + len(plan.sources), backing=data.backing,
-                                   timeout=ANSWER_TIMEOUT)
+                    reserved = client.send(Op.RESERVE, key=key, bytes=packed.arena_bytes + len(packed.graph),
+                                           descriptors=2 + len(staged_parts) + len(plan.sources),
+                                           backing=data.backing, timeout=ANSWER_TIMEOUT)
+                meta = _described(describe, reserved) | {"made": made}
                 parts = [arena.Part(writer.seal(), at, writer.nbytes) for writer, at in staged_parts]
                 meta["made"]["files"] = 1 + len(parts)
                 private = (arena.map_private(data.fd, packed.arena_bytes, parts=parts)
@@ -189,6 +193,27 @@ def publish(client: Client, key: str, label: str, meta: dict[str, Any], packed: 
                 undo()
         pin.release()
     return times
+
+
+# Note [Reserved while described]
+# A miss that writes its arena reserves it with the daemon first, one round trip (0.6-0.7 ms for a file
+# arena here), and the entry's meta (the digest of the library classes its graph binds, the modules it
+# needs, its spellings: 0.5-1 ms) is the kernel's own work: it runs while the daemon answers. Nothing is
+# written into the arena and no tensor moves before the answer, so a refused reservation leaves what it
+# left before (Note [Reserved at publish] in kernel_server/store.py).
+def _described(describe: Callable[[], dict[str, Any]], reserved: Callable[[], Any] | None) -> dict[str, Any]:
+    """`describe()`, while the daemon answers `reserved` (if any), whose answer is then waited for: a
+    refusal is raised, also where `describe` raised (the reply is never left unread)."""
+    try:
+        meta = describe()
+    except BaseException:
+        if reserved is not None:
+            with contextlib.suppress(DaemonError):
+                reserved()
+        raise
+    if reserved is not None:
+        reserved()
+    return meta
 
 
 def _identities(paths: Sequence[str]) -> list[dict[str, Any]]:
