@@ -147,11 +147,11 @@ def _servers(env: dict[str, str]) -> _Servers | None:
     pairs run snippets already (else the one used least recently is stopped for this one)."""
     signature = _signature(env)
     if signature not in _POOL.started:
-        seen, pairs = signature in _POOL.asked, {id(s): s for s in _POOL.started.values()}
+        seen, pairs = signature in _POOL.asked, len(set(map(id, _POOL.started.values())))
         _POOL.asked.add(signature)
         if "PYTHONHASHSEED" in env or (pairs and not seen):
             return None
-        if len(pairs) >= _SERVER_PAIRS:
+        if pairs >= _SERVER_PAIRS:
             idle = [s for s in _POOL.started.values() if not s.running]
             if not idle:
                 return None
