@@ -902,6 +902,22 @@ def test_the_model_modules_a_cell_imported_are_read_before_the_first_hit(env: di
     assert again["read"] == [], f"the first hit read {again['read']} on its clock"
 
 
+def test_enable_leaves_the_young_generations_empty(env: dict[str, str]) -> None:
+    """Note [Old at birth] in hit_tuning.py: `enable()` collects the young generations after its last
+    step (the connection to the daemon, which it starts here), so that the first lookup's collection
+    visits only what the kernel made since, not the thousands of objects `enable()` made."""
+    out = last_json(run_py("""
+        import gc, json, torch
+        import overmind_jupyter
+
+        overmind_jupyter.enable()
+        young = len(gc.get_objects(generation=0)) + len(gc.get_objects(generation=1))
+        print(json.dumps({"young": young, "enabled": gc.isenabled()}))
+    """, env=env))
+    assert out["enabled"], out
+    assert out["young"] < 100, f"enable() left {out['young']} objects in the young generations"
+
+
 def test_a_miss_leaves_its_load_old_unless_the_load_kept_memory(env: dict[str, str], tiny_llama: Path,
                                                                   tmp_path: Path) -> None:
     """Note [A miss's load born old] in hit_tuning.py: a miss's load runs no collection (its objects are
