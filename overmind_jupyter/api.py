@@ -54,7 +54,7 @@ def start(config: Any = None) -> str | None:
         shared_client()
     except DaemonError as exc:
         return f"no daemon could be started ({exc}); loads run plainly until one can"
-    hit_tuning.collect_young()  # what the connection made, not the first lookup (Note [Old at birth])
+    hit_tuning.collect_young()  # what enable() made, not the first lookup's to visit (Note [Old at birth])
     return None
 
 

@@ -233,10 +233,11 @@ def _warm_allocator() -> None:
 # to the oldest generation at once (`promote`): `gc.freeze()` then `gc.unfreeze()` moves every tracked
 # object there without visiting one. For that to promote nothing but live objects, the young generations
 # are collected first (`collect_young`, from loading's lookup), while the daemon answers (the thread would
-# only wait; 0.2 ms here), and once at the end of `enable()`: its connection to the daemon left 3,700
-# objects young, whose visit took 0.3-0.5 ms of the first lookup, twice its round trip (RESULTS.md,
-# "Stop 70"); between that and the promotion runs only the hit's own code (and whatever
-# another thread makes, whose garbage then waits for a full collection rather than a young one). Not where
+# only wait; 0.2 ms here), and once at the end of `enable()`, which left 3,700 objects young (its
+# settings' traitlets classes, the patched loaders, its connection), whose visit took 0.3-0.5 ms of the
+# first lookup, twice its round trip (RESULTS.md, "Stop 70"); between that and the promotion runs only
+# the hit's own code (and whatever another thread makes, whose garbage then waits for a full collection
+# rather than a young one). Not where
 # something is frozen: a warm kernel's zygote froze its heap before forking it (Note [Frozen imports] in
 # warm/zygote.py), and `gc.unfreeze()` would hand all of it back to the collector, whose next full
 # collection would write to every page of it; there, and where the user disabled the collector, the hit's

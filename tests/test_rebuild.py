@@ -904,8 +904,9 @@ def test_the_model_modules_a_cell_imported_are_read_before_the_first_hit(env: di
 
 def test_enable_leaves_the_young_generations_empty(env: dict[str, str]) -> None:
     """Note [Old at birth] in hit_tuning.py: `enable()` collects the young generations after its last
-    step (the connection to the daemon, which it starts here), so that the first lookup's collection
-    visits only what the kernel made since, not the thousands of objects `enable()` made."""
+    step, so that the first lookup's collection visits only what the kernel made since, not the
+    thousands of objects `enable()` made (its settings' classes, the patched loaders, the connection to
+    the daemon it starts here)."""
     out = last_json(run_py("""
         import gc, json, torch
         import overmind_jupyter
