@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import select
@@ -70,9 +71,13 @@ def _recv_exact(sock: socket.socket, n: int, fds: list[int], *, first: bool,
 
 def _readable(sock: socket.socket, seconds: float) -> bool:
     """Whether `sock` has bytes to read within `seconds` (poll: a process's descriptors may number past
-    select's 1024)."""
+    select's 1024). A socket closed meanwhile by another thread (a client's `close()` while its reader
+    thread is inside a frame) raises OSError, as its read would, not poll's ValueError for descriptor -1."""
+    fd = sock.fileno()
+    if fd < 0:
+        raise OSError(errno.EBADF, "the socket was closed while a frame was read")
     poller = select.poll()
-    poller.register(sock, select.POLLIN)
+    poller.register(fd, select.POLLIN)
     return bool(poller.poll(math.ceil(seconds * 1000)))
 
 

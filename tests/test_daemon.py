@@ -350,6 +350,33 @@ def test_fuzzed_frames_leave_the_daemon_answering(daemon: Client, overmind_home:
     fresh.close()
 
 
+class _ClosedAfterHeader(socket.socket):
+    """A socket that another thread closes right after the reader took a frame's header: a client's
+    `close()` racing its reader thread, made to happen every time."""
+
+    def recvmsg(self, *args: int) -> tuple[bytes, list[tuple[int, int, bytes]], int, object]:
+        got = super().recvmsg(*args)
+        self.close()
+        return got
+
+
+def test_a_socket_closed_inside_a_frame_is_a_read_error() -> None:
+    """The client's reader thread ("overmind-client") had read a frame's header when another thread
+    closed the client: waiting for the body, poll was handed descriptor -1 and raised ValueError, which
+    the reader does not take for the stream's end (OSError), and the thread died printing a traceback
+    (two runs of the suite showed it). Now the read raises OSError, as a read of a closed socket does."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    reader = _ClosedAfterHeader(socket.AF_UNIX, socket.SOCK_STREAM, fileno=a.detach())
+    try:
+        send_frame(b, FrameKind.REPLY, {"id": 1, "ok": True})
+        with pytest.raises(OSError):
+            recv_frame(reader, stall=5.0)
+        assert reader.fileno() == -1
+    finally:
+        reader.close()
+        b.close()
+
+
 def test_client_of_another_uid_is_refused(daemon: Client, overmind_home: Path) -> None:
     if os.getuid() != 0:
         pytest.skip("switching to another uid needs root")
