@@ -237,11 +237,11 @@ def _warm_allocator() -> None:
 # settings' traitlets classes, the patched loaders, its connection), whose visit took 0.3-0.5 ms of the
 # first lookup, twice its round trip (RESULTS.md, "Stop 70"); between that and the promotion runs only
 # the hit's own code (and whatever another thread makes, whose garbage then waits for a full collection
-# rather than a young one). Not where
-# something is frozen: a warm kernel's zygote froze its heap before forking it (Note [Frozen imports] in
-# warm/zygote.py), and `gc.unfreeze()` would hand all of it back to the collector, whose next full
-# collection would write to every page of it; there, and where the user disabled the collector, the hit's
-# objects stay young (`born_old` is False), and the first young collection after the hit visits them.
+# rather than a young one). Not where something is frozen: a warm kernel's zygote froze its heap before
+# forking it (Note [Frozen imports] in warm/zygote.py), and `gc.unfreeze()` would hand all of it back to
+# the collector, whose next full collection would write to every page of it; there, and where the user
+# disabled the collector, the hit's objects stay young (`born_old` is False), and the first young
+# collection after the hit visits them.
 # Asking whether something is frozen costs a walk over all of it (`gc.get_freeze_count()` counts the
 # permanent generation object by object: 21 ms per call over a warm kernel's 400,000 objects), so the spare
 # says it froze (`heap_frozen`), and a count found above zero is remembered: the walk runs at most once,
