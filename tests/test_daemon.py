@@ -364,7 +364,8 @@ def test_a_socket_closed_inside_a_frame_is_a_read_error() -> None:
     """The client's reader thread ("overmind-client") had read a frame's header when another thread
     closed the client: waiting for the body, poll was handed descriptor -1 and raised ValueError, which
     the reader does not take for the stream's end (OSError), and the thread died printing a traceback
-    (two runs of the suite showed it). Now the read raises OSError, as a read of a closed socket does."""
+    (each of three runs of the suite showed it once). Now the read raises OSError, as a read of a closed
+    socket does."""
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     reader = _ClosedAfterHeader(socket.AF_UNIX, socket.SOCK_STREAM, fileno=a.detach())
     try:
