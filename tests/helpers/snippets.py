@@ -128,6 +128,10 @@ class _Pool:
         self.set_by_imports: dict[str, str] = {}  # what the servers' imports set (TORCHINDUCTOR_CACHE_DIR)
         self.lock = threading.Lock()  # run_py may be called from several threads
 
+    def names_of(self, servers: _Servers) -> list[tuple[tuple[str, str], ...]]:
+        """The signatures `servers` is started under (one, or two)."""
+        return [name for name, s in self.started.items() if s is servers]
+
 
 _SUITE_CWD = os.getcwd()
 _POOL = _Pool()
@@ -156,12 +160,12 @@ def _servers(env: dict[str, str]) -> _Servers | None:
             if not idle:
                 return None
             idle[0].stop()
-            for name in [name for name, s in _POOL.started.items() if s is idle[0]]:
+            for name in _POOL.names_of(idle[0]):
                 del _POOL.started[name]
         servers = _Servers(env)
         _POOL.started[signature] = _POOL.started[_signature(env)] = servers  # (as it reads after the first start)
     servers = _POOL.started[signature]
-    for name in [name for name, s in _POOL.started.items() if s is servers]:
+    for name in _POOL.names_of(servers):
         _POOL.started[name] = _POOL.started.pop(name)  # the last used
     return servers
 
