@@ -91,8 +91,12 @@ def child(spec: dict) -> None:
     from transformers import LlamaForCausalLM
     from transformers.models.llama import modeling_llama  # noqa: F401
 
-    from overmind_jupyter import loading, rebuild
-
+    # The plain load runs in a process that imports nothing of ours, as in a kernel without overmind:
+    # importing the package where torch is imported prepares the hit path (hit_tuning.prepare), whose
+    # allocator warm-up took a third of the plain load's page faults off it (RESULTS.md, stop 71).
+    ours = spec["case"] not in ("plain", "torch.load")
+    if ours:
+        from overmind_jupyter import loading, rebuild
     if spec.get("enabled"):  # as a kernel after `%overmind on`: its connection and first-call preparation made
         import overmind_jupyter
 
@@ -126,8 +130,8 @@ def child(spec: dict) -> None:
         "anon_growth": after.get("Anonymous", 0) - before.get("Anonymous", 0),
         "rss_growth": after["Rss"] - before["Rss"],
         "checksum": float(logits.double().sum()),
-        "fallbacks": loading.fallbacks(),
-        "code": str(Path(loading.__file__).parent.parent),
+        "fallbacks": loading.fallbacks() if ours else [],
+        "code": str(Path(loading.__file__).parent.parent) if ours else "",
     }
     if spec["case"] in ("hit", "miss") and rebuild.entry_of(model.lm_head.weight.data_ptr()) is None:
         raise RuntimeError(f"the {spec['case']}'s model does not lie in the store's entry")
