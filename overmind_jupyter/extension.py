@@ -76,11 +76,25 @@ class Session:
 
     def _post_run_cell(self, result: Any) -> None:
         """After each cell: the warnings of loads that ran in other threads, and the cell's hit times
-        (Note [Hit times] in progress.py)."""
+        (Note [Hit times] in progress.py); a Ctrl-C that lands here is dropped (Note [A Ctrl-C after the cell])."""
         from . import loading, progress
 
-        loading.flush_warnings()
-        progress.flush_hit_times()
+        with contextlib.suppress(KeyboardInterrupt):
+            loading.flush_warnings()
+            progress.flush_hit_times()
+
+
+# Note [A Ctrl-C after the cell]
+# The work after each cell (`_post_run_cell`) runs in the cell's time as the user sees it: after the cell
+# that imported torch it prepares the hit path (hit_tuning.prepare, milliseconds), so a Ctrl-C pressed as
+# that cell ends lands in it. IPython then printed "Error in callback <bound method
+# Session._post_run_cell ...> (for post_run_cell)" and a KeyboardInterrupt traceback through our frames,
+# under a cell that had finished. The cell is over, so there is nothing left to stop: the interrupt is
+# dropped, as a Ctrl-C between cells is. What it cut short is done later: the preparation at the next
+# cell or call (`prepare` marks itself undone), and the deferred warnings and hit times not yet taken after
+# the next cell (one being shown or sent as the interrupt lands can be lost). A dead mapping's cleanup is
+# never cut short (Note [Cleanup that Ctrl-C cannot cut short] in mappings.py): its sweep raises the
+# interrupt only once the work is done.
 
 
 _session: Session | None = None

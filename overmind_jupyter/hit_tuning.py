@@ -77,6 +77,9 @@ def prepare(ahead: bool = True) -> None:
         randomness.random_state()
     except Exception:  # noqa: BLE001 (the hit imports it again, and falls back there: Note [Never worse] in loading.py)
         pass
+    except BaseException:  # a Ctrl-C: prepared at the next cell or call
+        _prepared = False  # (Note [A Ctrl-C after the cell] in extension.py)
+        raise
     gc.collect(1)
 
 

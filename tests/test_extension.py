@@ -79,6 +79,38 @@ def test_an_interrupted_off_is_finished_by_the_next_one(overmind_home: Path) -> 
     assert out == ["interrupted", "True", "True", "False"], out
 
 
+def test_a_ctrl_c_as_a_cell_ends_prints_no_error_and_the_preparation_is_done_later(overmind_home: Path) -> None:
+    """A Ctrl-C that lands in the extension's work after a cell (here while it prepares the hit path, after
+    the cell that imported torch) is dropped: IPython prints no "Error in callback" and no traceback under
+    the finished cell, and the preparation it cut short is done after the next cell (Note [A Ctrl-C after
+    the cell] in extension.py). A real SIGINT, sent as the preparation's first warm-up is called."""
+    code = """
+        import json, os, signal, sys
+        from IPython.core.interactiveshell import InteractiveShell
+
+        ip = InteractiveShell.instance()
+        ip.run_line_magic("load_ext", "overmind_jupyter")
+        from overmind_jupyter import hit_tuning
+
+        def _at_call(frame, event, arg):
+            if event == "call" and frame.f_code is hit_tuning._warm_rebuild.__code__:
+                sys.setprofile(None)
+                os.kill(os.getpid(), signal.SIGINT)
+
+        assert "torch" not in sys.modules
+        sys.setprofile(_at_call)
+        ip.run_cell("import torch")
+        sys.setprofile(None)
+        interrupted = not hit_tuning._prepared
+        ip.run_cell("x = 1")
+        print(json.dumps({"interrupted": interrupted, "prepared": hit_tuning._prepared}))
+    """
+    proc = run_py(code, fresh=True)
+    said = proc.stdout + proc.stderr
+    assert "Error in callback" not in said and "KeyboardInterrupt" not in said, said
+    assert last_json(proc) == {"interrupted": True, "prepared": True}
+
+
 def test_on_off_restores_every_descriptor_and_reload_is_idempotent(shell, overmind_home: Path) -> None:
     import transformers
 
