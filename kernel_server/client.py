@@ -110,8 +110,11 @@ _BRIEF = 0.05  # see Note [Requests from finalizers]
 # sent or on its way, is read, and what it granted is given back (each entry of a hit unpinned, a "load"
 # abandoned, so that the next waiter loads), then a ping makes sure the daemon did both, since it serves a
 # connection's requests in order. Should any of it fail or be interrupted in turn, the reply is left to the
-# reader thread, which gives it back whenever it comes (`_late_reply`). A daemon error needs none of this:
-# the request was answered, cancelled by the caller's timeout, or the connection and all it held are gone.
+# reader thread, which gives it back whenever it comes (`_late_reply`). The giving back itself runs with
+# SIGINT held: it takes the reply's status out first (so that it runs once), and a second Ctrl-C between
+# that and the unpin it sends left the pin with the live connection, nothing left to give back. A daemon
+# error needs none of this: the request was answered, cancelled by the caller's timeout, or the connection
+# and all it held are gone.
 
 # An interrupt can also come while the request is being sent, after the daemon has it: between the send and
 # the wait the exception would leave the daemon a waiter that never loads (seen on a loaded machine: the
@@ -657,16 +660,19 @@ class Client:
 
     def _late_reply(self, frame: Frame) -> None:
         """A reply nobody waits for any more (its wait timed out or was interrupted): give back what it
-        granted, once (its descriptors and status are taken out of it)."""
-        fds, frame.fds = frame.fds, []
-        close_fds(fds)
-        payload = frame.payload
-        status = payload.pop("status", None)
-        if status == "hit":
-            for entry in payload.get("entries", []):
-                self._fire_and_forget(Op.UNPIN, key=entry["key"])
-        elif status == "load":
-            self._fire_and_forget(Op.ABANDON, key=payload.get("key", ""))
+        granted, once (its descriptors and status are taken out of it), whole: a Ctrl-C that comes meanwhile
+        is raised after (Note [Interrupted waits])."""
+        with interrupts_held() as held:
+            fds, frame.fds = frame.fds, []
+            close_fds(fds)
+            payload = frame.payload
+            status = payload.pop("status", None)
+            if status == "hit":
+                for entry in payload.get("entries", []):
+                    self._fire_and_forget(Op.UNPIN, key=entry["key"])
+            elif status == "load":
+                self._fire_and_forget(Op.ABANDON, key=payload.get("key", ""))
+        held.raise_it()
 
     def _fire_and_forget(self, op: str, **fields: Any) -> None:
         try:

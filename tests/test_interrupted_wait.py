@@ -330,3 +330,48 @@ def test_an_interrupt_as_a_hits_reply_is_read_keeps_no_pin(overmind_home: Path, 
     finally:
         kernel.kill()
         kernel.wait()
+
+
+# Two Ctrl-Cs: the first as the hit's reply is read (as in AS_THE_REPLY_IS_READ), which the withdrawal of the
+# lookup answers by giving the reply's pin back; the second as that giving back sends its unpin.
+AS_THE_REPLY_IS_READ_AND_GIVEN_BACK = """
+import os, signal, sys
+from kernel_server import transport
+from kernel_server.client import Client
+
+_seen = []
+
+def _twice(frame, event, arg):
+    if event == "return" and frame.f_code is Client.submit.__code__ and frame.f_locals.get("op") == "lookup":
+        _seen.append("sent")
+    elif (event == "c_return" and _seen == ["sent"] and frame.f_code is transport._recv_exact.__code__
+          and getattr(arg, "__name__", "") == "recv"):
+        _seen.append("read")
+        os.kill(os.getpid(), signal.SIGINT)
+    elif event == "call" and _seen == ["sent", "read"] and frame.f_code is Client._fire_and_forget.__code__:
+        sys.setprofile(None)
+        os.kill(os.getpid(), signal.SIGINT)
+
+sys.setprofile(_twice)
+"""
+
+
+def test_a_second_interrupt_as_the_pin_is_given_back_keeps_no_pin(overmind_home: Path, daemon: Client) -> None:
+    """Note [Interrupted waits]: the withdrawal of an interrupted hit gives its pin back with SIGINT held, so
+    a second Ctrl-C that lands as it sends the unpin (after it took the reply's status out, which makes it
+    run once) is raised after the unpin is sent. Before, the second KeyboardInterrupt cut it there, the reply
+    left to the reader had nothing more to give back, and the entry stayed pinned by the live connection."""
+    loading.cached(tiny_modules.build, "mlp", 42, width=64)  # the entry
+    prelude = "\n    ".join(AS_THE_REPLY_IS_READ_AND_GIVEN_BACK.strip().splitlines())
+    kernel = start_py(INTERRUPTED_KERNEL.format(fn="tiny_modules.build", prelude=prelude), env=dict(os.environ))
+    try:
+        assert kernel.stdout is not None and kernel.stdout.readline().strip() == "waiting"
+        line = kernel.stdout.readline().strip()
+        assert line == "interrupted", f"the cell said {line!r}: {kernel.stderr.read() if kernel.stderr else ''}"
+        assert kernel.pid in [c["pid"] for c in daemon.request("status")["kernels"]], "its connection lives on"
+        wait_until(lambda: all(kernel.pid not in [k["pid"] for k in e["pinned_by"]]
+                               for e in daemon.request("ls")["entries"]), 5, "the interrupted hit's pin given back")
+        assert kernel.poll() is None, "the interrupted kernel lives on with its connection"
+    finally:
+        kernel.kill()
+        kernel.wait()
