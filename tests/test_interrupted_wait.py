@@ -310,14 +310,12 @@ sys.setprofile(_at_the_reply)
 """
 
 
-def test_an_interrupt_as_a_hits_reply_is_read_keeps_no_pin(overmind_home: Path, daemon: Client) -> None:
-    """Note [Replies read whole] in kernel_server/client.py: a SIGINT that comes as the hit's reply is read
-    (its bytes and descriptors taken from the socket, the frame not yet the lookup's reply) is held until the
-    frame is the lookup's, then raised inside the wait's protection, which gives the pin back. Before, the
-    reply was lost: the withdrawal waited 3 s for it, and the entry stayed pinned by the live connection for
-    as long as the kernel lived (never evicted for the budget)."""
+def assert_an_interrupted_hit_keeps_no_pin(daemon: Client, prelude: str) -> None:
+    """A kernel's cell hits the entry of `tiny_modules.build`'s model, `prelude` (run in the kernel before the
+    cell) interrupts it: the cell gets the KeyboardInterrupt, the kernel lives on with its connection, and
+    the hit's pin is given back."""
     loading.cached(tiny_modules.build, "mlp", 42, width=64)  # the entry
-    prelude = "\n    ".join(AS_THE_REPLY_IS_READ.strip().splitlines())
+    prelude = "\n    ".join(prelude.strip().splitlines())
     kernel = start_py(INTERRUPTED_KERNEL.format(fn="tiny_modules.build", prelude=prelude), env=dict(os.environ))
     try:
         assert kernel.stdout is not None and kernel.stdout.readline().strip() == "waiting"
@@ -330,6 +328,15 @@ def test_an_interrupt_as_a_hits_reply_is_read_keeps_no_pin(overmind_home: Path, 
     finally:
         kernel.kill()
         kernel.wait()
+
+
+def test_an_interrupt_as_a_hits_reply_is_read_keeps_no_pin(overmind_home: Path, daemon: Client) -> None:
+    """Note [Replies read whole] in kernel_server/client.py: a SIGINT that comes as the hit's reply is read
+    (its bytes and descriptors taken from the socket, the frame not yet the lookup's reply) is held until the
+    frame is the lookup's, then raised inside the wait's protection, which gives the pin back. Before, the
+    reply was lost: the withdrawal waited 3 s for it, and the entry stayed pinned by the live connection for
+    as long as the kernel lived (never evicted for the budget)."""
+    assert_an_interrupted_hit_keeps_no_pin(daemon, AS_THE_REPLY_IS_READ)
 
 
 # Two Ctrl-Cs: the first as the hit's reply is read (as in AS_THE_REPLY_IS_READ), which the withdrawal of the
@@ -361,17 +368,4 @@ def test_a_second_interrupt_as_the_pin_is_given_back_keeps_no_pin(overmind_home:
     a second Ctrl-C that lands as it sends the unpin (after it took the reply's status out, which makes it
     run once) is raised after the unpin is sent. Before, the second KeyboardInterrupt cut it there, the reply
     left to the reader had nothing more to give back, and the entry stayed pinned by the live connection."""
-    loading.cached(tiny_modules.build, "mlp", 42, width=64)  # the entry
-    prelude = "\n    ".join(AS_THE_REPLY_IS_READ_AND_GIVEN_BACK.strip().splitlines())
-    kernel = start_py(INTERRUPTED_KERNEL.format(fn="tiny_modules.build", prelude=prelude), env=dict(os.environ))
-    try:
-        assert kernel.stdout is not None and kernel.stdout.readline().strip() == "waiting"
-        line = kernel.stdout.readline().strip()
-        assert line == "interrupted", f"the cell said {line!r}: {kernel.stderr.read() if kernel.stderr else ''}"
-        assert kernel.pid in [c["pid"] for c in daemon.request("status")["kernels"]], "its connection lives on"
-        wait_until(lambda: all(kernel.pid not in [k["pid"] for k in e["pinned_by"]]
-                               for e in daemon.request("ls")["entries"]), 5, "the interrupted hit's pin given back")
-        assert kernel.poll() is None, "the interrupted kernel lives on with its connection"
-    finally:
-        kernel.kill()
-        kernel.wait()
+    assert_an_interrupted_hit_keeps_no_pin(daemon, AS_THE_REPLY_IS_READ_AND_GIVEN_BACK)
