@@ -123,6 +123,7 @@ def warm(entry_point: str, tmp_path_factory: pytest.TempPathFactory):
         yield env
         warm_pkg.stop_spares()
     stop_daemon(home)
+    shutil.rmtree(home, ignore_errors=True)  # (in /tmp, not pytest's own folders: a socket's path is short)
 
 
 def start(name: str, env: dict[str, str], cwd: Path | None = None):  # type: ignore[no-untyped-def]
