@@ -62,6 +62,25 @@ def instrument() -> None:
                         (keys, "changed_since"), (progress, "tell_miss"), (publishing, "_described"),
                         (staging.Stage, "__init__"), (staging.Stage, "close"), (loading, "_cached_call")):
         timed(owner, name, f"{owner.__name__.rsplit('.', 1)[-1]}.{name}")
+    send = ClientClass.send
+
+    def timed_send(self: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        """A request sent now and waited for later (`Client.send`): its sending, and the wait for its reply."""
+        name = getattr(op, "value", op)
+        start = time.perf_counter()
+        reply = send(self, op, *args, **kwargs)
+        spans[f"send {name}"].append(time.perf_counter() - start)
+
+        def timed_reply() -> Any:
+            waited = time.perf_counter()
+            try:
+                return reply()
+            finally:
+                spans[f"wait for {name}"].append(time.perf_counter() - waited)
+
+        return timed_reply
+
+    ClientClass.send = timed_send  # type: ignore[method-assign]
     request = ClientClass.request
 
     def timed_request(self: Any, op: Any, *args: Any, **kwargs: Any) -> Any:

@@ -28,10 +28,14 @@ copy). A publish also reserves whatever was not reserved before it, bytes and de
 would, evicting or refusing alike: so a miss that writes at most a few MiB into a memfd before it
 publishes (a same-dtype load: its weights stay in the checkpoint files until the compactor copies them; a
 converting load, whose stage reserved its ranges as it wrote them) makes one round trip, not two. A file
-arena is reserved before its first byte is written (Note [Disk room] in disk.py): written first, the
-check counted those bytes twice (in the free space it reads and in the entry's size), and where it
-refused, the tensors the miss had moved onto the arena kept its blocks taken for as long as the model
-lived, past the reserve that refused them.
+arena is reserved first where the miss would write more than 1 MiB into it (Note [Disk room] in disk.py):
+bytes written before the check count twice in it (in the free space it reads and in the entry's size),
+which the few KiB of a same-dtype load's buffers do not move, and a large copy is not written onto a disk
+that then refuses it. A same-dtype miss into a file arena so makes one round trip too (the reservation
+was 0.3-0.4 ms of it: benchmarks/RESULTS.md, "Stop 72"). Where the publish reserves, the tensors of what
+the miss copied move onto the arena only once the publish is taken: refused, they stay where the load
+put them, and the arena's blocks go with its descriptors (moved first, they kept the blocks taken for as
+long as the model lived, past the check that refused them).
 
 # Note [Orphaned entries]
 An entry's key names the checkpoint files it was loaded from, by their identity: once they are deleted

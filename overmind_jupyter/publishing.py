@@ -58,7 +58,10 @@ _log = logging.getLogger(__name__)
 _WRITERS = min(2, os.cpu_count() or 1)
 _MAX_SOURCES = 32  # more files than this are copied instead (a reply's descriptors are limited)
 _CHUNK = 64 << 20
-_UNRESERVED = 8 << 20  # what a miss may write into memory before the publish reserves it (Note [Reserved at publish])
+# What a miss may write before the publish reserves it (Note [Reserved at publish] in kernel_server/store.py):
+# into memory (its graph, a memfd arena's copies), and into a file arena (a same-dtype load's buffers: KiB)
+_UNRESERVED = 8 << 20
+_UNRESERVED_ON_DISK = 1 << 20
 _PROGRESS_BYTES = 256 << 20  # copies at least this large show a progress bar
 # The fallback kind of a publish the daemon refused, by its error code (any other failure: "publish").
 _REFUSALS = {"budget_exceeded": "budget", "descriptors_exhausted": "descriptors"}
@@ -124,14 +127,8 @@ def publish(client: Client, key: str, label: str, describe: Callable[[], dict[st
                 on_disk = data.backing == "file"
                 for writer, _ in staged_parts:
                     stack.enter_context(contextlib.closing(writer))
-                reserved = None
-                if on_disk or made["copied"] + len(packed.graph) > _UNRESERVED:
-                    # Else the publish reserves it all, a few MiB written into memory first (Note [Reserved at
-                    # publish] in kernel_server/store.py). The descriptors the entry will hold: graph, arena,
-                    # one per part and per source (Note [Descriptor budget] in kernel_server/descriptors.py).
-                    reserved = client.send(Op.RESERVE, key=key, bytes=packed.arena_bytes + len(packed.graph),
-                                           descriptors=2 + len(staged_parts) + len(plan.sources),
-                                           backing=data.backing, timeout=ANSWER_TIMEOUT)
+                reserved = _reserve_first(client, key, packed, made["copied"], data.backing,
+                                          2 + len(staged_parts) + len(plan.sources))
                 meta = _described(describe, reserved) | {"made": made}
                 parts = [arena.Part(writer.seal(), at, writer.nbytes) for writer, at in staged_parts]
                 meta["made"]["files"] = 1 + len(parts)
@@ -151,10 +148,11 @@ def publish(client: Client, key: str, label: str, describe: Callable[[], dict[st
                         _move_onto(whole, own, by_storage)
                 if stage is not None:
                     stage.give_back({own.offset for own in plan.staged})
-                _fill(data, plan.copies, whole, label, by_storage)
+                # unreserved, the copies' tensors move once the publish is taken (Note [Reserved at publish])
+                unmoved = _fill(data, plan.copies, whole if reserved is not None else None, label, by_storage)
                 graph = stack.enter_context(contextlib.closing(
                     arena.ArenaWriter(len(packed.graph), name=f"overmind-graph:{key[:12]}")))
-                graph.view[:] = packed.graph
+                graph.write(0, packed.graph)  # (pwrite: half the time of a copy through a mapping)
                 times = clock.times()  # as the publish is sent: the call returns right after
                 reply = client.send(
                     Op.PUBLISH, key=key, fds=[graph.seal(), data.seal(), *(p.fd for p in parts),
@@ -177,6 +175,7 @@ def publish(client: Client, key: str, label: str, describe: Callable[[], dict[st
                 finally:
                     reply()
                 published = True
+                _move_all(whole, unmoved, by_storage)
             except (DaemonError, OSError) as exc:
                 _abandon(client, key)
                 kind = _REFUSALS.get(exc.code, "publish") if isinstance(exc, RemoteError) else "publish"
@@ -193,6 +192,19 @@ def publish(client: Client, key: str, label: str, describe: Callable[[], dict[st
                 undo()
         pin.release()
     return times
+
+
+def _reserve_first(client: Client, key: str, packed: rebuild.Packed, copied: int, backing: str,
+                   descriptors: int) -> Callable[[], Any] | None:
+    """Send the reservation of the entry's room and `descriptors` (graph, arena, one per part and per
+    source: Note [Descriptor budget] in kernel_server/descriptors.py) where the miss writes more than a
+    little before its publish; its reply, to wait for. Else None: the publish reserves it all, the few
+    KiB or MiB written first (Note [Reserved at publish] in kernel_server/store.py)."""
+    written_first = copied if backing == "file" else copied + len(packed.graph)  # (the graph is a memfd's)
+    if written_first <= (_UNRESERVED_ON_DISK if backing == "file" else _UNRESERVED):
+        return None
+    return client.send(Op.RESERVE, key=key, bytes=packed.arena_bytes + len(packed.graph), descriptors=descriptors,
+                       backing=backing, timeout=ANSWER_TIMEOUT)
 
 
 # Note [Reserved while described]
@@ -342,10 +354,19 @@ def _move_onto(whole: torch.UntypedStorage, own: rebuild.Own, by_storage: dict[i
     own.storage = None  # the last reference of ours: the old bytes go now, not at the end
 
 
+def _move_all(whole: torch.UntypedStorage | None, copies: list[rebuild.Own],
+              by_storage: dict[int, list[torch.Tensor]]) -> None:
+    """Put the tensors of `copies` onto their bytes in `whole` (the arena's private mapping, if any)."""
+    if whole is not None:
+        for own in copies:
+            _move_onto(whole, own, by_storage)
+
+
 def _fill(writer: arena.ArenaWriter, copies: list[rebuild.Own], whole: torch.UntypedStorage | None, label: str,
-          by_storage: dict[int, list[torch.Tensor]]) -> None:
+          by_storage: dict[int, list[torch.Tensor]]) -> list[rebuild.Own]:
     """Copy `copies` into the arena; each CPU storage's tensors move onto `whole` (`_storage_of` the
-    arena's private mapping) as soon as its bytes are there, and its own memory is freed."""
+    arena's private mapping, where given) as soon as its bytes are there, and its own memory is freed.
+    Returns the copies of CPU storages whose tensors did not move (no `whole`)."""
 
     def move(own: rebuild.Own) -> None:
         if whole is not None and own.storage is not None and own.storage.device.type == "cpu" and own.nbytes:
@@ -376,6 +397,7 @@ def _fill(writer: arena.ArenaWriter, copies: list[rebuild.Own], whole: torch.Unt
                 writer.write(own.offset + start, memoryview(chunk))  # type: ignore[arg-type]  # a buffer
                 advance(min(_CHUNK, own.nbytes - start))
             del src
+    return cpu if whole is None else []
 
 
 @contextlib.contextmanager

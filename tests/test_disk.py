@@ -108,6 +108,60 @@ def test_a_small_miss_on_a_full_disk_falls_back_and_leaves_the_disk_as_it_was(
     assert out["free"] == [1 << 20], "the model, kept, takes nothing of the disk"
 
 
+# A kernel that loads the tiny Llama (its weights same-dtype pieces of its checkpoint, its rotary buffers a
+# copy of a few bytes), and says what it asked of the daemon, whether the buffers lie on the entry's arena
+# (a mapping of the registry), and the disk's room before and after.
+SAME_DTYPE = """
+    import json, os, warnings
+    import torch
+    from transformers import AutoModelForCausalLM
+    from kernel_server.client import Client
+    from overmind_jupyter import loading, mappings
+    asked, submit = [], Client.submit
+    def spied(self, op, *args, **kwargs):
+        asked.append(getattr(op, "value", op))
+        return submit(self, op, *args, **kwargs)
+    Client.submit = spied
+    def free():
+        st = os.statvfs({disk!r})
+        return st.f_bavail * st.f_frsize
+    before = free()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = loading.cached(AutoModelForCausalLM.from_pretrained, {path!r}, dtype=torch.bfloat16)
+    buffer = model.model.rotary_emb.inv_freq
+    print(json.dumps({{"calls": loading.calls(), "asked": asked, "before": before, "after": free(),
+                      "on_the_arena": mappings.span_of(buffer.data_ptr()) is not None,
+                      "warnings": [str(w.message) for w in caught]}}))
+"""
+
+
+def test_a_same_dtype_miss_into_a_file_arena_is_reserved_by_its_publish(
+        disk_env: dict[str, str], small_disk: Path, tiny_llama: Path) -> None:
+    """A miss that writes a few KiB into its file arena (a same-dtype load's buffers) asks the daemon once, at
+    the publish, which reserves its room (Note [Reserved at publish] in kernel_server/store.py); the buffers'
+    tensors then lie on the arena, as every copied tensor of a miss does."""
+    out = last_json(run_py(SAME_DTYPE.format(path=str(tiny_llama), disk=str(small_disk)), env=disk_env))
+    assert out["calls"] == {"miss": 1}, out
+    assert "publish" in out["asked"] and "reserve" not in out["asked"], out["asked"]
+    assert out["on_the_arena"], "the copied buffers moved onto the entry's arena once the publish was taken"
+
+
+def test_a_same_dtype_miss_refused_at_its_publish_leaves_the_disk_as_it_was(
+        disk_env: dict[str, str], small_disk: Path, tiny_llama: Path) -> None:
+    """With less room than the entry's arena, the publish refuses it: the miss falls back and says why, and
+    the model it returns, kept, takes nothing of the disk: its buffers' tensors stay where the load put them,
+    as they move onto an arena only once its publish is taken (Note [Reserved at publish])."""
+    (small_disk / "users-file").write_bytes(b"\0" * (SIZE - (128 << 10)))  # 128 KiB left: the entry needs 180
+    env = dict(disk_env, OVERMIND_DISK_RESERVE="0")
+    out = last_json(run_py(SAME_DTYPE.format(path=str(tiny_llama), disk=str(small_disk)), env=env))
+    assert out["calls"] == {"plain": 1}, out
+    assert "reserve" not in out["asked"], out["asked"]
+    (warning,) = [w for w in out["warnings"] if "no room on the disk" in w]
+    assert str(small_disk) in warning, warning
+    assert not out["on_the_arena"] and out["after"] == out["before"], out
+
+
 def test_a_disk_filled_by_something_else_makes_the_cache_give_back_its_unpinned_entries(
         disk_env: dict[str, str], small_disk: Path, overmind_home: Path) -> None:
     out = last_json(run_py(LOADS.format(seeds=[1, 2], disk=str(small_disk)), env=disk_env))  # then it exits
