@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kernel_server import helper_threads
-from kernel_server.client import Client
+from kernel_server.client import Client, interrupts_held
 from kernel_server.errors import DaemonError
 from kernel_server.operations import Op
 
@@ -369,19 +369,38 @@ os.register_at_fork(after_in_child=_forget_unpinner)
 
 def _unpin_loop() -> None:
     while True:
-        _send_unpin(*_unpins.get())
+        _send_unpin(_sent_unpin(*_unpins.get()))
 
 
 def send_unpins() -> None:
-    """Send the unpins that wait for no thread of ours, from this thread (never from a finalizer)."""
+    """Send the unpins that wait for no thread of ours, from this thread (never from a finalizer). Each is
+    taken from the queue and sent with SIGINT held: a Ctrl-C between the two lost it, and the entry stayed
+    pinned for as long as the kernel lived. The Ctrl-C is raised once the unpin is sent and answered (Note
+    [Interrupted waits] in kernel_server/client.py)."""
     while _unpinner is None and not _unpins.empty():
-        _send_unpin(*_unpins.get())
+        with interrupts_held() as held:
+            reply = _sent_unpin(*_unpins.get())
+        try:
+            held.raise_it()
+        finally:
+            _send_unpin(reply)
 
 
-def _send_unpin(client: Client, key: str) -> None:
+def _sent_unpin(client: Client, key: str) -> Callable[[], Any] | None:
+    """The unpin of `key` sent, and the wait for its reply; None where there is no daemon to send it to."""
     if client.closed:
+        return None
+    try:
+        return client.send(Op.UNPIN, key=key, timeout=10)
+    except DaemonError:
+        return None
+
+
+def _send_unpin(reply: Callable[[], Any] | None) -> None:
+    """Wait for the reply of an unpin `_sent_unpin` sent."""
+    if reply is None:
         return
     try:
-        client.request(Op.UNPIN, key=key, timeout=10)
+        reply()
     except DaemonError:
         pass

@@ -369,3 +369,50 @@ def test_a_second_interrupt_as_the_pin_is_given_back_keeps_no_pin(overmind_home:
     run once) is raised after the unpin is sent. Before, the second KeyboardInterrupt cut it there, the reply
     left to the reader had nothing more to give back, and the entry stayed pinned by the live connection."""
     assert_an_interrupted_hit_keeps_no_pin(daemon, AS_THE_REPLY_IS_READ_AND_GIVEN_BACK)
+
+
+# A kernel without helper threads (HF_DEACTIVATE_ASYNC_LOAD=1: its finalizers' unpins wait for its next load or
+# cell, Note [Helper threads] in threads.py) drops the model it cached, and its next cell is interrupted as the
+# unpin waiting in the queue is sent: the kernel sends itself SIGINT as `Client.submit` is called.
+UNPIN_INTERRUPTED = """
+    import gc, os, signal, sys
+    from kernel_server.client import Client, shared_client
+    from overmind_jupyter import loading, results
+    from tests.helpers import tiny_modules
+
+    shared_client()  # connected before the cell, as a kernel with overmind on
+    model = loading.cached(tiny_modules.build, "mlp", 42, width=64)
+    del model
+    gc.collect()  # its entry's unpin waits in the queue
+
+    def _at_submit(frame, event, arg):
+        if event == "call" and frame.f_code is Client.submit.__code__:
+            sys.setprofile(None)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    sys.setprofile(_at_submit)
+    try:
+        results.send_unpins()
+        print("sent", flush=True)
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+    sys.stdin.read()
+"""
+
+
+def test_a_ctrl_c_as_a_queued_unpin_is_sent_loses_no_unpin(overmind_home: Path, daemon: Client) -> None:
+    """`results.send_unpins` took the unpin off its queue and the Ctrl-C landed before it was sent: the entry
+    stayed pinned by the live kernel, never evicted for the budget. The unpin is now taken and sent with SIGINT
+    held, and the KeyboardInterrupt still reaches the cell."""
+    kernel = start_py(UNPIN_INTERRUPTED, env=dict(os.environ, HF_DEACTIVATE_ASYNC_LOAD="1"))
+    try:
+        assert kernel.stdout is not None
+        line = kernel.stdout.readline().strip()
+        assert line == "interrupted", f"the cell said {line!r}: {kernel.stderr.read() if kernel.stderr else ''}"
+        assert kernel.pid in [c["pid"] for c in daemon.request("status")["kernels"]], "its connection lives on"
+        assert len(daemon.request("ls")["entries"]) == 1
+        wait_until(lambda: not daemon.request("ls")["entries"][0]["pinned_by"], 5, "the dropped model's unpin sent")
+        assert kernel.poll() is None, "the interrupted kernel lives on with its connection"
+    finally:
+        kernel.kill()
+        kernel.wait()
