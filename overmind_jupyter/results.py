@@ -369,37 +369,42 @@ os.register_at_fork(after_in_child=_forget_unpinner)
 
 def _unpin_loop() -> None:
     while True:
-        _send_unpin(_sent_unpin(*_unpins.get()))
+        _answered(_send_unpin(*_unpins.get()))
 
 
 def send_unpins() -> None:
     """Send the unpins that wait for no thread of ours, from this thread (never from a finalizer). Each is
     taken from the queue and sent with SIGINT held: a Ctrl-C between the two lost it, and the entry stayed
     pinned for as long as the kernel lived. The Ctrl-C is raised once the unpin is sent and answered (Note
-    [Interrupted waits] in kernel_server/client.py)."""
-    while _unpinner is None and not _unpins.empty():
+    [Interrupted waits] in kernel_server/client.py). (Taken without waiting: another thread may have
+    emptied the queue since it was looked at, and a wait there would hold the Ctrl-C.)"""
+    while _unpinner is None and not _unpins.empty():  # (a hit's call looks: nothing held for an empty queue)
         with interrupts_held() as held:
-            reply = _sent_unpin(*_unpins.get())
+            try:
+                reply = _send_unpin(*_unpins.get_nowait())
+            except queue.Empty:
+                reply = None
         try:
             held.raise_it()
         finally:
-            _send_unpin(reply)
+            if reply is not None:
+                _answered(reply)
+        if reply is None:
+            return
 
 
-def _sent_unpin(client: Client, key: str) -> Callable[[], Any] | None:
-    """The unpin of `key` sent, and the wait for its reply; None where there is no daemon to send it to."""
+def _send_unpin(client: Client, key: str) -> Callable[[], Any]:
+    """Send the unpin of `key`; returns the wait for its reply (nothing to wait for without a daemon)."""
     if client.closed:
-        return None
+        return lambda: None
     try:
         return client.send(Op.UNPIN, key=key, timeout=10)
     except DaemonError:
-        return None
+        return lambda: None
 
 
-def _send_unpin(reply: Callable[[], Any] | None) -> None:
-    """Wait for the reply of an unpin `_sent_unpin` sent."""
-    if reply is None:
-        return
+def _answered(reply: Callable[[], Any]) -> None:
+    """Wait for the reply of an unpin `_send_unpin` sent."""
     try:
         reply()
     except DaemonError:
