@@ -208,11 +208,12 @@ def _reserve_first(client: Client, key: str, packed: rebuild.Packed, copied: int
 
 
 # Note [Reserved while described]
-# A miss that writes its arena reserves it with the daemon first, one round trip (0.6-0.7 ms for a file
-# arena here), and the entry's meta (the digest of the library classes its graph binds, the modules it
-# needs, its spellings: 0.5-1 ms) is the kernel's own work: it runs while the daemon answers. Nothing is
-# written into the arena and no tensor moves before the answer, so a refused reservation leaves what it
-# left before (Note [Reserved at publish] in kernel_server/store.py).
+# A miss that writes more than a few MiB into its arena (`_reserve_first`) reserves it with the daemon
+# first, one round trip (0.6-0.7 ms for a file arena here), and the entry's meta (the digest of the
+# library classes its graph binds, the modules it needs, its spellings: 0.5-1 ms) is the kernel's own
+# work: it runs while the daemon answers. Nothing is written into the arena and no tensor moves before the
+# answer, so a refused reservation leaves what it left before (Note [Reserved at publish] in
+# kernel_server/store.py).
 def _described(describe: Callable[[], dict[str, Any]], reserved: Callable[[], Any] | None) -> dict[str, Any]:
     """`describe()`, while the daemon answers `reserved` (if any), whose answer is then waited for: a
     refusal is raised, also where `describe` raised (the reply is never left unread)."""
