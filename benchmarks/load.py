@@ -46,6 +46,7 @@ makes its first hit; what it imports during the call itself is reported.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import json
 import os
@@ -420,6 +421,14 @@ def run_child(spec: dict, env: dict[str, str]) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def scratch_dir(prefix: str) -> str:
+    """A new directory in the temporary directory (a run's OVERMIND_HOME, a package copy), removed when
+    the run ends: after its `finally` blocks have stopped the daemon that used it."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
 def daemon(env: dict[str, str], *args: str) -> str:
     return subprocess.run([sys.executable, "-m", "kernel_server", *args], env=env, capture_output=True,
                           text=True, check=True).stdout
@@ -669,7 +678,7 @@ def main() -> None:
             print(f"key of {name} ({r['files']} files): median {r['median_ms']:.3f} ms, p90 {r['p90_ms']:.3f} ms")
         print(f"bytecode present: {report['bytecode']}")
         return
-    home = tempfile.mkdtemp(prefix="om-bench-")
+    home = scratch_dir("om-bench-")
     env = dict(os.environ, OVERMIND_HOME=home, PYTHONWARNINGS="ignore", TRANSFORMERS_VERBOSITY="error",
                HF_HUB_OFFLINE="1")
     # --miss, --pss and --hit-calls run one after the other in one run, each printing its table
@@ -677,7 +686,7 @@ def main() -> None:
         cases = [tuple(case.split(":")) for case in args.miss.split(",")]
         try:
             daemon(env, "start")
-            tree = package_copy(Path(tempfile.mkdtemp(prefix="om-bytecode-")), bytecode=True) if args.bytecode else None
+            tree = package_copy(Path(scratch_dir("om-bytecode-")), bytecode=True) if args.bytecode else None
             rows = miss_study(cases, env | ({"OVERMIND_BENCH_TREE": str(tree)} if tree else {}), args.repeat,
                               args.before_tree, args.patch_free)
         finally:

@@ -23,7 +23,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -152,9 +151,9 @@ def child(case: str, path: str, dtype_name: str) -> None:
 
 def fresh_rounds(path: str, dtype_name: str, rounds: int) -> dict[str, list[float]]:
     """Rounds of a plain and a miss process (in turns first), against one daemon."""
-    from benchmarks.load import daemon
+    from benchmarks.load import daemon, scratch_dir
 
-    env = dict(os.environ, OVERMIND_HOME=tempfile.mkdtemp(prefix="om-spans-"), OVERMIND_COMPACT="0",
+    env = dict(os.environ, OVERMIND_HOME=scratch_dir("om-spans-"), OVERMIND_COMPACT="0",
                TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore", HF_HUB_OFFLINE="1")
     runs: dict[str, list[float]] = collections.defaultdict(list)
     daemon(env, "start")
@@ -176,7 +175,9 @@ def fresh_rounds(path: str, dtype_name: str, rounds: int) -> dict[str, list[floa
 
 
 def in_process(path: str, dtype_name: str, rounds: int) -> dict[str, list[float]]:
-    os.environ.update(OVERMIND_HOME=tempfile.mkdtemp(prefix="om-spans-"), OVERMIND_COMPACT="0",
+    from benchmarks.load import scratch_dir
+
+    os.environ.update(OVERMIND_HOME=scratch_dir("om-spans-"), OVERMIND_COMPACT="0",
                       TRANSFORMERS_VERBOSITY="error")
     import torch
     import transformers.models.llama.modeling_llama  # noqa: F401 (imported before the clock, as in a kernel)

@@ -17,7 +17,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -44,12 +43,12 @@ print(json.dumps({"calls": loading.calls(), "times": times, "asked": asked}))
 
 
 def main() -> None:
-    from benchmarks.load import build, daemon
+    from benchmarks.load import build, daemon, scratch_dir
 
     size = sys.argv[1] if len(sys.argv) > 1 else "1.1b"
     rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 5
     path = str(build([size], torch_files=False)[size])
-    env = dict(os.environ, OVERMIND_HOME=tempfile.mkdtemp(prefix="om-refkey-"), OVERMIND_COMPACT="0",
+    env = dict(os.environ, OVERMIND_HOME=scratch_dir("om-refkey-"), OVERMIND_COMPACT="0",
                TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore", HF_HUB_OFFLINE="1")
     runs: dict[str, list[dict]] = {"miss": [], "hit": []}
     daemon(env, "start")

@@ -22,7 +22,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -64,10 +63,10 @@ def base_and_adapter(default_rounds: int) -> tuple[str, int, int, Path, Path]:
 
 
 def main() -> None:
-    from benchmarks.load import daemon
+    from benchmarks.load import daemon, scratch_dir
 
     size, rounds, rank, base, adapter = base_and_adapter(6)
-    env = dict(os.environ, OVERMIND_HOME=tempfile.mkdtemp(prefix="om-draws-"), TRANSFORMERS_VERBOSITY="error",
+    env = dict(os.environ, OVERMIND_HOME=scratch_dir("om-draws-"), TRANSFORMERS_VERBOSITY="error",
                PYTHONWARNINGS="ignore", HF_HUB_OFFLINE="1")
 
     def run(case: str) -> dict:

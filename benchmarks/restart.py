@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -330,6 +331,8 @@ def main() -> None:
 
             stop_spares()
         subprocess.run([sys.executable, "-m", "kernel_server", "stop"], env=env, check=False, capture_output=True)
+        for scratch in (home, specs):
+            shutil.rmtree(scratch, ignore_errors=True)
     (OUT / "restart.json").write_text(json.dumps(report, indent=2))
     what = {case: CASES[case]["what"].format(size=args.llama.upper()) for case in cases}
     if "overmind" in modes:
