@@ -210,12 +210,17 @@ sys.setprofile(_at_call)
 """
 
 
+def at_a_call(imports: str, code: str) -> str:
+    """AT_A_CALL for the function whose code is `code`, indented as a snippet's line inside its text."""
+    return "\n    ".join(AT_A_CALL.format(imports=imports, code=code).strip().splitlines())
+
+
 @contextlib.contextmanager
 def interrupted_at(imports: str, code: str) -> Iterator[subprocess.Popen[str]]:
     """A kernel whose cell loads the model of `tiny_modules.build` through the cache and is interrupted as the
     function `code` is called: yielded once the cell got the KeyboardInterrupt, and checked alive after."""
-    prelude = "\n    ".join(AT_A_CALL.format(imports=imports, code=code).strip().splitlines())
-    kernel = start_py(INTERRUPTED_KERNEL.format(fn="tiny_modules.build", prelude=prelude), env=dict(os.environ))
+    kernel = start_py(INTERRUPTED_KERNEL.format(fn="tiny_modules.build", prelude=at_a_call(imports, code)),
+                      env=dict(os.environ))
     try:
         assert kernel.stdout is not None and kernel.stdout.readline().strip() == "waiting"
         line = kernel.stdout.readline().strip()
@@ -373,10 +378,10 @@ def test_a_second_interrupt_as_the_pin_is_given_back_keeps_no_pin(overmind_home:
 
 # A kernel without helper threads (HF_DEACTIVATE_ASYNC_LOAD=1: its finalizers' unpins wait for its next load or
 # cell, Note [Helper threads] in threads.py) drops the model it cached, and its next cell is interrupted as the
-# unpin waiting in the queue is sent: the kernel sends itself SIGINT as `Client.submit` is called.
+# unpin waiting in the queue is sent: the kernel sends itself SIGINT as `Client.submit` is called (AT_A_CALL).
 UNPIN_INTERRUPTED = """
-    import gc, os, signal, sys
-    from kernel_server.client import Client, shared_client
+    import gc
+    from kernel_server.client import shared_client
     from overmind_jupyter import loading, results
     from tests.helpers import tiny_modules
 
@@ -384,13 +389,7 @@ UNPIN_INTERRUPTED = """
     model = loading.cached(tiny_modules.build, "mlp", 42, width=64)
     del model
     gc.collect()  # its entry's unpin waits in the queue
-
-    def _at_submit(frame, event, arg):
-        if event == "call" and frame.f_code is Client.submit.__code__:
-            sys.setprofile(None)
-            os.kill(os.getpid(), signal.SIGINT)
-
-    sys.setprofile(_at_submit)
+    {interrupt}
     try:
         results.send_unpins()
         print("sent", flush=True)
@@ -404,7 +403,8 @@ def test_a_ctrl_c_as_a_queued_unpin_is_sent_loses_no_unpin(overmind_home: Path, 
     """`results.send_unpins` took the unpin off its queue and the Ctrl-C landed before it was sent: the entry
     stayed pinned by the live kernel, never evicted for the budget. The unpin is now taken and sent with SIGINT
     held, and the KeyboardInterrupt still reaches the cell."""
-    kernel = start_py(UNPIN_INTERRUPTED, env=dict(os.environ, HF_DEACTIVATE_ASYNC_LOAD="1"))
+    interrupt = at_a_call("from kernel_server.client import Client", "Client.submit.__code__")
+    kernel = start_py(UNPIN_INTERRUPTED.format(interrupt=interrupt), env=dict(os.environ, HF_DEACTIVATE_ASYNC_LOAD="1"))
     try:
         assert kernel.stdout is not None
         line = kernel.stdout.readline().strip()
