@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from kernel_server.client import reset_shared_client
-from overmind_jupyter import loading
+from overmind_jupyter import loading, rebuild
 from tests.helpers import tiny_modules
+from tests.helpers.faults_helpers import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -126,11 +127,23 @@ def stop(pid: int) -> None:
 
     started = time.monotonic()
     os.kill(pid, signal.SIGSTOP)
-    while not all(Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()[0] in "tT"
-                  for tid in os.listdir(f"/proc/{pid}/task")):
+    while not _stopped(pid):
         assert time.monotonic() < started + 30, "the daemon did not stop within 30 s of SIGSTOP"
         time.sleep(0.005)
     STOP_WAITS.append(time.monotonic() - started)
+
+
+def _stopped(pid: int) -> bool:
+    """Whether every thread of process `pid` is stopped; one that ended while it was looked at counts
+    (a connection's reader thread ends with its connection)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            state = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            continue
+        if state not in "tT":
+            return False
+    return True
 
 
 def test_a_stopped_daemon_costs_a_load_3_s_at_most_and_caching_resumes(overmind_home: Path) -> None:
@@ -177,8 +190,10 @@ def stop_the_daemon_then_build(pid: int, seed: int) -> torch.nn.Module:
 def test_a_daemon_stopped_while_a_miss_loads_costs_it_one_wait(overmind_home: Path) -> None:
     """Note [Two kinds of waiting]: the daemon grants a miss, then stops answering while it loads. The
     publish waits 3 s and gives the daemon up; the abandon after it fails at once on the closed connection
-    (it waited 3 s more before: 6 s in all). After SIGCONT the daemon has
-    released the load it granted (the next lookup of that call may load), and caching resumes."""
+    (it waited 3 s more before: 6 s in all). After SIGCONT the daemon takes the publish it was sent before:
+    every byte of the entry was fixed by then, and the kernel's model lies on none of it (its copies move
+    onto the arena only once the publish is taken: Note [Reserved at publish] in kernel_server/store.py),
+    so the entry serves the next lookup, its load no longer in flight; and caching resumes."""
     import signal
 
     from kernel_server import Client
@@ -200,11 +215,15 @@ def test_a_daemon_stopped_while_a_miss_loads_costs_it_one_wait(overmind_home: Pa
         assert took < 3.5, f"a load whose daemon stopped while it loaded waited {took:.1f} s"
         [fallback] = loading.fallbacks()
         assert fallback["kind"] == "publish" and "did not answer within 3 s" in fallback["reason"], fallback
+        assert all(rebuild.entry_of(p.data_ptr()) is None for p in model.parameters()), "the model is its own"
     finally:
         os.kill(pid, signal.SIGCONT)
-    with Client(overmind_home, role="test") as other:
-        assert other.request("lookup", key=key, wait=False)["status"] == "load", "the granted load was released"
-        other.request("abandon", key=key)
+    with Client(overmind_home, role="test") as other:  # (the daemon reads the dead connection's publish meanwhile)
+        wait_until(lambda: key in [e["key"] for e in other.request("ls")["entries"]], 10,
+                   "the publish sent before the daemon stopped made the entry")
+        hit = other.request("lookup", key=key, wait=False)
+        hit.close()
+        assert hit["status"] == "hit", "the entry serves the next lookup"
     hits = loading.calls().get("hit", 0)
     loading.clear_fallbacks()
     loading.cached(tiny_modules.build, "mlp", 6, width=16)
