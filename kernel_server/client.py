@@ -75,8 +75,11 @@ __all__ = ["ANSWER_TIMEOUT", "Client", "Response", "existing_shared_client", "in
 # up too, whatever the request: the connection is closed before DaemonHung is raised. The daemon stopped
 # while a miss loaded, say: the RESERVE or PUBLISH after the load waits 3 s, and the ABANDON that
 # follows fails at once on the closed connection instead of waiting 3 s more (a load cost 6 s that way).
-# Nothing is lost by not sending it: once it runs again, the daemon reads the connection's end and
-# releases all it held, the load it granted included (the next waiter loads).
+# Nothing is lost by not sending it: once it runs again, the daemon reads what the connection sent before
+# its end, and then releases all it held, a load it granted and no publish ended included (the next
+# waiter loads). A PUBLISH that was sent whole is taken: every byte of its entry was fixed when it was
+# sent, and the model the kernel that gave it up kept lies on its own memory or on private mappings, as
+# after any miss (Note [Atomic miss] in overmind_jupyter/publishing.py).
 ANSWER_TIMEOUT = 3.0
 _TURN = 0.002  # see Note [Who reads the socket]
 _BRIEF = 0.05  # see Note [Requests from finalizers]
