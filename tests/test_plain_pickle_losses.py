@@ -47,11 +47,12 @@ GENERATION_CONFIGS = """
         return model
 
     def saves(config):
-        try:
-            config.save_pretrained(tempfile.mkdtemp())
-            return "saved"
-        except ValueError:
-            return "refused"
+        with tempfile.TemporaryDirectory() as folder:
+            try:
+                config.save_pretrained(folder)
+                return "saved"
+            except ValueError:
+                return "refused"
 
     loaded = AutoModelForCausalLM.from_pretrained(path)
     edited = loading.cached(changed, path)
