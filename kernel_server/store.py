@@ -33,10 +33,10 @@ bytes written before the check count twice in it (in the free space it reads and
 which the few KiB of a same-dtype load's buffers do not move, and a large copy is not written onto a disk
 that then refuses it. A same-dtype miss into a file arena so makes one round trip too (its reservation
 took 0.3-0.4 ms, and the publish's answer now comes later by about as much: benchmarks/RESULTS.md, "Stop
-72"). Where the publish reserves, the tensors of what
-the miss copied move onto the arena only once the publish is taken: refused, they stay where the load
-put them, and the arena's blocks go with its descriptors (moved first, they kept the blocks taken for as
-long as the model lived, past the check that refused them).
+72"). Where the publish reserves, the tensors of what the miss copied move onto the arena only once the
+publish is taken: refused, they stay where the load put them, and the arena's blocks go with its
+descriptors (moved first, they kept the blocks taken for as long as the model lived, past the check that
+refused them).
 
 # Note [Orphaned entries]
 An entry's key names the checkpoint files it was loaded from, by their identity: once they are deleted

@@ -382,25 +382,26 @@ def send_unpins() -> None:
         with interrupts_held() as held:
             try:
                 reply = _send_unpin(*_unpins.get_nowait())
-            except queue.Empty:
-                reply = None
+            except queue.Empty:  # taken since by another thread: the loop ends at the empty queue
+                reply = _no_reply
         try:
             held.raise_it()
         finally:
-            if reply is not None:
-                _answered(reply)
-        if reply is None:
-            return
+            _answered(reply)
+
+
+def _no_reply() -> None:
+    """The wait for an unpin that was not sent."""
 
 
 def _send_unpin(client: Client, key: str) -> Callable[[], Any]:
     """Send the unpin of `key`; returns the wait for its reply (nothing to wait for without a daemon)."""
     if client.closed:
-        return lambda: None
+        return _no_reply
     try:
         return client.send(Op.UNPIN, key=key, timeout=10)
     except DaemonError:
-        return lambda: None
+        return _no_reply
 
 
 def _answered(reply: Callable[[], Any]) -> None:

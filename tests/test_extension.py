@@ -16,7 +16,7 @@ import torch
 
 from overmind_jupyter import demo_models
 from tests.helpers.kernels import magic_json
-from tests.helpers.snippets import last_json, run_py
+from tests.helpers.snippets import at_a_call, last_json, run_py
 
 
 @pytest.fixture
@@ -85,27 +85,23 @@ def test_a_ctrl_c_as_a_cell_ends_prints_no_error_and_the_preparation_is_done_lat
     the finished cell, and the preparation it cut short is done after the next cell (Note [A Ctrl-C after
     the cell] in extension.py). A real SIGINT, sent as the preparation's first warm-up is called."""
     code = """
-        import json, os, signal, sys
+        import json, sys
         from IPython.core.interactiveshell import InteractiveShell
 
         ip = InteractiveShell.instance()
         ip.run_line_magic("load_ext", "overmind_jupyter")
         from overmind_jupyter import hit_tuning
 
-        def _at_call(frame, event, arg):
-            if event == "call" and frame.f_code is hit_tuning._warm_rebuild.__code__:
-                sys.setprofile(None)
-                os.kill(os.getpid(), signal.SIGINT)
-
         assert "torch" not in sys.modules
-        sys.setprofile(_at_call)
+        {interrupt}
         ip.run_cell("import torch")
         sys.setprofile(None)
         interrupted = not hit_tuning._prepared
         ip.run_cell("x = 1")
-        print(json.dumps({"interrupted": interrupted, "prepared": hit_tuning._prepared}))
+        print(json.dumps({{"interrupted": interrupted, "prepared": hit_tuning._prepared}}))
     """
-    proc = run_py(code, fresh=True)
+    interrupt = at_a_call("from overmind_jupyter import hit_tuning", "hit_tuning._warm_rebuild.__code__", " " * 8)
+    proc = run_py(code.format(interrupt=interrupt), fresh=True)
     said = proc.stdout + proc.stderr
     assert "Error in callback" not in said and "KeyboardInterrupt" not in said, said
     assert last_json(proc) == {"interrupted": True, "prepared": True}

@@ -27,7 +27,7 @@ from overmind_jupyter import keys, loading, rebuild
 from overmind_jupyter.errors import FallbackWarning
 from tests.helpers import faults_helpers, tiny_modules
 from tests.helpers.faults_helpers import Gate, digest, wait_until
-from tests.helpers.snippets import start_py
+from tests.helpers.snippets import at_a_call, start_py
 
 # A kernel whose cell loads a model through the cache, is interrupted, and lives on: it says "waiting" once
 # its lookup is sent, "interrupted" from the except clause (the cell), and holds its connection until stdin ends.
@@ -195,26 +195,6 @@ def test_an_interrupt_as_the_lookup_is_sent_still_withdraws_the_wait(overmind_ho
         loader.join(60)
 
 
-# An interrupt as a function of ours is called: the kernel sends itself SIGINT at that call (where a real
-# SIGINT landed), by a profile hook of the process. {imports} names the module, {code} the function's code.
-AT_A_CALL = """
-import os, signal, sys
-{imports}
-
-def _at_call(frame, event, arg):
-    if event == "call" and frame.f_code is {code}:
-        sys.setprofile(None)
-        os.kill(os.getpid(), signal.SIGINT)
-
-sys.setprofile(_at_call)
-"""
-
-
-def at_a_call(imports: str, code: str) -> str:
-    """AT_A_CALL for the function whose code is `code`, indented as a snippet's line inside its text."""
-    return "\n    ".join(AT_A_CALL.format(imports=imports, code=code).strip().splitlines())
-
-
 @contextlib.contextmanager
 def interrupted_at(imports: str, code: str) -> Iterator[subprocess.Popen[str]]:
     """A kernel whose cell loads the model of `tiny_modules.build` through the cache and is interrupted as the
@@ -378,7 +358,7 @@ def test_a_second_interrupt_as_the_pin_is_given_back_keeps_no_pin(overmind_home:
 
 # A kernel without helper threads (HF_DEACTIVATE_ASYNC_LOAD=1: its finalizers' unpins wait for its next load or
 # cell, Note [Helper threads] in threads.py) drops the model it cached, and its next cell is interrupted as the
-# unpin waiting in the queue is sent: the kernel sends itself SIGINT as `Client.submit` is called (AT_A_CALL).
+# unpin waiting in the queue is sent: the kernel sends itself SIGINT as `Client.submit` is called (`at_a_call`).
 UNPIN_INTERRUPTED = """
     import gc
     from kernel_server.client import shared_client

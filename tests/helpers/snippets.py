@@ -75,6 +75,27 @@ def last_json(proc: subprocess.CompletedProcess[str]) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+# An interrupt as a function is called: the process sends itself SIGINT at that call (where a real SIGINT
+# landed), by a profile hook that then removes itself. {imports} names the module, {code} the function's code.
+_AT_A_CALL = """
+import os, signal, sys
+{imports}
+
+def _at_call(frame, event, arg):
+    if event == "call" and frame.f_code is {code}:
+        sys.setprofile(None)
+        os.kill(os.getpid(), signal.SIGINT)
+
+sys.setprofile(_at_call)
+"""
+
+
+def at_a_call(imports: str, code: str, indent: str = "    ") -> str:
+    """Lines that interrupt the snippet as the function whose code is `code` is called, to put into a
+    snippet's text at a line indented by `indent`."""
+    return f"\n{indent}".join(_AT_A_CALL.format(imports=imports, code=code).strip().splitlines())
+
+
 def start_py(code: str, *, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     """Start a snippet that keeps running; its stdin and stdout are pipes."""
     return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=env or dict(os.environ),
